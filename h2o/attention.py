@@ -1,0 +1,74 @@
+"""The attention function registered with transformers as ``"h2o"``: one code path for every architecture.
+
+LlamaForCausalLM, OPTForCausalLM, GPTNeoXForCausalLM (and any model that dispatches through
+``AttentionInterface``) call :func:`h2o_attention` with ``query (B, Hq, q, D)``, ``key/value (B, Hkv, k, D)`` (not
+repeated for grouped-query attention) and the mask built by :func:`h2o_mask`. It reads its policy from the module
+(set by :func:`h2o.attach`) and runs the simulated path (a mask over the full sequence) or the real path (the
+evicting cache's layer). Scores are computed and accumulated in fp32.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .simulate import grouped, masked_softmax, simulated_attention
+
+NAME = "h2o"
+
+
+def h2o_mask(*args, **kwargs):
+    """transformers' boolean causal+padding mask (B, 1, q, kv), never skipped (we need the padding)."""
+    kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    state = getattr(module, "h2o", None)
+    if state is None:
+        raise RuntimeError("attn_implementation='h2o' needs the model attached: use h2o.attach(model, policy)")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    B, _, q, _ = query.shape
+    if attention_mask is None:
+        new_valid = torch.ones(B, q, dtype=torch.bool, device=query.device)
+    else:
+        new_valid = attention_mask[:, 0, -1, -q:].bool()  # (B, q): the last row sees every non-pad new column
+    if state.mode == "simulated":
+        if key.shape[-2] != q:
+            raise RuntimeError("simulated mode scores whole sequences in one pass; for generation use mode='real'")
+        out, probs = simulated_attention(state.policy, query, key, value, new_valid, scaling,
+                                         prompt_len=state.prompt_len, semantics=state.semantics)
+        state.observe(module, probs)
+        return out.to(query.dtype), probs
+    return real_attention(state, module, query, key, value, new_valid, scaling)
+
+
+def real_attention(state, module, query, key, value, new_valid, scaling):
+    """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D)."""
+    layer = state.cache.layers[module.layer_idx]
+    if layer.keys is not key:
+        raise RuntimeError("mode='real' needs the cache from h2o.attach(...).new_cache() passed to the model")
+    policy = state.policy
+    q, Hkv = query.shape[-2], key.shape[1]
+    if layer.n_new:
+        layer.register_new(new_valid[:, -layer.n_new:])
+    logits = (grouped(query, Hkv) @ key.unsqueeze(2).transpose(-1, -2)).float() * scaling  # (B, Hkv, G, q, S)
+    allowed = (layer.pos >= 0)[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
+    if q > 1:  # prefill (chunk): each new row sees the cache and the new columns up to itself
+        row_pos = layer.pos[:, :, None, -q:, None]  # (B, Hkv, 1, q, 1)
+        allowed = allowed & (layer.pos[:, :, None, None, :] <= row_pos)  # (B, Hkv, 1, q, S)
+    elif not policy.evicts and not policy.is_full:
+        allowed = policy.restrict(logits, layer.acc[:, :, None, None, :], allowed, layer.counts)
+    probs = masked_softmax(logits, allowed)  # (B, Hkv, G, q, S)
+    if policy.needs_scores or q > 1:
+        rows = new_valid[:, None, None, :, None]  # pad query rows add nothing
+        layer.acc += (probs * rows).sum((2, 3))
+    out = probs.to(value.dtype) @ value.unsqueeze(2)  # (B, Hkv, G, q, D)
+    if q > 1 and policy.evicts and not policy.is_full:
+        layer.cut()
+    B, Hq = query.shape[:2]
+    return out.reshape(B, Hq, q, -1).transpose(1, 2).to(query.dtype), probs.reshape(B, Hq, q, -1)
+
+
+AttentionInterface.register(NAME, h2o_attention)
+AttentionMaskInterface.register(NAME, h2o_mask)

@@ -1,0 +1,130 @@
+"""Real path: a transformers ``Cache`` whose layers physically hold at most the budget of keys and values.
+
+Protocol (the paper's generation protocol): the prompt is prefilled with full attention; the layer then keeps the
+budget (``policy.counts`` of the prompt's length, fixed from then on) and frees the rest. At each decoding step,
+if the cache is full, the slot of the token the policy drops (:func:`h2o.policies.select_slot`) is overwritten in
+place by the arriving token: no shift, no re-gather. A later multi-token forward is a prefill chunk: it attends to
+the cache and itself causally, then the cache is cut back to the budget (chunked prefill).
+
+Per-layer state (S = slots, ``budget`` once full; the largest budget of the batch when sequences differ):
+    keys, values (B, Hkv, S, D)   pos (B, Hkv, S) int64 (-1: empty or pad)   acc (B, Hkv, S) fp32
+    n_tok (B,) int64 tokens of each sequence seen (pads excluded)            counts: budget per sequence
+``get_seq_length`` reports the logical length (tokens seen, pads included), so positions stay right.
+"""
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .policies import Counts, Policy, keep_top, select_slot
+
+
+class EvictingLayer(DynamicLayer):
+    def __init__(self, policy: Policy, ref_len: int | None = None):
+        super().__init__()
+        self.policy = policy
+        self.ref_len = ref_len  # reference length of the budget; default: the prefill's tokens
+        self.pos = self.acc = self.n_tok = None
+        self.counts: Counts | None = None
+        self.seen = 0  # columns seen, pads included
+        self.n_new = 0  # columns appended by the last update (0 for an in-place decoding step)
+
+    # ----------------------------------------------------------------- transformers API
+    def update(self, key_states, value_states, *args, **kwargs):
+        """key/value_states (B, Hkv, q, D). Returns the stored (B, Hkv, S, D) tensors."""
+        q = key_states.shape[-2]
+        if self.keys is None or q > 1 or not self.policy.evicts or self.policy.is_full:
+            self.append(key_states, value_states)
+        else:
+            self.decode_in_place(key_states, value_states)
+        self.seen += q
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The mask transformers builds covers only the new columns (causal + padding among them); the cached part
+        # is described by ``pos`` and masked by the attention function.
+        return query_length, self.seen
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("an evicting cache cannot be cropped (no assisted decoding)")  # abstract: n/a
+
+    def reorder_cache(self, beam_idx):
+        raise NotImplementedError("an evicting cache does not support beam search")  # abstract: n/a
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("an evicting cache does not support num_return_sequences > 1")  # abstract: n/a
+
+    # ------------------------------------------------------------------------- storage
+    def append(self, key_states, value_states):
+        B, H, q, _ = key_states.shape
+        empty_pos = torch.full((B, H, q), -1, dtype=torch.long, device=key_states.device)
+        empty_acc = torch.zeros((B, H, q), dtype=torch.float32, device=key_states.device)
+        if self.keys is None:
+            self.keys, self.values, self.pos, self.acc = key_states, value_states, empty_pos, empty_acc
+            self.n_tok = torch.zeros(B, dtype=torch.long, device=key_states.device)
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.pos, self.acc = torch.cat([self.pos, empty_pos], -1), torch.cat([self.acc, empty_acc], -1)
+        self.n_new = q
+
+    def decode_in_place(self, key_states, value_states):
+        """One arriving token (a real token, never a pad): take the slot the policy frees, or an empty one."""
+        valid = self.pos >= 0  # (B, H, S)
+        room = valid[:, 0].sum(-1) < self.counts.total  # (B,)
+        if bool((room & valid[:, 0].all(-1)).any()):  # a sequence below budget with no empty slot: grow by one
+            self.append(key_states, value_states)
+            self.pos[..., -1] = self.n_tok[:, None]
+        else:
+            prio = self.policy.priority(self.pos, self.acc, self.n_tok, self.counts)
+            slot = select_slot(prio, self.pos, valid, room)  # (B, H, 1)
+            idx = slot[..., None].expand_as(key_states)  # (B, H, 1, D)
+            self.keys.scatter_(-2, idx, key_states)
+            self.values.scatter_(-2, idx, value_states)
+            self.pos.scatter_(-1, slot, self.n_tok[:, None, None].expand_as(slot))
+            self.acc.scatter_(-1, slot, 0.0)
+        self.n_tok += 1
+        self.n_new = 0
+
+    def register_new(self, valid_new: torch.Tensor):
+        """Positions of the ``n_new`` appended columns; valid_new (B, q) bool. Fixes the budget on first call."""
+        pos_new = torch.where(valid_new, self.n_tok[:, None] + valid_new.long().cumsum(-1) - 1, -1)
+        self.pos[..., -valid_new.shape[1]:] = pos_new[:, None, :]
+        self.n_tok += valid_new.sum(-1)
+        if self.counts is None:
+            ref = self.n_tok if self.ref_len is None else torch.full_like(self.n_tok, self.ref_len)
+            self.counts = self.policy.counts(ref)
+
+    def cut(self):
+        """After a prefill (chunk): keep the budget, free the rest. Slots are in position order here."""
+        valid = self.pos >= 0
+        keep = keep_top(self.policy.priority(self.pos, self.acc, self.n_tok - 1, self.counts), valid,
+                        self.counts.total)  # (B, H, S)
+        S = int(keep.sum(-1).max())
+        if S == keep.shape[-1]:
+            return
+        order = keep.long().argsort(dim=-1, descending=True, stable=True)[..., :S]  # kept slots first, in order
+        order = order.sort(-1).values
+        self.pos = torch.where(keep.gather(-1, order), self.pos.gather(-1, order), -1)
+        self.acc = self.acc.gather(-1, order)
+        idx = order[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys, self.values = self.keys.gather(-2, idx), self.values.gather(-2, idx)
+
+    def nbytes(self) -> int:
+        """Bytes of the keys and values held."""
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+
+class EvictingCache(Cache):
+    """One :class:`EvictingLayer` per decoder layer. Use through :func:`h2o.attach` (mode="real")."""
+
+    def __init__(self, policy: Policy, num_layers: int, ref_len: int | None = None):
+        super().__init__(layers=[EvictingLayer(policy, ref_len) for _ in range(num_layers)])
+        self.policy = policy
+
+    def nbytes(self) -> int:
+        """Bytes of keys and values held by all layers."""
+        return sum(layer.nbytes() for layer in self.layers)

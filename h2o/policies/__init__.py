@@ -1,0 +1,24 @@
+"""Cache policies: one module per policy, found by name. ``make_policy("h2o", budget=0.2)``."""
+import importlib
+import pkgutil
+
+from .base import Counts, Policy, PolicyError, keep_top, select_slot
+
+for _m in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_m.name}")
+
+POLICIES = sorted(Policy.registry)
+
+
+def make_policy(name: str, **options) -> Policy:
+    """Build a policy by name; a bad name or option fails at once with one line."""
+    if name not in Policy.registry:
+        raise PolicyError(f"policy={name!r}: unknown; allowed: {', '.join(POLICIES)}")
+    cls = Policy.registry[name]
+    try:
+        return cls(**options)
+    except TypeError as e:  # an option the policy does not take
+        raise PolicyError(f"policy={name}: {e}") from None
+
+
+__all__ = ["Counts", "Policy", "PolicyError", "POLICIES", "make_policy", "keep_top", "select_slot"]

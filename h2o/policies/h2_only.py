@@ -1,0 +1,12 @@
+"""h2_only: the ablation "H2 only" of Table 9: the whole budget goes to heavy hitters, no recent window."""
+from .base import Policy
+from .h2o import H2O
+
+
+class H2Only(H2O):
+    name = "h2_only"
+
+    def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
+        Policy.__init__(self, budget, heavy, recent, heavy_share)
+        zero = 0.0 if isinstance(self.budget, float) else 0
+        Policy.__init__(self, heavy=self.budget, recent=zero)

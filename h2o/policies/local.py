@@ -1,0 +1,11 @@
+"""local: only the most recent tokens, the whole budget as a sliding window (paper: Fig. 4, Table 1, Table 9)."""
+from .base import Counts, Policy
+
+
+class Local(Policy):
+    """Evicts the oldest token: priority is the position."""
+
+    name = "local"
+
+    def priority(self, pos, acc, now, counts: Counts):
+        return pos.double()  # (B, H, S)

@@ -1,0 +1,8 @@
+"""strided_h2: the strided pattern plus heavy hitters (Table 2, "Strided + H2")."""
+from .combine import WithHeavy
+from .strided import Strided
+
+
+class StridedH2(WithHeavy):
+    name = "strided_h2"
+    pattern = Strided
