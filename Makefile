@@ -23,10 +23,16 @@ install: .venv/installed ## create .venv and install the package with its pinned
 test: install ## run the test suite (what CI runs)
 	$(PY) -m pytest -q
 
+data: install ## fetch bigbench files and Austen novels into the cache
+	$(PY) -m h2o.data
+
+model: install ## fetch SmolLM2-135M into the cache
+	$(PY) -m h2o.models fetch
+
 tables: install ## regenerate the paper's tables from runs/
 	$(PY) -m analysis tables --runs runs --out analysis/out
 
 figures: install ## regenerate the figures from runs/
 	$(PY) -m analysis figures --runs runs --out analysis/out
 
-.PHONY: help install test tables figures
+.PHONY: help install test tables figures data model

@@ -95,7 +95,7 @@ class EvictingLayer(DynamicLayer):
         self.pos[..., -valid_new.shape[1]:] = pos_new[:, None, :]
         self.n_tok += valid_new.sum(-1)
         if self.counts is None:
-            ref = self.n_tok if self.ref_len is None else torch.full_like(self.n_tok, self.ref_len)
+            ref = self.n_tok.clone() if self.ref_len is None else torch.full_like(self.n_tok, self.ref_len)
             self.counts = self.policy.counts(ref)
 
     def cut(self):

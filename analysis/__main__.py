@@ -1,0 +1,43 @@
+"""``python -m analysis {tables,figures} [--runs runs] [--out analysis/out]``.
+
+Tables go to ``<out>/tables/<name>.md`` and ``.tex`` (the Markdown is also printed), figures to
+``<out>/figures/<name>.png`` and ``.pdf``. Prints the paths written. With no finished run
+under ``--runs`` it prints one line and exits 0 (nothing to do is not an error).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from analysis.records import load_runs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n")[0])
+    parser.add_argument("what", choices=["tables", "figures"])
+    parser.add_argument("--runs", default="runs", help="root of the run records (default: runs)")
+    parser.add_argument("--out", default="analysis/out", help="output root (default: analysis/out)")
+    args = parser.parse_args(argv)
+    df = load_runs(args.runs)
+    if df.empty:
+        print(f"no finished runs under {args.runs}/ (a run is finished once its folder has "
+              f"metrics.json): no {args.what} written")
+        return 0
+    if args.what == "tables":
+        from analysis.tables import all_tables
+        tables = all_tables(df)
+        paths = [p for t in tables for p in t.write(Path(args.out) / "tables")]
+        for t in tables:
+            print(t.to_markdown())
+    else:
+        from analysis.figures import all_figures
+        paths = all_figures(df, Path(args.out) / "figures")
+    print(f"{len(df)} finished runs under {args.runs}/; wrote {len(paths)} files:")
+    for p in paths:
+        print(f"  {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Load the run records under ``runs/`` into one tidy DataFrame.
+
+The contract (written by the runner, read here):
+
+* A finished run is a folder at any depth under the root that holds ``metrics.json``.
+  ``metrics.json`` is written last and atomically, so a folder without it is unfinished
+  and ignored.
+* ``metrics.json`` is one JSON object::
+
+      {"experiment": "table1", "model": "opt-6.7b", "task": "copa",
+       "task_kind": "multiple_choice" | "summarization" | "perplexity"
+                    | "streaming" | "benchmark" | "observations",
+       "policy": "h2o", "budget": 0.2, "heavy": 0.1, "recent": 0.1, "shots": 5,
+       "semantics": "simulated" | "real" | "reference", "seed": 0,
+       "n_samples": 100, "metrics": {"acc": 0.81, ...}, "wall_s": 12.3}
+
+  ``metrics`` is flattened into columns (``acc``, ``rouge2``, ``ppl``, ...); a nested dict
+  becomes dotted columns (``{"a": {"b": 1}}`` -> ``a.b``); a metric whose name clashes
+  with a top-level field becomes ``metric_<name>``. Unknown top-level fields are kept.
+* Beside it, optionally: ``samples.jsonl`` (one JSON object per sample),
+  ``observations.json`` (observations runs, see ``analysis.figures``), ``config.yaml``,
+  ``env.json``. Those are read on demand by :func:`load_samples` / :func:`load_json`.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+# Columns every frame has (NaN where a record lacks them), so table code never KeyErrors.
+BASE_COLUMNS = ["experiment", "model", "task", "task_kind", "policy", "budget", "heavy",
+                "recent", "shots", "semantics", "seed", "n_samples", "wall_s", "path"]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}, "c": 2} -> {"a.b": 1, "c": 2}; lists stay as values."""
+    out = {}
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def record_row(metrics_file: Path) -> dict:
+    """One flat dict from one ``metrics.json`` (plus ``path``: the run folder)."""
+    rec = json.loads(Path(metrics_file).read_text())
+    metrics = rec.pop("metrics", None) or {}
+    row = _flatten(rec)
+    for key, value in _flatten(metrics).items():
+        row[f"metric_{key}" if key in row else key] = value
+    row["path"] = str(Path(metrics_file).parent)
+    return row
+
+
+def load_runs(root: str | Path = "runs") -> pd.DataFrame:
+    """One row per finished run under ``root`` (any depth); empty frame if there is none."""
+    rows = []
+    for f in sorted(Path(root).rglob("metrics.json")) if Path(root).is_dir() else []:
+        try:
+            rows.append(record_row(f))
+        except (OSError, ValueError) as err:  # a corrupt record should not hide the others
+            warnings.warn(f"skipping unreadable run record {f}: {err}")
+    df = pd.DataFrame(rows)
+    for col in BASE_COLUMNS:
+        if col not in df.columns:
+            df[col] = np.nan
+    return df[BASE_COLUMNS + [c for c in df.columns if c not in BASE_COLUMNS]]
+
+
+def load_samples(run_path: str | Path) -> list[dict]:
+    """The run's ``samples.jsonl`` as a list of dicts ([] if the file is absent)."""
+    f = Path(run_path) / "samples.jsonl"
+    if not f.exists():
+        return []
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+
+
+def load_json(run_path: str | Path, name: str) -> dict | None:
+    """A JSON file beside the record (e.g. ``observations.json``), or None if absent."""
+    f = Path(run_path) / name
+    return json.loads(f.read_text()) if f.exists() else None
