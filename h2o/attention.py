@@ -43,31 +43,39 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
     return real_attention(state, module, query, key, value, new_valid, scaling)
 
 
+ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S) fp32 scores
+
+
 def real_attention(state, module, query, key, value, new_valid, scaling):
     """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D)."""
     layer = state.cache.layers[module.layer_idx]
     if layer.keys is not key:
         raise RuntimeError("mode='real' needs the cache from h2o.attach(...).new_cache() passed to the model")
     policy = state.policy
-    q, Hkv = query.shape[-2], key.shape[1]
+    B, Hq, q, D = query.shape
     if layer.n_new:
         layer.register_new(new_valid[:, -layer.n_new:])
-    logits = (grouped(query, Hkv) @ key.unsqueeze(2).transpose(-1, -2)).float() * scaling  # (B, Hkv, G, q, S)
-    allowed = (layer.pos >= 0)[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
-    if q > 1:  # prefill (chunk): each new row sees the cache and the new columns up to itself
-        row_pos = layer.pos[:, :, None, -q:, None]  # (B, Hkv, 1, q, 1)
-        allowed = allowed & (layer.pos[:, :, None, None, :] <= row_pos)  # (B, Hkv, 1, q, S)
-    elif not policy.evicts and not policy.is_full:
-        allowed = policy.restrict(logits, layer.acc[:, :, None, None, :], allowed, layer.counts)
-    probs = masked_softmax(logits, allowed)  # (B, Hkv, G, q, S)
-    if policy.needs_scores or q > 1:
-        rows = new_valid[:, None, None, :, None]  # pad query rows add nothing
-        layer.acc += (probs * rows).sum((2, 3))
-    out = probs.to(value.dtype) @ value.unsqueeze(2)  # (B, Hkv, G, q, D)
+    held = (layer.pos >= 0)[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
+    qg = grouped(query, key.shape[1])  # (B, Hkv, G, q, D)
+    outs = []
+    for r in range(0, q, ROWS):
+        logits = (qg[..., r:r + ROWS, :] @ key.unsqueeze(2).transpose(-1, -2)).float() * scaling  # (B,Hkv,G,r,S)
+        if q > 1:  # prefill (chunk): each new row sees the cache and the new columns up to itself
+            row_pos = layer.pos[:, :, None, -q + r:(-q + r + ROWS) or None, None]  # (B, Hkv, 1, r, 1)
+            allowed = held & (layer.pos[:, :, None, None, :] <= row_pos)
+        elif not policy.evicts and not policy.is_full:
+            allowed = policy.restrict(logits, layer.acc[:, :, None, None, :], held, layer.counts)
+        else:
+            allowed = held
+        probs = masked_softmax(logits, allowed)  # (B, Hkv, G, r, S)
+        if policy.needs_scores or q > 1:
+            rows = new_valid[:, None, None, r:r + ROWS, None]  # pad query rows add nothing
+            layer.acc += (probs * rows).sum((2, 3))
+        outs.append(probs.to(value.dtype) @ value.unsqueeze(2))  # (B, Hkv, G, r, D)
     if q > 1 and policy.evicts and not policy.is_full:
         layer.cut()
-    B, Hq = query.shape[:2]
-    return out.reshape(B, Hq, q, -1).transpose(1, 2).to(query.dtype), probs.reshape(B, Hq, q, -1)
+    out = torch.cat(outs, -2).reshape(B, Hq, q, D).transpose(1, 2)
+    return out.to(query.dtype), (probs.reshape(B, Hq, q, -1) if q <= ROWS else None)
 
 
 AttentionInterface.register(NAME, h2o_attention)

@@ -1,0 +1,152 @@
+"""Both paths on every tiny architecture: the simulated mask and the evicting cache agree token for token."""
+import pytest
+import torch
+
+from h2o import POLICIES, attach, make_policy
+from h2o.models import TINY_ARCHS, tiny_model
+
+ATOL = 1e-4
+VOCAB = 128
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHS)
+def model(request):
+    return tiny_model(request.param)
+
+
+def tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def plain_logits(model, ids, **kw):
+    with torch.no_grad():
+        return model(ids, **kw).logits
+
+
+def real_prefill_decode(model, policy, ids, prompt: int, **cache_kw):
+    """Prefill ids[:, :prompt] then feed the rest one token at a time through the evicting cache."""
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        cache = h.new_cache(**cache_kw)
+        outs = [model(ids[:, :prompt], cache=cache).logits] if prompt else []
+        for t in range(prompt, ids.shape[1]):
+            outs.append(model(ids[:, t:t + 1], cache=cache).logits)
+    return torch.cat(outs, 1), cache
+
+
+def simulated(model, policy, ids, prompt_len=0):
+    with torch.no_grad(), attach(model, policy, prompt_len=prompt_len):
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_full_budget_is_the_unmodified_model(model, name):
+    ids = tokens(24, 0)
+    ref = plain_logits(model, ids)
+    policy = make_policy(name, budget=1.0)
+    assert torch.allclose(simulated(model, policy, ids), ref, atol=1e-5)
+    real, _ = real_prefill_decode(model, policy, ids, prompt=10)
+    assert torch.allclose(real, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.2, 0.5])
+@pytest.mark.parametrize("name", [p for p in POLICIES if p != "full"])
+def test_token_by_token_cache_equals_simulated_mask(model, name, ratio):
+    L = 40
+    ids = tokens(L, 1)
+    policy = make_policy(name, budget=ratio)
+    sim = simulated(model, policy, ids)
+    real, cache = real_prefill_decode(model, policy, ids, prompt=0, ref_len=L)
+    assert torch.allclose(real, sim, atol=ATOL)
+    if name not in ("topk", "topk_h2"):  # masking changes the logits: the test is not vacuous
+        assert not torch.allclose(sim, plain_logits(model, ids), atol=1e-3)
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.2, 0.5])
+@pytest.mark.parametrize("name", [p for p in POLICIES if p != "full"])
+def test_prefill_then_decode_equals_mask_with_prompt_rows_unmasked(model, name, ratio):
+    L, P = 48, 30
+    ids = tokens(L, 2)
+    policy = make_policy(name, budget=ratio)
+    sim = simulated(model, policy, ids, prompt_len=P)
+    real, cache = real_prefill_decode(model, policy, ids, prompt=P)
+    assert torch.allclose(real, sim, atol=ATOL)
+    held = {int((layer.pos >= 0).sum(-1).max()) for layer in cache.layers}
+    expected = L if not policy.evicts else int(policy.counts(torch.tensor([P])).total)
+    assert held == {expected}
+
+
+@pytest.mark.parametrize("name", ["h2o", "local", "streaming_llm", "strided_h2", "topk"])
+def test_left_padded_batch_equals_each_sequence_alone(model, name):
+    policy = make_policy(name, budget=0.2)
+    lens, P = [40, 31, 22], 0.6
+    seqs = [tokens(n, 10 + n) for n in lens]
+    prompts = [int(n * P) for n in lens]
+    alone = [real_prefill_decode(model, policy, s, prompt=p)[0] for s, p in zip(seqs, prompts)]
+    T = max(prompts)
+    ids = torch.zeros(3, T, dtype=torch.long)
+    mask = torch.zeros(3, T, dtype=torch.long)
+    for b, (s, p) in enumerate(zip(seqs, prompts)):
+        ids[b, T - p:], mask[b, T - p:] = s[0, :p], 1
+    steps = min(n - p for n, p in zip(lens, prompts))
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        cache = h.new_cache()
+        out = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache).logits
+        for b, p in enumerate(prompts):
+            assert torch.allclose(out[b, T - p:], alone[b][0, :p], atol=ATOL)
+        for t in range(steps):
+            nxt = torch.stack([s[0, p + t] for s, p in zip(seqs, prompts)])[:, None]
+            mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+            out = model(nxt, attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1, cache=cache).logits
+            for b, p in enumerate(prompts):
+                assert torch.allclose(out[b, 0], alone[b][0, p + t], atol=ATOL)
+        if policy.evicts:  # each sequence holds its own budget; pads are never held
+            held = (cache.layers[0].pos >= 0).sum(-1)[:, 0]
+            assert held.tolist() == policy.counts(torch.tensor(prompts)).total.tolist()
+
+
+def test_simulated_batch_with_padding_equals_batch_one(model):
+    policy = make_policy("h2o", budget=0.3)
+    a, b = tokens(30, 5), tokens(18, 6)
+    ids = torch.zeros(2, 30, dtype=torch.long)
+    mask = torch.zeros(2, 30, dtype=torch.long)
+    ids[0], mask[0] = a[0], 1
+    ids[1, 12:], mask[1, 12:] = b[0], 1
+    with torch.no_grad(), attach(model, policy):
+        out = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    assert torch.allclose(out[0], simulated(model, policy, a)[0], atol=ATOL)
+    assert torch.allclose(out[1, 12:], simulated(model, policy, b)[0], atol=ATOL)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_generate_with_the_evicting_cache(model, do_sample):
+    """generate() runs the real path; greedy decoding equals the teacher-forced real path on its own output."""
+    policy = make_policy("h2o", budget=0.25)
+    ids = tokens(32, 7)
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        torch.manual_seed(0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=h.new_cache(), max_new_tokens=12,
+                             do_sample=do_sample, min_new_tokens=12, pad_token_id=0)
+        held = {int((layer.pos >= 0).sum(-1).max()) for layer in h.cache.layers}
+    assert out.shape == (1, 44)
+    assert held == {int(policy.counts(torch.tensor([32])).total)}
+    if not do_sample:
+        forced, _ = real_prefill_decode(model, policy, out[:, :-1], prompt=32)
+        assert torch.equal(forced[0, 31:].argmax(-1), out[0, 32:])
+
+
+def test_cache_bytes_are_the_budget(model):
+    """After prefill and after every decode step the tensors hold exactly the budget's keys and values."""
+    policy = make_policy("h2o", budget=0.2)
+    ids = tokens(60, 8)
+    cfg = model.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_hidden_layers * kv_heads * head_dim * 4  # keys + values, fp32
+    budget = int(policy.counts(torch.tensor([50])).total)
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        cache = h.new_cache()
+        model(ids[:, :50], cache=cache)
+        assert cache.nbytes() == budget * per_token
+        for t in range(50, 60):
+            model(ids[:, t:t + 1], cache=cache)
+            assert cache.nbytes() == budget * per_token
