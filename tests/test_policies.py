@@ -1,0 +1,174 @@
+"""Each policy on hand-made attention matrices whose answer is known, against naive re-implementations."""
+import math
+
+import pytest
+import torch
+
+from h2o import POLICIES, PolicyError, make_policy
+from h2o.policies.h2o import reference_mask
+from h2o.simulate import policy_allowed
+
+
+def run_mask(policy, logits, prompt_len=0):
+    """logits (B, H, T, T) -> (B, H, T, T) bool rows seen, one KV head per query head."""
+    B, H, T, _ = logits.shape
+    valid = torch.ones(B, T, dtype=torch.bool)
+    idx = torch.arange(T)
+    allowed = (idx[None, :] <= idx[:, None])[None, None, None]
+    out = policy_allowed(policy, logits[:, :, None], allowed, valid, prompt_len)
+    return out.expand(B, H, 1, T, T)[:, :, 0]
+
+
+def random_logits(T=32, B=2, H=3, seed=0):
+    return torch.randn(B, H, T, T, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def static_rows(T, K, tier):
+    """Naive cache of K tokens: when full, drop the token of lowest (tier(j, i), j), then add token i."""
+    rows = torch.zeros(T, T, dtype=torch.bool)
+    keep = []
+    for i in range(T):
+        if len(keep) == K:
+            keep.remove(min(keep, key=lambda j: (tier(j, i), j)))
+        keep.append(i)
+        rows[i, keep] = True
+    return rows
+
+
+@pytest.mark.parametrize("name", [p for p in POLICIES if p != "full"])
+@pytest.mark.parametrize("budget", [0.1, 0.25, 7])
+def test_budget_respected_and_no_future_visible(name, budget):
+    T = 40
+    policy = make_policy(name, budget=budget)
+    mask = run_mask(policy, random_logits(T))
+    K = int(policy.counts(torch.tensor([T])).total)
+    seen = mask.sum(-1)  # (B, H, T)
+    assert not mask.triu(1).any()
+    assert mask.diagonal(dim1=-2, dim2=-1)[..., K:].all() or not policy.evicts  # the query sees itself
+    if policy.evicts:  # exactly the budget once full
+        assert torch.equal(seen, torch.arange(1, T + 1).clamp(max=K).expand_as(seen))
+    else:
+        assert (seen <= K).all()
+
+
+def test_local_is_a_window():
+    T, K = 20, 5
+    mask = run_mask(make_policy("local", budget=K), random_logits(T))
+    i = torch.arange(T)
+    expected = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - K)
+    assert torch.equal(mask[0, 0], expected)
+
+
+def test_streaming_llm_keeps_sinks_and_window():
+    T, K = 30, 8
+    mask = run_mask(make_policy("streaming_llm", budget=K, sinks=4), random_logits(T))
+    i = torch.arange(T)
+    expected = (i[None, :] <= i[:, None]) & ((i[None, :] < 4) | (i[None, :] > i[:, None] - (K - 4)))
+    assert torch.equal(mask[1, 2], expected)
+
+
+def test_strided_pattern():
+    T, K = 40, 10  # window 5, grid of 5 tokens with stride ceil(40 / 5) = 8: positions 0, 8, 16, 24, 32
+    policy = make_policy("strided", budget=K)
+    mask = run_mask(policy, random_logits(T))
+    tier = lambda j, i: 2 if j > i - 5 else (1 if j % 8 == 0 else 0)
+    assert torch.equal(mask[0, 0], static_rows(T, K, tier))
+    assert mask[0, 0, 39].nonzero().flatten().tolist() == [0, 8, 16, 24, 32, 35, 36, 37, 38, 39]
+
+
+def test_fixed_pattern():
+    T, K = 40, 10  # blocks of 5 (8 blocks); 5 summary slots -> c = max(1, 5 // 8) = 1: the last of each block
+    policy = make_policy("fixed", budget=K)
+    mask = run_mask(policy, random_logits(T))
+    tier = lambda j, i: 2 if j // 5 == i // 5 else (1 if j % 5 == 4 else 0)
+    assert torch.equal(mask[1, 1], static_rows(T, K, tier))
+    assert mask[1, 1, 37].nonzero().flatten().tolist() == [9, 14, 19, 24, 29, 33, 34, 35, 36, 37]
+
+
+def naive_h2o(logits, K, recent):
+    """Independent H2O: evict the non-recent token of least accumulated attention, then add the new one."""
+    T = logits.shape[-1]
+    rows = torch.zeros(T, T, dtype=torch.bool)
+    keep, acc = [], [0.0] * T
+    for i in range(T):
+        if len(keep) == K:
+            old = [j for j in keep if j <= i - recent]
+            keep.remove(min(old, key=lambda j: (acc[j], j)))
+        keep.append(i)
+        rows[i, keep] = True
+        p = torch.softmax(logits[i, keep].double(), -1)
+        for j, pj in zip(keep, p.tolist()):
+            acc[j] += pj
+    return rows
+
+
+@pytest.mark.parametrize("heavy,recent", [(4, 4), (6, 2), (8, 0), (0, 8), (1, 1)])
+def test_h2o_keeps_top_accumulated_scores(heavy, recent):
+    logits = random_logits(36, seed=heavy * 10 + recent)
+    mask = run_mask(make_policy("h2o", heavy=heavy, recent=recent), logits)
+    for b in range(2):
+        for h in range(3):
+            assert torch.equal(mask[b, h], naive_h2o(logits[b, h], heavy + recent, recent))
+
+
+def test_h2o_keeps_an_obvious_heavy_hitter_that_local_drops():
+    T = 30
+    logits = torch.zeros(1, 1, T, T)
+    logits[..., 3] = 6.0  # every query attends mostly to token 3
+    h2o = run_mask(make_policy("h2o", heavy=2, recent=4), logits)
+    local = run_mask(make_policy("local", budget=6), logits)
+    assert h2o[0, 0, 3:, 3].all() and not local[0, 0, 10:, 3].any()
+
+
+def test_h2_only_and_prompt_rows():
+    T, P = 30, 12
+    logits = random_logits(T)
+    policy = make_policy("h2_only", budget=0.25)  # 3 tokens of 12
+    mask = run_mask(policy, logits, prompt_len=P)
+    i = torch.arange(P)
+    assert torch.equal(mask[0, 0, :P, :P], i[None, :] <= i[:, None])  # prompt rows unmasked
+    assert (mask[..., P:, :].sum(-1) == 3).all()
+
+
+def test_topk_each_query_sees_its_best_keys():
+    T, k = 20, 4
+    logits = random_logits(T)
+    mask = run_mask(make_policy("topk", budget=k), logits)
+    for i in range(k, T):
+        best = logits[1, 2, i, : i + 1].topk(k).indices.sort().values
+        assert mask[1, 2, i].nonzero().flatten().tolist() == best.tolist()
+
+
+def test_reference_semantics_hand_computed():
+    """The paper code's rule, written out by hand for uniform attention, heavy = 2, recent = 1.
+
+    rows 0, 1 < heavy: whole prefix. Scores after them: [1.5, 0.5, 0, 0, 0].
+    row 2: top-1 = {0}, itself, band {1, 2}      -> {0, 1, 2}; scores + 1/3 each, zeroed outside {0, 2}
+    row 3: top-1 = {0}, itself, band {2, 3}      -> {0, 2, 3}; scores + 1/4 each (unmasked), kept {0, 3}
+    row 4: top-1 = {0}, itself, band {3, 4}      -> {0, 3, 4}
+    """
+    T = 5
+    i = torch.arange(T)
+    logits = torch.zeros(T, T).masked_fill(i[None, :] > i[:, None], -math.inf)
+    expected = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [1, 0, 0, 1, 1]])
+    assert torch.equal(reference_mask(logits, heavy=2, recent=1).long(), expected)
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(budget=0.0), "budget=0"), (dict(budget=1.5), "budget=1.5"), (dict(budget=-3), "budget=-3"),
+    (dict(heavy=0.6, recent=0.6), "heavy + recent = 1.2"), (dict(heavy=0.1), "give both"),
+    (dict(budget="big"), "budget='big'"), (dict(heavy=0.1, recent=3), "two ratios or two token counts"),
+])
+def test_bad_budgets_fail_with_one_line(kwargs, needle):
+    with pytest.raises(PolicyError) as e:
+        make_policy("h2o", **kwargs)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unknown_policy_and_option():
+    with pytest.raises(PolicyError, match="policy='h3o': unknown; allowed: fixed"):
+        make_policy("h3o")
+    with pytest.raises(PolicyError, match="policy=local: .*unexpected keyword argument 'sinks'"):
+        make_policy("local", sinks=4)
+    with pytest.raises(PolicyError, match="budget=3 tokens: must be >= sinks"):
+        make_policy("streaming_llm", budget=3, sinks=4)
