@@ -11,6 +11,8 @@ the prompt's length, as in generation; without a prompt, of the sequence's lengt
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from .policies import Policy, keep_top, select_slot
@@ -26,6 +28,18 @@ def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """fp32 softmax over allowed keys; a row with none allowed is uniform (finite, like transformers' eager)."""
     logits = logits.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
     return torch.softmax(logits, dim=-1)
+
+
+@contextmanager
+def serial(device: torch.device):
+    """One CPU thread for loops of tiny ops: waking a second thread costs more than each op (measured 40x)."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -85,6 +99,15 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int) -> t
         keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
+    with serial(logits.device):
+        row_loop(policy, logits, valid, pos, counts, keep, acc, out, start)
+    return out
+
+
+def row_loop(policy, logits, valid, pos, counts, keep, acc, out, start):
+    """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention."""
+    B, Hkv, G, T, _ = logits.shape
+    posH = pos[:, None, :].expand(B, Hkv, T)
     for i in range(start, T):
         tok = valid[:, i]  # (B,)
         if policy.evicts:
@@ -102,7 +125,6 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int) -> t
         if policy.needs_scores:
             p = masked_softmax(logits[..., i, :], row)  # (B, Hkv, G, T)
             acc += p.sum(2) * tok[:, None, None]
-    return out
 
 
 def idx_rows(T: int, prompt_len: int, device) -> torch.Tensor:

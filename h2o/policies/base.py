@@ -150,9 +150,8 @@ def select_slot(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, room
     Otherwise the valid slot of lowest priority is dropped, the oldest one on ties, so the answer does not
     depend on the order of slots (the evicting cache fills slots in place, the simulated mask by position).
     """
-    inf = torch.tensor(float("inf"), dtype=torch.float64, device=prio.device)
-    empty = torch.where(bcast(room), -inf, inf)
-    key = torch.where(valid, prio.double(), empty)
+    inf = float("inf")
+    key = torch.where(valid, prio.double(), torch.where(bcast(room), -inf, inf))
     tie = key == key.amin(-1, keepdim=True)
     oldest = torch.where(tie, pos, torch.iinfo(torch.int64).max)
     return oldest.argmin(-1, keepdim=True)
