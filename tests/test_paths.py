@@ -150,3 +150,19 @@ def test_cache_bytes_are_the_budget(model):
         for t in range(50, 60):
             model(ids[:, t:t + 1], cache=cache)
             assert cache.nbytes() == budget * per_token
+
+
+@pytest.mark.parametrize("mode", ["simulated", "real"])
+def test_non_finite_values_fail_naming_layer_and_step(model, mode):
+    ids = tokens(12, 9)
+    layer = next(m for m in model.modules() if type(m).__name__.endswith("Attention") and m.layer_idx == 1)
+    proj = getattr(layer, "k_proj", None) or getattr(layer, "query_key_value")
+    saved = proj.weight.data.clone()
+    proj.weight.data[0, 0] = float("nan")
+    try:
+        with torch.no_grad(), attach(model, make_policy("h2o", budget=0.5), mode=mode) as h:
+            kw = {"cache": h.new_cache()} if mode == "real" else {}
+            with pytest.raises(FloatingPointError, match="layer 1 at"):
+                model(ids, **kw)
+    finally:
+        proj.weight.data.copy_(saved)
