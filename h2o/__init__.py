@@ -1,17 +1,6 @@
-"""H2O harness: KV-cache eviction policies, simulated and real, for any transformers attention model.
+"""H2O harness: KV-cache eviction policies, simulated and real, for any transformers attention model."""
+from .attach import Attached, attach
+from .cache import EvictingCache
+from .policies import POLICIES, Policy, PolicyError, make_policy
 
-    from h2o import attach, make_policy
-
-Names are imported on first use, so ``python -m h2o.data`` and friends start without importing transformers.
-"""
-import importlib
-
-_EXPORTS = {"attach": "attach", "Attached": "attach", "EvictingCache": "cache", "make_policy": "policies",
-            "Policy": "policies", "PolicyError": "policies", "POLICIES": "policies"}
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'h2o' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"h2o.{_EXPORTS[name]}"), name)
+__all__ = ["attach", "Attached", "EvictingCache", "make_policy", "Policy", "PolicyError", "POLICIES"]
