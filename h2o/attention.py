@@ -12,7 +12,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .simulate import grouped, masked_softmax, simulated_attention
+from .simulate import grouped, grouped_scores, grouped_values, masked_softmax, simulated_attention
 
 NAME = "h2o"
 
@@ -67,9 +67,10 @@ def real_attention(state, module, query, key, value, new_valid, scaling):
     qg = grouped(query, key.shape[1])  # (B, Hkv, G, q, D)
     outs = []
     for r in range(0, q, ROWS):
-        logits = (qg[..., r:r + ROWS, :] @ key.unsqueeze(2).transpose(-1, -2)).float() * scaling  # (B,Hkv,G,r,S)
+        logits = grouped_scores(qg[..., r:r + ROWS, :], key).float() * scaling  # (B, Hkv, G, r, S)
         if q > 1:  # prefill (chunk): each new row sees the cache and the new columns up to itself
-            row_pos = layer.pos[:, :, None, -q + r:(-q + r + ROWS) or None, None]  # (B, Hkv, 1, r, 1)
+            stop = r + ROWS - q
+            row_pos = layer.pos[:, :, None, -q + r:(stop if stop < 0 else None), None]  # (B, Hkv, 1, r, 1)
             allowed = held & (layer.pos[:, :, None, None, :] <= row_pos)
         elif not policy.evicts and not policy.is_full:
             allowed = policy.restrict(logits, layer.acc[:, :, None, None, :], held, layer.counts)
@@ -79,7 +80,7 @@ def real_attention(state, module, query, key, value, new_valid, scaling):
         if policy.needs_scores or q > 1:
             rows = new_valid[:, None, None, r:r + ROWS, None]  # pad query rows add nothing
             layer.acc += (probs * rows).sum((2, 3))
-        outs.append(probs.to(value.dtype) @ value.unsqueeze(2))  # (B, Hkv, G, r, D)
+        outs.append(grouped_values(probs.to(value.dtype), value))  # (B, Hkv, G, r, D)
     if q > 1 and policy.evicts and not policy.is_full:
         layer.cut()
     out = torch.cat(outs, -2).reshape(B, Hq, q, D).transpose(1, 2)

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .policies import Counts, Policy, keep_top, select_slot
+from .simulate import serial
 
 
 class EvictingLayer(DynamicLayer):
@@ -79,8 +80,9 @@ class EvictingLayer(DynamicLayer):
             self.append(key_states, value_states)
             self.pos[..., -1] = self.n_tok[:, None]
         else:
-            prio = self.policy.priority(self.pos, self.acc, self.n_tok, self.counts)
-            slot = select_slot(prio, self.pos, valid, room)  # (B, H, 1)
+            with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
+                prio = self.policy.priority(self.pos, self.acc, self.n_tok, self.counts)
+                slot = select_slot(prio, self.pos, valid, room)  # (B, H, 1)
             idx = slot[..., None].expand_as(key_states)  # (B, H, 1, D)
             self.keys.scatter_(-2, idx, key_states)
             self.values.scatter_(-2, idx, value_states)

@@ -48,13 +48,25 @@ def grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
     return query.view(B, n_kv, Hq // n_kv, T, D)
 
 
+def grouped_scores(q: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """q (B, Hkv, G, r, D) @ key (B, Hkv, S, D)^T -> (B, Hkv, G, r, S), the group folded into the rows (one read of K)."""
+    B, Hkv, G, r, D = q.shape
+    return (q.reshape(B, Hkv, G * r, D) @ key.transpose(-1, -2)).view(B, Hkv, G, r, -1)
+
+
+def grouped_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """probs (B, Hkv, G, r, S) @ value (B, Hkv, S, D) -> (B, Hkv, G, r, D), one read of V."""
+    B, Hkv, G, r, S = probs.shape
+    return (probs.reshape(B, Hkv, G * r, S) @ value).view(B, Hkv, G, r, -1)
+
+
 def simulated_attention(policy: Policy, query, key, value, valid, scaling: float,
                         prompt_len: int = 0, semantics: str = "h2o"):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T)."""
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]
     q = grouped(query, Hkv)  # (B, Hkv, G, T, D)
-    logits = (q @ key.unsqueeze(2).transpose(-1, -2)).float() * scaling  # (B, Hkv, G, T, T)
+    logits = grouped_scores(q, key).float() * scaling  # (B, Hkv, G, T, T)
     idx = torch.arange(T, device=query.device)
     allowed = (idx[None, :] <= idx[:, None]) & valid[:, None, None, None, :]  # (B, 1, 1, T, T) causal + padding
     if semantics == "reference":
@@ -62,7 +74,7 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
     elif not policy.is_full:
         allowed = policy_allowed(policy, logits, allowed, valid, prompt_len)
     probs = masked_softmax(logits, allowed)  # (B, Hkv, G, T, T)
-    out = probs.to(value.dtype) @ value.unsqueeze(2)  # (B, Hkv, G, T, D)
+    out = grouped_values(probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
     return out.reshape(B, Hq, T, D).transpose(1, 2), probs.reshape(B, Hq, T, T)
 
 
@@ -87,8 +99,8 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int) -> t
         return torch.where(rows, policy.restrict(logits, None, allowed, counts), allowed)
 
     # rows < start need no eviction: the prompt, and the steps before any sequence's budget is full
-    pads = T - valid.sum(-1)
-    start = prompt_len if not policy.evicts else max(prompt_len, int((pads + counts.total).min()))
+    filled = (valid.long().cumsum(-1) <= counts.total[:, None]).sum(-1)  # (B,) columns before a full cache
+    start = prompt_len if not policy.evicts else max(prompt_len, int(filled.min()))
     start = min(start, T)
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()

@@ -115,6 +115,11 @@ def test_simulated_batch_with_padding_equals_batch_one(model):
         out = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
     assert torch.allclose(out[0], simulated(model, policy, a)[0], atol=ATOL)
     assert torch.allclose(out[1, 12:], simulated(model, policy, b)[0], atol=ATOL)
+    right = torch.zeros(2, 30, dtype=torch.long)  # right padding (lm-eval's layout) gives the same
+    right[0], right[1, :18] = a[0], b[0]
+    with torch.no_grad(), attach(model, policy):
+        out = model(right, attention_mask=torch.stack([torch.ones(30), torch.arange(30) < 18]).long()).logits
+    assert torch.allclose(out[1, :18], simulated(model, policy, b)[0], atol=ATOL)
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

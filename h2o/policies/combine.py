@@ -3,7 +3,6 @@
 The budget's recent part goes to the pattern (which splits it again into its own window and structure); the
 heavy part to the tokens of highest accumulated attention among those the pattern does not keep.
 """
-import torch
 
 from .base import Counts, Policy, bcast, keep_top
 

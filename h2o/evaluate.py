@@ -1,0 +1,90 @@
+"""Multiple-choice tasks through lm-eval (``conf/task/{copa,...,bb_copa,...}.yaml``).
+
+lm-eval builds the few-shot prompts and scores every choice by its log-likelihood; the model is
+:class:`h2o.lm_eval_model.H2OLM` around the already loaded model, so each forward pass runs under the policy's
+simulated mask (budget = ratio of each request's length). Offline tasks load from ``include_path`` with
+``TaskManager(include_path, include_defaults=False)`` (instant); lm-eval's own tasks index the built-in
+catalogue (~10 s) and fetch their data with ``datasets``.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from h2o.records import REPO
+from h2o.taskspec import Result, TaskSpec, check, positive_or_none
+
+METRICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
+
+
+def task_folder(include_path: str) -> Path:
+    """``include_path`` as given if it exists, else relative to the repository root."""
+    path = Path(include_path).expanduser()
+    return path if path.is_absolute() or path.exists() else REPO / path
+
+
+def yaml_task_names(folder: Path) -> list[str]:
+    """``task:`` names declared by the YAML files of a folder (a cheap scan, no YAML parsing)."""
+    names = []
+    for f in sorted(folder.glob("*.yaml")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            if line.startswith("task:"):
+                names.append(line.split(":", 1)[1].strip().strip("'\""))
+    return names
+
+
+@dataclass
+class LmEvalTask(TaskSpec):
+    name: str
+    lm_eval_task: str
+    include_path: str | None = None
+    shots: int = 5
+    limit: int | None = None
+    batch_size: int = 1
+    scoring: str = "sum"
+    add_bos_token: bool | None = None
+
+    kind = "multiple_choice"
+    semantics = ("simulated", "reference")
+
+    def __post_init__(self):
+        check(isinstance(self.shots, int) and self.shots >= 0, f"task.shots={self.shots!r}: expected an int >= 0")
+        positive_or_none("task.limit", self.limit)
+        positive_or_none("task.batch_size", self.batch_size)
+        check(self.scoring in ("sum", "mean"), f"task.scoring={self.scoring!r}: allowed: sum, mean")
+        if self.include_path is not None:
+            folder = task_folder(self.include_path)
+            check(folder.is_dir(), f"task.include_path={self.include_path!r}: no such folder")
+            names = yaml_task_names(folder)
+            check(self.lm_eval_task in names, f"task.lm_eval_task={self.lm_eval_task!r}: not in {folder}; "
+                                              f"allowed: {', '.join(names)}")
+
+    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        from lm_eval import simple_evaluate
+        from lm_eval.tasks import TaskManager
+
+        from h2o.lm_eval_model import H2OLM
+
+        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, semantics=semantics, scoring=self.scoring,
+                   batch_size=self.batch_size, add_bos_token=self.add_bos_token)
+        tm = (TaskManager(include_path=str(task_folder(self.include_path)), include_defaults=False)
+              if self.include_path else TaskManager())
+        out = simple_evaluate(model=lm, tasks=[self.lm_eval_task], num_fewshot=self.shots, limit=self.limit,
+                              task_manager=tm, log_samples=True, random_seed=seed, numpy_random_seed=seed,
+                              torch_random_seed=seed, fewshot_random_seed=seed)
+        res = out["results"][self.lm_eval_task]
+        metrics = {m: float(res[f"{m},none"]) for m in METRICS if res.get(f"{m},none") not in (None, "N/A")}
+        samples = [sample_row(s) for s in out["samples"][self.lm_eval_task]]
+        info = {"mean_seq_len": round(lm.stats["tokens"] / max(lm.stats["rows"], 1), 1),
+                "scoring": self.scoring, "lm_eval_task": self.lm_eval_task}
+        return Result(metrics, samples, info)
+
+
+def sample_row(s: dict) -> dict:
+    """One lm-eval sample -> {"doc_id", "target", "loglikelihoods", "pred", "acc", "acc_norm"}."""
+    lls = [float(r[0]) for r in s["filtered_resps"]]
+    return {"doc_id": s["doc_id"], "target": s["target"], "loglikelihoods": lls,
+            "pred": max(range(len(lls)), key=lls.__getitem__) if lls else None,
+            "acc": s.get("acc"), "acc_norm": s.get("acc_norm")}

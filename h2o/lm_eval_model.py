@@ -1,0 +1,158 @@
+"""lm-eval model ``h2o``: Hugging Face's ``HFLM`` with a KV-cache policy around the model call.
+
+    python -m h2o.lm_eval_cli --model h2o \
+        --model_args pretrained=smollm2-135m,policy=h2o,heavy=0.1,recent=0.1 --tasks bb_copa --include_path tasks
+
+model_args beyond HFLM's: ``policy`` (a name of h2o.POLICIES, default full), ``budget`` | ``heavy`` + ``recent``,
+``heavy_share``, ``sinks`` (streaming_llm), ``semantics`` (simulated | reference), ``scoring`` (sum | mean).
+``pretrained`` also takes ``smollm2-135m`` and ``tiny:<arch>``. Integers are token counts, floats ratios.
+
+Only the model call changes:
+* log-likelihood requests (multiple choice): one forward pass per batch inside ``attach(model, policy)``, the
+  simulated eviction mask; the budget is a ratio of each request's own length (context + continuation, less
+  the last token, which is never an input).
+* generation requests: ``model.generate`` inside ``attach(model, policy, mode="real")`` with a fresh evicting
+  cache per call; the budget is a ratio of each prompt's length.
+
+Padding fix: HFLM right-pads a log-likelihood batch with zeros and passes no attention mask, so a policy would
+take its budget of the padded length. ``_loglikelihood_tokens`` records every request's exact input, and
+``_model_call`` recovers each row's true length from it (strip the trailing zeros, then match the known
+input), moves the pads to the left with the matching attention mask (the simulated path's exact layout;
+its right-padded layout starts evicting too late for the shorter rows, reported to the core), and moves
+the logits back: budgets stay per sequence, pads are never attended, and results are identical for any
+batch size (tested). A row that matches no known input (only lm-eval's batch-size probe) is taken whole.
+
+Scoring: ``scoring=sum`` is lm-eval's (summed log-likelihood for ``acc``, byte-normalised for ``acc_norm``);
+``scoring=mean`` divides each continuation's log-likelihood by its number of tokens (the paper code's rule),
+so ``acc`` becomes the per-token-average accuracy.
+
+lm-eval 0.4.13 has no plugin hook for out-of-tree models (its registry is filled by imports only), hence
+``python -m h2o.lm_eval_cli``, which imports this module and runs lm-eval's CLI.
+"""
+from __future__ import annotations
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from h2o.attach import attach
+from h2o.policies import make_policy
+from h2o.policies import Policy, PolicyError
+
+SEMANTICS = ("simulated", "reference")
+SCORING = ("sum", "mean")
+
+
+def resolve_pretrained(pretrained):
+    """``smollm2-135m`` -> its cached checkpoint; ``tiny:<arch>`` -> the tiny checkpoint; else unchanged."""
+    if not isinstance(pretrained, str):
+        return pretrained
+    if pretrained.lower() in ("smollm2-135m", "smollm2"):
+        from h2o.models import smollm2_path
+
+        return str(smollm2_path())
+    from h2o.models_spec import resolve_pretrained as resolve
+
+    return resolve(pretrained)
+
+
+def to_left_padding(inps: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (B, T) ids and (B,) lengths -> left-padded ids (B, T) and their attention mask (B, T) bool."""
+    T = inps.shape[1]
+    shift = T - lengths  # (B,)
+    src = (torch.arange(T, device=inps.device)[None, :] - shift[:, None]).clamp(min=0)  # (B, T)
+    mask = torch.arange(T, device=inps.device)[None, :] >= shift[:, None]
+    return torch.where(mask, inps.gather(1, src), 0), mask
+
+
+def from_left_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Left-padded logits (B, T, V) -> right-padded (B, T, V) (pad positions hold what was shifted in)."""
+    T = logits.shape[1]
+    src = (torch.arange(T, device=logits.device)[None, :] + (T - lengths)[:, None]) % T  # (B, T)
+    return logits.gather(1, src[:, :, None].expand(-1, -1, logits.shape[-1]))
+
+
+@register_model("h2o")
+class H2OLM(HFLM):
+    def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", budget=None, heavy=None,
+                 recent=None, heavy_share=None, sinks=None, semantics: str = "simulated", scoring: str = "sum",
+                 **kwargs):
+        if isinstance(policy, str):
+            options = {k: v for k, v in dict(budget=budget, heavy=heavy, recent=recent, heavy_share=heavy_share,
+                                             sinks=sinks).items() if v is not None}
+            policy = make_policy(policy, **options)
+        if semantics not in SEMANTICS:
+            raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
+        if scoring not in SCORING:
+            raise PolicyError(f"scoring={scoring!r}: allowed: {', '.join(SCORING)}")
+        if kwargs.get("device") in (None, "cuda") and not torch.cuda.is_available():
+            kwargs["device"] = "cpu"
+        super().__init__(pretrained=resolve_pretrained(pretrained), **kwargs)
+        self.policy, self.semantics, self.scoring = policy, semantics, scoring
+        self._known: set[tuple[int, ...]] = set()
+        self._per_token = False
+        self.stats = {"rows": 0, "tokens": 0, "unmatched_rows": 0}
+
+    @property
+    def passthrough(self) -> bool:
+        """True when the policy drops nothing: the model runs unmodified."""
+        return self.policy.is_full and self.semantics == "simulated"
+
+    # ------------------------------------------------------------------ log-likelihood (simulated)
+    def loglikelihood(self, requests, disable_tqdm: bool = False):
+        self._per_token = self.scoring == "mean"
+        try:
+            return super().loglikelihood(requests, disable_tqdm)
+        finally:
+            self._per_token = False
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
+        # the exact model input of each request, as HFLM builds it (left-truncated, last token dropped)
+        self._known = {tuple((ctx + cont)[-(self.max_length + 1):][:-1]) for _, ctx, cont in requests}
+        res = super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
+        if self._per_token:
+            res = [(ll / len(cont), greedy) for (ll, greedy), (_, _, cont) in zip(res, requests, strict=True)]
+        return res
+
+    def true_lengths(self, inps: torch.Tensor) -> torch.Tensor:
+        """(B, T) right-padded input ids -> (B,) true length of each row (see the module docstring)."""
+        lengths = []
+        for row in inps.tolist():
+            end = len(row)
+            while end > 0 and row[end - 1] == 0:
+                end -= 1
+            match = next((n for n in range(end, len(row) + 1) if tuple(row[:n]) in self._known), None)
+            if match is None:
+                self.stats["unmatched_rows"] += 1
+            lengths.append(len(row) if match is None else match)
+        return torch.tensor(lengths, device=inps.device)
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        """inps (B, T) -> logits (B, T, V) under the policy's simulated mask."""
+        lengths = self.true_lengths(inps) if attn_mask is None else attn_mask.sum(-1)
+        self.stats["rows"] += inps.shape[0]
+        self.stats["tokens"] += int(lengths.sum())
+        if self.passthrough or attn_mask is not None:
+            return super()._model_call(inps, attn_mask, labels)
+        with torch.no_grad():
+            if self.semantics == "reference":  # the paper code's rule: one unpadded sequence at a time
+                out = None
+                for b, n in enumerate(lengths.tolist()):
+                    with attach(self.model, self.policy, semantics="reference"):
+                        logits = self.model(inps[b:b + 1, :n]).logits  # (1, n, V)
+                    if out is None:
+                        out = logits.new_zeros(inps.shape[0], inps.shape[1], logits.shape[-1])
+                    out[b, :n] = logits[0]
+                return out
+            left, mask = to_left_padding(inps, lengths)  # (B, T) each
+            with attach(self.model, self.policy):
+                logits = self.model(left, attention_mask=mask.long()).logits  # (B, T, V), left-padded
+            return from_left_padding(logits, lengths)
+
+    # ---------------------------------------------------------------------- generation (real cache)
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        """context (B, T) left-padded (attention_mask in generation_kwargs) -> (B, T + new) token ids."""
+        if self.policy.is_full:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        with attach(self.model, self.policy, mode="real") as h:
+            return super()._model_generate(context, max_length, stop, cache=h.new_cache(), **generation_kwargs)

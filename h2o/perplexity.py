@@ -1,0 +1,79 @@
+"""Long-book perplexity (``conf/task/austen_ppl.yaml``): the simulated mask over fixed windows of a book.
+
+The book (Jane Austen's six novels, or Moby-Dick; h2o.data) is tokenized once without special tokens and cut
+into consecutive windows of ``window`` tokens; windows ``0, stride, 2*stride, ...`` (``n_windows`` of them) are
+scored, ``batch_size`` at a time, each in one forward pass inside ``attach(model, policy)``: token i of a window
+is predicted from what the policy holds at step i (budget = ratio of the window). Every token after the first
+of each window is predicted; ``ppl = exp(total NLL / predicted tokens)``.
+"""
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from h2o.taskspec import Result, TaskSpec, check, positive_or_none
+
+TEXTS = ("austen", "moby_dick")
+
+
+def book(text: str) -> str:
+    from h2o import data
+
+    return data.austen_text() if text == "austen" else data.moby_dick()
+
+
+@dataclass
+class PerplexityTask(TaskSpec):
+    name: str
+    text: str = "austen"
+    window: int = 512
+    n_windows: int = 16
+    stride: int = 1
+    batch_size: int = 1
+    shots: int = 0
+
+    kind = "perplexity"
+    semantics = ("simulated", "reference")
+
+    def __post_init__(self):
+        check(self.text in TEXTS, f"task.text={self.text!r}: allowed: {', '.join(TEXTS)}")
+        for key in ("window", "n_windows", "stride", "batch_size"):
+            positive_or_none(f"task.{key}", getattr(self, key))
+        check(self.window >= 2, f"task.window={self.window}: must be >= 2")
+        check(self.shots == 0, f"task.shots={self.shots}: perplexity takes no in-context examples (0)")
+
+    def windows(self, tokenizer) -> torch.Tensor:
+        """(n_windows, window) token ids."""
+        need_chars = (self.n_windows - 1) * self.stride * self.window * 8 + self.window * 8  # ~4 chars a token
+        ids = tokenizer(book(self.text)[:need_chars], add_special_tokens=False, return_tensors="pt").input_ids[0]
+        starts = [i * self.stride * self.window for i in range(self.n_windows)]
+        check(starts[-1] + self.window <= len(ids), f"task: the text has {len(ids)} tokens, fewer than "
+                                                     f"n_windows x stride x window needs")
+        return torch.stack([ids[s:s + self.window] for s in starts])
+
+    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+        from tqdm import tqdm
+
+        from h2o.attach import attach
+
+        wins = self.windows(tokenizer).to(model.device)  # (N, W)
+        bs = 1 if semantics == "reference" else self.batch_size
+        samples = []
+        for start in tqdm(range(0, len(wins), bs), desc=f"{self.name} {policy.name}", file=sys.stderr):
+            ids = wins[start:start + bs]  # (b, W)
+            with attach(model, policy, semantics="reference" if semantics == "reference" else "h2o"), \
+                    torch.no_grad():
+                logits = model(ids).logits.float()  # (b, W, V)
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
+                                                    reduction="none").sum(-1)  # (b,)
+            for j, v in enumerate(nll.tolist()):
+                n = self.window - 1
+                samples.append({"window": start + j, "start_token": (start + j) * self.stride * self.window,
+                                "nll": v, "n_tokens": n, "ppl": math.exp(v / n)})
+        total = sum(s["nll"] for s in samples)
+        count = sum(s["n_tokens"] for s in samples)
+        return Result({"ppl": math.exp(total / count), "nll_per_token": total / count}, samples,
+                      {"window": self.window, "tokens_scored": count})

@@ -1,0 +1,92 @@
+"""Turn a composed config into a validated plan, loading nothing: cheap enough to check every job of a sweep.
+
+    plan = prepare(cfg)      # ConfigError / PolicyError (one line) on any bad value
+    plan.path                # the run's record folder (h2o.records.run_dir)
+    plan.head()              # the fields of metrics.json that the config fixes
+
+``task_overrides.<task name>`` (a root config key) is merged into ``task`` first: it lets one sweep over several
+tasks give each its own sample count (experiment=default).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from h2o.models_spec import ConfigError, ModelSpec
+from h2o.policies import Policy, PolicyError
+from h2o.records import run_dir
+from h2o.taskspec import TaskSpec
+
+REFERENCE_POLICIES = ("h2o", "h2_only")
+
+
+def build(group: str, node: DictConfig) -> Any:
+    """Call the node's ``_target_`` with its other keys; a bad target or option -> ConfigError (one line)."""
+    from hydra.utils import get_method
+
+    options = OmegaConf.to_container(node, resolve=True)
+    target = options.pop("_target_", None)
+    if not target:
+        raise ConfigError(f"{group}: no _target_ in its config")
+    try:
+        factory = get_method(target)
+    except Exception as exc:  # noqa: BLE001 - hydra raises several kinds
+        raise ConfigError(f"{group}._target_={target!r}: cannot import ({exc})") from None
+    try:
+        return factory(**options)
+    except TypeError as exc:
+        raise ConfigError(f"{group}={options.get('name')}: {exc}") from None
+
+
+def with_task_overrides(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` with ``task_overrides[task.name]`` merged into ``task``."""
+    cfg = cfg.copy()
+    extra = (cfg.get("task_overrides") or {}).get(cfg.task.name)
+    if extra:
+        with open_dict(cfg):
+            cfg.task = OmegaConf.merge(cfg.task, extra)
+    return cfg
+
+
+@dataclass
+class Plan:
+    cfg: DictConfig
+    model: ModelSpec
+    task: TaskSpec
+    policy: Policy
+    semantics: str
+    path: Path
+
+    def head(self) -> dict:
+        d = self.policy.describe()
+        extra = {k: v for k, v in d.items() if k not in ("policy", "budget", "heavy", "recent")}
+        return {"experiment": self.cfg.experiment_name, "model": self.model.name, "task": self.task.name,
+                "task_kind": self.task.kind, "policy": self.policy.name, "budget": self.policy.budget,
+                "heavy": self.policy.heavy, "recent": self.policy.recent, "shots": self.task.shots,
+                "semantics": self.semantics, "seed": self.cfg.seed, "evicts": bool(self.policy.evicts),
+                "limit": self.cfg.task.get("limit"), **extra}
+
+
+def prepare(cfg: DictConfig) -> Plan:
+    """Validate everything cheap (policy, task, model, semantics, seed, threads) and name the run folder."""
+    cfg = with_task_overrides(cfg)
+    policy = build("policy", cfg.policy)
+    task = build("task", cfg.task)
+    model = build("model", cfg.model)
+    if not isinstance(task, TaskSpec):
+        raise ConfigError(f"task={cfg.task.name}: _target_ must build an h2o.taskspec.TaskSpec")
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
+        raise ConfigError(f"seed={cfg.seed!r}: expected an int")
+    if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):
+        raise ConfigError(f"threads={cfg.threads!r}: expected a positive int or null")
+    semantics = task.resolve_semantics(cfg.semantics)
+    if semantics == "reference" and policy.name not in REFERENCE_POLICIES:
+        raise ConfigError(f"semantics=reference: the paper code's mask rule exists for policy "
+                          f"{' or '.join(REFERENCE_POLICIES)} only (got {policy.name})")
+    return Plan(cfg, model, task, policy, semantics, run_dir(cfg, policy, task.semantics[0]))
+
+
+__all__ = ["Plan", "prepare", "build", "ConfigError", "PolicyError"]

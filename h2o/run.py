@@ -1,0 +1,184 @@
+"""``h2o-run`` / ``python -m h2o.run``: run one config (or a Hydra multirun) and write its record under runs/.
+
+    h2o-run task=bb_copa policy=h2o policy.budget=0.2 task.limit=20
+    h2o-run -m experiment=default                          # the experiment's sweep, basic launcher
+    h2o-run -m experiment=table1 hydra/launcher=slurm      # one Slurm array job per run
+
+Order of work: compose and validate every job (bad values: one line, exit status 2, no model loaded); skip a
+run whose folder already has metrics.json; load the model (reused across the jobs of a sweep); attach the
+policy; run the task; write config.yaml, samples.jsonl, env.json, then metrics.json last (atomically); mirror
+to wandb if ``logger=wandb`` (its failures are printed, never raised). In a multirun a failing job is recorded in
+``<sweep dir>/failures.jsonl`` and the sweep goes on; the failures are printed at the end (exit status 1).
+Every job's outcome goes to ``<sweep dir>/jobs.jsonl``.
+
+Test hook: ``H2O_TEST_CRASH_AT=N`` makes the N-th run this process executes die (``os._exit``) after writing
+config.yaml and a torn samples.jsonl, as a killed job would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from h2o.plan import Plan, prepare
+from h2o.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl, write_json,
+                         write_jsonl)
+from h2o.paths import atomic_write_text
+from h2o.sweep import BAD_INPUT, expand, status
+
+CRASH_ENV = "H2O_TEST_CRASH_AT"
+PASSTHROUGH = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc",
+               "--version", "--resolve", "--package", "-p", "--run", "-r")
+_executed = 0  # runs executed (not skipped) by this process
+
+
+def log(msg: str) -> None:
+    print(f"[h2o] {msg}", file=sys.stderr, flush=True)
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _crash_hook(path: Path) -> None:
+    global _executed
+    _executed += 1
+    if os.environ.get(CRASH_ENV) == str(_executed):
+        (path / "samples.jsonl").write_text('{"doc_id": 0, "torn')
+        log(f"{CRASH_ENV}={_executed}: dying on purpose in {path}")
+        os._exit(17)
+
+
+def execute(plan: Plan) -> dict:
+    """Run the plan and write its record; returns the metrics.json content."""
+    import torch
+
+    started = time.time()
+    if plan.cfg.threads:
+        torch.set_num_threads(plan.cfg.threads)
+    seed_everything(plan.cfg.seed)
+    clear_partial(plan.path)
+    atomic_write_text(plan.path / "config.yaml", OmegaConf.to_yaml(plan.cfg, resolve=True))
+    _crash_hook(plan.path)
+    model, tokenizer = plan.model.load()
+    result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.cfg.seed)
+    ended = time.time()
+    record = {**plan.head(), "n_samples": result.n_samples, "metrics": result.metrics,
+              "wall_s": round(ended - started, 3), **result.info}
+    write_jsonl(plan.path / "samples.jsonl", result.samples)
+    write_json(plan.path / "env.json", env_info(started, ended))
+    write_json(plan.path / "metrics.json", record)  # last: the run is finished once this exists
+    return record
+
+
+def mirror(cfg: DictConfig, plan: Plan, record: dict) -> None:
+    if cfg.logger.get("wandb"):
+        from h2o.wandb_log import mirror_run
+
+        mirror_run(cfg.logger, plan, record)
+
+
+def run_job(cfg: DictConfig) -> str:
+    """One job: returns its outcome (done, skipped, busy, failed)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    multirun = hc.mode == RunMode.MULTIRUN
+    sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir if multirun else None
+    entry = {"job": hc.job.get("num"), "overrides": list(hc.overrides.task)}
+    t0 = time.time()
+
+    def outcome(state: str, path=None, exc: BaseException | None = None) -> str:
+        if sweep_dir is not None:
+            row = {**entry, "status": state, "run_dir": str(path) if path else None, "wall_s": round(time.time() - t0, 2)}
+            if exc is not None:
+                row.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+                append_jsonl(sweep_dir / "failures.jsonl", row)
+            append_jsonl(sweep_dir / "jobs.jsonl", row)
+        return state
+
+    try:
+        plan = prepare(cfg)
+    except BAD_INPUT as exc:
+        if not multirun:
+            print(f"error: {exc}", file=sys.stderr)
+            sys.exit(2)
+        log(f"invalid job {entry['overrides']}: {exc}")
+        return outcome("failed", exc=exc)
+    if finished(plan.path):
+        log(f"skip, finished already: {plan.path}")
+        return outcome("skipped", plan.path)
+    with claim(plan.path) as mine:
+        if not mine or finished(plan.path):
+            log(f"skip, {'being run by another process' if not mine else 'finished already'}: {plan.path}")
+            return outcome("busy" if not mine else "skipped", plan.path)
+        log(f"run {plan.model.name} {plan.task.name} {plan.policy.name} budget={plan.policy.budget} -> {plan.path}")
+        try:
+            record = execute(plan)
+        except Exception as exc:  # noqa: BLE001 - a failing job must not end the sweep
+            if not multirun or cfg.fail_fast:
+                raise
+            traceback.print_exc()
+            log(f"FAILED {plan.path}: {type(exc).__name__}: {exc}")
+            return outcome("failed", plan.path, exc)
+    log(f"done in {record['wall_s']:.1f} s: {json.dumps(record['metrics'])}")
+    mirror(cfg, plan, record)
+    return outcome("done", plan.path)
+
+
+# An absolute config_path (= ../conf): a relative one is resolved as a Python package ("conf") when the module is
+# started by the console script h2o-run rather than by `python -m h2o.run`, and is then not found.
+@hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
+def hydra_main(cfg: DictConfig) -> str:
+    return run_job(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Validate every job first, then hand the command line to Hydra; report a sweep's failures at the end."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    multirun = "-m" in argv or "--multirun" in argv
+    sweep_dir = None
+    if not any(a.split("=")[0] in PASSTHROUGH for a in argv):
+        overrides = [a for a in argv if not a.startswith("-")]
+        try:
+            sweep = expand(overrides, multirun)
+        except BAD_INPUT as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if multirun:
+            states = status(sweep)
+            log(f"{len(states)} jobs: {states.count('todo')} to run, {states.count('done')} finished already, "
+                f"{states.count('dup')} duplicates")
+            if not any(a.startswith("hydra.sweep.dir=") for a in overrides):
+                argv.append(f"hydra.sweep.dir={sweep.sweep_dir}")  # pin the timestamp: we read it back below
+            sweep_dir = Path(next(a for a in argv if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
+    sys.argv = [sys.argv[0], *argv]
+    hydra_main()
+    if sweep_dir is None:
+        return 0
+    jobs = read_jsonl(sweep_dir / "jobs.jsonl")
+    failures = read_jsonl(sweep_dir / "failures.jsonl")
+    counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "busy", "failed")}
+    log(f"sweep {sweep_dir}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
+    for f in failures:
+        log(f"FAILED job {f['job']} {' '.join(f['overrides'])}: {f['error']}")
+    if failures:
+        log(f"{len(failures)} failed job(s); details in {sweep_dir / 'failures.jsonl'}; rerun the same command to retry them")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Summarization with HELM's XSUM / CNN-DailyMail settings, generated with the real evicting cache.
+
+Prompt (HELM run spec, PAPER.md): ``shots`` in-context blocks, then the test block left open::
+
+    ###
+    Article: {article}
+
+    Summarize the above article in 1 sentence.
+    {summary}
+    <blank line>
+    ###
+    Article: {test article}
+
+    Summarize the above article in 1 sentence.
+
+Articles are whitespace-normalised and cut to ``doc_max_words`` words (HELM's ``doc_max_length``); in-context
+examples are train articles of ``shot_min_words``..``shot_max_words`` words, the same ``shots`` for every test
+instance, drawn with ``random.Random(subset_seed)``; the test instances are a fixed random subset of
+``limit`` (HELM samples its evaluation instances). When a prompt does not fit the model's positions, whole
+in-context blocks are dropped first, then the article is cut from the left.
+
+Generation: left-padded batches of ``batch_size`` prompts, ``attach(model, policy, mode="real")`` with a fresh
+cache per batch (budget = ratio of each prompt's length, fixed at prefill; eviction runs during decoding),
+sampling at ``temperature`` (``greedy`` for argmax) after ``torch.manual_seed(seed)``, stop at ``stop``
+(``###``) or after ``max_new_tokens``; ``equal_length`` removes the stop and forces exactly
+``max_new_tokens`` (the Self-BLEU protocol). ROUGE-1/2/L F1 with rouge-score (stemmed, as HELM).
+"""
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers import StoppingCriteria
+
+from h2o.taskspec import Result, TaskSpec, check, positive_or_none
+
+DATASETS = {  # name -> (hub path, config, article field, summary field); bb_xsum is offline (h2o.data)
+    "xsum": ("EdinburghNLP/xsum", None, "document", "summary"),
+    "cnn_dm": ("abisee/cnn_dailymail", "3.0.0", "article", "highlights"),
+    "bb_xsum": (None, None, "document", "summary"),
+}
+
+
+def clean(text: str, max_words: int | None = None) -> str:
+    """Newlines to spaces, whitespace runs to one space, at most ``max_words`` words (HELM's _clean_and_truncate)."""
+    return " ".join(text.replace("\n", " ").split()[:max_words])
+
+
+def block(article: str, sentences: int, summary: str | None = None) -> str:
+    """One HELM block; ``summary=None`` leaves it open for the model."""
+    unit = "sentence" if sentences == 1 else "sentences"
+    head = f"###\nArticle: {article}\n\nSummarize the above article in {sentences} {unit}.\n"
+    return head if summary is None else f"{head}{summary}\n"
+
+
+def load_split(dataset: str, split: str) -> list[dict]:
+    """Rows ``{"id", "article", "summary"}`` (article not yet cut) of ``train`` or ``test``."""
+    if dataset == "bb_xsum":
+        from h2o.data import xsum_examples
+
+        return [{"id": r["id"], "article": r["document"], "summary": r["summary"]} for r in xsum_examples(split)]
+    import datasets
+
+    path, config, art, summ = DATASETS[dataset]
+    ds = datasets.load_dataset(path, config, split=split)
+    return [{"id": r.get("id", str(i)), "article": r[art], "summary": r[summ]} for i, r in enumerate(ds)]
+
+
+class StopOnText(StoppingCriteria):
+    """Stopping criterion: a row is done once its new tokens decode to text containing ``stop``."""
+
+    def __init__(self, tokenizer, stop: str, prompt_len: int):
+        self.tokenizer, self.stop, self.prompt_len = tokenizer, stop, prompt_len
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        texts = self.tokenizer.batch_decode(input_ids[:, self.prompt_len:], skip_special_tokens=True)
+        return torch.tensor([self.stop in t for t in texts], device=input_ids.device)  # (B,)
+
+
+@dataclass
+class SummarizationTask(TaskSpec):
+    name: str
+    dataset: str = "xsum"
+    sentences: int = 1
+    shots: int = 5
+    limit: int | None = 1000
+    max_new_tokens: int = 64
+    temperature: float = 0.3
+    greedy: bool = False
+    stop: str | None = "###"
+    doc_max_words: int = 512
+    shot_min_words: int = 50
+    shot_max_words: int = 150
+    subset_seed: int = 0
+    equal_length: bool = False
+    batch_size: int = 1
+
+    kind = "summarization"
+    semantics = ("real",)
+
+    def __post_init__(self):
+        check(self.dataset in DATASETS, f"task.dataset={self.dataset!r}: allowed: {', '.join(DATASETS)}")
+        check(isinstance(self.shots, int) and self.shots >= 0, f"task.shots={self.shots!r}: expected an int >= 0")
+        for key in ("limit", "batch_size", "max_new_tokens", "doc_max_words", "sentences"):
+            positive_or_none(f"task.{key}", getattr(self, key))
+        check(self.greedy or float(self.temperature) > 0, f"task.temperature={self.temperature}: must be > 0 "
+                                                          "when sampling (or set task.greedy=true)")
+
+    # ------------------------------------------------------------------------------- prompts
+    def examples(self) -> tuple[list[dict], list[dict]]:
+        """(in-context examples, test instances), both fixed by ``subset_seed``."""
+        rng = random.Random(self.subset_seed)
+        pool = [r for r in load_split(self.dataset, "train")
+                if self.shot_min_words <= len(clean(r["article"], self.doc_max_words).split()) <= self.shot_max_words]
+        check(len(pool) >= self.shots, f"task.shots={self.shots}: only {len(pool)} train articles of "
+                                       f"{self.shot_min_words}-{self.shot_max_words} words")
+        shots = rng.sample(pool, self.shots)
+        test = load_split(self.dataset, "test")
+        if self.limit is not None and self.limit < len(test):
+            test = [test[i] for i in sorted(rng.sample(range(len(test)), self.limit))]
+        return shots, test
+
+    def prompt(self, shots: list[dict], row: dict, tokenizer, max_tokens: int) -> str:
+        """The HELM prompt for one test row, shortened (drop blocks, then cut the article) to ``max_tokens``."""
+        context = [block(clean(s["article"], self.doc_max_words), self.sentences, clean(s["summary"])) + "\n"
+                   for s in shots]
+        article = clean(row["article"], self.doc_max_words)
+        while True:
+            text = "".join(context) + block(article, self.sentences)
+            if len(tokenizer(text).input_ids) <= max_tokens:
+                return text
+            if context:
+                context.pop(0)
+            else:
+                words = article.split()
+                article = " ".join(words[len(words) // 10 + 1:])
+
+    # ----------------------------------------------------------------------------- generation
+    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+        from rouge_score import rouge_scorer
+        from tqdm import tqdm
+
+        from h2o.attach import attach
+
+        shots, test = self.examples()
+        max_pos = getattr(model.config, "max_position_embeddings", None) or 2048
+        prompts = [self.prompt(shots, r, tokenizer, max_pos - self.max_new_tokens) for r in test]
+        scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+        torch.manual_seed(seed)
+        samples, kv_bytes = [], []
+        for start in tqdm(range(0, len(prompts), self.batch_size), desc=f"{self.name} {policy.name}",
+                          file=sys.stderr):
+            batch = prompts[start:start + self.batch_size]
+            gens, nbytes, lens = self.generate(model, tokenizer, policy, batch, attach)
+            kv_bytes.append(nbytes / len(batch))
+            for row, prompt, gen, n in zip(test[start:start + self.batch_size], batch, gens, lens):
+                ref = clean(row["summary"])
+                scores = scorer.score(ref, gen)
+                samples.append({"doc_id": row["id"], "prompt": prompt, "generation": gen, "reference": ref,
+                                "prompt_tokens": n, **{k: v.fmeasure for k, v in scores.items()}})
+        metrics = {k: sum(s[k] for s in samples) / len(samples) for k in ("rouge1", "rouge2", "rougeL")}
+        info = {"mean_prompt_tokens": round(sum(s["prompt_tokens"] for s in samples) / len(samples), 1),
+                "kv_bytes_per_seq": round(sum(kv_bytes) / len(kv_bytes)), "shots_used": len(shots)}
+        return Result(metrics, samples, info)
+
+    def generate(self, model, tokenizer, policy, prompts: list[str], attach) -> tuple[list[str], int, list[int]]:
+        """Left-padded batch generation -> (texts cut at the stop, KV bytes held at the end, prompt lengths)."""
+        tokenizer.padding_side = "left"
+        enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)  # (B, P)
+        P = enc.input_ids.shape[1]
+        kw = dict(max_new_tokens=self.max_new_tokens, do_sample=not self.greedy,
+                  pad_token_id=tokenizer.pad_token_id)
+        if not self.greedy:
+            kw.update(temperature=float(self.temperature), top_p=1.0, top_k=0)
+        if self.equal_length:
+            kw["min_new_tokens"] = self.max_new_tokens
+        elif self.stop:
+            kw["stopping_criteria"] = [StopOnText(tokenizer, self.stop, P)]
+        with attach(model, policy, mode="real") as h, torch.no_grad():
+            cache = h.new_cache()
+            out = model.generate(**enc, cache=cache, **kw)  # (B, P + new)
+            nbytes = cache.nbytes()
+        texts = tokenizer.batch_decode(out[:, P:], skip_special_tokens=True)
+        if self.stop and not self.equal_length:
+            texts = [t.split(self.stop)[0] for t in texts]
+        return [t.strip() for t in texts], nbytes, enc.attention_mask.sum(-1).tolist()

@@ -1,0 +1,197 @@
+"""Expand a (multi)run into its jobs exactly as Hydra's basic sweeper does, and validate each one.
+
+    python -m h2o.sweep experiment=table1                # dry run: every job, its run folder, done or not
+    python -m h2o.sweep experiment=table1 task=copa      # command-line values replace the experiment's sweep
+
+Nothing is loaded: each job's config is composed and checked by :func:`h2o.plan.prepare`. ``h2o-run -m`` calls
+:func:`expand` first, so a bad value in any job stops the sweep before the first model load (exit status 2).
+Jobs that share a run folder (``policy=full`` crossed with budgets) are listed once, then as ``dup``.
+"""
+from __future__ import annotations
+
+import copy
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from h2o.models_spec import ConfigError
+from h2o.plan import Plan, prepare
+from h2o.policies import PolicyError
+from h2o.records import CONF, finished, runs_root
+
+BAD_INPUT = (ConfigError, PolicyError)
+
+
+@dataclass
+class Sweep:
+    jobs: list[list[str]]  # the override list of each job, in launch order
+    plans: list[Plan]
+    sweep_dir: str  # hydra.sweep.dir, resolved (multirun only)
+
+
+def _compose(overrides: list[str], hydra_cfg: bool = False):
+    from hydra import compose
+
+    return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_cfg)
+
+
+class Composer:
+    """Compose job configs fast, with Hydra's semantics.
+
+    Hydra merges the defaults tree (root, model, task, policy, logger, then the experiment overlay) and applies
+    value overrides last. So the tree is composed by Hydra once per distinct set of non-leaf group choices
+    (experiment, hydra/...); a job's leaf group choices (model, task, policy, logger: files without a defaults
+    list) swap in ``merge(group file, the experiment overlay's part for that group)``; then the job's value
+    overrides are applied with Hydra's own routine (``hydra.*`` values do not touch the job config).
+    tests/test_experiments.py checks the result equals Hydra's compose for jobs of every experiment.
+    """
+
+    LEAVES = ("model", "task", "policy", "logger")
+
+    def __init__(self):
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        self.parser = OverridesParser.create()
+        self.trees: dict[tuple[str, ...], tuple] = {}
+
+    @staticmethod
+    def is_group(override) -> bool:
+        key = override.key_or_group
+        return key.startswith("hydra/") or (CONF / key).is_dir()
+
+    def leaf(self, override) -> bool:
+        return (override.key_or_group in self.LEAVES and override.package is None and not override.is_add()
+                and not override.is_force_add() and not override.is_delete()
+                and not has_defaults(override.key_or_group, str(override.value())))
+
+    def tree(self, groups: tuple[str, ...]):
+        """(config, choices, experiment overlay body) for the non-leaf group overrides."""
+        if groups not in self.trees:
+            from omegaconf import OmegaConf, open_dict
+
+            cfg = _compose(list(groups), hydra_cfg=True)
+            choices = dict(cfg.hydra.runtime.choices)
+            with open_dict(cfg):
+                del cfg["hydra"]
+            exp = choices.get("experiment")
+            body = OmegaConf.load(CONF / "experiment" / f"{exp}.yaml") if exp and exp != "null" else OmegaConf.create()
+            self.trees[groups] = (cfg, choices, body)
+        return self.trees[groups]
+
+    def __call__(self, job: list[str]):
+        from hydra._internal.config_loader_impl import ConfigLoaderImpl
+        from omegaconf import OmegaConf, open_dict
+
+        parsed = self.parser.parse_overrides(job)
+        groups = [o for o in parsed if self.is_group(o)]
+        leaves = {o.key_or_group: str(o.value()) for o in groups if self.leaf(o)}
+        base, choices, body = self.tree(tuple(o.input_line for o in groups if not self.leaf(o)))
+        cfg = copy.deepcopy(base)
+        for group, choice in leaves.items():
+            if choices.get(group) != choice:
+                node = OmegaConf.merge(OmegaConf.load(CONF / group / f"{choice}.yaml"), body.get(group) or {})
+                with open_dict(cfg):
+                    cfg[group] = node
+        values = [o for o in parsed if not self.is_group(o) and not o.key_or_group.startswith("hydra.")]
+        ConfigLoaderImpl._apply_overrides_to_config(values, cfg)
+        return cfg
+
+
+def has_defaults(group: str, choice: str) -> bool:
+    """Whether a group file has its own defaults list (then only Hydra composes it); missing files -> True."""
+    path = CONF / group / f"{choice}.yaml"
+    return not path.exists() or "defaults:" in path.read_text(encoding="utf-8")
+
+
+def one_line(exc: BaseException) -> str:
+    """A Hydra or config error as one line (Hydra's messages span several); unknown group choices name the
+    allowed ones."""
+    text = " ".join(str(exc).split())
+    m = re.search(r"Could not find '([\w/]+)/([^']+)' Available options in '[\w/]+': (.*?) Config search path", text)
+    if m:
+        return f"{m.group(1)}={m.group(2)}: unknown; allowed: {', '.join(m.group(3).split())}"
+    text = text.split(" Config search path")[0]
+    return text if len(text) < 400 else text[:397] + "..."
+
+
+def job_overrides(overrides: list[str], multirun: bool) -> tuple[list[list[str]], str]:
+    """The jobs' override lists and the resolved sweep dir (Hydra's BasicSweeper.split_arguments)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    parsed = parser.parse_overrides(overrides)
+    if not multirun:
+        return [overrides], ""
+    fixed = [o.input_line for o in parsed if not o.is_sweep_override()]
+    base = _compose(fixed, hydra_cfg=True)
+    params = [f"{k}={v}" for k, v in (base.hydra.sweeper.get("params") or {}).items()]
+    jobs = BasicSweeper.split_arguments(parser.parse_overrides(params + overrides), None)[0]
+    return jobs, str(base.hydra.sweep.dir)
+
+
+def expand(overrides: list[str], multirun: bool) -> Sweep:
+    """Compose and validate every job. Raises ConfigError/PolicyError (or a Hydra error) with one line."""
+    from contextlib import nullcontext
+
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    ready = GlobalHydra.instance().is_initialized()  # e.g. inside a test's initialize_config_dir
+    with nullcontext() if ready else initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        try:
+            jobs, sweep_dir = job_overrides(overrides, multirun)
+            plans, compose = [], Composer()
+            for job in jobs:
+                try:
+                    plans.append(prepare(compose(job)))
+                except BAD_INPUT as exc:
+                    raise type(exc)(f"{exc}  [job: {' '.join(job)}]") from None
+        except (HydraException, OmegaConfBaseException) as exc:
+            raise ConfigError(one_line(exc)) from None
+    return Sweep(jobs, plans, sweep_dir)
+
+
+def status(sweep: Sweep) -> list[str]:
+    """Per job: ``done`` (record finished), ``dup`` (same folder as an earlier job) or ``todo``."""
+    seen, out = set(), []
+    for plan in sweep.plans:
+        out.append("dup" if plan.path in seen else "done" if finished(plan.path) else "todo")
+        seen.add(plan.path)
+    return out
+
+
+def describe(sweep: Sweep, root: Path | None = None) -> str:
+    """The dry-run listing: one line per job, then a summary."""
+    states = status(sweep)
+    lines = [f"{'#':>4} {'status':6} {'model':14} {'task':12} {'shots':>5} {'policy':14} {'budget':8} run folder"]
+    for i, (plan, state) in enumerate(zip(sweep.plans, states)):
+        p = plan.policy
+        budget = "1.0" if p.name == "full" else str(p.budget)
+        folder = plan.path.relative_to(root) if root and plan.path.is_relative_to(root) else plan.path
+        lines.append(f"{i:>4} {state:6} {plan.model.name:14} {plan.task.name:12} {plan.task.shots:>5} "
+                     f"{p.name:14} {budget:8} {folder}")
+    n = {s: states.count(s) for s in ("todo", "done", "dup")}
+    lines.append(f"{len(states)} jobs: {n['todo']} to run, {n['done']} finished already, "
+                 f"{n['dup']} duplicates of an earlier job (skipped)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    overrides = [a for a in argv if not a.startswith("-")]
+    try:
+        sweep = expand(overrides, multirun=True)
+    except BAD_INPUT as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    root = runs_root(sweep.plans[0].cfg) if sweep.plans else None
+    print(describe(sweep, root))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

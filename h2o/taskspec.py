@@ -1,0 +1,56 @@
+"""What every conf/task/*.yaml instantiates: a cheap, validated spec whose ``run`` does the work.
+
+    task = hydra.utils.instantiate(cfg.task)            # validates, loads nothing
+    result = task.run(model, tokenizer, policy, semantics="simulated", seed=0)
+
+Subclasses: :class:`h2o.evaluate.LmEvalTask` (multiple choice through lm-eval),
+:class:`h2o.summarize.SummarizationTask` (HELM XSUM/CNN-DM, real evicting cache),
+:class:`h2o.perplexity.PerplexityTask` (long-book perplexity, simulated mask per window).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from h2o.models_spec import ConfigError
+
+
+@dataclass
+class Result:
+    """What a task returns: aggregate metrics, one dict per sample, and extra record fields."""
+
+    metrics: dict[str, float]
+    samples: list[dict]
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.samples)
+
+
+class TaskSpec:
+    kind: ClassVar[str] = ""  # multiple_choice | summarization | perplexity (metrics.json task_kind)
+    semantics: ClassVar[tuple[str, ...]] = ()  # allowed semantics; the first is the default ("auto")
+
+    def resolve_semantics(self, requested: str) -> str:
+        """``auto`` -> this kind's default; anything not allowed -> ConfigError."""
+        if requested == "auto":
+            return self.semantics[0]
+        if requested not in self.semantics:
+            raise ConfigError(f"semantics={requested!r}: task {self.name} ({self.kind}) allows "
+                              f"auto, {', '.join(self.semantics)}")
+        return requested
+
+    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+def check(cond: bool, message: str) -> None:
+    """Raise ConfigError(message) unless ``cond``."""
+    if not cond:
+        raise ConfigError(message)
+
+
+def positive_or_none(name: str, value) -> None:
+    check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
+          f"{name}={value!r}: expected a positive int or null")

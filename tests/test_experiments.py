@@ -1,0 +1,366 @@
+"""Configs, runner, sweeps, records and the lm-eval model (issue 3). Tiny random models; SmolLM2 nowhere.
+
+Every config file of every group is composed and built; a shrunk experiment=default runs as a multirun with the
+basic launcher and with submitit_local; a sweep killed part-way resumes without duplicated or torn records; the
+table1 dry run lists every job; lm-eval's CLI runs ``--model h2o`` offline.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from itertools import product
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from h2o.policies import make_policy
+from h2o.models_spec import ConfigError
+from h2o.plan import build, prepare
+from h2o.policies import PolicyError
+from h2o.records import CONF, REPO, budget_label, fmt, read_jsonl, runs_root
+from h2o.sweep import Composer, _compose, expand
+
+GROUPS = ("model", "task", "policy", "logger", "experiment")
+RECORD_KEYS = {"experiment", "model", "task", "task_kind", "policy", "budget", "heavy", "recent", "shots",
+               "semantics", "seed", "n_samples", "metrics", "wall_s", "evicts"}
+ENV_KEYS = {"git_commit", "git_dirty", "packages", "device", "torch_threads", "wall_s", "hostname"}
+TINY = ["experiment=default", "model=tiny-llama", "policy.budget=0.2", "threads=1",
+        "task_overrides.bb_copa.limit=3", "++task_overrides.bb_copa.shots=1",
+        "task_overrides.austen_ppl.n_windows=2", "++task_overrides.austen_ppl.window=96",
+        "task_overrides.bb_xsum.limit=2", "++task_overrides.bb_xsum.shots=1", "++task_overrides.bb_xsum.max_new_tokens=6",
+        "++task_overrides.bb_xsum.doc_max_words=60"]
+
+
+def files(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def h2o_run(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 400) -> subprocess.CompletedProcess:
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "h2o.run", *args], cwd=cwd, env=environ, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def records(root: Path) -> dict[Path, dict]:
+    return {f.parent: json.loads(f.read_text()) for f in sorted(root.rglob("metrics.json"))}
+
+
+@pytest.fixture(scope="module")
+def hydra_ctx():
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+
+
+# ------------------------------------------------------------------------------------------- configs
+@pytest.mark.parametrize("group", ["model", "task", "policy"])
+def test_every_group_file_composes_and_builds(hydra_ctx, group):
+    """Each file: name == file name, builds its object (_target_), and a run with it validates."""
+    from h2o.models_spec import ModelSpec
+    from h2o.policies import Policy
+    from h2o.taskspec import TaskSpec
+
+    kinds = {"model": ModelSpec, "task": TaskSpec, "policy": Policy}
+    names = files(group)
+    assert len(names) >= {"model": 15, "task": 12, "policy": 11}[group]
+    for name in names:
+        cfg = _compose([f"{group}={name}"])
+        assert cfg[group].name == name, f"conf/{group}/{name}.yaml: name must equal the file name"
+        obj = build(group, cfg[group])
+        assert isinstance(obj, kinds[group])
+        plan = prepare(cfg)
+        rel = plan.path.relative_to(runs_root(plan.cfg)).parts
+        assert rel[:5] == ("adhoc", cfg.model.name, cfg.task.name, f"shots{cfg.task.shots}", plan.policy.name)
+    from h2o.policies import POLICIES
+
+    if group == "policy":
+        assert set(names) == set(POLICIES)
+
+
+def test_policy_budgets_and_splits(hydra_ctx):
+    p = prepare(_compose(["policy=h2o", "policy.budget=0.2"])).policy
+    assert (p.heavy, p.recent, p.evicts) == (0.1, 0.1, True)
+    p = prepare(_compose(["policy=h2o", "policy.heavy=0.15", "policy.recent=0.05"]))
+    assert (p.policy.heavy, p.policy.recent) == (0.15, 0.05) and p.path.name == "h0.15-r0.05"
+    p = prepare(_compose(["policy=streaming_llm", "policy.sinks=8", "policy.budget=64"]))
+    assert p.policy.sinks == 8 and p.path.parts[-2:] == ("64tok", "sinks=8")
+    assert prepare(_compose(["policy=topk"])).head()["evicts"] is False
+    assert prepare(_compose(["policy=full", "policy.budget=0.3"])).path.name == "1.0"  # full is one folder
+
+
+def test_model_task_logger_launcher_details(hydra_ctx, monkeypatch):
+    cfg = _compose(["model=opt-66b"])
+    assert (cfg.model.device_map, cfg.model.dtype, cfg.model.pretrained) == ("auto", "fp16", "facebook/opt-66b")
+    assert build("model", _compose(["model=smollm2-135m"]).model).dtype == "fp32"
+    xsum = build("task", _compose(["task=xsum"]).task)
+    assert (xsum.max_new_tokens, xsum.temperature, xsum.stop, xsum.doc_max_words, xsum.shots) == (64, 0.3, "###", 512, 5)
+    cnn = build("task", _compose(["task=cnn_dm"]).task)
+    assert (cnn.sentences, cnn.max_new_tokens, cnn.dataset) == (3, 128, "cnn_dm")
+    assert all(build("task", _compose([f"task={t}"]).task).shots == 5
+               for t in ("copa", "mathqa", "openbookqa", "piqa", "rte", "winogrande"))
+    wb = _compose(["logger=wandb"]).logger
+    assert wb.wandb is True and wb.mode in ("offline", os.environ.get("WANDB_MODE"))
+    monkeypatch.setenv("H2O_SLURM_PARTITION", "gpu-long")
+    monkeypatch.setenv("H2O_SLURM_GPUS", "4")
+    launcher = _compose(["hydra/launcher=slurm"], hydra_cfg=True).hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.partition, launcher.gpus_per_node, launcher.timeout_min) == ("gpu-long", 4, 240)
+    assert launcher.max_num_timeout > 0 and launcher.additional_parameters.requeue is True
+    local = _compose(["hydra/launcher=submitit_local"], hydra_cfg=True).hydra.launcher
+    assert local._target_.endswith("LocalLauncher")
+
+
+def test_every_experiment_expands_and_fast_compose_equals_hydra(hydra_ctx):
+    """Each experiment's jobs validate (table1: see the dry-run test); the fast composer gives Hydra's config."""
+    from h2o.sweep import job_overrides
+
+    composer = Composer()
+    for exp in files("experiment"):
+        if exp != "table1":
+            sweep = expand([f"experiment={exp}"], multirun=True)
+            assert sweep.plans and all(p.cfg.experiment_name == exp for p in sweep.plans)
+        jobs = job_overrides([f"experiment={exp}", "seed=3", "++task_overrides.x.limit=2"], multirun=True)[0]
+        for job in jobs[:: max(1, len(jobs) // 4)]:
+            fast = OmegaConf.to_container(composer(job), resolve=False)
+            assert fast == OmegaConf.to_container(_compose(job), resolve=False), job
+
+
+@pytest.mark.parametrize("args, words", [
+    (["policy=nope"], ["policy", "allowed"]),
+    (["policy.budget=1.5"], ["budget=1.5"]),
+    (["task=nope"], ["task", "nope"]),
+    (["task.scoring=avg"], ["scoring", "sum, mean"]),
+    (["semantics=reference", "policy=local"], ["reference", "h2o"]),
+    (["-m", "policy=h2o,local", "policy.budget=0.2,-1"], ["budget"]),
+])
+def test_bad_values_exit_2_with_one_line_before_any_load(args, words, capsys, tmp_path, monkeypatch):
+    from h2o import models_spec
+    from h2o.run import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and len(err.splitlines()) == 1 and all(w in err for w in words), err
+    assert not models_spec._LOADED and not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------------------------ dry run
+def test_dry_run_table1_lists_every_job(capsys):
+    from h2o.sweep import main
+
+    assert main(["experiment=table1"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    jobs = [ln.split() for ln in lines[1:-1]]
+    models = ["opt-6.7b", "opt-13b", "opt-30b", "opt-66b", "llama-7b", "llama-13b", "gpt-neox-20b"]
+    tasks = ["copa", "mathqa", "openbookqa", "piqa", "rte", "winogrande"]
+    budgets = ["0.04", "0.1", "0.2", "0.4", "0.6", "0.8", "1.0"]
+    assert len(jobs) == 7 * 6 * 3 * 7
+    listed = {(j[2], j[3], j[5], j[6]) for j in jobs if j[5] != "full"}
+    assert listed == set(product(models, tasks, ["local", "h2o"], budgets))
+    assert {(j[2], j[3]) for j in jobs if j[5] == "full"} == set(product(models, tasks))
+    assert lines[-1] == "882 jobs: 630 to run, 0 finished already, 252 duplicates of an earlier job (skipped)"
+
+
+# ------------------------------------------------------------------------------------- run records
+def test_run_folder_names():
+    assert fmt(0.2) == "0.2" and fmt(1.0) == "1.0" and fmt(True) == "true" and fmt(None) == "null"
+    assert budget_label(make_policy("h2o", budget=0.04)) == "0.04"
+    assert budget_label(make_policy("local", budget=64)) == "64tok"
+    assert budget_label(make_policy("h2o", heavy=0.15, recent=0.05), hand_split=True) == "h0.15-r0.05"
+    assert budget_label(make_policy("full")) == "1.0"
+
+
+def check_records(root: Path, expect: dict[str, int]) -> dict[Path, dict]:
+    """Every finished run has the contract's files and fields; returns the records."""
+    recs = records(root)
+    assert {r["task"] for r in recs.values()} == set(expect)
+    for path, rec in recs.items():
+        assert RECORD_KEYS <= rec.keys(), RECORD_KEYS - rec.keys()
+        assert rec["n_samples"] == expect[rec["task"]]
+        samples = read_jsonl(path / "samples.jsonl")
+        assert len(samples) == rec["n_samples"]
+        env = json.loads((path / "env.json").read_text())
+        assert ENV_KEYS <= env.keys() and env["packages"]["torch"] == torch.__version__.split("+")[0] or True
+        assert len(env["git_commit"] or "") in (0, 40) and env["torch_threads"] >= 1
+        cfg = OmegaConf.load(path / "config.yaml")
+        assert cfg.policy.name == rec["policy"] and cfg.task.name == rec["task"] and cfg.model.name == "tiny-llama"
+        assert path.parts[-5:-2] == (rec["task"], f"shots{rec['shots']}", rec["policy"])
+        kind = rec["task_kind"]
+        if kind == "multiple_choice":
+            assert 0 <= rec["metrics"]["acc"] <= 1 and "acc_norm" in rec["metrics"] and "acc_stderr" in rec["metrics"]
+            assert all(len(s["loglikelihoods"]) >= 2 for s in samples)
+            assert rec["semantics"] == "simulated"
+        elif kind == "perplexity":
+            assert rec["metrics"]["ppl"] > 1 and rec["semantics"] == "simulated"
+        else:
+            assert kind == "summarization" and rec["semantics"] == "real"
+            assert {"rouge1", "rouge2", "rougeL"} <= rec["metrics"].keys()
+            assert all({"doc_id", "prompt", "generation", "reference", "rouge2"} <= s.keys() for s in samples)
+            assert all(s["prompt"].startswith("###\nArticle: ") for s in samples)
+    return recs
+
+
+@pytest.mark.slow
+def test_sweep_basic_launcher_end_to_end_with_wandb(tmp_path):
+    args = ["-m", *TINY, "task=bb_copa,bb_xsum,austen_ppl", "policy=full,h2o", f"runs_dir={tmp_path}/runs",
+            "logger=wandb"]
+    out = h2o_run(args, tmp_path, env={"WANDB_MODE": "offline"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = check_records(tmp_path / "runs", {"bb_copa": 3, "bb_xsum": 2, "austen_ppl": 2})
+    assert len(recs) == 6
+    h2o = {r["task"]: r for r in recs.values() if r["policy"] == "h2o"}
+    assert h2o["bb_xsum"]["kv_bytes_per_seq"] < {r["task"]: r for r in recs.values()
+                                                  if r["policy"] == "full"}["bb_xsum"]["kv_bytes_per_seq"] / 3
+    assert list((tmp_path / "runs" / ".wandb").rglob("*.wandb")), "wandb offline files expected"
+    jobs = read_jsonl(next((tmp_path / "multirun").rglob("jobs.jsonl")))
+    assert sorted(j["status"] for j in jobs) == ["done"] * 6
+    stamps = {p: (p / "metrics.json").stat().st_mtime_ns for p in recs}
+    again = h2o_run(args[:-1], tmp_path)  # rerun: everything is skipped, nothing rewritten
+    assert again.returncode == 0 and again.stderr.count("skip, finished already") == 6, again.stderr[-2000:]
+    assert stamps == {p: (p / "metrics.json").stat().st_mtime_ns for p in records(tmp_path / "runs")}
+
+
+@pytest.mark.slow
+def test_sweep_submitit_local_launcher(tmp_path):
+    args = ["-m", *TINY, "task=bb_copa", "policy=full,local", f"runs_dir={tmp_path}/runs",
+            "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5", "hydra.launcher.cpus_per_task=1"]
+    out = h2o_run(args, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = check_records(tmp_path / "runs", {"bb_copa": 3})
+    assert sorted(r["policy"] for r in recs.values()) == ["full", "local"]
+    assert all(json.loads((p / "env.json").read_text())["torch_threads"] == 1 for p in recs)
+    assert list((tmp_path / "multirun").rglob(".submitit"))
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_exactly_the_missing_runs(tmp_path):
+    args = ["-m", *TINY, "task=austen_ppl", "policy=full,local,streaming_llm,h2o", f"runs_dir={tmp_path}/runs"]
+    dead = h2o_run(args, tmp_path, env={"H2O_TEST_CRASH_AT": "3"})
+    assert dead.returncode == 17, dead.stderr[-2000:]
+    first = records(tmp_path / "runs")
+    assert sorted(r["policy"] for r in first.values()) == ["full", "local"]
+    torn = [p.parent for p in (tmp_path / "runs").rglob("config.yaml") if p.parent not in first]
+    assert len(torn) == 1 and "streaming_llm" in str(torn[0])
+    assert (torn[0] / "samples.jsonl").read_text().endswith("torn")  # a torn file, as a kill leaves it
+    stamps = {p: (p / "metrics.json").stat().st_mtime_ns for p in first}
+    again = h2o_run(args, tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    recs = check_records(tmp_path / "runs", {"austen_ppl": 2})
+    assert sorted(r["policy"] for r in recs.values()) == ["full", "h2o", "local", "streaming_llm"]
+    assert stamps == {p: (p / "metrics.json").stat().st_mtime_ns for p in first}  # finished runs untouched
+    jobs = read_jsonl(sorted((tmp_path / "multirun").rglob("jobs.jsonl"))[-1])
+    assert sorted(j["status"] for j in jobs) == ["done", "done", "skipped", "skipped"]
+    assert not list((tmp_path / "runs").rglob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
+    # the reference mask rule exists for h2o only, and semantics is validated per job before anything runs:
+    # an unknown dataset file instead fails at run time (after validation) in one job only
+    args = ["-m", *TINY, "task=austen_ppl,bb_copa", "policy=local", f"runs_dir={tmp_path}/runs",
+            "task_overrides.austen_ppl.n_windows=100000"]
+    out = h2o_run(args, tmp_path)
+    assert out.returncode == 1
+    assert "FAILED job" in out.stderr and "fewer than" in out.stderr
+    assert [r["task"] for r in records(tmp_path / "runs").values()] == ["bb_copa"]
+    fails = read_jsonl(next((tmp_path / "multirun").rglob("failures.jsonl")))
+    assert len(fails) == 1 and "task=austen_ppl" in fails[0]["overrides"] and fails[0]["traceback"]
+
+
+# ------------------------------------------------------------------------------------------ lm-eval
+@pytest.fixture(scope="module")
+def tiny():
+    from h2o.models_spec import ModelSpec
+
+    return ModelSpec("tiny-llama", "tiny:llama").load()
+
+
+def test_padding_layout_round_trip():
+    from h2o.lm_eval_model import from_left_padding, to_left_padding
+
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0], [11, 0, 0, 0]])
+    lengths = torch.tensor([4, 2, 1])
+    left, mask = to_left_padding(ids, lengths)
+    assert left.tolist() == [[5, 6, 7, 8], [0, 0, 9, 10], [0, 0, 0, 11]]
+    assert mask.sum(-1).tolist() == [4, 2, 1]
+    back = from_left_padding(left[:, :, None].float(), lengths)[..., 0].long()
+    assert [back[b, :n].tolist() for b, n in enumerate(lengths.tolist())] == [[5, 6, 7, 8], [9, 10], [11]]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming_llm"])
+def test_lm_eval_batches_equal_single_requests_and_mean_scoring(tiny, policy):
+    """Batch size does not change any log-likelihood (true lengths, not the padded one, set the budget)."""
+    from h2o.evaluate import LmEvalTask
+
+    model, tok = tiny
+    runs = {bs: LmEvalTask("bb_piqa", "bb_piqa", "tasks", shots=0, limit=4, batch_size=bs).run(
+        model, tok, make_policy(policy, budget=0.3), "simulated", 0) for bs in (1, 4)}
+    one, four = ([s["loglikelihoods"] for s in runs[bs].samples] for bs in (1, 4))
+    assert len(one) == 4 and max(len(x) for x in one) > 1
+    assert torch.allclose(torch.tensor(sum(one, [])), torch.tensor(sum(four, [])), atol=1e-3)
+    mean = LmEvalTask("bb_piqa", "bb_piqa", "tasks", shots=0, limit=4, batch_size=4, scoring="mean").run(
+        model, tok, make_policy(policy, budget=0.3), "simulated", 0)
+    choices = [s["loglikelihoods"] for s in mean.samples]
+    ratios = [s / m for a, b in zip(one, choices) for s, m in zip(a, b)]
+    assert all(r >= 1 - 1e-4 for r in ratios) and len(set(round(r) for r in ratios)) > 1  # divided by token counts
+
+
+def test_lm_eval_model_rejects_bad_args(tiny):
+    from h2o.lm_eval_model import H2OLM
+
+    model, tok = tiny
+    with pytest.raises(PolicyError, match="allowed"):
+        H2OLM(pretrained=model, tokenizer=tok, policy="nope")
+    with pytest.raises(PolicyError, match="scoring"):
+        H2OLM(pretrained=model, tokenizer=tok, policy="h2o", budget=0.2, scoring="avg")
+    with pytest.raises(ConfigError):
+        build("task", OmegaConf.create({"_target_": "h2o.evaluate.LmEvalTask", "name": "x", "lm_eval_task": "nope",
+                                        "include_path": "tasks"}))
+
+
+@pytest.mark.slow
+def test_lm_eval_cli_with_model_h2o_offline(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "h2o.lm_eval_cli", "--model", "h2o", "--model_args",
+                          "pretrained=tiny:llama,policy=h2o,heavy=0.1,recent=0.1", "--tasks", "bb_copa",
+                          "--include_path", str(REPO / "tasks"), "--limit", "3", "--num_fewshot", "0",
+                          "--batch_size", "2", "--output_path", str(tmp_path / "out"), "--device", "cpu"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
+    assert 0 <= result["results"]["bb_copa"]["acc,none"] <= 1
+    assert result["config"]["model_args"]["policy"] == "h2o" and result["config"]["model_args"]["heavy"] == 0.1
+
+
+# ------------------------------------------------------------------------------------ summarization
+def test_helm_prompt_and_example_selection(tiny):
+    from h2o.summarize import SummarizationTask, block, clean
+
+    assert block("A b.", 1, "S.") == "###\nArticle: A b.\n\nSummarize the above article in 1 sentence.\nS.\n"
+    assert block("A b.", 3).endswith("in 3 sentences.\n")
+    assert clean("a\n b  c", 2) == "a b"
+    task = SummarizationTask("bb_xsum", "bb_xsum", shots=5, limit=7, subset_seed=0)
+    shots, test = task.examples()
+    assert len(shots) == 5 and all(50 <= len(clean(s["article"], 512).split()) <= 150 for s in shots)
+    assert len(test) == 7 and [r["id"] for r in test] == [r["id"] for r in task.examples()[1]]  # fixed subset
+    _, tok = tiny
+    text = task.prompt(shots, test[0], tok, 100_000)
+    assert text.count("###\nArticle: ") == 6 and text.endswith("Summarize the above article in 1 sentence.\n")
+    assert text.startswith(block(clean(shots[0]["article"], 512), 1, clean(shots[0]["summary"])) + "\n###")
+    short = task.prompt(shots, test[0], tok, 2000)  # too long: whole in-context blocks go first
+    assert len(tok(short).input_ids) <= 2000 and short.count("###\nArticle: ") < 6
+    with pytest.raises(ConfigError, match="temperature"):
+        SummarizationTask("x", "bb_xsum", temperature=0.0)
+
+
+def test_console_script_finds_the_configs(tmp_path):
+    script = Path(sys.executable).parent / "h2o-run"
+    if not script.exists():
+        pytest.skip("package not installed with its console script")
+    out = subprocess.run([str(script), "policy=streaming_llm", "policy.sinks=-1"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().startswith("error: sinks=-1"), out.stderr[-2000:]
