@@ -75,8 +75,11 @@ def execute(plan: Plan) -> dict:
     model, tokenizer = plan.model.load()
     result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.cfg.seed)
     ended = time.time()
+    files = result.info.pop("files", {})  # extra record files of a task (observations.json)
     record = {**plan.head(), "n_samples": result.n_samples, "metrics": result.metrics,
               "wall_s": round(ended - started, 3), **result.info}
+    for name, content in files.items():
+        write_json(plan.path / name, content)
     write_jsonl(plan.path / "samples.jsonl", result.samples)
     write_json(plan.path / "env.json", env_info(started, ended))
     write_json(plan.path / "metrics.json", record)  # last: the run is finished once this exists
