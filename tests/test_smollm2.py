@@ -8,6 +8,7 @@ from h2o.data import austen_text
 from h2o.models import load_model
 
 pytestmark = pytest.mark.slow
+REAL_CHECKED = ("full", "h2o", "streaming_llm", "topk_h2")
 
 
 @pytest.fixture(scope="module")
@@ -41,20 +42,23 @@ def test_full_budget_equals_the_model_on_smollm2(smol):
     other matmul shapes: transformers' own DynamicCache decoding differs from a full forward by ~5e-5 on this
     30-layer model, so they are held to 1e-4 and the measured gaps are printed."""
     model, ids = smol
-    ids = ids[:, :80]
+    ids = ids[:, :72]
     with torch.no_grad():
         ref = model(ids).logits
         dyn = DynamicCache(config=model.config)
         plain = torch.cat([model(ids[:, :64], cache=dyn).logits]
-                          + [model(ids[:, t:t + 1], cache=dyn).logits for t in range(64, 80)], 1)
+                          + [model(ids[:, t:t + 1], cache=dyn).logits for t in range(64, 72)], 1)
         for name in POLICIES:
             policy = make_policy(name, budget=1.0)
             with attach(model, policy):
                 sim = model(ids).logits
+            if name not in REAL_CHECKED:  # every policy's real path at 100% is checked on the tiny models
+                assert torch.allclose(sim, ref, atol=1e-5)
+                continue
             with attach(model, policy, mode="real") as h:
                 cache = h.new_cache()
                 real = torch.cat([model(ids[:, :64], cache=cache).logits]
-                                 + [model(ids[:, t:t + 1], cache=cache).logits for t in range(64, 80)], 1)
+                                 + [model(ids[:, t:t + 1], cache=cache).logits for t in range(64, 72)], 1)
             gap, plain_gap = (real - ref).abs().max().item(), (plain - ref).abs().max().item()
             print(f"{name}: decode gap {gap:.1e} (DynamicCache's own: {plain_gap:.1e})")
             assert torch.allclose(sim, ref, atol=1e-5)
