@@ -12,8 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from h2o.models_spec import ConfigError
 from h2o.records import REPO
-from h2o.taskspec import Result, TaskSpec, check, positive_or_none
+from h2o.taskspec import Result, TaskSpec, check, check_hub_data, positive_or_none
 
 METRICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
 
@@ -32,6 +33,37 @@ def yaml_task_names(folder: Path) -> list[str]:
             if line.startswith("task:"):
                 names.append(line.split(":", 1)[1].strip().strip("'\""))
     return names
+
+
+def check_yaml(folder: Path) -> None:
+    """ConfigError naming the first task YAML of ``folder`` that does not parse (lm-eval's ``!function`` tags
+    and the like are accepted as plain values)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("", lambda loader, tag, node: None)
+    for f in sorted([*folder.glob("*.yaml"), *folder.glob("*_yaml")]):
+        try:
+            yaml.load(f.read_text(encoding="utf-8"), Loader=Loader)
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            where = getattr(exc, "problem_mark", None)
+            at = f" line {where.line + 1}" if where is not None else ""
+            raise ConfigError(f"task.include_path={str(folder)!r}: {f.name}{at} is not valid YAML "
+                              f"({getattr(exc, 'problem', None) or type(exc).__name__}); expected lm-eval task YAMLs") from None
+
+
+def offline_train_rows(task: str) -> int | None:
+    """Rows of an offline task's converted train split (``<cache>/lm_eval/v1/<task>/train.jsonl``), counted
+    without parsing; None if it is not an offline task or not converted yet."""
+    from h2o.paths import cache_dir
+
+    path = cache_dir() / "lm_eval" / "v1" / task / "train.jsonl"
+    if not path.is_file():
+        return None
+    with open(path, "rb") as fh:
+        return sum(1 for line in fh if line.strip())
 
 
 @dataclass
@@ -59,6 +91,12 @@ class LmEvalTask(TaskSpec):
             names = yaml_task_names(folder)
             check(self.lm_eval_task in names, f"task.lm_eval_task={self.lm_eval_task!r}: not in {folder}; "
                                               f"allowed: {', '.join(names)}")
+            check_yaml(folder)
+            n_train = offline_train_rows(self.lm_eval_task)
+            check(n_train is None or self.shots <= n_train, f"task.shots={self.shots}: task {self.lm_eval_task} has "
+                                                            f"{n_train} train examples (the few-shot pool); allowed: 0-{n_train}")
+        else:
+            check_hub_data(self.name, f"lm-eval task {self.lm_eval_task}", (self.lm_eval_task,))
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

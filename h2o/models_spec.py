@@ -45,6 +45,28 @@ class ModelSpec:
         if str(self.pretrained).startswith("tiny:") and self.pretrained[5:] not in TINY_ARCHS:
             raise ConfigError(f"model.pretrained={self.pretrained!r}: allowed tiny:<arch> with arch in "
                               f"{', '.join(TINY_ARCHS)}")
+        check_device(self.device_map)
+
+    def max_positions(self) -> int | None:
+        """The longest sequence the model takes (its config's max_position_embeddings / n_positions), read
+        without loading weights: the tiny models' constant, or a local folder's config.json; None if unknown."""
+        if str(self.pretrained).startswith("tiny:"):
+            from h2o.tiny import MAX_POSITIONS
+
+            return MAX_POSITIONS
+        import json
+        from pathlib import Path
+
+        cfg = Path(str(self.pretrained)).expanduser() / "config.json"
+        if cfg.is_file():
+            try:
+                data = json.loads(cfg.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                return None
+            for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+                if isinstance(data.get(key), int):
+                    return data[key]
+        return None
 
     def key(self) -> tuple:
         return (self.pretrained, self.dtype, str(self.device_map))
@@ -55,6 +77,23 @@ class ModelSpec:
             release()
             _LOADED[self.key()] = load_model(resolve_pretrained(self.pretrained), self.dtype, self.device_map)
         return _LOADED[self.key()]
+
+
+def check_device(device_map: Any) -> None:
+    """ConfigError when ``device_map`` asks for a CUDA device this machine does not have (cheap: no model)."""
+    values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    wanted = [str(v) for v in values if v is not None and (str(v).startswith("cuda") or isinstance(v, int))]
+    if not wanted:
+        return
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for v in wanted:
+        index = int(v) if v.isdigit() else int(v.split(":", 1)[1]) if ":" in v and v.split(":", 1)[1].isdigit() else 0
+        if index >= n:
+            have = f"{n} CUDA device(s)" if n else "no CUDA device"
+            raise ConfigError(f"model.device_map={device_map!r}: this machine has {have}; allowed: null, cpu, auto"
+                              + (f", cuda:0-{n - 1}" if n else ""))
 
 
 def release() -> None:

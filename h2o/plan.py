@@ -37,7 +37,18 @@ def build(group: str, node: DictConfig) -> Any:
         raise ConfigError(f"{group}._target_={target!r}: cannot import ({exc})") from None
     try:
         return factory(**options)
-    except TypeError as exc:
+    except (TypeError, PolicyError) as exc:  # make_policy turns the TypeError into a PolicyError
+        import re
+
+        unknown = re.search(r"unexpected keyword argument '([^']+)'", str(exc))
+        if isinstance(exc, PolicyError) and not unknown:
+            raise
+        if unknown:
+            from h2o.records import group_defaults
+
+            allowed = [k for k in group_defaults(group, str(options.get("name"))) if k != "_target_"]
+            raise ConfigError(f"{group}.{unknown.group(1)}: no such option for {group}={options.get('name')}; "
+                              f"allowed: {', '.join(allowed) or '(see conf/' + group + ')'}") from None
         raise ConfigError(f"{group}={options.get('name')}: {exc}") from None
 
 
@@ -67,7 +78,10 @@ class Plan:
                 "task_kind": self.task.kind, "policy": self.policy.name, "budget": self.policy.budget,
                 "heavy": self.policy.heavy, "recent": self.policy.recent, "shots": self.task.shots,
                 "semantics": self.semantics, "seed": self.cfg.seed, "evicts": bool(self.policy.evicts),
-                "limit": self.cfg.task.get("limit"), **extra}
+                "limit": self.cfg.task.get("limit"),
+                "policy_options": {k: v for k, v in OmegaConf.to_container(self.cfg.policy, resolve=True).items()
+                                   if k not in ("_target_", "name")},
+                **extra}
 
 
 def prepare(cfg: DictConfig) -> Plan:
@@ -78,15 +92,35 @@ def prepare(cfg: DictConfig) -> Plan:
     model = build("model", cfg.model)
     if not isinstance(task, TaskSpec):
         raise ConfigError(f"task={cfg.task.name}: _target_ must build an h2o.taskspec.TaskSpec")
-    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool):
-        raise ConfigError(f"seed={cfg.seed!r}: expected an int")
+    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not 0 <= cfg.seed < 2**32:
+        raise ConfigError(f"seed={cfg.seed!r}: expected an int in [0, 2**32)")
     if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):
         raise ConfigError(f"threads={cfg.threads!r}: expected a positive int or null")
     semantics = task.resolve_semantics(cfg.semantics)
     if semantics == "reference" and policy.name not in REFERENCE_POLICIES:
         raise ConfigError(f"semantics=reference: the paper code's mask rule exists for policy "
                           f"{' or '.join(REFERENCE_POLICIES)} only (got {policy.name})")
-    return Plan(cfg, model, task, policy, semantics, run_dir(cfg, policy, task.semantics[0]))
+    window = getattr(task, "window", None)
+    max_pos = model.max_positions()
+    if isinstance(window, int) and max_pos is not None and window > max_pos:
+        raise ConfigError(f"task.window={window}: longer than model {model.name}'s context of {max_pos} tokens; "
+                          f"allowed: 2-{max_pos}")
+    path = run_dir(cfg, policy, task.semantics[0])
+    check_writable(path, cfg.runs_dir)
+    return Plan(cfg, model, task, policy, semantics, path)
+
+
+def check_writable(path: Path, runs_dir) -> None:
+    """ConfigError unless ``path`` can be created: its nearest existing ancestor is a writable folder."""
+    import os
+
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"runs_dir={runs_dir!r}: {probe} is a file, not a folder; expected a writable folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"runs_dir={runs_dir!r}: {probe} is not writable; expected a writable folder")
 
 
 __all__ = ["Plan", "prepare", "build", "ConfigError", "PolicyError"]

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from transformers import StoppingCriteria
 
-from h2o.taskspec import Result, TaskSpec, check, positive_or_none
+from h2o.taskspec import Result, TaskSpec, check, check_hub_data, positive_or_none
 
 DATASETS = {  # name -> (hub path, config, article field, summary field); bb_xsum is offline (h2o.data)
     "xsum": ("EdinburghNLP/xsum", None, "document", "summary"),
@@ -107,6 +107,9 @@ class SummarizationTask(TaskSpec):
             positive_or_none(f"task.{key}", getattr(self, key))
         check(self.greedy or float(self.temperature) > 0, f"task.temperature={self.temperature}: must be > 0 "
                                                           "when sampling (or set task.greedy=true)")
+        hub_path = DATASETS[self.dataset][0]
+        if hub_path is not None:
+            check_hub_data(self.name, hub_path, (hub_path, hub_path.split("/")[-1]))
 
     # ------------------------------------------------------------------------------- prompts
     def examples(self) -> tuple[list[dict], list[dict]]:

@@ -42,7 +42,7 @@ class TaskSpec:
         return requested
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:  # pragma: no cover - abstract
-        raise NotImplementedError
+        raise NotImplementedError  # abstract
 
 
 def check(cond: bool, message: str) -> None:
@@ -54,3 +54,43 @@ def check(cond: bool, message: str) -> None:
 def positive_or_none(name: str, value) -> None:
     check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
           f"{name}={value!r}: expected a positive int or null")
+
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def offline_flag() -> str | None:
+    """The name of the set offline switch (HF_DATASETS_OFFLINE / HF_HUB_OFFLINE), or None."""
+    import os
+
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in _TRUE:
+            return var
+    return None
+
+
+def hub_data_cached(*names: str) -> bool:
+    """Whether the Hugging Face caches (datasets, hub) hold a folder whose name mentions one of ``names``
+    (two levels deep: ``<owner>___<name>/<config>``, ``datasets--<owner>--<name>``). A cheap scan, no loading."""
+    import os
+    from pathlib import Path
+
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    roots = [Path(os.environ.get("HF_DATASETS_CACHE", home / "datasets")).expanduser(),
+             Path(os.environ.get("HF_HUB_CACHE", home / "hub")).expanduser()]
+    wanted = [n.lower().replace("/", "___") for n in names if n] + [n.lower().replace("/", "--") for n in names if n]
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for entry in [*root.glob("*"), *root.glob("*/*")]:
+            if entry.is_dir() and any(w in entry.name.lower() for w in wanted):
+                return True
+    return False
+
+
+def check_hub_data(task: str, dataset: str, names: tuple[str, ...]) -> None:
+    """ConfigError when an offline switch is set and the hub data set is not in the local cache."""
+    flag = offline_flag()
+    check(flag is None or hub_data_cached(*names),
+          f"task={task}: needs hub data ({dataset}) but {flag}=1 and it is not in the local Hugging Face cache; "
+          f"allowed offline: the bb_* tasks and austen_ppl (or unset {flag})")
