@@ -120,10 +120,13 @@ def row_loop(policy, logits, valid, pos, counts, keep, acc, out, start):
     """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention."""
     B, Hkv, G, T, _ = logits.shape
     posH = pos[:, None, :].expand(B, Hkv, T)
+    before = valid.long().cumsum(-1) - valid.long()  # (B, T) tokens before each column; the cache holds min(., K)
+    rooms = (before < counts.total[:, None]) | ~valid  # (B, T) below budget (or a pad: nothing to evict)
+    padded = not bool(valid[:, start:].all())
     for i in range(start, T):
         tok = valid[:, i]  # (B,)
         if policy.evicts:
-            room = (keep[:, 0].sum(-1) < counts.total) | ~tok
+            room = rooms[:, i]
             held = posH.masked_fill(~keep, -1)  # the state as the cache sees it: -1 = not held
             slot = select_slot(policy.priority(held, acc, pos[:, i], counts), held, keep, room)
             keep.scatter_(-1, slot, False)
@@ -136,7 +139,7 @@ def row_loop(policy, logits, valid, pos, counts, keep, acc, out, start):
         out[..., i, :] = row
         if policy.needs_scores:
             p = masked_softmax(logits[..., i, :], row)  # (B, Hkv, G, T)
-            acc += p.sum(2) * tok[:, None, None]
+            acc += p.sum(2) * tok[:, None, None] if padded else p.sum(2)
 
 
 def idx_rows(T: int, prompt_len: int, device) -> torch.Tensor:
