@@ -95,7 +95,7 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int) -> t
     ref_len = valid[:, :prompt_len].sum(-1) if prompt_len else valid.sum(-1)
     counts = policy.counts(ref_len)
     if not policy.evicts and not policy.needs_scores:  # top-k: a pure function of each row's logits
-        rows = idx_rows(T, prompt_len, logits.device)
+        rows = (torch.arange(T, device=logits.device) >= prompt_len)[:, None]  # (T, 1) decoding rows
         return torch.where(rows, policy.restrict(logits, None, allowed, counts), allowed)
 
     # rows < start need no eviction: the prompt, and the steps before any sequence's budget is full
@@ -112,14 +112,13 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int) -> t
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
     with serial(logits.device):
-        row_loop(policy, logits, valid, pos, counts, keep, acc, out, start)
+        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start)
     return out
 
 
-def row_loop(policy, logits, valid, pos, counts, keep, acc, out, start):
+def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start):
     """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention."""
-    B, Hkv, G, T, _ = logits.shape
-    posH = pos[:, None, :].expand(B, Hkv, T)
+    T = logits.shape[-1]
     before = valid.long().cumsum(-1) - valid.long()  # (B, T) tokens before each column; the cache holds min(., K)
     rooms = (before < counts.total[:, None]) | ~valid  # (B, T) below budget (or a pad: nothing to evict)
     padded = not bool(valid[:, start:].all())
@@ -141,7 +140,3 @@ def row_loop(policy, logits, valid, pos, counts, keep, acc, out, start):
             p = masked_softmax(logits[..., i, :], row)  # (B, Hkv, G, T)
             acc += p.sum(2) * tok[:, None, None] if padded else p.sum(2)
 
-
-def idx_rows(T: int, prompt_len: int, device) -> torch.Tensor:
-    """(T, 1) bool: rows that are decoding steps (>= prompt_len)."""
-    return (torch.arange(T, device=device) >= prompt_len)[:, None]
