@@ -24,10 +24,10 @@ test: install ## run the test suite (what CI runs)
 	$(PY) -m pytest -q
 
 data: install ## fetch bigbench files and Austen novels into the cache
-	$(PY) -m h2o.data
+	$(PY) -m h2o.assets.data
 
 model: install ## fetch SmolLM2-135M into the cache
-	$(PY) -m h2o.models fetch
+	$(PY) -m h2o.assets.models fetch
 
 tables: install ## regenerate the paper's tables from runs/
 	$(PY) -m analysis tables --runs runs --out analysis/out
@@ -39,10 +39,10 @@ figures: install ## regenerate the figures from runs/
 ARGS ?=
 sweep: install ## run experiment EXP (default: the CPU SmolLM2 sweep) on LAUNCHER (basic|submitit_local|slurm), then tables and figures; DRY=1 only lists the jobs
 ifneq ($(DRY),)
-	$(PY) -m h2o.sweep experiment=$(EXP) $(ARGS)
+	$(PY) -m h2o.pipeline.sweep experiment=$(EXP) $(ARGS)
 else
 	@mkdir -p runs && rm -f runs/.sweep-failed
-	$(PY) -m h2o.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(ARGS) || touch runs/.sweep-failed
+	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(ARGS) || touch runs/.sweep-failed
 	$(MAKE) --no-print-directory tables figures
 	@if [ -e runs/.sweep-failed ]; then rm -f runs/.sweep-failed; echo "sweep: some jobs failed (listed above)"; exit 1; fi
 endif
@@ -60,7 +60,7 @@ BENCH_REPEATS ?= 3
 BENCH_OUT ?= runs/bench.jsonl
 bench: install ## throughput, latency and KV memory vs full and transformers' caches (BENCH_* sizes)
 	@mkdir -p $(dir $(BENCH_OUT))
-	$(PY) -m h2o.benchmark --suite targets --model smollm2-135m --threads $(BENCH_THREADS) \
+	$(PY) -m h2o.bench --suite targets --model smollm2-135m --threads $(BENCH_THREADS) \
 		--long $(BENCH_LONG) --short $(BENCH_SHORT) --e2e $(BENCH_E2E) --sim $(BENCH_SIM) \
 		--gen $(BENCH_GEN) --repeats $(BENCH_REPEATS) --json $(BENCH_OUT)
 
@@ -68,7 +68,7 @@ STREAM_TOKENS ?= 20000
 STREAM_BUDGETS ?= 64,128,256
 STREAM_CHUNK ?= 32
 stream: install ## streaming perplexity on Austen: h2o vs streaming_llm vs local (STREAM_* sizes)
-	$(PY) -m h2o.streaming --text austen --tokens $(STREAM_TOKENS) --budgets $(STREAM_BUDGETS) \
+	$(PY) -m h2o.bench.streaming --text austen --tokens $(STREAM_TOKENS) --budgets $(STREAM_BUDGETS) \
 		--chunk $(STREAM_CHUNK) --threads $(BENCH_THREADS) --runs runs --progress 100
 
 .PHONY: help install test tables figures data model bench stream sweep

@@ -1,14 +1,16 @@
-"""h2o.benchmark and h2o.streaming on tiny random models: values, not timings."""
+"""h2o.bench.throughput and h2o.bench.streaming on tiny random models: values, not timings."""
 import math
 
 import pytest
 import torch
 
 from h2o import attach, make_policy
-from h2o.benchmark import (Variant, benchmark, budget_tokens, fork_cache, kv_bytes, make_variants, run_once,
-                           shared_prefill, simulated_forward, variant_context)
-from h2o.models import tiny_model
-from h2o.streaming import CachePositions, KeyShifter, flatness, stream
+from h2o.bench.measure import kv_bytes
+from h2o.bench.simulated import simulated_forward
+from h2o.bench.throughput import (Variant, benchmark, budget_tokens, fork_cache, make_variants, run_once, shared_prefill,
+                                  variant_context)
+from h2o.assets.models import tiny_model
+from h2o.bench.streaming import CachePositions, KeyShifter, flatness, stream
 
 T, GEN, B = 105, 6, 2  # 10% of 105 = 10.5: floor makes the budget 20 tokens, one below 0.2 * 105
 METRICS = {"throughput_tok_s", "decode_tok_s", "latency_s", "kv_bytes", "kv_bytes_max", "peak_mem_bytes"}
@@ -218,7 +220,7 @@ def test_suite_targets_runs_end_to_end(model, capsys):
     """``make bench``'s code path on the tiny model at tiny sizes: every part runs and the targets are checked."""
     from argparse import Namespace
 
-    from h2o.benchmark import check_targets, suite_targets
+    from h2o.bench.__main__ import check_targets, suite_targets
     args = Namespace(long="40,3", short="32,1", e2e="24,2", sim=24, gen=3, repeats=1, warmup=0, seed=0,
                      model="tiny", prefill_chunk=16, max_batch=1, max_batch_cap=6)
     recs = suite_targets(model, args)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from h2o import data
-from h2o.paths import cache_dir
+from h2o.assets import data
+from h2o.assets.paths import cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
 MC_TASKS = ("bb_copa", "bb_mathqa", "bb_piqa", "bb_entailment")

@@ -17,12 +17,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from h2o.policies import make_policy
-from h2o.models_spec import ConfigError
-from h2o.plan import build, prepare
-from h2o.policies import PolicyError
-from h2o.records import CONF, REPO, budget_label, fmt, read_jsonl, runs_root
-from h2o.sweep import Composer, _compose, expand
+from h2o.core.policies import make_policy
+from h2o.assets.model_spec import ConfigError
+from h2o.pipeline.plan import build, prepare
+from h2o.core.policies import PolicyError
+from h2o.pipeline.records import CONF, REPO, budget_label, fmt, read_jsonl, runs_root
+from h2o.pipeline.sweep import Composer, _compose, expand
 
 GROUPS = ("model", "task", "policy", "logger", "experiment")
 RECORD_KEYS = {"experiment", "model", "task", "task_kind", "policy", "budget", "heavy", "recent", "shots",
@@ -41,7 +41,7 @@ def files(group: str) -> list[str]:
 
 def h2o_run(args: list[str], cwd: Path, env: dict | None = None, timeout: int = 400) -> subprocess.CompletedProcess:
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "h2o.run", *args], cwd=cwd, env=environ, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "h2o.pipeline.run", *args], cwd=cwd, env=environ, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -61,9 +61,9 @@ def hydra_ctx():
 @pytest.mark.parametrize("group", ["model", "task", "policy"])
 def test_every_group_file_composes_and_builds(hydra_ctx, group):
     """Each file: name == file name, builds its object (_target_), and a run with it validates."""
-    from h2o.models_spec import ModelSpec
-    from h2o.policies import Policy
-    from h2o.taskspec import TaskSpec
+    from h2o.assets.model_spec import ModelSpec
+    from h2o.core.policies import Policy
+    from h2o.tasks.base import TaskSpec
 
     kinds = {"model": ModelSpec, "task": TaskSpec, "policy": Policy}
     names = files(group)
@@ -76,7 +76,7 @@ def test_every_group_file_composes_and_builds(hydra_ctx, group):
         plan = prepare(cfg)
         rel = plan.path.relative_to(runs_root(plan.cfg)).parts
         assert rel[:5] == ("adhoc", cfg.model.name, cfg.task.name, f"shots{cfg.task.shots}", plan.policy.name)
-    from h2o.policies import POLICIES
+    from h2o.core.policies import POLICIES
 
     if group == "policy":
         assert set(names) == set(POLICIES)
@@ -117,7 +117,7 @@ def test_model_task_logger_launcher_details(hydra_ctx, monkeypatch):
 
 def test_every_experiment_expands_and_fast_compose_equals_hydra(hydra_ctx):
     """Each experiment's jobs validate (table1: see the dry-run test); the fast composer gives Hydra's config."""
-    from h2o.sweep import job_overrides
+    from h2o.pipeline.sweep import job_overrides
 
     composer = Composer()
     for exp in files("experiment"):
@@ -139,8 +139,8 @@ def test_every_experiment_expands_and_fast_compose_equals_hydra(hydra_ctx):
     (["-m", "policy=h2o,local", "policy.budget=0.2,-1"], ["budget"]),
 ])
 def test_bad_values_exit_2_with_one_line_before_any_load(args, words, capsys, tmp_path, monkeypatch):
-    from h2o import models_spec
-    from h2o.run import main
+    from h2o.assets import model_spec as models_spec
+    from h2o.pipeline.run import main
 
     monkeypatch.chdir(tmp_path)
     assert main(args) == 2
@@ -151,7 +151,7 @@ def test_bad_values_exit_2_with_one_line_before_any_load(args, words, capsys, tm
 
 # ------------------------------------------------------------------------------------------ dry run
 def test_dry_run_table1_lists_every_job(capsys):
-    from h2o.sweep import main
+    from h2o.pipeline.sweep import main
 
     assert main(["experiment=table1"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
@@ -275,13 +275,13 @@ def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
 # ------------------------------------------------------------------------------------------ lm-eval
 @pytest.fixture(scope="module")
 def tiny():
-    from h2o.models_spec import ModelSpec
+    from h2o.assets.model_spec import ModelSpec
 
     return ModelSpec("tiny-llama", "tiny:llama").load()
 
 
 def test_padding_layout_round_trip():
-    from h2o.lm_eval_model import from_left_padding, to_left_padding
+    from h2o.tasks.lm_eval_model import from_left_padding, to_left_padding
 
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 0, 0], [11, 0, 0, 0]])
     lengths = torch.tensor([4, 2, 1])
@@ -295,7 +295,7 @@ def test_padding_layout_round_trip():
 @pytest.mark.parametrize("policy", ["h2o", "streaming_llm"])
 def test_lm_eval_batches_equal_single_requests_and_mean_scoring(tiny, policy):
     """Batch size does not change any log-likelihood (true lengths, not the padded one, set the budget)."""
-    from h2o.evaluate import LmEvalTask
+    from h2o.tasks.multiple_choice import LmEvalTask
 
     model, tok = tiny
     runs = {bs: LmEvalTask("bb_piqa", "bb_piqa", "tasks", shots=0, limit=4, batch_size=bs).run(
@@ -311,7 +311,7 @@ def test_lm_eval_batches_equal_single_requests_and_mean_scoring(tiny, policy):
 
 
 def test_lm_eval_model_rejects_bad_args(tiny):
-    from h2o.lm_eval_model import H2OLM
+    from h2o.tasks.lm_eval_model import H2OLM
 
     model, tok = tiny
     with pytest.raises(PolicyError, match="allowed"):
@@ -319,13 +319,13 @@ def test_lm_eval_model_rejects_bad_args(tiny):
     with pytest.raises(PolicyError, match="scoring"):
         H2OLM(pretrained=model, tokenizer=tok, policy="h2o", budget=0.2, scoring="avg")
     with pytest.raises(ConfigError):
-        build("task", OmegaConf.create({"_target_": "h2o.evaluate.LmEvalTask", "name": "x", "lm_eval_task": "nope",
+        build("task", OmegaConf.create({"_target_": "h2o.tasks.multiple_choice.LmEvalTask", "name": "x", "lm_eval_task": "nope",
                                         "include_path": "tasks"}))
 
 
 @pytest.mark.slow
 def test_lm_eval_cli_with_model_h2o_offline(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "h2o.lm_eval_cli", "--model", "h2o", "--model_args",
+    out = subprocess.run([sys.executable, "-m", "h2o.tasks.lm_eval_cli", "--model", "h2o", "--model_args",
                           "pretrained=tiny:llama,policy=h2o,heavy=0.1,recent=0.1", "--tasks", "bb_copa",
                           "--include_path", str(REPO / "tasks"), "--limit", "3", "--num_fewshot", "0",
                           "--batch_size", "2", "--output_path", str(tmp_path / "out"), "--device", "cpu"],
@@ -338,7 +338,7 @@ def test_lm_eval_cli_with_model_h2o_offline(tmp_path):
 
 # ------------------------------------------------------------------------------------ summarization
 def test_helm_prompt_and_example_selection(tiny):
-    from h2o.summarize import SummarizationTask, block, clean
+    from h2o.tasks.summarization import SummarizationTask, block, clean
 
     assert block("A b.", 1, "S.") == "###\nArticle: A b.\n\nSummarize the above article in 1 sentence.\nS.\n"
     assert block("A b.", 3).endswith("in 3 sentences.\n")

@@ -1,6 +1,6 @@
 """Hardening: bad input fails up front (one ``error:`` line, exit status 2, no model loaded, no runs/ folder);
 the same config and seed give the same record; a misconfigured wandb cannot fail or damage a run; the record
-names its provenance. Tiny random models and offline tasks only; everything in process through ``h2o.run.main``.
+names its provenance. Tiny random models and offline tasks only; everything in process through ``h2o.pipeline.run.main``.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from h2o.records import read_jsonl
+from h2o.pipeline.records import read_jsonl
 
 TINY = ["model=tiny-llama", "threads=1"]
 HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -65,8 +65,8 @@ BAD = [
 def offline_data():
     """The converted bb_copa split (a line count of its train file is what the shots check reads); at the end,
     drop the model the real runs left cached."""
-    from h2o import models_spec
-    from h2o.data import write_task
+    from h2o.assets import model_spec as models_spec
+    from h2o.assets.data import write_task
 
     write_task("bb_copa")
     yield
@@ -76,8 +76,8 @@ def offline_data():
 @pytest.mark.parametrize("case, args, words, env", [c if hasattr(c, "marks") else pytest.param(*c, id=c[0])
                                                      for c in BAD])
 def test_bad_input_one_line_exit_2_nothing_loaded(case, args, words, env, capsys, tmp_path, monkeypatch):
-    from h2o import models_spec
-    from h2o.run import main
+    from h2o.assets import model_spec as models_spec
+    from h2o.pipeline.run import main
 
     (tmp_path / "badtasks").mkdir()
     (tmp_path / "badtasks" / "bb_copa.yaml").write_text("task: bb_copa\n  dataset_path: [unclosed\n")
@@ -108,7 +108,7 @@ PPL = ["task=austen_ppl", "task.n_windows=1", "task.window=48", "policy=streamin
 
 
 def run_ok(args: list[str], runs: Path) -> Path:
-    from h2o.run import main
+    from h2o.pipeline.run import main
 
     assert main([*TINY, "seed=7", f"runs_dir={runs}", *args]) == 0
     found = sorted(runs.rglob("metrics.json"))

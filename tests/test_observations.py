@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from h2o import attach, make_policy
-from h2o.models import tiny_model
-from h2o.observations import Hide, ObservationsTask
+from h2o.assets.models import tiny_model
+from h2o.tasks.observations import Hide, ObservationsTask
 
 
 class CharTokenizer:

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from h2o import POLICIES, attach, make_policy
-from h2o.models import TINY_ARCHS, tiny_model
+from h2o.assets.models import TINY_ARCHS, tiny_model
 
 ATOL = 1e-4
 VOCAB = 128

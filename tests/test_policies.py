@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from h2o import POLICIES, PolicyError, make_policy
-from h2o.policies.h2o import reference_mask
-from h2o.simulate import policy_allowed
+from h2o.core.policies.h2o import reference_mask
+from h2o.core.simulate import policy_allowed
 
 
 def run_mask(policy, logits, prompt_len=0):

@@ -4,8 +4,8 @@ import torch
 from transformers import DynamicCache
 
 from h2o import POLICIES, attach, make_policy
-from h2o.data import austen_text
-from h2o.models import load_model
+from h2o.assets.data import austen_text
+from h2o.assets.models import load_model
 
 pytestmark = pytest.mark.slow
 REAL_CHECKED = ("full", "h2o", "streaming_llm", "topk_h2")

@@ -3,15 +3,15 @@
     spec = ModelSpec(name="smollm2-135m", pretrained="smollm2-135m", dtype="fp32")
     model, tokenizer = spec.load()      # cached: the next job of a sweep with the same model reuses it
 
-``pretrained`` is a hub id, a local folder, ``smollm2-135m`` (the offline default, h2o.models) or
-``tiny:<arch>`` (a saved tiny random model, h2o.tiny).
+``pretrained`` is a hub id, a local folder, ``smollm2-135m`` (the offline default, h2o.assets.models) or
+``tiny:<arch>`` (a saved tiny random model, h2o.assets.tiny).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from h2o.models import _DTYPES, TINY_ARCHS, load_model
+from h2o.assets.models import _DTYPES, TINY_ARCHS, load_model
 
 DTYPES = ("auto", *_DTYPES)
 _LOADED: dict[tuple, tuple[Any, Any]] = {}  # one model at a time, reused across the jobs of a sweep
@@ -21,10 +21,10 @@ class ConfigError(ValueError):
     """A bad config value; the message is one line naming the value and what is allowed."""
 
 
-def resolve_pretrained(pretrained: str) -> str:
+def resolve_tiny(pretrained: str) -> str:
     """``tiny:<arch>`` -> the saved tiny checkpoint's folder; anything else unchanged."""
     if str(pretrained).startswith("tiny:"):
-        from h2o.tiny import tiny_checkpoint
+        from h2o.assets.tiny import tiny_checkpoint
 
         return str(tiny_checkpoint(str(pretrained).split(":", 1)[1]))
     return str(pretrained)
@@ -51,7 +51,7 @@ class ModelSpec:
         """The longest sequence the model takes (its config's max_position_embeddings / n_positions), read
         without loading weights: the tiny models' constant, or a local folder's config.json; None if unknown."""
         if str(self.pretrained).startswith("tiny:"):
-            from h2o.tiny import MAX_POSITIONS
+            from h2o.assets.tiny import MAX_POSITIONS
 
             return MAX_POSITIONS
         import json
@@ -75,7 +75,7 @@ class ModelSpec:
         """(model, tokenizer), eval mode. Keeps the last loaded model for the next job of the sweep."""
         if self.key() not in _LOADED:
             release()
-            _LOADED[self.key()] = load_model(resolve_pretrained(self.pretrained), self.dtype, self.device_map)
+            _LOADED[self.key()] = load_model(resolve_tiny(self.pretrained), self.dtype, self.device_map)
         return _LOADED[self.key()]
 
 

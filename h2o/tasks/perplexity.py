@@ -1,6 +1,6 @@
 """Long-book perplexity (``conf/task/austen_ppl.yaml``): the simulated mask over fixed windows of a book.
 
-The book (Jane Austen's six novels, or Moby-Dick; h2o.data) is tokenized once without special tokens and cut
+The book (Jane Austen's six novels, or Moby-Dick; h2o.assets.data) is tokenized once without special tokens and cut
 into consecutive windows of ``window`` tokens; windows ``0, stride, 2*stride, ...`` (``n_windows`` of them) are
 scored, ``batch_size`` at a time, each in one forward pass inside ``attach(model, policy)``: token i of a window
 is predicted from what the policy holds at step i (budget = ratio of the window). Every token after the first
@@ -14,13 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o.taskspec import Result, TaskSpec, check, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
 
 TEXTS = ("austen", "moby_dick")
 
 
 def book(text: str) -> str:
-    from h2o import data
+    from h2o.assets import data
 
     return data.austen_text() if text == "austen" else data.moby_dick()
 
@@ -57,7 +57,7 @@ class PerplexityTask(TaskSpec):
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
         from tqdm import tqdm
 
-        from h2o.attach import attach
+        from h2o.core.attach import attach
 
         wins = self.windows(tokenizer).to(model.device)  # (N, W)
         bs = 1 if semantics == "reference" else self.batch_size

@@ -1,7 +1,7 @@
 """Offline data: BIG-bench task files, Jane Austen's novels, Moby-Dick, and lm-eval-ready JSONL.
 
 Everything comes from package registries (see ``shared/PAPER.md``, "Data and a model that can be
-had without a model hub") and lands in the cache folder (``h2o.paths.cache_dir()``)::
+had without a model hub") and lands in the cache folder (``h2o.assets.paths.cache_dir()``)::
 
     <cache>/bigbench/<task>/task.json        8 BIG-bench task files (gem/xsum, cause_and_effect/...)
     <cache>/books/austen/<slug>.txt          the six novels, one file each (lines as in the R package)
@@ -21,7 +21,7 @@ Sources and how they are fetched:
 
 Every fetch is idempotent (a second call only checks that the files exist) and guarded by a file
 lock; a failed download raises ``FetchError`` with one line naming what failed and what to do.
-``python -m h2o.data`` fetches everything.
+``python -m h2o.assets.data`` fetches everything.
 
 Splits of the lm-eval tasks are deterministic: groups of related examples (the same event pair,
 the same premise, the same Winograd sentence) are shuffled with ``random.Random(SPLIT_SEED)`` and the
@@ -50,7 +50,7 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from h2o.paths import atomic_write_text, cache_dir, cache_lock
+from h2o.assets.paths import atomic_write_text, cache_dir, cache_lock
 
 BIGBENCH_VERSION = "1.0.0"
 #: BIG-bench tasks copied out of the sdist (paths under ``bigbench/benchmark_tasks/``).
@@ -82,7 +82,7 @@ class FetchError(RuntimeError):
 
 
 def _log(msg: str) -> None:
-    print(f"[h2o.data] {msg}", file=sys.stderr, flush=True)
+    print(f"[h2o.assets.data] {msg}", file=sys.stderr, flush=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -723,7 +723,7 @@ def fetch_all(force: bool = False, moby: bool = True) -> dict[str, Path]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m h2o.data", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m h2o.assets.data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--force", action="store_true", help="fetch and convert again even if cached")
     parser.add_argument("--no-moby", action="store_true", help="skip Moby-Dick")
     args = parser.parse_args(argv)

@@ -2,7 +2,7 @@
 
 Protocol (the paper's generation protocol): the prompt is prefilled with full attention; the layer then keeps the
 budget (``policy.counts`` of the prompt's length, fixed from then on) and frees the rest. At each decoding step,
-if the cache is full, the slot of the token the policy drops (:func:`h2o.policies.select_slot`) is overwritten in
+if the cache is full, the slot of the token the policy drops (:func:`h2o.core.policies.select_slot`) is overwritten in
 place by the arriving token: no shift, no re-gather. A later multi-token forward is a prefill chunk: it attends to
 the cache and itself causally, then the cache is cut back to the budget (chunked prefill).
 
@@ -121,7 +121,7 @@ class EvictingLayer(DynamicLayer):
 
 
 class EvictingCache(Cache):
-    """One :class:`EvictingLayer` per decoder layer. Use through :func:`h2o.attach` (mode="real")."""
+    """One :class:`EvictingLayer` per decoder layer. Use through :func:`h2o.core.attach` (mode="real")."""
 
     def __init__(self, policy: Policy, num_layers: int, ref_len: int | None = None):
         super().__init__(layers=[EvictingLayer(policy, ref_len) for _ in range(num_layers)])

@@ -1,7 +1,7 @@
 """Turn a composed config into a validated plan, loading nothing: cheap enough to check every job of a sweep.
 
     plan = prepare(cfg)      # ConfigError / PolicyError (one line) on any bad value
-    plan.path                # the run's record folder (h2o.records.run_dir)
+    plan.path                # the run's record folder (h2o.pipeline.records.run_dir)
     plan.head()              # the fields of metrics.json that the config fixes
 
 ``task_overrides.<task name>`` (a root config key) is merged into ``task`` first: it lets one sweep over several
@@ -15,10 +15,10 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from h2o.models_spec import ConfigError, ModelSpec
-from h2o.policies import Policy, PolicyError
-from h2o.records import run_dir
-from h2o.taskspec import TaskSpec
+from h2o.assets.model_spec import ConfigError, ModelSpec
+from h2o.core.policies import Policy, PolicyError
+from h2o.pipeline.records import run_dir
+from h2o.tasks.base import TaskSpec
 
 REFERENCE_POLICIES = ("h2o", "h2_only")
 
@@ -44,7 +44,7 @@ def build(group: str, node: DictConfig) -> Any:
         if isinstance(exc, PolicyError) and not unknown:
             raise
         if unknown:
-            from h2o.records import group_defaults
+            from h2o.pipeline.records import group_defaults
 
             allowed = [k for k in group_defaults(group, str(options.get("name"))) if k != "_target_"]
             raise ConfigError(f"{group}.{unknown.group(1)}: no such option for {group}={options.get('name')}; "
@@ -91,7 +91,7 @@ def prepare(cfg: DictConfig) -> Plan:
     task = build("task", cfg.task)
     model = build("model", cfg.model)
     if not isinstance(task, TaskSpec):
-        raise ConfigError(f"task={cfg.task.name}: _target_ must build an h2o.taskspec.TaskSpec")
+        raise ConfigError(f"task={cfg.task.name}: _target_ must build an h2o.tasks.base.TaskSpec")
     if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not 0 <= cfg.seed < 2**32:
         raise ConfigError(f"seed={cfg.seed!r}: expected an int in [0, 2**32)")
     if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):

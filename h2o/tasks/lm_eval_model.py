@@ -1,6 +1,6 @@
 """lm-eval model ``h2o``: Hugging Face's ``HFLM`` with a KV-cache policy around the model call.
 
-    python -m h2o.lm_eval_cli --model h2o \
+    python -m h2o.tasks.lm_eval_cli --model h2o \
         --model_args pretrained=smollm2-135m,policy=h2o,heavy=0.1,recent=0.1 --tasks bb_copa --include_path tasks
 
 model_args beyond HFLM's: ``policy`` (a name of h2o.POLICIES, default full), ``budget`` | ``heavy`` + ``recent``,
@@ -27,7 +27,7 @@ Scoring: ``scoring=sum`` is lm-eval's (summed log-likelihood for ``acc``, byte-n
 so ``acc`` becomes the per-token-average accuracy.
 
 lm-eval 0.4.13 has no plugin hook for out-of-tree models (its registry is filled by imports only), hence
-``python -m h2o.lm_eval_cli``, which imports this module and runs lm-eval's CLI.
+``python -m h2o.tasks.lm_eval_cli``, which imports this module and runs lm-eval's CLI.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from h2o.attach import attach
-from h2o.policies import make_policy
-from h2o.policies import Policy, PolicyError
+from h2o.core.attach import attach
+from h2o.core.policies import make_policy
+from h2o.core.policies import Policy, PolicyError
 
 SEMANTICS = ("simulated", "reference")
 SCORING = ("sum", "mean")
@@ -48,12 +48,12 @@ def resolve_pretrained(pretrained):
     if not isinstance(pretrained, str):
         return pretrained
     if pretrained.lower() in ("smollm2-135m", "smollm2"):
-        from h2o.models import smollm2_path
+        from h2o.assets.models import smollm2_path
 
         return str(smollm2_path())
-    from h2o.models_spec import resolve_pretrained as resolve
+    from h2o.assets.model_spec import resolve_tiny
 
-    return resolve(pretrained)
+    return resolve_tiny(pretrained)
 
 
 def to_left_padding(inps: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""``h2o-run`` / ``python -m h2o.run``: run one config (or a Hydra multirun) and write its record under runs/.
+"""``h2o-run`` / ``python -m h2o.pipeline.run``: run one config (or a Hydra multirun) and write its record under runs/.
 
     h2o-run task=bb_copa policy=h2o policy.budget=0.2 task.limit=20
     h2o-run -m experiment=default                          # the experiment's sweep, basic launcher
@@ -27,11 +27,11 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from h2o.plan import Plan, prepare
-from h2o.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl, write_json,
+from h2o.pipeline.plan import Plan, prepare
+from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl, write_json,
                          write_jsonl)
-from h2o.paths import atomic_write_text
-from h2o.sweep import BAD_INPUT, expand, status
+from h2o.assets.paths import atomic_write_text
+from h2o.pipeline.sweep import BAD_INPUT, expand, status
 
 CRASH_ENV = "H2O_TEST_CRASH_AT"
 PASSTHROUGH = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc",
@@ -88,7 +88,7 @@ def execute(plan: Plan) -> dict:
 
 def mirror(cfg: DictConfig, plan: Plan, record: dict) -> None:
     if cfg.logger.get("wandb"):
-        from h2o.wandb_log import mirror_run
+        from h2o.pipeline.wandb_mirror import mirror_run
 
         mirror_run(cfg.logger, plan, record)
 
@@ -143,7 +143,7 @@ def run_job(cfg: DictConfig) -> str:
 
 
 # An absolute config_path (= ../conf): a relative one is resolved as a Python package ("conf") when the module is
-# started by the console script h2o-run rather than by `python -m h2o.run`, and is then not found.
+# started by the console script h2o-run rather than by `python -m h2o.pipeline.run`, and is then not found.
 @hydra.main(version_base="1.3", config_path=str(CONF), config_name="config")
 def hydra_main(cfg: DictConfig) -> str:
     return run_job(cfg)

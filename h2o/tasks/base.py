@@ -3,16 +3,16 @@
     task = hydra.utils.instantiate(cfg.task)            # validates, loads nothing
     result = task.run(model, tokenizer, policy, semantics="simulated", seed=0)
 
-Subclasses: :class:`h2o.evaluate.LmEvalTask` (multiple choice through lm-eval),
-:class:`h2o.summarize.SummarizationTask` (HELM XSUM/CNN-DM, real evicting cache),
-:class:`h2o.perplexity.PerplexityTask` (long-book perplexity, simulated mask per window).
+Subclasses: :class:`h2o.tasks.multiple_choice.LmEvalTask` (multiple choice through lm-eval),
+:class:`h2o.tasks.summarization.SummarizationTask` (HELM XSUM/CNN-DM, real evicting cache),
+:class:`h2o.tasks.perplexity.PerplexityTask` (long-book perplexity, simulated mask per window).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from h2o.models_spec import ConfigError
+from h2o.assets.model_spec import ConfigError
 
 
 @dataclass

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o.perplexity import PerplexityTask
-from h2o.policies import Policy
-from h2o.taskspec import Result, check
+from h2o.tasks.perplexity import PerplexityTask
+from h2o.core.policies import Policy
+from h2o.tasks.base import Result, check
 
 
 class Hide(Policy):

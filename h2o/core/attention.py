@@ -3,7 +3,7 @@
 LlamaForCausalLM, OPTForCausalLM, GPTNeoXForCausalLM (and any model that dispatches through
 ``AttentionInterface``) call :func:`h2o_attention` with ``query (B, Hq, q, D)``, ``key/value (B, Hkv, k, D)`` (not
 repeated for grouped-query attention) and the mask built by :func:`h2o_mask`. It reads its policy from the module
-(set by :func:`h2o.attach`) and runs the simulated path (a mask over the full sequence) or the real path (the
+(set by :func:`h2o.core.attach`) and runs the simulated path (a mask over the full sequence) or the real path (the
 evicting cache's layer). Scores are computed and accumulated in fp32.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ def h2o_mask(*args, **kwargs):
 def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     state = getattr(module, "h2o", None)
     if state is None:
-        raise RuntimeError("attn_implementation='h2o' needs the model attached: use h2o.attach(model, policy)")
+        raise RuntimeError("attn_implementation='h2o' needs the model attached: use h2o.core.attach(model, policy)")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     B, _, q, _ = query.shape
     if attention_mask is None:
@@ -58,7 +58,7 @@ def real_attention(state, module, query, key, value, new_valid, scaling):
     """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D)."""
     layer = state.cache.layers[module.layer_idx]
     if layer.keys is not key:
-        raise RuntimeError("mode='real' needs the cache from h2o.attach(...).new_cache() passed to the model")
+        raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")
     policy = state.policy
     B, Hq, q, D = query.shape
     if layer.n_new:

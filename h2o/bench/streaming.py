@@ -37,7 +37,7 @@ Summary metrics: ``ppl``, ``nll``, ``ppl_past_context`` (tokens past the model's
 ``rss_growth``, ``time_per_token_growth`` and ``cpu_per_token_growth`` (end vs after the warm-up, see
 :func:`flatness`).
 
-CLI: ``python -m h2o.streaming --text austen --tokens 20000 --policies h2o,streaming_llm,local
+CLI: ``python -m h2o.bench.streaming --text austen --tokens 20000 --policies h2o,streaming_llm,local
 --budgets 64,128,256 --chunk 32``; ``--tokens 1000000`` streams a million tokens (the text repeats if shorter).
 """
 from __future__ import annotations
@@ -54,10 +54,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .attach import attach
-from .benchmark import rss_bytes
-from .policies import Policy, make_policy
-from .taskspec import Result, TaskSpec, check, positive_or_none
+from h2o.core.attach import attach
+from h2o.bench.measure import rss_bytes
+from h2o.core.policies import Policy, make_policy
+from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
 
 POSITIONS = ("cache", "true")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
@@ -136,7 +136,7 @@ class CachePositions:
 def load_text(name: str) -> str:
     """``austen`` (six novels), ``moby`` (Moby-Dick), ``pg19`` (PG-19's first test book, needs the hub), or a
     path to a text file."""
-    from . import data
+    from h2o.assets import data
     if name == "austen":
         return data.austen_text()
     if name in ("moby", "moby_dick"):
@@ -336,7 +336,7 @@ def print_row(rec: dict, out=None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m h2o.streaming", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m h2o.bench.streaming", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default="austen", help="austen, moby, pg19 or a text file")
     p.add_argument("--tokens", type=int, default=20000, help="tokens to stream (up to 1M and more)")
@@ -353,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from .models import load_model
+    from h2o.assets.models import load_model
     model, tok = load_model(args.model)
     results = run(model, tok, args.text, args.tokens, args.policies.split(","),
                   [int(b) for b in args.budgets.split(",")], args.chunk, args.positions, args.log_every,

@@ -1,7 +1,7 @@
 """Multiple-choice tasks through lm-eval (``conf/task/{copa,...,bb_copa,...}.yaml``).
 
 lm-eval builds the few-shot prompts and scores every choice by its log-likelihood; the model is
-:class:`h2o.lm_eval_model.H2OLM` around the already loaded model, so each forward pass runs under the policy's
+:class:`h2o.tasks.lm_eval_model.H2OLM` around the already loaded model, so each forward pass runs under the policy's
 simulated mask (budget = ratio of each request's length). Offline tasks load from ``include_path`` with
 ``TaskManager(include_path, include_defaults=False)`` (instant); lm-eval's own tasks index the built-in
 catalogue (~10 s) and fetch their data with ``datasets``.
@@ -12,9 +12,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.models_spec import ConfigError
-from h2o.records import REPO
-from h2o.taskspec import Result, TaskSpec, check, check_hub_data, positive_or_none
+from h2o.assets.model_spec import ConfigError
+from h2o.pipeline.records import REPO
+from h2o.tasks.base import Result, TaskSpec, check, check_hub_data, positive_or_none
 
 METRICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
 
@@ -57,7 +57,7 @@ def check_yaml(folder: Path) -> None:
 def offline_train_rows(task: str) -> int | None:
     """Rows of an offline task's converted train split (``<cache>/lm_eval/v1/<task>/train.jsonl``), counted
     without parsing; None if it is not an offline task or not converted yet."""
-    from h2o.paths import cache_dir
+    from h2o.assets.paths import cache_dir
 
     path = cache_dir() / "lm_eval" / "v1" / task / "train.jsonl"
     if not path.is_file():
@@ -103,7 +103,7 @@ class LmEvalTask(TaskSpec):
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
-        from h2o.lm_eval_model import H2OLM
+        from h2o.tasks.lm_eval_model import H2OLM
 
         lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, semantics=semantics, scoring=self.scoring,
                    batch_size=self.batch_size, add_bos_token=self.add_bos_token)

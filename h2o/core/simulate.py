@@ -1,8 +1,8 @@
 """Simulated path: one forward pass in which query row i attends only to what the policy holds at step i.
 
 This is how lm-eval tasks are scored (one forward per request). The full keys stay in memory; the mask is built
-row by row with the same eviction step as the evicting cache (:func:`h2o.policies.select_slot`), so feeding the
-tokens one by one through :class:`h2o.cache.EvictingCache` gives the same logits.
+row by row with the same eviction step as the evicting cache (:func:`h2o.core.policies.select_slot`), so feeding the
+tokens one by one through :class:`h2o.core.cache.EvictingCache` gives the same logits.
 
 Layout: G = query heads per KV head. logits (B, Hkv, G, T, T); state (B, Hkv, T) per KV head.
 With ``prompt_len = P`` the first P columns are a prompt: rows < P see their whole prefix (the real path's
@@ -79,7 +79,7 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
 
 
 def reference_allowed(policy: Policy, logits, allowed, valid):
-    """The paper code's rule (``h2o.policies.h2o.reference_mask``), one unpadded sequence at a time."""
+    """The paper code's rule (``h2o.core.policies.h2o.reference_mask``), one unpadded sequence at a time."""
     if not isinstance(policy, H2O) or not bool(valid.all()):
         raise ValueError(f"semantics=reference: needs policy h2o/h2_only on unpadded input, got {policy.name}")
     counts = policy.counts(valid.sum(-1))

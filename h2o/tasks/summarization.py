@@ -34,9 +34,9 @@ from dataclasses import dataclass
 import torch
 from transformers import StoppingCriteria
 
-from h2o.taskspec import Result, TaskSpec, check, check_hub_data, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, check, check_hub_data, positive_or_none
 
-DATASETS = {  # name -> (hub path, config, article field, summary field); bb_xsum is offline (h2o.data)
+DATASETS = {  # name -> (hub path, config, article field, summary field); bb_xsum is offline (h2o.assets.data)
     "xsum": ("EdinburghNLP/xsum", None, "document", "summary"),
     "cnn_dm": ("abisee/cnn_dailymail", "3.0.0", "article", "highlights"),
     "bb_xsum": (None, None, "document", "summary"),
@@ -58,7 +58,7 @@ def block(article: str, sentences: int, summary: str | None = None) -> str:
 def load_split(dataset: str, split: str) -> list[dict]:
     """Rows ``{"id", "article", "summary"}`` (article not yet cut) of ``train`` or ``test``."""
     if dataset == "bb_xsum":
-        from h2o.data import xsum_examples
+        from h2o.assets.data import xsum_examples
 
         return [{"id": r["id"], "article": r["document"], "summary": r["summary"]} for r in xsum_examples(split)]
     import datasets
@@ -145,7 +145,7 @@ class SummarizationTask(TaskSpec):
         from rouge_score import rouge_scorer
         from tqdm import tqdm
 
-        from h2o.attach import attach
+        from h2o.core.attach import attach
 
         shots, test = self.examples()
         max_pos = getattr(model.config, "max_position_embeddings", None) or 2048

@@ -1,6 +1,6 @@
 """Tiny random checkpoints with a byte-level tokenizer, so tests run the whole harness (lm-eval included).
 
-``tiny_checkpoint("llama")`` saves :func:`h2o.models.tiny_model` (2 layers, vocab 256) with
+``tiny_checkpoint("llama")`` saves :func:`h2o.assets.models.tiny_model` (2 layers, vocab 256) with
 :func:`byte_tokenizer` into ``<cache>/models/tiny-<arch>-s<seed>`` once; ``load_model(path)`` and
 ``lm_eval --model h2o --model_args pretrained=<path>`` then load it like any checkpoint. The model config
 name ``tiny:<arch>`` (conf/model/tiny-*.yaml) resolves to that folder.
@@ -15,8 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from h2o.models import TINY_ARCHS, tiny_model
-from h2o.paths import cache_dir, cache_lock
+from h2o.assets.models import TINY_ARCHS, tiny_model
+from h2o.assets.paths import cache_dir, cache_lock
 
 MAX_POSITIONS = 4096
 
@@ -48,7 +48,7 @@ def byte_tokenizer():
 
 
 def tiny_checkpoint(arch: str, seed: int = 0) -> Path:
-    """Folder of the saved tiny ``arch`` model (see :data:`h2o.models.TINY_ARCHS`) with the byte tokenizer."""
+    """Folder of the saved tiny ``arch`` model (see :data:`h2o.assets.models.TINY_ARCHS`) with the byte tokenizer."""
     if arch not in TINY_ARCHS:
         raise ValueError(f"tiny:{arch}: unknown architecture; allowed: {', '.join(TINY_ARCHS)}")
     out = cache_dir() / "models" / f"tiny-{arch}-s{seed}"

@@ -1,9 +1,9 @@
 """Expand a (multi)run into its jobs exactly as Hydra's basic sweeper does, and validate each one.
 
-    python -m h2o.sweep experiment=table1                # dry run: every job, its run folder, done or not
-    python -m h2o.sweep experiment=table1 task=copa      # command-line values replace the experiment's sweep
+    python -m h2o.pipeline.sweep experiment=table1                # dry run: every job, its run folder, done or not
+    python -m h2o.pipeline.sweep experiment=table1 task=copa      # command-line values replace the experiment's sweep
 
-Nothing is loaded: each job's config is composed and checked by :func:`h2o.plan.prepare`. ``h2o-run -m`` calls
+Nothing is loaded: each job's config is composed and checked by :func:`h2o.pipeline.plan.prepare`. ``h2o-run -m`` calls
 :func:`expand` first, so a bad value in any job stops the sweep before the first model load (exit status 2).
 Jobs that share a run folder (``policy=full`` crossed with budgets) are listed once, then as ``dup``.
 """
@@ -15,10 +15,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.models_spec import ConfigError
-from h2o.plan import Plan, prepare
-from h2o.policies import PolicyError
-from h2o.records import CONF, finished, runs_root
+from h2o.assets.model_spec import ConfigError
+from h2o.pipeline.plan import Plan, prepare
+from h2o.core.policies import PolicyError
+from h2o.pipeline.records import CONF, finished, runs_root
 
 BAD_INPUT = (ConfigError, PolicyError)
 

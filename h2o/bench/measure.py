@@ -1,0 +1,110 @@
+"""Measurement: resident memory (current and peak), bytes held by a KV cache, device sync, medians.
+
+Used by the throughput and streaming drivers; knows nothing about policies or tasks."""
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+
+import torch
+from transformers.cache_utils import Cache
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+# ------------------------------------------------------------------------------------------ memory
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; ru_maxrss elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _hwm_bytes() -> int | None:
+    """Peak resident memory since the last reset (Linux ``VmHWM``), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_hwm() -> bool:
+    """Reset this process's peak resident memory (``echo 5 > /proc/self/clear_refs``, Linux >= 4.0)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _hwm_bytes() is not None
+    except OSError:
+        return False
+
+
+class PeakRSS:
+    """Context manager: ``.peak`` = the process's peak resident memory inside it, ``.start`` = at its start.
+
+    Linux: the kernel's peak (``VmHWM``) is reset on entry and read on exit: exact, and nothing runs meanwhile.
+    Elsewhere a thread samples every ``interval`` s (it competes for the GIL: timings get noisier)."""
+
+    def __init__(self, interval: float = 0.02):
+        self.interval, self.peak, self.start = interval, 0, 0
+        self._stop = threading.Event()
+        self._thread = None
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, rss_bytes())
+
+    def __enter__(self):
+        self.start = self.peak = rss_bytes()
+        if not _reset_hwm():
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+        else:
+            self.peak = max(self.peak, _hwm_bytes() or 0)
+        self.peak = max(self.peak, rss_bytes())
+
+
+def kv_bytes(cache: Cache) -> tuple[int, int]:
+    """(bytes of key/value storage held by ``cache``, bytes of the evicting cache's per-slot state).
+
+    Storage bytes: a key tensor that is a view of a larger buffer counts the whole buffer (it keeps it alive)."""
+    seen: set[int] = set()
+    kv = meta = 0
+    for layer in cache.layers:
+        for name, is_meta in (("keys", False), ("values", False), ("pos", True), ("acc", True)):
+            t = getattr(layer, name, None)
+            if not isinstance(t, torch.Tensor) or t.numel() == 0:
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            if is_meta:
+                meta += st.nbytes()
+            else:
+                kv += st.nbytes()
+    return kv, meta
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+

@@ -1,0 +1,63 @@
+"""Benchmark records as ratios to the full cache and as a printed table."""
+from __future__ import annotations
+
+import sys
+
+
+def variant_label(policy: str, budget: float | int) -> str:
+    """``h2o 0.2``, ``streaming-llm 64``; ``full`` and the unmodified baselines without a budget."""
+    b = "" if policy in ("full", "hf_sdpa", "hf_eager") else f" {budget:g}"
+    return policy.replace("_", "-") + b
+
+
+RATIO_METRICS = ("throughput_tok_s", "decode_tok_s", "decode_tok_cpu_s", "latency_s", "kv_bytes_max",
+                 "kv_bytes_prefill", "kv_bytes")
+
+
+def add_ratios(recs: list[dict]) -> None:
+    """``metrics["vs_full"]`` (vs the harness's full cache) and ``metrics["vs_sdpa"]`` (unmodified model)."""
+    refs = {"vs_full": next((r for r in recs if r["policy"] == "full"), None),
+            "vs_sdpa": next((r for r in recs if r["policy"] == "hf_sdpa"), None)}
+    for r in recs:
+        for key, ref in refs.items():
+            if ref is None:
+                continue
+            r["metrics"][key] = {m: (r["metrics"][m] / ref["metrics"][m]
+                                     if r["metrics"].get(m) and ref["metrics"].get(m) else None)
+                                 for m in RATIO_METRICS}
+
+
+def fmt_cell(x, spec=".1f", none="-"):
+    return none if x is None else format(x, spec)
+
+
+def print_table(recs: list[dict], out=None, title: str | None = None) -> None:
+    if not recs:
+        return
+    r0 = recs[0]
+    title = title or (f"prompt {r0['prompt_len']} x batch {r0['batch_size']}, gen {r0['gen_len']} "
+                      f"(prefill: {r0['prefill_mode']}, medians of {r0['n_samples']}, "
+                      f"{r0['metrics']['threads']} threads)")
+    cols = ["variant", "batch", "prefill s", "gen tok/s", "x full", "decode tok/s", "x full", "x sdpa",
+            "cpu x full", "cpu x sdpa", "latency s", "x full", "KV prefill MiB", "x full", "KV max MiB", "x full",
+            "KV end MiB", "peak RSS MiB", "+RSS MiB"]
+    rows = []
+    for r in recs:
+        m = r["metrics"]
+        vf, vs = m.get("vs_full", {}), m.get("vs_sdpa", {})
+        label = variant_label(r["policy"], r["budget"])
+        rows.append([label, str(r["batch_size"]), fmt_cell(m["prefill_s"], ".2f"), fmt_cell(m["throughput_tok_s"], ".2f"),
+                     fmt_cell(vf.get("throughput_tok_s"), ".2f"), fmt_cell(m["decode_tok_s"], ".2f"),
+                     fmt_cell(vf.get("decode_tok_s"), ".2f"), fmt_cell(vs.get("decode_tok_s"), ".2f"),
+                     fmt_cell(vf.get("decode_tok_cpu_s"), ".2f"), fmt_cell(vs.get("decode_tok_cpu_s"), ".2f"),
+                     fmt_cell(m["latency_s"], ".2f"), fmt_cell(vf.get("latency_s"), ".2f"),
+                     fmt_cell(m["kv_bytes_prefill"] / 2**20), fmt_cell(vf.get("kv_bytes_prefill"), ".3f"),
+                     fmt_cell(m["kv_bytes_max"] / 2**20), fmt_cell(vf.get("kv_bytes_max"), ".3f"), fmt_cell(m["kv_bytes"] / 2**20),
+                     fmt_cell(m["peak_mem_bytes"] / 2**20, ".0f"), fmt_cell(m["peak_mem_delta_bytes"] / 2**20, ".0f")])
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(cols)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    print(f"\n== {title}", file=out or sys.stdout)
+    print(line(cols), file=out or sys.stdout)
+    for row in rows:
+        print(line(row), file=out or sys.stdout)
+    (out or sys.stdout).flush()
