@@ -30,6 +30,8 @@ class Attached:
     num_layers: int = 0
     cache: EvictingCache | None = None
     observer: Callable | None = field(default=None, repr=False)  # observer(layer_idx, probs (B, Hq, T, S))
+    finite: dict = field(default_factory=dict, repr=False)  # layer -> device bool: its output was finite
+    memo: tuple = field(default=(), repr=False)  # (attention mask, valid, static mask) of the current forward
 
     def new_cache(self, ref_len: int | None = None) -> EvictingCache:
         """A fresh evicting cache for one generation (real mode). Budget ratios are taken of the prompt's
@@ -38,6 +40,16 @@ class Attached:
             raise PolicyError(f"mode={self.mode}: new_cache() is for mode='real'")
         self.cache = EvictingCache(self.policy, self.num_layers, ref_len)
         return self.cache
+
+    def per_forward(self, attention_mask, query, build: Callable):
+        """(valid (B, q) bool, ``build(valid)``), computed once per forward: transformers passes the same mask
+        tensor to every layer of a forward and builds a new one for the next forward."""
+        from .attention import new_valid
+
+        if attention_mask is None or not self.memo or self.memo[0] is not attention_mask:
+            valid = new_valid(attention_mask, query)
+            self.memo = (attention_mask, valid, build(valid))
+        return self.memo[1:]
 
     def observe(self, module, probs):
         if self.observer is not None:

@@ -4,7 +4,11 @@ LlamaForCausalLM, OPTForCausalLM, GPTNeoXForCausalLM (and any model that dispatc
 ``AttentionInterface``) call :func:`h2o_attention` with ``query (B, Hq, q, D)``, ``key/value (B, Hkv, k, D)`` (not
 repeated for grouped-query attention) and the mask built by :func:`h2o_mask`. It reads its policy from the module
 (set by :func:`h2o.core.attach`) and runs the simulated path (a mask over the full sequence) or the real path (the
-evicting cache's layer). Scores are computed and accumulated in fp32.
+evicting cache's layer). Scores are computed and accumulated in fp32, q scaled before the product.
+
+No host sync per layer: the non-finite guard is a device flag per layer, read once per forward (at the last layer);
+the evicting cache keeps its token counts on the host. A mask that does not depend on the scores (full,
+position-only policies) is built once per forward and shared by the layers.
 """
 from __future__ import annotations
 
@@ -12,13 +16,16 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .simulate import grouped, grouped_scores, grouped_values, masked_softmax, simulated_attention
+from .simulate import grouped, grouped_values, masked_softmax, scores, simulated_attention, static_mask
 
 NAME = "h2o"
 
 
 def h2o_mask(*args, **kwargs):
-    """transformers' boolean causal+padding mask (B, 1, q, kv), never skipped (we need the padding)."""
+    """transformers' boolean causal+padding mask (B, 1, q, kv), never skipped (we need the padding); none for a
+    single new column (a decoding token is never a pad, the cached columns are described by the cache)."""
+    if kwargs.get("q_length") == 1:
+        return None
     kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
@@ -28,64 +35,83 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if state is None:
         raise RuntimeError("attn_implementation='h2o' needs the model attached: use h2o.core.attach(model, policy)")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if state.mode == "simulated":
+        if key.shape[-2] != query.shape[-2]:
+            raise RuntimeError("simulated mode scores whole sequences in one pass; for generation use mode='real'")
+        valid, static = state.per_forward(attention_mask, query, lambda v: static_mask(state.policy, v,
+                                                                                        state.prompt_len))
+        out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
+                                         prompt_len=state.prompt_len, semantics=state.semantics, static=static)
+        guard(state, module, out, "the forward pass")
+        state.observe(module, probs)
+        return out, probs
+    return real_attention(state, module, query, key, value, attention_mask, scaling)
+
+
+def new_valid(attention_mask, query) -> torch.Tensor:
+    """(B, q) bool: the non-pad new columns (the last row of the mask sees every non-pad new column)."""
     B, _, q, _ = query.shape
     if attention_mask is None:
-        new_valid = torch.ones(B, q, dtype=torch.bool, device=query.device)
-    else:
-        new_valid = attention_mask[:, 0, -1, -q:].bool()  # (B, q): the last row sees every non-pad new column
-    if state.mode == "simulated":
-        if key.shape[-2] != q:
-            raise RuntimeError("simulated mode scores whole sequences in one pass; for generation use mode='real'")
-        out, probs = simulated_attention(state.policy, query, key, value, new_valid, scaling,
-                                         prompt_len=state.prompt_len, semantics=state.semantics)
-        check_finite(out, module, "the forward pass")
-        state.observe(module, probs)
-        return out.to(query.dtype), probs
-    return real_attention(state, module, query, key, value, new_valid, scaling)
+        return torch.ones(B, q, dtype=torch.bool, device=query.device)
+    return attention_mask[:, 0, -1, -q:].bool()
 
 
-def check_finite(out: torch.Tensor, module, where: str):
-    """NaN/inf guard (fp16 overflow, bad weights): a clear error naming the layer and step, not a crash later
-    in sampling. Pad rows are finite by construction (fully masked rows are uniform), so any non-finite is real."""
-    if not bool(torch.isfinite(out).all()):
-        raise FloatingPointError(f"non-finite attention output in layer {module.layer_idx} at {where}")
+def guard(state, module, out: torch.Tensor, where: str):
+    """NaN/inf guard (fp16 overflow, bad weights): each layer records on the device whether its output is finite;
+    the last layer reads the flags once per forward and the error names the first bad layer and the step. Pad rows
+    are finite by construction (fully masked rows are uniform), so any non-finite value is real."""
+    state.finite[module.layer_idx] = out.abs().amax()  # NaN and inf propagate; read as isfinite below
+    if module.layer_idx == state.num_layers - 1:
+        layers = sorted(state.finite)
+        ok = torch.stack([f if f.device == out.device else f.to(out.device) for f in map(state.finite.get, layers)])
+        state.finite.clear()
+        ok = torch.isfinite(ok)
+        if not bool(ok.all()):  # the one host sync of a forward
+            bad = layers[int((~ok).nonzero()[0])]
+            raise FloatingPointError(f"non-finite attention output in layer {bad} at {where}")
 
 
 ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S) fp32 scores
 
 
-def real_attention(state, module, query, key, value, new_valid, scaling):
+def real_attention(state, module, query, key, value, attention_mask, scaling):
     """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D)."""
     layer = state.cache.layers[module.layer_idx]
     if layer.keys is not key:
         raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")
     policy = state.policy
     B, Hq, q, D = query.shape
+    valid = new_valid(attention_mask, query) if layer.n_new or q > 1 else None  # (B, q); decoding: all valid
     if layer.n_new:
-        layer.register_new(new_valid[:, -layer.n_new:])
-    held = (layer.pos >= 0)[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
+        layer.register_new(valid[:, -layer.n_new:])
+    S = key.shape[-2]
+    every = all(h == S for h in layer.host_held)  # every slot holds a token (no empty or pad slot)
+    held = None if every and q == 1 else (layer.pos >= 0).view(B, -1, 1, 1, S)  # (B, Hkv, 1, 1, S)
     qg = grouped(query, key.shape[1])  # (B, Hkv, G, q, D)
     outs = []
     for r in range(0, q, ROWS):
-        logits = grouped_scores(qg[..., r:r + ROWS, :], key).float() * scaling  # (B, Hkv, G, r, S)
+        logits = scores(qg[..., r:r + ROWS, :], key, scaling)  # (B, Hkv, G, r, S)
         if q > 1:  # prefill (chunk): each new row sees the cache and the new columns up to itself
             stop = r + ROWS - q
             row_pos = layer.pos[:, :, None, -q + r:(stop if stop < 0 else None), None]  # (B, Hkv, 1, r, 1)
             allowed = held & (layer.pos[:, :, None, None, :] <= row_pos)
         elif not policy.evicts and not policy.is_full:
-            allowed = policy.restrict(logits, layer.acc[:, :, None, None, :], held, layer.counts)
+            allowed = policy.restrict(logits, layer.acc.view(B, -1, 1, 1, S),
+                                      held if held is not None else torch.ones((), dtype=torch.bool,
+                                                                              device=key.device), layer.counts)
         else:
             allowed = held
         probs = masked_softmax(logits, allowed)  # (B, Hkv, G, r, S)
-        if policy.needs_scores or q > 1:
-            rows = new_valid[:, None, None, r:r + ROWS, None]  # pad query rows add nothing
-            layer.acc += (probs * rows).sum((2, 3))
-        outs.append(grouped_values(probs.to(value.dtype), value))  # (B, Hkv, G, r, D)
+        if q > 1:  # pad query rows add nothing
+            layer.acc += (probs * valid[:, None, None, r:r + ROWS, None]).sum((2, 3))
+        elif policy.needs_scores:  # a decoding token is never a pad
+            layer.acc += probs.sum((2, 3))
+        outs.append(grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value))
     if q > 1 and policy.evicts and not policy.is_full:
         layer.cut()
-    out = torch.cat(outs, -2).reshape(B, Hq, q, D).transpose(1, 2)
-    check_finite(out, module, f"token {int(layer.n_tok.max()) - 1}")
-    return out.to(query.dtype), (probs.reshape(B, Hq, q, -1) if q <= ROWS else None)
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).reshape(B, Hq, q, D).transpose(1, 2)
+    guard(state, module, out, f"token {max(layer.host_tok) - 1}")
+    return out, (probs.reshape(B, Hq, q, -1) if q <= ROWS else None)
 
 
 AttentionInterface.register(NAME, h2o_attention)

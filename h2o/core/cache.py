@@ -10,6 +10,10 @@ Per-layer state (S = slots, ``budget`` once full; the largest budget of the batc
     keys, values (B, Hkv, S, D)   pos (B, Hkv, S) int64 (-1: empty or pad)   acc (B, Hkv, S) fp32
     n_tok (B,) int64 tokens of each sequence seen (pads excluded)            counts: budget per sequence
 ``get_seq_length`` reports the logical length (tokens seen, pads included), so positions stay right.
+
+Host copies of the counts (tokens seen, slots held, budget per sequence) decide where a decoding token goes, so a
+decoding step makes no host sync (a prefill makes one per layer, to count its tokens). A decoding token is a real
+token (never a pad), as in ``generate``.
 """
 from __future__ import annotations
 
@@ -27,6 +31,11 @@ class EvictingLayer(DynamicLayer):
         self.ref_len = ref_len  # reference length of the budget; default: the prefill's tokens
         self.pos = self.acc = self.n_tok = None
         self.counts: Counts | None = None
+        self.host_tok: list[int] = []  # per sequence on the host: tokens seen, slots held, budget
+        self.host_held: list[int] = []
+        self.host_total: list[int] = []
+        self.room: torch.Tensor | None = None  # (B,) bool on the device: below budget (rebuilt when it changes)
+        self.room_list: list[bool] = []
         self.seen = 0  # columns seen, pads included
         self.n_new = 0  # columns appended by the last update (0 for an in-place decoding step)
 
@@ -74,38 +83,52 @@ class EvictingLayer(DynamicLayer):
 
     def decode_in_place(self, key_states, value_states):
         """One arriving token (a real token, never a pad): take the slot the policy frees, or an empty one."""
-        valid = self.pos >= 0  # (B, H, S)
-        room = valid[:, 0].sum(-1) < self.counts.total  # (B,)
-        if bool((room & valid[:, 0].all(-1)).any()):  # a sequence below budget with no empty slot: grow by one
+        room = [h < t for h, t in zip(self.host_held, self.host_total)]
+        S = self.keys.shape[-2]
+        if any(r and h == S for r, h in zip(room, self.host_held)):  # below budget, no empty slot: grow by one
             self.append(key_states, value_states)
             self.pos[..., -1] = self.n_tok[:, None]
+            self.host_held = [h + 1 for h in self.host_held]
         else:
+            every = all(h == S for h in self.host_held)  # no empty slot: then room is not read
+            if not every and self.room_list != room:
+                self.room_list, self.room = room, torch.tensor(room, device=key_states.device)
             with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
                 prio = self.policy.priority(self.pos, self.acc, self.n_tok, self.counts)
-                slot = select_slot(prio, self.pos, valid, room)  # (B, H, 1)
+                slot = select_slot(prio, self.pos, None if every else self.pos >= 0, self.room)  # (B, H, 1)
             idx = slot[..., None].expand_as(key_states)  # (B, H, 1, D)
             self.keys.scatter_(-2, idx, key_states)
             self.values.scatter_(-2, idx, value_states)
             self.pos.scatter_(-1, slot, self.n_tok[:, None, None].expand_as(slot))
             self.acc.scatter_(-1, slot, 0.0)
+            self.host_held = [h + r for h, r in zip(self.host_held, room)]
         self.n_tok += 1
+        self.host_tok = [n + 1 for n in self.host_tok]
         self.n_new = 0
 
     def register_new(self, valid_new: torch.Tensor):
-        """Positions of the ``n_new`` appended columns; valid_new (B, q) bool. Fixes the budget on first call."""
+        """Positions of the ``n_new`` appended columns; valid_new (B, q) bool. Fixes the budget on first call.
+        A single new column (decoding) is a real token; a prefill chunk counts its tokens (one host sync)."""
         pos_new = torch.where(valid_new, self.n_tok[:, None] + valid_new.long().cumsum(-1) - 1, -1)
         self.pos[..., -valid_new.shape[1]:] = pos_new[:, None, :]
-        self.n_tok += valid_new.sum(-1)
+        new = [1] * valid_new.shape[0] if valid_new.shape[1] == 1 else valid_new.sum(-1).tolist()
+        self.n_tok += valid_new.sum(-1) if valid_new.shape[1] > 1 else 1
+        self.host_tok = [n + k for n, k in zip(self.host_tok or [0] * len(new), new)]
+        self.host_held = [h + k for h, k in zip(self.host_held or [0] * len(new), new)]
         if self.counts is None:
-            ref = self.n_tok.clone() if self.ref_len is None else torch.full_like(self.n_tok, self.ref_len)
-            self.counts = self.policy.counts(ref)
+            ref = self.host_tok if self.ref_len is None else [self.ref_len] * len(new)
+            counts = self.policy.counts(torch.tensor(ref))  # on the host, then copied once
+            self.host_total = counts.total.tolist()
+            self.counts = Counts(*(x.to(self.n_tok.device) for x in (counts.total, counts.heavy, counts.recent,
+                                                                     counts.length)))
 
     def cut(self):
         """After a prefill (chunk): keep the budget, free the rest. Slots are in position order here."""
         valid = self.pos >= 0
         keep = keep_top(self.policy.priority(self.pos, self.acc, self.n_tok - 1, self.counts), valid,
                         self.counts.total)  # (B, H, S)
-        S = int(keep.sum(-1).max())
+        self.host_held = [min(h, t) for h, t in zip(self.host_held, self.host_total)]
+        S = max(self.host_held)
         if S == keep.shape[-1]:
             return
         order = keep.long().argsort(dim=-1, descending=True, stable=True)[..., :S]  # kept slots first, in order

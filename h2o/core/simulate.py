@@ -24,9 +24,11 @@ def positions(valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, valid.long().cumsum(-1) - 1, -1)
 
 
-def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """fp32 softmax over allowed keys; a row with none allowed is uniform (finite, like transformers' eager)."""
-    logits = logits.float().masked_fill(~allowed, torch.finfo(torch.float32).min)
+def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """fp32 softmax over allowed keys (None: all); a row with none allowed is uniform (finite, like transformers'
+    eager)."""
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, torch.finfo(torch.float32).min)
     return torch.softmax(logits, dim=-1)
 
 
@@ -51,30 +53,61 @@ def grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
 def grouped_scores(q: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """q (B, Hkv, G, r, D) @ key (B, Hkv, S, D)^T -> (B, Hkv, G, r, S), the group folded into the rows (one read of K)."""
     B, Hkv, G, r, D = q.shape
-    return (q.reshape(B, Hkv, G * r, D) @ key.transpose(-1, -2)).view(B, Hkv, G, r, -1)
+    S = key.shape[-2]
+    return torch.bmm(q.reshape(B * Hkv, G * r, D), key.reshape(B * Hkv, S, D).transpose(1, 2)).view(B, Hkv, G, r, S)
 
 
 def grouped_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """probs (B, Hkv, G, r, S) @ value (B, Hkv, S, D) -> (B, Hkv, G, r, D), one read of V."""
     B, Hkv, G, r, S = probs.shape
-    return (probs.reshape(B, Hkv, G * r, S) @ value).view(B, Hkv, G, r, -1)
+    D = value.shape[-1]
+    return torch.bmm(probs.reshape(B * Hkv, G * r, S), value.reshape(B * Hkv, S, D)).view(B, Hkv, G, r, D)
+
+
+def scores(q: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+    """q (B, Hkv, G, r, D), key (B, Hkv, S, D) -> fp32 scaled logits (B, Hkv, G, r, S).
+
+    q is scaled before the product and half-precision inputs are multiplied in fp32: a raw q.k above 65504 would
+    be inf in fp16 (LLaMA and GPT-NeoX scale after the product)."""
+    if q.dtype != torch.float32:
+        q, key = q.float(), key.float()
+    return grouped_scores(q * scaling, key)
+
+
+def causal_valid(valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool non-pad -> (B, 1, 1, T, T) bool: causal and padding."""
+    idx = torch.arange(valid.shape[1], device=valid.device)
+    return (idx[None, :] <= idx[:, None]) & valid[:, None, None, None, :]
+
+
+def static_mask(policy: Policy, valid: torch.Tensor, prompt_len: int = 0) -> torch.Tensor | None:
+    """The mask of a policy that does not read the scores (full, position-only), (B, 1, 1, T, T); else None.
+    The same in every layer: the attention function builds it once per forward."""
+    if policy.is_full:
+        return causal_valid(valid)
+    if policy.position_only:
+        return policy_allowed(policy, None, causal_valid(valid) if prompt_len else None, valid, prompt_len)
+    return None
 
 
 def simulated_attention(policy: Policy, query, key, value, valid, scaling: float,
-                        prompt_len: int = 0, semantics: str = "h2o"):
-    """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T)."""
+                        prompt_len: int = 0, semantics: str = "h2o", static: torch.Tensor | None = None):
+    """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T).
+
+    ``static``: the mask from :func:`static_mask` when the policy does not read the scores."""
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]
-    q = grouped(query, Hkv)  # (B, Hkv, G, T, D)
-    logits = grouped_scores(q, key).float() * scaling  # (B, Hkv, G, T, T)
-    idx = torch.arange(T, device=query.device)
-    allowed = (idx[None, :] <= idx[:, None]) & valid[:, None, None, None, :]  # (B, 1, 1, T, T) causal + padding
-    if semantics == "reference":
-        allowed = allowed & reference_allowed(policy, logits, allowed, valid)
-    elif not policy.is_full:
-        allowed = policy_allowed(policy, logits, allowed, valid, prompt_len)
+    logits = scores(grouped(query, Hkv), key, scaling)  # (B, Hkv, G, T, T)
+    if static is not None and semantics == "h2o":
+        allowed = static
+    else:
+        allowed = causal_valid(valid)  # (B, 1, 1, T, T)
+        if semantics == "reference":
+            allowed = allowed & reference_allowed(policy, logits, allowed, valid)
+        elif not policy.is_full:
+            allowed = policy_allowed(policy, logits, allowed, valid, prompt_len)
     probs = masked_softmax(logits, allowed)  # (B, Hkv, G, T, T)
-    out = grouped_values(probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
+    out = grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
     return out.reshape(B, Hq, T, D).transpose(1, 2), probs.reshape(B, Hq, T, T)
 
 
@@ -89,11 +122,17 @@ def reference_allowed(policy: Policy, logits, allowed, valid):
 
 
 def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int) -> torch.Tensor:
-    """(B, Hkv, G|1, T, T) bool mask of what each row sees under ``policy``."""
-    B, Hkv, G, T, _ = logits.shape
-    pos = positions(valid)  # (B, T)
+    """(B, Hkv, G|1, T, T) bool mask of what each row sees under ``policy`` (logits unused if position-only)."""
+    T = valid.shape[1]
     ref_len = valid[:, :prompt_len].sum(-1) if prompt_len else valid.sum(-1)
     counts = policy.counts(ref_len)
+    if policy.position_only:
+        rows = closed_form(policy, valid, counts, max(prompt_len - 1, 0))  # (B, 1, 1, T, T)
+        if not prompt_len:
+            return rows
+        return torch.where(torch.arange(T, device=valid.device)[:, None] < prompt_len, allowed, rows)
+    B, Hkv, G, T, _ = logits.shape
+    pos = positions(valid)  # (B, T)
     if not policy.evicts and not policy.needs_scores:  # top-k: a pure function of each row's logits
         rows = (torch.arange(T, device=logits.device) >= prompt_len)[:, None]  # (T, 1) decoding rows
         return torch.where(rows, policy.restrict(logits, None, allowed, counts), allowed)
@@ -114,6 +153,17 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int) -> t
     with serial(logits.device):
         row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start)
     return out
+
+
+def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int) -> torch.Tensor:
+    """(B, 1, 1, T, T) bool rows of a position-only policy, all at once (:meth:`Policy.held_rows`): row i sees
+    token i and what the cache holds then. A pad row sees what the token before it saw (the cache does not change
+    on a pad), as in :func:`row_loop`."""
+    pos = positions(valid)  # (B, T)
+    now = pos.cummax(-1).values  # (B, T): the newest token at each row, -1 before the first
+    held = policy.held_rows(pos, now, counts, first)  # (B, T, T)
+    itself = (pos[:, None, :] == now[:, :, None]) & valid[:, None, :]
+    return (held | itself)[:, None, None]
 
 
 def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start):

@@ -26,7 +26,8 @@ from typing import ClassVar
 import torch
 
 BudgetPart = float | int
-TIER = float(2**40)  # priority tiers: tier * TIER + position, exact in float64 (positions < 2**40)
+TIER = float(2**40)
+CELLS = 2**24  # held_rows: (rows x slots) priorities judged at once per sequence, bounds the memory  # priority tiers: tier * TIER + position, exact in float64 (positions < 2**40)
 
 
 class PolicyError(ValueError):
@@ -60,6 +61,11 @@ class Counts:
     recent: torch.Tensor
     length: torch.Tensor  # the reference length the ratios were taken of
 
+    def repeat(self, n: int) -> "Counts":
+        """Each sequence's counts ``n`` times in a row: (B,) -> (B * n,), to judge n states of one sequence at once."""
+        return Counts(*(x[:, None].expand(-1, n).reshape(-1) for x in (self.total, self.heavy, self.recent,
+                                                                         self.length)))
+
 
 class Policy:
     """Base class. Subclasses set ``name`` and override :meth:`priority` (evicting) or :meth:`restrict`."""
@@ -67,6 +73,10 @@ class Policy:
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = True  # False: keeps the whole cache and restricts each query (top-k)
     needs_scores: ClassVar[bool] = False  # True: uses accumulated attention ``acc``
+    # True: the priority ignores ``acc`` and a token the cache dropped would never be among the ``total - 1`` older
+    # tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
+    # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop)
+    position_only: ClassVar[bool] = False
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):
@@ -113,8 +123,29 @@ class Policy:
 
     # ------------------------------------------------------- evicting policies
     def priority(self, pos: torch.Tensor, acc: torch.Tensor, now: torch.Tensor, counts: Counts) -> torch.Tensor:
-        """(B, H, S) float64, higher = keep. Called on valid slots only; ties are broken towards older tokens."""
+        """(B, H, S) float, higher = keep (float64 where tiers are added to positions). Called on valid slots only;
+        ties are broken towards older tokens."""
         raise NotImplementedError(f"{type(self).__name__} is not an evicting policy")  # abstract
+
+    def held_rows(self, pos: torch.Tensor, now: torch.Tensor, counts: Counts, first: int) -> torch.Tensor:
+        """Position-only policies, every state at once: pos (B, S) of the columns, now (B, R) the newest token of
+        each row (-1: none yet) -> (B, R, S) bool, the older tokens held at that row (the row's token not included).
+
+        The cache evicts from row ``first`` on (rows before it see their whole prefix). Default: the ``total - 1``
+        older tokens of highest priority at the row (exact under ``position_only``); memory is bounded by blocks.
+        """
+        B, R = now.shape
+        S = pos.shape[-1]
+        step = max(1, CELLS // max(1, B * S))
+        out = []
+        for r in range(0, R, step):  # one block when R * S <= CELLS
+            n = min(step, R - r)
+            cols = pos[:, None, :].expand(B, n, S).reshape(B * n, 1, S)  # (B*n, 1, S) one state per row
+            at = now[:, r:r + n].reshape(B * n)  # (B*n,)
+            older = (cols >= 0) & (cols < at[:, None, None])
+            c = counts.repeat(n)
+            out.append(keep_top(self.priority(cols, None, at, c), older, c.total - 1).view(B, n, S))
+        return out[0] if len(out) == 1 else torch.cat(out, 1)
 
     # ---------------------------------------------------- restricting policies
     def restrict(self, logits: torch.Tensor, acc: torch.Tensor, allowed: torch.Tensor,
@@ -143,15 +174,19 @@ def recent_window(pos: torch.Tensor, now: torch.Tensor, size: torch.Tensor) -> t
     return pos > bcast(now - size)
 
 
-def select_slot(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, room: torch.Tensor) -> torch.Tensor:
+def select_slot(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None, room: torch.Tensor | None
+                ) -> torch.Tensor:
     """The eviction step shared by both paths: which slot the arriving token takes, (B, H, 1) int64.
 
     Where the sequence still has ``room`` (B,) below its budget, an empty slot (``valid`` False) is taken.
     Otherwise the valid slot of lowest priority is dropped, the oldest one on ties, so the answer does not
     depend on the order of slots (the evicting cache fills slots in place, the simulated mask by position).
+    ``valid=None``: every slot holds a token (then ``room`` is not read). Compared in ``prio``'s dtype.
     """
-    inf = float("inf")
-    key = torch.where(valid, prio.double(), torch.where(bcast(room), -inf, inf))
+    key = prio
+    if valid is not None:
+        inf = float("inf")
+        key = torch.where(valid, prio, torch.where(bcast(room), -inf, inf))
     tie = key == key.amin(-1, keepdim=True)
     oldest = torch.where(tie, pos, torch.iinfo(torch.int64).max)
     return oldest.argmin(-1, keepdim=True)
@@ -162,7 +197,7 @@ def keep_top(prio: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor) -> tor
 
     Slots must be in position order (true at the end of a prefill in both paths).
     """
-    key = torch.where(valid, prio.double(), -float("inf"))
+    key = torch.where(valid, prio, -float("inf"))
     order = key.argsort(dim=-1, stable=True)  # ascending; on ties the older slot comes first
     rank_from_top = torch.empty_like(order)
     S = key.shape[-1]

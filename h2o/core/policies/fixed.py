@@ -10,14 +10,44 @@ import torch
 from .base import TIER, Counts, Policy, bcast
 
 
+def pattern(counts: Counts) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B,) block size ``b`` and (B,) summary tokens per block ``c``."""
+    block = counts.recent.clamp(min=1)
+    n_blocks = torch.div(counts.length + block - 1, block, rounding_mode="floor").clamp(min=1)
+    return block, torch.where(counts.heavy > 0, (counts.heavy // n_blocks).clamp(min=1), 0)
+
+
 class Fixed(Policy):
     name = "fixed"
+    position_only = True
 
     def priority(self, pos, acc, now, counts: Counts):
-        block = counts.recent.clamp(min=1)  # (B,)
-        n_blocks = torch.div(counts.length + block - 1, block, rounding_mode="floor").clamp(min=1)
-        c = torch.where(counts.heavy > 0, (counts.heavy // n_blocks).clamp(min=1), 0)
+        block, c = pattern(counts)
         b = bcast(block)
         current = torch.div(pos, b, rounding_mode="floor") == bcast(torch.div(now, block, rounding_mode="floor"))
         summary = (pos % b) >= b - bcast(c)
         return (2 * current + (summary & ~current)).double() * TIER + pos.double()  # (B, H, S)
+
+    def held_rows(self, pos, now, counts: Counts, first: int):
+        """Closed form of the eviction sequence (the top-priority rule does not hold: a dropped summary would
+        outrank the block that just ended). The current block is always held; past blocks hold the newest ``S``
+        summaries and the newest ``Z`` other tokens, where the summaries held follow
+        ``S(i) = min(S(i-1) + new(i), K - 1 - cur(i))``, i.e. ``S = N + min(0, cummin(K - 1 - cur - N))``
+        with ``N`` the summaries of the past blocks and ``cur`` the older tokens of the current block."""
+        block, c = pattern(counts)
+        b, c = block[:, None], torch.minimum(c, block)[:, None]  # (B, 1)
+        k1 = (counts.total - 1)[:, None]
+        blk, cur = torch.div(now.clamp(min=0), b, rounding_mode="floor"), now.clamp(min=0) % b  # (B, R)
+        n_sum, n_other = blk * c, blk * (b - c)  # summaries / other tokens of past blocks
+        gap = (k1 - cur - n_sum).double()
+        gap[:, :first] = float("inf")  # no eviction before the cache starts evicting
+        s = n_sum + gap.cummin(-1).values.clamp(max=0).long()  # summaries held
+        z = k1 - cur - s  # other past tokens held
+        p = pos[:, None, :]  # (B, 1, S)
+        b3, c3, at = b[..., None], c[..., None], now[..., None]  # (B, 1, 1), (B, R, 1)
+        p_blk, p_off = torch.div(p, b3, rounding_mode="floor"), p % b3
+        summary = p_off >= b3 - c3
+        current = p_blk == torch.div(at.clamp(min=0), b3, rounding_mode="floor")
+        held_sum = summary & (p_blk * c3 + p_off - (b3 - c3) >= (n_sum - s)[..., None])
+        held_other = ~summary & (p_blk * (b3 - c3) + p_off >= (n_other - z)[..., None])
+        return (p >= 0) & (p < at) & (current | held_sum | held_other)  # (B, R, S)

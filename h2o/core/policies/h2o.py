@@ -18,7 +18,7 @@ class H2O(Policy):
 
     def priority(self, pos, acc, now, counts: Counts):
         window = recent_window(pos, now, counts.recent)
-        return acc.double().masked_fill(window, float("inf"))  # (B, H, S)
+        return acc.masked_fill(window, float("inf"))  # (B, H, S) fp32
 
 
 def reference_mask(logits: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ class Local(Policy):
     """Evicts the oldest token: priority is the position."""
 
     name = "local"
+    position_only = True
 
     def priority(self, pos, acc, now, counts: Counts):
         return pos.double()  # (B, H, S)

@@ -8,6 +8,7 @@ from .base import TIER, Counts, Policy, PolicyError, bcast
 
 class StreamingLLM(Policy):
     name = "streaming_llm"
+    position_only = True
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, sinks: int = 4):
         super().__init__(budget, heavy, recent, heavy_share)

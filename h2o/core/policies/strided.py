@@ -18,6 +18,7 @@ def stride_of(counts: Counts) -> torch.Tensor:
 
 class Strided(Policy):
     name = "strided"
+    position_only = True
 
     def priority(self, pos, acc, now, counts: Counts):
         window = recent_window(pos, now, counts.recent)
