@@ -61,7 +61,7 @@ class ObservationsTask(PerplexityTask):
         wins = self.windows(tokenizer).to(model.device)  # (N, W)
         n_layers = model.config.num_hidden_layers
         layer = self.layer if self.layer >= 0 else n_layers // 2
-        sparsity, acc_cols = torch.zeros(n_layers), []
+        sparsity, acc_cols = torch.zeros(n_layers, device=wins.device), []
         correct = {"full": 0, "heavy_masked": 0, "random_masked": 0}
         gen = torch.Generator().manual_seed(seed)
         for w in tqdm(range(len(wins)), desc="observations", file=sys.stderr):
@@ -71,11 +71,9 @@ class ObservationsTask(PerplexityTask):
                 h.observer = lambda i, p: probs.__setitem__(i, p[0].float())  # (Hq, T, T)
                 logits = model(ids).logits
             correct["full"] += self.hits(logits, ids)
-            for i, p in probs.items():
-                causal = torch.ones_like(p[0], dtype=torch.bool).tril()
-                small = (p < self.threshold * p.amax(-1, keepdim=True)) & causal
-                sparsity[i] += small.sum() / (causal.sum() * p.shape[0]) / len(wins)
-            acc_cols.append(probs[layer].sum(1).flatten())  # (Hq * T,) column sums per head
+            for i, p in probs.items():  # a layer's probabilities live on its own device (device_map)
+                sparsity[i] += self.layer_sparsity(p).to(sparsity.device) / len(wins)
+            acc_cols.append(probs[layer].sum(1).flatten().cpu())  # (Hq * T,) column sums per head
             for name, hidden in self.hidden_sets(model, probs, gen).items():  # hidden in every layer at once
                 correct[name] += self.hits_hidden(model, ids, hidden)
         n_pred = len(wins) * (self.window - 1)
@@ -86,6 +84,12 @@ class ObservationsTask(PerplexityTask):
                         "heavy_masked": acc}
         metrics = {f"acc_{k}": v for k, v in acc.items()} | {"mean_sparsity": float(sparsity.mean())}
         return Result(metrics, [], {"files": {"observations.json": observations}})
+
+    def layer_sparsity(self, p: torch.Tensor) -> torch.Tensor:
+        """p (Hq, T, T) -> 0-dim tensor on p's device: the fraction of causal probabilities below threshold x max."""
+        causal = torch.ones_like(p[0], dtype=torch.bool).tril()
+        small = (p < self.threshold * p.amax(-1, keepdim=True)) & causal
+        return small.sum() / (causal.sum() * p.shape[0])
 
     @staticmethod
     def hits(logits, ids) -> int:
@@ -101,7 +105,7 @@ class ObservationsTask(PerplexityTask):
             k = max(1, int(self.mask_ratio * p.shape[-1]))
             top = score.topk(k, -1).indices
             heavy[i] = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, top, True)[None]
-            pick = torch.rand(score.shape, generator=gen).argsort(-1)[:, :k]
+            pick = torch.rand(score.shape, generator=gen).argsort(-1)[:, :k].to(score.device)  # CPU generator
             rand[i] = torch.zeros_like(score, dtype=torch.bool).scatter_(-1, pick, True)[None]
         return {"heavy_masked": heavy, "random_masked": rand}
 
