@@ -1,0 +1,66 @@
+"""What a GPU pays, counted on the CPU with torch.profiler (h2o.bench.launches), and the closed-form masks."""
+import itertools
+
+import pytest
+import torch
+
+from h2o import make_policy
+from h2o.assets.models import tiny_model
+from h2o.bench.launches import decode_counts, simulated_ops
+from h2o.core import simulate
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+def ids(n: int) -> torch.Tensor:
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("name", ["local", "streaming_llm"])
+def test_simulated_forward_ops_within_1_5x_eager(llama, name):
+    """Tiny LLaMA, 256 tokens, budget 20% (the row loop issued 42x / 52x the eager forward's aten ops)."""
+    counts = simulated_ops(llama, make_policy(name, budget=0.2), ids(256))
+    assert counts["ratio"] <= 1.5, counts
+    assert counts["syncs"] <= 1, counts  # the non-finite guard, once per forward
+
+
+@pytest.mark.parametrize("name", ["h2o", "local"])
+def test_decode_makes_no_host_sync_per_layer(llama, name):
+    """Per decoding step: one host sync (the guard's flag, once per step) whatever the layers; ops near sdpa's."""
+    counts = decode_counts(llama, make_policy(name, budget=0.2), ids(64), steps=3)
+    assert counts["sdpa_syncs_per_step"] == 0 and counts["syncs_per_step"] == 1, counts
+    assert counts["ratio"] <= 1.35, counts  # sdpa + DynamicCache: one fused attention op per layer
+
+
+def test_decode_syncs_do_not_grow_with_layers():
+    deep = tiny_model("llama", num_hidden_layers=4)
+    counts = decode_counts(deep, make_policy("h2o", budget=0.2), ids(32), steps=2)
+    assert counts["syncs_per_step"] == 1, counts
+
+
+def loop_mask(policy, allowed, valid, prompt_len):
+    """The row loop on a position-only policy (the reference of the closed form)."""
+    cls = type(policy)
+    cls.position_only = False
+    try:
+        logits = torch.zeros(*valid.shape[:1], 1, 1, valid.shape[1], valid.shape[1])
+        return simulate.policy_allowed(policy, logits, allowed, valid, prompt_len)
+    finally:
+        cls.position_only = True
+
+
+@pytest.mark.parametrize("name", ["local", "streaming_llm", "strided", "fixed"])
+def test_closed_form_equals_the_row_loop(name):
+    """Every row, pad rows included, with left and right padding, prompts, ratio and token budgets."""
+    for budget, T, P in itertools.product([0.1, 0.35, 5, 12], [23, 70], [0, 9]):
+        policy = make_policy(name, budget=budget)
+        valid = torch.ones(3, T, dtype=torch.bool)
+        valid[1, :5] = False
+        valid[2, T - 7:] = False
+        allowed = simulate.causal_valid(valid)
+        closed = simulate.policy_allowed(policy, None, allowed, valid, P)
+        loop = loop_mask(policy, allowed, valid, P)
+        assert torch.equal(*torch.broadcast_tensors(closed, loop)), (name, budget, T, P)
