@@ -6,6 +6,9 @@ from h2o import POLICIES, attach, make_policy
 from h2o.assets.models import TINY_ARCHS, tiny_model
 
 ATOL = 1e-4
+# dtype-aware: logits of magnitude ~4; fp16 / bf16 round at 2**-11 / 2**-8 relative (paths differ in summation order
+# on a GPU; on the CPU they agree exactly)
+ATOLS = {torch.float32: ATOL, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 VOCAB = 128
 
 
@@ -73,6 +76,35 @@ def test_prefill_then_decode_equals_mask_with_prompt_rows_unmasked(model, name, 
     held = {int((layer.pos >= 0).sum(-1).max()) for layer in cache.layers}
     expected = L if not policy.evicts else int(policy.counts(torch.tensor([P])).total)
     assert held == {expected}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["h2o", "streaming_llm", "fixed_h2", "topk_h2"])
+def test_half_precision_paths_agree(model, name, dtype):
+    """fp16/bf16 weights: scores in fp32 from a pre-scaled q; both paths agree within the dtype's tolerance."""
+    L, P = 40, 16
+    ids = tokens(L, 3)
+    half = model.to(dtype)
+    try:
+        policy = make_policy(name, budget=0.2)
+        sim = simulated(half, policy, ids, prompt_len=P)
+        real, _ = real_prefill_decode(half, policy, ids, prompt=P)
+        assert sim.dtype == dtype and torch.isfinite(sim).all()
+        assert torch.allclose(real.float(), sim.float(), atol=ATOLS[dtype])
+        assert not torch.allclose(sim.float(), plain_logits(half, ids).float(), atol=ATOLS[dtype])
+    finally:
+        model.float()
+
+
+def test_large_scores_stay_finite_in_half_precision():
+    """A raw q.k above 65504 is inf in fp16; q is scaled first and the product taken in fp32."""
+    from h2o.core.simulate import scores
+
+    q = torch.full((1, 1, 1, 1, 128), 30.0, dtype=torch.float16)
+    k = torch.full((1, 1, 1, 128), 30.0, dtype=torch.float16)
+    assert torch.isinf((q[0, 0] @ k.transpose(-1, -2)).float()).all()  # 115200 > 65504: the naive product
+    out = scores(q, k, 128 ** -0.5)
+    assert out.dtype == torch.float32 and out.item() == pytest.approx(900 * 128 ** 0.5, rel=1e-3)
 
 
 @pytest.mark.parametrize("name", ["h2o", "local", "streaming_llm", "strided_h2", "topk"])
