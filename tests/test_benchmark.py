@@ -209,6 +209,34 @@ def test_streaming_cached_keys_sit_at_their_rank(model, policy):
     torch.testing.assert_close(layer.keys, fresh, rtol=1e-4, atol=1e-4)
 
 
+def test_streaming_keys_in_bf16_are_rotated_once(model):
+    """bf16, 100 renumberings: each key is one rounding away from its fresh value (cumulative bf16 rotations
+    drift: heavy hitters move at every renumbering)."""
+    ids = stream_ids(model, 400)
+    half = model.to(torch.bfloat16)
+    try:
+        with torch.inference_mode(), attach(half, make_policy("h2o", budget=20), mode="real") as h:
+            cache = h.new_cache()
+            renum = CachePositions(half, len(cache.layers))
+            for s in range(0, 400, 4):
+                half(input_ids=ids[:, s:s + 4], cache=cache, position_ids=torch.arange(renum.n, renum.n + 4)[None])
+                renum.after_chunk(cache, s)
+            layer = cache.layers[0]
+            rank = layer.pos.argsort(-1).argsort(-1)
+            rot = KeyShifter(half)
+            # move each key back to its rank 0 frame and compare with the same token's key at its rank, fresh
+            attn, base = half.model.layers[0].self_attn, half.model
+            hid = base.layers[0].input_layernorm(base.embed_tokens(ids[0, layer.pos.clamp(min=0)]))
+            hkv, S, D = layer.keys.shape[1:]
+            k = attn.k_proj(hid).view(1, hkv, S, hkv, D)
+            k = torch.stack([k[:, i, :, i] for i in range(hkv)], 1).float()
+            fresh = rot.rotate(k, rank)
+        err = ((layer.keys.float() - fresh.float()).norm(dim=-1) / fresh.float().norm(dim=-1)).mean()
+        assert err < 0.01, float(err)
+    finally:
+        model.float()
+
+
 def test_flatness():
     samples = [{"tokens": 10 * i, "rss_bytes": 1000 + (50 if i < 3 else 0), "time_per_token_s": 1.0}
                for i in range(1, 41)]
