@@ -71,4 +71,8 @@ stream: install ## streaming perplexity on Austen: h2o vs streaming_llm vs local
 	$(PY) -m h2o.bench.streaming --text austen --tokens $(STREAM_TOKENS) --budgets $(STREAM_BUDGETS) \
 		--chunk $(STREAM_CHUNK) --threads $(BENCH_THREADS) --runs runs --progress 100
 
-.PHONY: help install test tables figures data model bench stream sweep
+GPU_CHECK_OUT ?= runs/gpu_check.json
+gpu-check: install ## on one GPU (<= 10 min): equivalence in fp32/fp16/bf16, launches and syncs, decode and simulated ratios -> one JSON
+	$(PY) -m h2o.bench.gpu_check --json $(GPU_CHECK_OUT)
+
+.PHONY: help install test tables figures data model bench stream sweep gpu-check

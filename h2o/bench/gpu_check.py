@@ -1,0 +1,180 @@
+"""``make gpu-check``: everything issue 12 claims about a GPU, verified at once on one GPU, into one JSON.
+
+1. equivalence: on every tiny architecture, fp32/fp16/bf16, the simulated mask equals prefill + token-by-token
+   decoding through the evicting cache (max |logit difference| within the dtype's tolerance);
+2. launches: aten ops of a simulated forward vs eager, ops and host syncs per decoding step vs sdpa + DynamicCache
+   (:mod:`h2o.bench.launches`);
+3. speed: decode time per step (CUDA events) of h2o / local vs sdpa + DynamicCache, and the simulated forward vs
+   eager, on SmolLM2 (if cached; else the tiny LLaMA, said so in the record).
+
+    python -m h2o.bench.gpu_check --json runs/gpu_check.json          # needs CUDA; ~5 min on one GPU
+    python -m h2o.bench.gpu_check --device cpu --quick --json out.json  # the same checks, small, on the CPU
+
+Exit 1 if a check fails (the JSON says which), 2 on bad input (before any work).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+ATOLS = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 5e-2}  # as in tests/test_paths.py
+POLICIES = ("h2o", "local", "streaming_llm", "fixed_h2", "topk_h2")
+
+
+def equivalence(device: str, dtypes, L: int, P: int) -> list[dict]:
+    """Max |simulated - real| logits per (arch, dtype, policy)."""
+    from h2o import attach, make_policy
+    from h2o.assets.models import TINY_ARCHS, tiny_model
+
+    ids = torch.randint(3, 128, (1, L), generator=torch.Generator().manual_seed(0)).to(device)
+    rows = []
+    for arch in TINY_ARCHS:
+        base = tiny_model(arch)
+        for dt in dtypes:
+            model = base.to(device=device, dtype=DTYPES[dt])
+            for name in POLICIES:
+                policy = make_policy(name, budget=0.2)
+                with torch.no_grad():
+                    with attach(model, policy, prompt_len=P):
+                        sim = model(ids).logits.float()
+                    with attach(model, policy, mode="real") as h:
+                        cache = h.new_cache()
+                        outs = [model(ids[:, :P], cache=cache).logits]
+                        outs += [model(ids[:, t:t + 1], cache=cache).logits for t in range(P, L)]
+                diff = float((torch.cat(outs, 1).float() - sim).abs().max())
+                rows.append({"arch": arch, "dtype": dt, "policy": name, "max_abs_diff": diff,
+                             "atol": ATOLS[dt], "ok": diff <= ATOLS[dt]})
+            base = model.float().cpu()
+    return rows
+
+
+def launches(device: str) -> dict:
+    from h2o.assets.models import tiny_model
+    from h2o.bench.launches import decode_counts, simulated_ops
+    from h2o.core.policies import make_policy
+
+    model = tiny_model("llama").to(device)
+    ids = torch.randint(3, 128, (1, 256), generator=torch.Generator().manual_seed(0)).to(device)
+    sim = [simulated_ops(model, make_policy(n, budget=0.2), ids) for n in ("local", "streaming_llm", "h2o")]
+    dec = [decode_counts(model, make_policy(n, budget=0.2), ids[:, :64]) for n in ("h2o", "local")]
+    ok = all(r["ratio"] <= 1.5 for r in sim[:2]) and all(r["syncs_per_step"] <= 1 for r in dec)
+    return {"simulated": sim, "decode": dec, "ok": ok}
+
+
+class Timer:
+    """Wall time of a block: CUDA events on a GPU (no host wait inside the block), perf_counter on the CPU."""
+
+    def __init__(self, device: str):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self.end.record()
+            self.end.synchronize()
+            self.seconds = self.start.elapsed_time(self.end) / 1000
+        else:
+            self.seconds = time.perf_counter() - self.t0
+
+
+def decode_time(model, ids, steps: int, device: str, policy=None) -> float:
+    """Seconds per decoding step after a prefill of ``ids``: the evicting cache, or sdpa + DynamicCache."""
+    from transformers import DynamicCache
+
+    from h2o import attach
+
+    with torch.no_grad():
+        if policy is None:
+            prev = model.config._attn_implementation
+            model.set_attn_implementation("sdpa")
+            ctx, new = None, lambda: DynamicCache(config=model.config)
+        else:
+            ctx = attach(model, policy, mode="real")
+            h = ctx.__enter__()
+            new = h.new_cache
+        try:
+            cache = new()
+            logits = model(ids, cache=cache).logits
+            nxt = logits[:, -1:].argmax(-1)
+            with Timer(device) as t:
+                for _ in range(steps):
+                    nxt = model(nxt, cache=cache).logits.argmax(-1)
+        finally:
+            if ctx is None:
+                model.set_attn_implementation(prev)
+            else:
+                ctx.__exit__(None, None, None)
+    return t.seconds / steps
+
+
+def speed(device: str, prompt: int, steps: int, sim_tokens: int, smollm2: bool = True) -> dict:
+    from h2o.assets.models import ModelUnavailableError, load_model, tiny_model
+    from h2o.bench.simulated import simulated_forward
+    from h2o.core.policies import make_policy
+
+    try:
+        if not smollm2:
+            raise ModelUnavailableError("--quick")
+        model = load_model("smollm2-135m", dtype="auto", device_map=device)[0]
+        name = "smollm2-135m"
+    except (ModelUnavailableError, OSError) as e:
+        model, name = tiny_model("llama").to(device), f"tiny-llama (smollm2 not used: {e})"
+    vocab = model.config.vocab_size
+    ids = torch.randint(100, vocab, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
+    base = decode_time(model, ids, steps, device)
+    dec = {n: decode_time(model, ids, steps, device, make_policy(n, budget=0.2)) for n in ("h2o", "local")}
+    sim = simulated_forward(model, T=sim_tokens, policies=(("h2o", 0.2), ("local", 0.2)), repeats=2,
+                            verbose=False, model_name=name)
+    return {"model": name, "dtype": str(next(model.parameters()).dtype), "prompt": prompt, "steps": steps,
+            "sdpa_dynamic_s_per_step": base, "decode_s_per_step": dec,
+            "decode_vs_sdpa": {n: s / base for n, s in dec.items()},
+            "simulated_vs_eager": {r["policy"]: r["metrics"]["vs_eager"] for r in sim}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--quick", action="store_true", help="small sizes (CPU tests)")
+    ap.add_argument("--json", required=True, help="where the one JSON record goes")
+    args = ap.parse_args(argv)
+    if args.device not in ("cuda", "cpu") and not args.device.startswith("cuda:"):
+        print(f"gpu-check: --device={args.device!r}: allowed: cuda, cuda:N, cpu", file=sys.stderr)
+        return 2
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"gpu-check: --device={args.device}: no CUDA device here (torch {torch.__version__}); "
+              "run on a GPU node or pass --device cpu", file=sys.stderr)
+        return 2
+    out = Path(args.json)
+    t0 = time.perf_counter()
+    dtypes = ("fp32", "bf16") if args.quick else tuple(DTYPES)
+    L, P = (24, 10) if args.quick else (96, 40)
+    eq = equivalence(args.device, dtypes, L, P)
+    record = {"device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
+              "torch": torch.__version__, "equivalence": eq, "equivalence_ok": all(r["ok"] for r in eq),
+              "launches": launches(args.device),
+              "speed": speed(args.device, *((32, 4, 64, False) if args.quick else (1024, 64, 1024, True)))}
+    record["seconds"] = time.perf_counter() - t0
+    record["ok"] = record["equivalence_ok"] and record["launches"]["ok"]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(out)  # no half-written record
+    print(f"gpu-check: {'ok' if record['ok'] else 'FAILED'} in {record['seconds']:.0f} s -> {out}")
+    return 0 if record["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""``make gpu-check`` runs on a GPU; here its checks run small on the CPU, and bad input fails at once."""
+import json
+
+from h2o.bench import gpu_check
+
+
+def test_gpu_check_quick_on_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    assert rec["ok"] and rec["equivalence_ok"]
+    assert {r["dtype"] for r in rec["equivalence"]} == {"fp32", "bf16"}
+    assert len(rec["equivalence"]) == 4 * 2 * len(gpu_check.POLICIES)
+    assert all(r["syncs_per_step"] == 1 for r in rec["launches"]["decode"])
+    assert set(rec["speed"]["decode_vs_sdpa"]) == {"h2o", "local"}
+    assert rec["speed"]["sdpa_dynamic_s_per_step"] > 0
+
+
+def test_gpu_check_without_cuda_fails_in_one_line(tmp_path, capsys):
+    out = tmp_path / "x.json"
+    assert gpu_check.main(["--device", "tpu", "--json", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--device='tpu'" in err and err.count("\n") == 1 and not out.exists()
