@@ -10,7 +10,7 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     rec = json.loads(out.read_text())
     assert rec["ok"] and rec["equivalence_ok"]
     assert {r["dtype"] for r in rec["equivalence"]} == {"fp32", "bf16"}
-    assert len(rec["equivalence"]) == 4 * 2 * len(gpu_check.POLICIES)
+    assert len(rec["equivalence"]) == 4 * 2 * 2  # archs x dtypes x (h2o, local)
     assert all(r["syncs_per_step"] == 1 for r in rec["launches"]["decode"])
     assert set(rec["speed"]["decode_vs_sdpa"]) == {"h2o", "local"}
     assert rec["speed"]["sdpa_dynamic_s_per_step"] > 0
