@@ -1,14 +1,17 @@
-"""A metric with its 95% interval (normal approximation, value +- 1.96 standard errors).
+"""A metric with its 95% interval (normal approximation, value +- 1.96 standard errors, clipped
+to the metric's range).
 
 Where the standard error comes from, in this order:
 
 * the record's ``<metric>_stderr`` (lm-eval's sample standard error for accuracies; Self-BLEU's
   from its per-generation scores, see ``analysis.self_bleu``);
 * the per-sample values in ``samples.jsonl``: ROUGE per article (std / sqrt(n)); perplexity per
-  window, from each window's nll per token, mapped to ppl by the delta method (se_ppl = ppl x se);
-* an accuracy with ``n_samples`` and no stderr: sqrt(p (1 - p) / (n - 1)), lm-eval's formula.
+  window, from each window's nll per token, mapped to ppl by the delta method (se_ppl = ppl x se).
 
-Several seeds of one protocol: the mean of the values, se = sqrt(sum se_i^2) / k.
+An accuracy of one record with ``n_samples`` questions gets the Wilson score interval instead
+(the normal one collapses to a point at 0 or 1: 0/3 correct is not [0, 0]); its se for
+differences is the larger of lm-eval's and the Wilson half-width / 1.96.
+Several seeds of one protocol: the mean of the values, se = sqrt(sum se_i^2) / k (normal).
 """
 from __future__ import annotations
 
@@ -27,21 +30,39 @@ Z95 = 1.959964
 class Estimate:
     value: float
     se: float = float("nan")   # NaN: no interval
+    bounds: tuple = (-math.inf, math.inf)   # the metric's range: the interval is clipped to it
+    interval: tuple | None = None           # an exact interval (Wilson) replacing value +- z se
 
     @property
     def lo(self) -> float:
-        return self.value - Z95 * self.se
+        return self.interval[0] if self.interval else max(self.bounds[0], self.value - Z95 * self.se)
 
     @property
     def hi(self) -> float:
-        return self.value + Z95 * self.se
+        return self.interval[1] if self.interval else min(self.bounds[1], self.value + Z95 * self.se)
 
     @property
     def has_interval(self) -> bool:
         return not math.isnan(self.se)
 
     def scaled(self, k: float) -> "Estimate":
-        return Estimate(self.value * k, self.se * k)
+        return Estimate(self.value * k, self.se * k, (self.bounds[0] * k, self.bounds[1] * k),
+                        (self.interval[0] * k, self.interval[1] * k) if self.interval else None)
+
+
+def wilson(p: float, n: float) -> tuple[float, float]:
+    """Wilson score interval of a proportion p of n trials (95%)."""
+    z2 = Z95 ** 2
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = Z95 * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def bounds(metric: str) -> tuple:
+    """Accuracies, ROUGE and Self-BLEU lie in [0, 1]; perplexity in [1, inf)."""
+    if metric.startswith(("acc", "rouge", "self_bleu")):
+        return (0.0, 1.0)
+    return (1.0, math.inf) if metric == "ppl" else (-math.inf, math.inf)
 
 
 def _float(v) -> float:
@@ -73,15 +94,20 @@ def estimate(row: pd.Series | dict, metric: str) -> Estimate:
     if math.isnan(se):
         se = from_samples(row.get("path"), metric)
     n = _float(row.get("n_samples"))
-    if math.isnan(se) and metric.startswith("acc") and n > 1 and 0 <= value <= 1:
-        se = math.sqrt(value * (1 - value) / (n - 1))
-    return Estimate(value, se)
+    if metric.startswith("acc") and n > 0 and 0 <= value <= 1:   # a proportion of n questions
+        lo, hi = wilson(value, n)
+        se = max(0.0 if math.isnan(se) else se, (hi - lo) / (2 * Z95))
+        return Estimate(value, se, bounds(metric), (lo, hi))
+    return Estimate(value, se, bounds(metric))
 
 
 def combine(ests: list[Estimate]) -> Estimate:
     """Mean of several seeds' estimates; se of the mean (NaN if any is unknown)."""
     k = len(ests)
-    return Estimate(sum(e.value for e in ests) / k, math.sqrt(sum(e.se ** 2 for e in ests)) / k)
+    if k == 1:
+        return ests[0]
+    return Estimate(sum(e.value for e in ests) / k, math.sqrt(sum(e.se ** 2 for e in ests)) / k,
+                    ests[0].bounds)
 
 
 def difference(a: Estimate, b: Estimate) -> Estimate:

@@ -42,7 +42,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from analysis.layout import eligible  # noqa: E402
-from analysis.protocol import annotate, choose, select  # noqa: E402
+from analysis.protocol import annotate, as_records, choose, select  # noqa: E402
 from analysis.records import load_json, load_samples  # noqa: E402
 from analysis.tables import POLICIES, key_str, label, metric_for, policy_order  # noqa: E402
 
@@ -95,10 +95,10 @@ def color(policy: str) -> str:
 def curve_panel(ax, runs: pd.DataFrame, metric: str, title: str, policies=None) -> int:
     """One panel: ``metric`` vs budget per policy (one protocol per point, 95% error bars), the
     full cache dashed with its interval shaded. Returns the number of points drawn."""
-    drawn = 0
+    drawn, recs = 0, as_records(runs)
     for policy in policy_order(policies or runs["policy"].dropna().unique()):
         if policy == "full":
-            pick = choose(select(runs, {"policy": "full"}), metric)
+            pick = choose(select(recs, {"policy": "full"}), metric)
             if pick is not None:
                 e = pick.est
                 ax.axhline(e.value, ls="--", color="k", label="full")
@@ -108,7 +108,7 @@ def curve_panel(ax, runs: pd.DataFrame, metric: str, title: str, policies=None) 
             continue
         budgets = sorted(pd.to_numeric(runs.loc[runs["policy"] == policy, "budget"],
                                        errors="coerce").dropna().unique())
-        pts = [(b, choose(select(runs, {"policy": policy, "budget": float(b)}), metric))
+        pts = [(b, choose(select(recs, {"policy": policy, "budget": float(b)}), metric))
                for b in budgets]
         pts = [(b, p.est) for b, p in pts if p is not None]
         if not pts:
@@ -161,7 +161,7 @@ def budget_figures(df: pd.DataFrame, out) -> list[Path]:
 def one_each(runs: pd.DataFrame, keys: list[str], metric: str) -> pd.DataFrame:
     """One record per ``keys`` group, chosen by the cell rule (the first seed of its protocol)."""
     picks = [choose(g, metric) for _, g in runs.groupby(keys, dropna=False)] if len(runs) else []
-    return pd.DataFrame([p.runs.iloc[0] for p in picks if p is not None])
+    return pd.DataFrame([p.row for p in picks if p is not None])
 
 
 def figure_streaming(df: pd.DataFrame, out: str | Path) -> list[Path]:

@@ -15,7 +15,6 @@ stand-in task, BOS added or not recorded), ``no interval``, or ``not run``.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 from dataclasses import dataclass, field
 
@@ -24,7 +23,8 @@ import pandas as pd
 
 from analysis.estimate import Estimate, difference
 from analysis.paper import tasks_for
-from analysis.protocol import RULE, Pick, annotate, choose, protocol_notes, select
+from analysis.protocol import (RULE, Pick, as_records, choose, protocol_notes, select,
+                               task_protocol)
 from analysis.render import MISSING, Table
 
 MODELS = "models"      # axis placeholder: the paper's models, then ours
@@ -89,32 +89,31 @@ def eligible(df: pd.DataFrame, experiments) -> pd.DataFrame:
     return df[mask]
 
 
-def ours(recs: pd.DataFrame, where: dict, metric: str):
+def ours(recs: list[dict], where: dict, metric: str):
     """(Pick, task) for a cell: the paper's task first, then its stand-ins; (None, None)."""
-    sub = select(recs, where)
+    sub = select(recs, where) if recs else []
     for task in tasks_for(where["task"]) if "task" in where else [None]:
-        pick = choose(sub if task is None else sub[sub["task"] == task], metric)
+        pick = choose(sub if task is None else [r for r in sub if r.get("task") == task], metric)
         if pick is not None:
             return pick, task
     return None, None
 
 
-def paper_row(pap: pd.DataFrame, where: dict):
+def paper_row(pap: list[dict], where: dict):
     """(row, model note) of the paper's number for a cell, or (None, "")."""
-    sub = pap
-    for k in ("task", "policy"):
-        if k in where:
-            sub = sub[sub[k] == where[k]]
-    for k in ("budget", "shots"):
-        if k in where and not (k == "budget" and where.get("policy") == "full"):
-            sub = sub[sub[k].isna() | np.isclose(sub[k], float(where[k]))]
-    exact = sub[sub["our_model"] == where.get("model")]
-    if len(exact):
-        return exact.iloc[0], ""
-    if sub["model"].nunique() == 1:
-        name = sub["model"].iloc[0]
-        return sub.iloc[0], ("paper's model unnamed" if name == "unspecified"
-                             else f"paper's model is {name}")
+    def fits(r):
+        if any(k in where and r[k] != where[k] for k in ("task", "policy")):
+            return False
+        return all(k not in where or (k == "budget" and where.get("policy") == "full")
+                   or math.isnan(r[k]) or math.isclose(r[k], float(where[k])) for k in ("budget", "shots"))
+    sub = [r for r in pap if fits(r)]
+    exact = [r for r in sub if r["our_model"] == where.get("model")]
+    if exact:
+        return exact[0], ""
+    if len({r["model"] for r in sub}) == 1:
+        name = sub[0]["model"]
+        return sub[0], ("paper's model unnamed" if name == "unspecified"
+                        else f"paper's model is {name}")
     return None, ""
 
 
@@ -128,8 +127,8 @@ def verdict(paper: float, est: Estimate | None, why: list[str]) -> str:
     return "within" if est.lo <= paper <= est.hi else "outside"
 
 
-def cell(spec: Spec, where: dict, recs: pd.DataFrame, pap: pd.DataFrame, keys: dict) -> Cell:
-    prow, model_note = paper_row(pap, where) if len(pap) else (None, "")
+def cell(spec: Spec, where: dict, recs: list[dict], pap: list[dict], keys: dict) -> Cell:
+    prow, model_note = paper_row(pap, where)
     pick, task = ours(recs, where, spec.metric)
     est = pick.est.scaled(spec.scale) if pick else None
     why = [model_note] if model_note and pick else []
@@ -144,7 +143,7 @@ def cell(spec: Spec, where: dict, recs: pd.DataFrame, pap: pd.DataFrame, keys: d
     return Cell(spec.name, keys, prow["value"] if prow is not None else "", number,
                 prow["model"] if prow is not None else "", est, pick,
                 pick.row.get("model") if pick else None, task, v,
-                prow.name if prow is not None else None)
+                prow["id"] if prow is not None else None)
 
 
 def fmt(v: float, digits: int) -> str:
@@ -168,9 +167,9 @@ def expand(axes: list, models: list[Item]) -> list[tuple[Item, ...]]:
     return list(itertools.product(*[models if a == MODELS else a for a in axes]))
 
 
-def model_items(pap: pd.DataFrame, recs: pd.DataFrame) -> list[Item]:
+def model_items(pap: pd.DataFrame, recs: list[dict]) -> list[Item]:
     paper = [m for m in dict.fromkeys(pap["our_model"].dropna())] if len(pap) else []
-    ran = sorted(m for m in recs["model"].dropna().unique() if m not in paper)
+    ran = sorted({r["model"] for r in recs if isinstance(r.get("model"), str)} - set(paper))
     return [Item(m, {"model": m}) for m in paper + ran] or [Item("(not named)", {"model": None})]
 
 
@@ -180,14 +179,15 @@ def merged(items) -> dict:
 
 def render(spec: Spec, df: pd.DataFrame, paper: pd.DataFrame) -> tuple[Table, list[Cell]]:
     """The table and its cells (for the report)."""
-    recs = annotate(eligible(df, spec.experiments)) if len(df) else df
+    recs = as_records(eligible(df, spec.experiments))
     pap = paper[paper["table"] == spec.paper] if spec.paper else paper.iloc[:0]
     models = model_items(pap, recs)
+    pap = pap.assign(id=pap.index).to_dict("records")
     rows, cols = expand(spec.rows, models), expand(spec.cols, models)
     block_axes, block_names = [], []
     if MODELS not in spec.rows + spec.cols:
         block_axes.append(models), block_names.append("model")
-    sems = sorted(recs["semantics"].dropna().unique()) if len(recs) else []
+    sems = sorted({r["semantics"] for r in recs if isinstance(r.get("semantics"), str)})
     if len(sems) > 1:
         block_axes.append([Item(s, {"semantics": s}) for s in sems]), block_names.append("semantics")
     cells, grid = [], []
@@ -226,7 +226,7 @@ def caption(spec: Spec, cells: list[Cell], notes: list[str]) -> list[str]:
 def claim_lines(spec: Spec, df: pd.DataFrame, cells: list[Cell]) -> list[str]:
     """Each claim checked on every (model, semantics, task, shots) we ran: ✓ holds (95%),
     ~ unresolved, ✗ contradicted (95%), with the differences in the paper's unit."""
-    recs = annotate(eligible(df, spec.experiments)) if len(df) else df
+    recs = as_records(eligible(df, spec.experiments))
     contexts = []
     for c in cells:
         if c.pick:
@@ -243,7 +243,7 @@ def claim_lines(spec: Spec, df: pd.DataFrame, cells: list[Cell]) -> list[str]:
             pb, _ = ours(recs, {**spec.where, **ctx, **claim.b}, spec.metric)
             if pa is None or pb is None:
                 continue
-            if same_protocol(pa.protocol) != same_protocol(pb.protocol):
+            if task_protocol(pa.protocol) != task_protocol(pb.protocol):
                 results.append(("≠", f"{ctx['task']} ({ctx['model']}) not compared: protocols differ"))
                 continue
             d = difference(pa.est, pb.est).scaled(spec.scale)
@@ -259,12 +259,6 @@ def claim_lines(spec: Spec, df: pd.DataFrame, cells: list[Cell]) -> list[str]:
                    f"contradicted in {count['✗']} of {len(results) - count['≠']}: "
                    + "; ".join(r[1] for r in results) + ".")
     return out
-
-
-def same_protocol(protocol: str) -> str:
-    """The protocol without the policy's own options (what two policies of a claim must share)."""
-    p = json.loads(protocol)
-    return json.dumps({k: v for k, v in p.items() if not k.startswith("policy.")}, sort_keys=True)
 
 
 def judge(d: Estimate, kind: str, tol: float) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +38,8 @@ def _clean(v):
         return [_clean(x) for x in v]
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return None
-    return v.item() if isinstance(v, np.generic) else v
+    v = v.item() if isinstance(v, np.generic) else v
+    return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
 def _prefixed(row: pd.Series, prefix: str) -> dict:
@@ -109,59 +110,104 @@ def describe(protocol: str, skip=("experiment",)) -> str:
     return ("legacy record: " if legacy else "") + (text or "no settings recorded")
 
 
+Record = dict   # one annotated record: a row of :func:`annotate`'s frame as a dict
+
+
+def as_records(runs) -> list[Record]:
+    """Annotated records as a list of dicts (cell selection runs on these: a few hundred cells
+    x a few pandas operations each was the whole cost of the analysis)."""
+    if isinstance(runs, list):
+        return runs
+    return annotate(runs).to_dict("records") if len(runs) else []
+
+
+def _num(v) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
 @dataclass
 class Pick:
     """The chosen protocol of a cell and its estimate (mean over the protocol's seeds)."""
     est: Estimate
     protocol: str
-    runs: pd.DataFrame                       # the records averaged (one per seed)
+    runs: list[Record]                       # the records averaged (one per seed), oldest first
     left_out: int = 0                        # records of the cell not used (other protocols)
-    row: dict = field(default_factory=dict)  # the first chosen record's fields
 
     @property
-    def n(self):
-        n = pd.to_numeric(self.runs["n_samples"], errors="coerce")
-        return None if n.isna().all() else int(n.max())
+    def row(self) -> Record:
+        return self.runs[0]
+
+    @property
+    def n(self) -> int | None:
+        ns = [_num(r.get("n_samples")) for r in self.runs]
+        ns = [n for n in ns if not math.isnan(n)]
+        return int(max(ns)) if ns else None
 
 
-def choose(runs: pd.DataFrame, metric: str) -> Pick | None:
+def choose(runs, metric: str) -> Pick | None:
     """Apply :data:`RULE` to the records ``runs`` that fit one cell; None if none has ``metric``."""
-    if metric not in runs.columns or runs.empty:
+    runs = [r for r in as_records(runs) if not math.isnan(_num(r.get(metric)))]
+    if not runs:
         return None
-    runs = annotate(runs)
-    runs = runs[pd.to_numeric(runs[metric], errors="coerce").notna()]
-    if runs.empty:
-        return None
-    n = pd.to_numeric(runs["n_samples"], errors="coerce").fillna(-1)
-    ranks = runs.assign(_n=n).groupby("protocol").agg(
-        n=("_n", "max"), paper=("paper_protocol", "all"), newest=("mtime", "max"))
-    best = ranks.sort_values(["n", "paper", "newest"], ascending=False).index[0]
-    chosen = runs[runs["protocol"] == best].sort_values("mtime")
-    chosen = chosen.drop_duplicates("seed", keep="last")  # same protocol and seed: the newest
-    est = combine([estimate(r, metric) for _, r in chosen.iterrows()])
-    return Pick(est, best, chosen, len(runs) - len(chosen), chosen.iloc[0].to_dict())
+    groups: dict[str, list[Record]] = {}
+    for r in runs:
+        groups.setdefault(r["protocol"], []).append(r)
+
+    def rank(item):
+        n = [_num(r.get("n_samples")) for r in item[1]]
+        return (max((x for x in n if not math.isnan(x)), default=-1),
+                all(bool(r.get("paper_protocol")) for r in item[1]),
+                max(r.get("mtime", 0.0) for r in item[1]))
+    best, group = max(groups.items(), key=rank)
+    per_seed = {}
+    for r in sorted(group, key=lambda r: r.get("mtime", 0.0)):  # same protocol and seed: newest
+        per_seed[_clean(r.get("seed"))] = r
+    chosen = list(per_seed.values())
+    est = combine([estimate(r, metric) for r in chosen])
+    return Pick(est, best, chosen, len(runs) - len(chosen))
 
 
-def select(df: pd.DataFrame, where: dict) -> pd.DataFrame:
+def _fits(r: Record, k: str, v) -> bool:
+    have = r.get(k)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        x = _num(have)
+        return not math.isnan(x) and math.isclose(x, float(v), rel_tol=1e-9, abs_tol=1e-9)
+    return have == v
+
+
+def select(runs, where: dict) -> list[Record]:
     """Records fitting a cell's keys (the full cache ignores the budget; H2O keeps only the
     paper's even heavy/recent split; ``task`` is left to the caller: it may have stand-ins)."""
-    m = pd.Series(True, index=df.index)
-    for k, v in where.items():
-        if k == "task" or (k == "budget" and where.get("policy") == "full") or k not in df.columns:
+    keys = {k: v for k, v in where.items()
+            if k != "task" and not (k == "budget" and where.get("policy") == "full")}
+    out = []
+    for r in as_records(runs):
+        if not all(_fits(r, k, v) for k, v in keys.items()):
             continue
-        col = pd.to_numeric(df[k], errors="coerce") if isinstance(v, (int, float)) else df[k]
-        m &= np.isclose(col, v) if isinstance(v, float) else (col == v)
-    sub = df[m.fillna(False).astype(bool)]
-    h, r = (pd.to_numeric(sub[c], errors="coerce") for c in ("heavy", "recent"))
-    uneven = (sub["policy"] == "h2o") & h.notna() & r.notna() & ~np.isclose(h.fillna(0), r.fillna(0))
-    return sub[~uneven]
+        h, rec = _num(r.get("heavy")), _num(r.get("recent"))
+        if r.get("policy") == "h2o" and not (math.isnan(h) or math.isnan(rec)) \
+                and not math.isclose(h, rec):
+            continue
+        out.append(r)
+    return out
+
+
+def task_protocol(protocol: str) -> str:
+    """The protocol without the policy's own options (which differ between policies by nature):
+    what two cells of one table, or the two sides of a comparison, must share."""
+    p = json.loads(protocol)
+    return json.dumps({k: v for k, v in p.items() if not k.startswith("policy.")}, sort_keys=True)
 
 
 def protocol_notes(picks: list[Pick | None]) -> tuple[dict, list[str]]:
-    """Tags for cells when a table shows several protocols (``{protocol: " (p1)"}``), and the
-    caption lines that spell each protocol out."""
-    protocols = list(dict.fromkeys(p.protocol for p in picks if p is not None))
-    if len(protocols) == 1:
-        return {}, [f"protocol: {describe(protocols[0], skip=())}"]
-    tags = {p: f" (p{i + 1})" for i, p in enumerate(protocols)}
-    return tags, [f"protocol p{i + 1}: {describe(p, skip=())}" for i, p in enumerate(protocols)]
+    """Tags for cells when a table shows several task protocols (``{protocol: " (p1)"}``), and
+    the caption lines that spell each one out."""
+    shown = [p.protocol for p in picks if p is not None]
+    tasks = list(dict.fromkeys(task_protocol(p) for p in shown))
+    if len(tasks) <= 1:
+        return {}, [f"protocol: {describe(t, skip=())}" for t in tasks]
+    tags = {p: f" (p{tasks.index(task_protocol(p)) + 1})" for p in shown}
+    return tags, [f"protocol p{i + 1}: {describe(t, skip=())}" for i, t in enumerate(tasks)]

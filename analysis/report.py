@@ -14,10 +14,10 @@ import re
 import pandas as pd
 
 from analysis.estimate import difference
-from analysis.layout import fmt, same_protocol
+from analysis.layout import fmt
 from analysis.paper import OUT_OF_SCOPE, load_paper
 from analysis.paper_tables import SPECS, paper_tables
-from analysis.protocol import RULE, annotate, choose, select
+from analysis.protocol import RULE, annotate, as_records, choose, select, task_protocol
 from analysis.tables import experiment_tables, key_str, label, metric_for
 
 VERDICTS = ["within", "outside", "not comparable", "no interval", "not run"]
@@ -91,16 +91,15 @@ def fig4_gains(df: pd.DataFrame, paper: pd.DataFrame) -> list[list]:
     rows = []
     for _, p in paper[paper["table"] == "Fig. 4 (text)"].iterrows():
         exp = "table1" if p["task"] != "XSUM" else "helm"
-        runs = annotate(df[df["experiment"].astype(str).str.startswith(exp)]) if len(df) else df
-        where = {"model": p["our_model"], "shots": p["shots"]}
-        sub = select(runs, where)
-        sub = sub[sub["task"] == p["our_task"]] if len(sub) else sub
+        runs = as_records(df[df["experiment"].astype(str).str.startswith(exp)]) if len(df) else []
+        sub = [r for r in select(runs, {"model": p["our_model"], "shots": p["shots"]})
+               if r["task"] == p["our_task"]]
         metric = "rouge2" if p["task"] == "XSUM" else "acc_mean"
         h2o, full = (choose(select(sub, w), metric) for w in
                      ({"policy": "h2o", "budget": 0.2}, {"policy": "full"}))
         if h2o is None or full is None:
             ours, verdict = "not run", "not run"
-        elif same_protocol(h2o.protocol) != same_protocol(full.protocol):
+        elif task_protocol(h2o.protocol) != task_protocol(full.protocol):
             ours, verdict = "protocols differ", "not comparable: protocols differ"
         else:
             d = difference(h2o.est, full.est).scaled(100)
@@ -154,14 +153,14 @@ def findings(runs: pd.DataFrame) -> list[str]:
         if metric is None:
             continue
         sign = -1 if metric == "ppl" else 1
-        parts = []
+        parts, recs = [], as_records(g)
         for b in sorted(pd.to_numeric(g.loc[g["policy"] == "h2o", "budget"]).dropna().unique()):
-            h2o = choose(select(g, {"policy": "h2o", "budget": float(b)}), metric)
+            h2o = choose(select(recs, {"policy": "h2o", "budget": float(b)}), metric)
             for other in ["full"] + [p for p in sorted(g["policy"].unique()) if p not in
                                      ("full", "h2o")]:
-                o = choose(select(g, {"policy": other, "budget": float(b)}), metric)
-                if h2o is None or o is None or same_protocol(h2o.protocol) != \
-                        same_protocol(o.protocol):
+                o = choose(select(recs, {"policy": other, "budget": float(b)}), metric)
+                if h2o is None or o is None or task_protocol(h2o.protocol) != \
+                        task_protocol(o.protocol):
                     continue
                 d = difference(h2o.est, o.est)
                 mark = "≈" if not d.has_interval or d.lo <= 0 <= d.hi else \

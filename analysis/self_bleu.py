@@ -18,7 +18,6 @@ The paper (appendix C.1, LLaMA-7B, 100 XSUM prompts): full 0.0057, H2O 0.0051, l
 from __future__ import annotations
 
 import numpy as np
-from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
 
 
 def tokenize(text: str) -> list[str]:
@@ -27,6 +26,7 @@ def tokenize(text: str) -> list[str]:
 
 def self_bleu_scores(generations: list[str], max_n: int = 4) -> list[float]:
     """BLEU-``max_n`` of each generation against all the others (needs >= 2)."""
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu  # slow import: lazy
     tokens = [tokenize(g) for g in generations]
     if len(tokens) < 2:
         raise ValueError("Self-BLEU needs at least two generations")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from analysis.protocol import RULE, annotate, choose, protocol_notes, select
+from analysis.protocol import RULE, annotate, as_records, choose, protocol_notes, select
 from analysis.render import MISSING, Table
 
 POLICIES = ["full", "local", "strided", "fixed", "streaming_llm", "topk", "h2o",
@@ -63,10 +63,9 @@ def budget_table(name: str, title: str, runs: pd.DataFrame, metric: str, digits:
     levels = [sorted(runs[k].dropna().unique(), key=str) for k in keys]
     budgets = sorted({1.0} | set(pd.to_numeric(runs["budget"], errors="coerce").dropna()))
     policies = policy_order(runs["policy"].dropna().unique())
-    grid, picks = [], []
+    grid, picks, recs = [], [], as_records(runs)
     for combo in pd.MultiIndex.from_product(levels, names=keys):
-        sub = select(runs, dict(zip(keys, combo)))
-        sub = sub[sub["task"] == combo[1]]
+        sub = [r for r in select(recs, dict(zip(keys, combo))) if r["task"] == combo[1]]
         for policy in policies:
             row = [key_str(v) for v in combo] + [label(policy)]
             for b in budgets:
@@ -128,16 +127,16 @@ def table_benchmark(df: pd.DataFrame) -> Table | None:
     rows = []
     settings = bench[BENCH_SETTING].drop_duplicates().sort_values(BENCH_SETTING)
     for _, setting in settings.iterrows():
-        sub = bench[(bench[BENCH_SETTING].map(key_str) == setting.map(key_str)).all(axis=1)]
+        sub = as_records(bench[(bench[BENCH_SETTING].map(key_str) ==
+                                setting.map(key_str)).all(axis=1)])
         full = choose(select(sub, {"policy": "full"}), "throughput_tok_s")
         for policy, budget in items:
             pick = full if budget is None else choose(
                 select(sub, {"policy": policy, "budget": budget}), "throughput_tok_s")
             row = [key_str(v) for v in setting] + [label(policy), key_str(budget or 1.0)]
             for _, metric, fmt in BENCH_METRICS:
-                value, ref = (float(np.mean(pd.to_numeric(p.runs[metric], errors="coerce")))
-                              if p is not None and metric in p.runs else float("nan")
-                              for p in (pick, full))
+                value, ref = (float(np.mean([r.get(metric, np.nan) for r in p.runs]))
+                              if p is not None else float("nan") for p in (pick, full))
                 row += [fmt(value), ratio(value, ref)]
             rows.append(row)
     caption = ["throughput = generated tokens / (prefill + decode time)",
