@@ -18,7 +18,6 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-import numpy as np
 import pandas as pd
 
 from analysis.estimate import Estimate, difference

@@ -2,10 +2,11 @@
 
 A record's *protocol* is everything recorded that changes its number besides the cell's own keys
 (model, task, shots, semantics, policy, budget, heavy/recent): the experiment, the scoring rule,
-BOS, the ``protocol`` dict of task settings (limit, max_new_tokens, equal_length, window, n_windows,
-temperature, ...), the policy's options (sinks, score variant, ...) and any ``quant*`` field. A record written before
-these fields existed is a *legacy* protocol of its own (experiment, limit, scoring, BOS and the
-``task`` section of its config.yaml): it never shares a cell with a record that has them.
+BOS, the ``protocol`` dict of task settings (limit, max_new_tokens, equal_length, window,
+n_windows, temperature, ...), the policy's options (sinks, score variant, ...) and any ``quant*``
+field. A record written before these fields existed is a *legacy* protocol of its own
+(experiment, limit, scoring, BOS and the ``task`` section of its config.yaml): it never shares a
+cell with a record that has them.
 
 :data:`RULE` is how a cell picks, and it is printed in every table's caption.
 """
