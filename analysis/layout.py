@@ -149,13 +149,16 @@ def fmt(v: float, digits: int) -> str:
     return f"{v:.{digits}f}".replace("-", "−")
 
 
-def cell_text(c: Cell, digits: int, tag: str) -> str:
+def cell_text(c: Cell, digits: int, tag: str, has_paper: bool = True) -> str:
+    """``paper · ours [lo, hi] · ours - paper`` (just ours where the paper prints no table)."""
     paper = c.paper or MISSING
     if c.ours is None:
         return f"{paper} · not run" if c.paper else MISSING
     e = c.ours
     ours = fmt(e.value, digits) + (f" [{fmt(e.lo, digits)}, {fmt(e.hi, digits)}]"
                                   if e.has_interval else " (no interval)")
+    if not has_paper:
+        return ours + tag
     mark = NOT_COMPARABLE if c.verdict.startswith("not comparable") else ""
     delta = f" · {'+' if e.value >= c.paper_number else ''}{fmt(e.value - c.paper_number, digits)}" \
         if c.paper and not math.isnan(c.paper_number) else ""
@@ -201,7 +204,8 @@ def render(spec: Spec, df: pd.DataFrame, paper: pd.DataFrame) -> tuple[Table, li
             grid.append(line)
     tags, notes = protocol_notes([c.pick for c in cells])
     for c in cells:
-        c.text = cell_text(c, spec.digits, tags.get(c.pick.protocol, "") if c.pick else "")
+        c.text = cell_text(c, spec.digits, tags.get(c.pick.protocol, "") if c.pick else "",
+                           bool(spec.paper))
     table_rows = [[x.text if isinstance(x, Cell) else x for x in line] for line in grid]
     header = block_names + spec.row_names + [labels(c) for c in cols]
     return Table(spec.name, spec.title, header, table_rows, caption(spec, cells, notes)), cells

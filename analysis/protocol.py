@@ -68,9 +68,11 @@ def protocol_of(row: pd.Series) -> dict:
                     **{k: _clean(row.get(k)) for k in LEGACY_FIELDS}}
     else:
         settings.update({k: _clean(row.get(k)) for k in ("scoring", "add_bos_token")})
-    quant = {k: _clean(v) for k, v in row.items() if k.startswith("quant") and _clean(v) is not None}
+    quant = {k: _clean(v) for k, v in row.items() if k.startswith("quant")}
     proto = {"experiment": _clean(row.get("experiment")), **settings, **quant,
              **{f"policy.{k}": v for k, v in _prefixed(row, "policy_options.").items()}}
+    # a frame has every record's columns: null = not recorded, except limit (null = all)
+    proto = {k: v for k, v in proto.items() if v is not None or k == "limit"}
     return {"legacy": True, **proto} if legacy else proto
 
 
@@ -106,7 +108,7 @@ def describe(protocol: str, skip=("experiment",)) -> str:
     """Short readable form of a protocol key: ``limit=20, scoring=mean, ...``."""
     p = json.loads(protocol)
     legacy = p.pop("legacy", False)
-    text = ", ".join(f"{k}={'null' if v is None else v}" for k, v in sorted(p.items())
+    text = ", ".join(f"{k}={'all' if v is None else v}" for k, v in sorted(p.items())
                      if k not in skip)
     return ("legacy record: " if legacy else "") + (text or "no settings recorded")
 

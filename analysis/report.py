@@ -18,7 +18,7 @@ from analysis.layout import fmt
 from analysis.paper import OUT_OF_SCOPE, load_paper
 from analysis.paper_tables import SPECS, paper_tables
 from analysis.protocol import RULE, annotate, as_records, choose, select, task_protocol
-from analysis.tables import experiment_tables, key_str, label, metric_for
+from analysis.tables import KIND_METRICS, experiment_tables, key_str, label, metric_for
 
 VERDICTS = ["within", "outside", "not comparable", "no interval", "not run"]
 LEGEND = ("verdict: **within** = the paper's value lies in our 95% interval; **outside** = it "
@@ -71,7 +71,7 @@ def section(spec, table, cells, claims) -> list[str]:
     ran = any(c.pick for c in cells)
     lines.append(f"**The paper:** {spec.claim}. **Our runs:** " + (
         " ".join(line[2:] for line in claims) if ran else
-        f"not run (experiment {', '.join(spec.experiments)} has no finished record)."))
+        f"not run (no finished record of experiment {', '.join(spec.experiments)} fits)."))
     lines.append("")
     with_paper = per_number(cells)
     if with_paper:
@@ -166,17 +166,19 @@ def findings(runs: pd.DataFrame) -> list[str]:
                 mark = "≈" if not d.has_interval or d.lo <= 0 <= d.hi else \
                     ">" if sign * d.value > 0 else "<"
                 digits = 2 if metric == "ppl" else 3
-                parts.append(f"{b:g}: H2O {mark} {label(other)} ({fmt(d.value, digits)} "
-                             f"[{fmt(d.lo, digits)}, {fmt(d.hi, digits)}])")
+                ci = f" [{fmt(d.lo, digits)}, {fmt(d.hi, digits)}]" if d.has_interval else ""
+                parts.append(f"{b:g}: H2O {mark} {label(other)} ({fmt(d.value, digits)}{ci})")
         if parts:
-            out.append(f"- {task} ({model}, {key_str(shots)}-shot, {metric}): " + "; ".join(parts))
+            shot = "" if key_str(shots) == "?" else f"{key_str(shots)}-shot, "
+            out.append(f"- {task} ({model}, {shot}{metric}): " + "; ".join(parts))
     return out
 
 
 def other_experiments(df: pd.DataFrame) -> list[str]:
     covered = {e for s in SPECS for e in s.experiments}
     prefixes = tuple(e[:-1] for e in covered if e.endswith("*"))
-    exps = [e for e in sorted(df["experiment"].dropna().astype(str).unique())
+    scored = df[df["task_kind"].isin(KIND_METRICS)] if len(df) else df  # not bench/observations
+    exps = [e for e in sorted(scored["experiment"].dropna().astype(str).unique())
             if e not in covered and not e.startswith(prefixes)] if len(df) else []
     lines = []
     for exp in exps:
