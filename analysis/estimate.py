@@ -1,8 +1,9 @@
 """A metric with its 95% interval (normal approximation, value +- 1.96 standard errors, clipped
 to the metric's range).
 
-Where the standard error comes from, in this order:
+Where the interval comes from, in this order:
 
+* the record's own ``<metric>_ci95_low`` / ``_high`` (perplexity: exp of the nll interval);
 * the record's ``<metric>_stderr`` (lm-eval's sample standard error for accuracies; Self-BLEU's
   from its per-generation scores, see ``analysis.self_bleu``);
 * the per-sample values in ``samples.jsonl``: ROUGE per article (std / sqrt(n)); perplexity per
@@ -90,6 +91,9 @@ def from_samples(path, metric: str) -> float:
 def estimate(row: pd.Series | dict, metric: str) -> Estimate:
     """The record's ``metric`` and its standard error (see the module doc)."""
     value = _float(row.get(metric))
+    lo, hi = _float(row.get(f"{metric}_ci95_low")), _float(row.get(f"{metric}_ci95_high"))
+    if lo <= value <= hi:                       # the task computed its own interval (perplexity)
+        return Estimate(value, (hi - lo) / (2 * Z95), bounds(metric), (lo, hi))
     se = _float(row.get(f"{metric}_stderr"))
     if math.isnan(se):
         se = from_samples(row.get("path"), metric)
@@ -113,3 +117,31 @@ def combine(ests: list[Estimate]) -> Estimate:
 def difference(a: Estimate, b: Estimate) -> Estimate:
     """a - b for two independent estimates."""
     return Estimate(a.value - b.value, math.sqrt(a.se ** 2 + b.se ** 2))
+
+
+def _sample_ids(samples: list[dict]) -> list:
+    return [s.get("doc_id", s.get("window")) for s in samples]
+
+
+def paired_difference(a: dict, b: dict, metric: str) -> Estimate | None:
+    """a - b over the samples both records scored (same ids in the same order, per-sample values
+    in samples.jsonl): mean of the per-sample differences +- 1.96 sd / sqrt(n). Perplexity: the
+    per-window log-ppl differences d, then ppl_b (exp(d) - 1). None if the samples do not pair."""
+    sa, sb = load_samples(a.get("path")), load_samples(b.get("path"))
+    if len(sa) < 2 or len(sa) != len(sb) or None in _sample_ids(sa) or \
+            _sample_ids(sa) != _sample_ids(sb):
+        return None
+    if metric == "ppl":
+        va = [_float(s.get("nll")) / _float(s.get("n_tokens")) for s in sa]
+        vb = [_float(s.get("nll")) / _float(s.get("n_tokens")) for s in sb]
+    else:
+        va, vb = [_float(s.get(metric)) for s in sa], [_float(s.get(metric)) for s in sb]
+    d = np.asarray(va) - np.asarray(vb)
+    if not np.isfinite(d).all():
+        return None
+    m, se = float(d.mean()), float(d.std(ddof=1) / math.sqrt(len(d)))
+    if metric != "ppl":
+        return Estimate(m, se)
+    ppl_b = _float(b.get("ppl"))
+    lo, hi = (ppl_b * (math.exp(m + k * Z95 * se) - 1) for k in (-1, 1))
+    return Estimate(ppl_b * (math.exp(m) - 1), (hi - lo) / (2 * Z95), interval=(lo, hi))

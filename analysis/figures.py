@@ -1,7 +1,7 @@
 """The figures, from run records (matplotlib, Agg; PNG and PDF). Every point is one protocol,
 picked by :data:`analysis.protocol.RULE` like a table cell, drawn with its 95% interval.
 
-* ``fig4_budget_curves``: Figure 4, metric vs KV cache budget (experiments ``table1`` and
+* ``fig4_budget_curves``: Figure 4, metric vs KV cache budget (experiments ``fig4`` and
   ``helm*``), ``fig8_shots`` (experiment ``fig8``: 0/1-shot budget sweep) and
   ``fig9_streaming_vs_h2o`` (experiment ``fig9``: StreamingLLM vs H2O on XSUM / CNN-DM): one
   panel per model x task (x shots, x semantics), one line per policy, the full cache as a dashed
@@ -48,7 +48,7 @@ from analysis.tables import POLICIES, key_str, label, metric_for, policy_order  
 
 SEMANTICS_STYLE = {"simulated": "-", "real": "-.", "reference": ":"}  # "--" is the full cache
 PAPER_FIGURES = [  # (file stem, title, experiments, policies drawn: None = every policy run)
-    ("fig4_budget_curves", "Figure 4: metric vs KV cache budget", ("table1", "helm*"),
+    ("fig4_budget_curves", "Figure 4: metric vs KV cache budget", ("fig4", "helm*"),
      ["full", "local", "h2o"]),
     ("fig8_shots", "Figure 8: 0- and 1-shot accuracy vs budget", ("fig8",), None),
     ("fig9_streaming_vs_h2o", "Figure 9: StreamingLLM vs H2O on XSUM / CNN-DM", ("fig9",),

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from analysis.estimate import Estimate, difference
+from analysis.estimate import Estimate
 from analysis.paper import tasks_for
-from analysis.protocol import (RULE, Pick, as_records, choose, protocol_notes, select,
+from analysis.protocol import (RULE, Pick, as_records, choose, compare, protocol_notes, select,
                                task_protocol)
 from analysis.render import MISSING, Table
 
@@ -249,7 +249,7 @@ def claim_lines(spec: Spec, df: pd.DataFrame, cells: list[Cell]) -> list[str]:
             if task_protocol(pa.protocol) != task_protocol(pb.protocol):
                 results.append(("≠", f"{ctx['task']} ({ctx['model']}) not compared: protocols differ"))
                 continue
-            d = difference(pa.est, pb.est).scaled(spec.scale)
+            d = compare(pa, pb, spec.metric).scaled(spec.scale)
             mark = judge(d, claim.kind, spec.tol)
             key = f"{ctx['task']} ({ctx['model']}, {fmt(float(ctx['shots']), 0)}-shot)"
             ci = f" [{fmt(d.lo, spec.digits)}, {fmt(d.hi, spec.digits)}]" if d.has_interval else ""

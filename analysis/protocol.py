@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.estimate import Estimate, combine, estimate
+from analysis.estimate import Estimate, combine, difference, estimate, paired_difference
 
 RULE = ("cell rule: one protocol per cell; of the finished records that fit a cell, the protocol "
         "with the largest sample wins (ties: the paper's protocol, per-token mean scoring without "
@@ -214,3 +214,14 @@ def protocol_notes(picks: list[Pick | None]) -> tuple[dict, list[str]]:
         return {}, [f"protocol: {describe(t, skip=())}" for t in tasks]
     tags = {p: f" (p{tasks.index(task_protocol(p)) + 1})" for p in shown}
     return tags, [f"protocol p{i + 1}: {describe(t, skip=())}" for i, t in enumerate(tasks)]
+
+
+def compare(a: Pick, b: Pick, metric: str) -> Estimate:
+    """a - b: paired over the samples both scored when each cell is one record whose samples.jsonl
+    pairs with the other's (same questions, windows or articles: far tighter than treating them
+    as independent), else the difference of two independent estimates."""
+    if len(a.runs) == len(b.runs) == 1:
+        d = paired_difference(a.runs[0], b.runs[0], metric)
+        if d is not None:
+            return d
+    return difference(a.est, b.est)

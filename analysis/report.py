@@ -13,11 +13,10 @@ import re
 
 import pandas as pd
 
-from analysis.estimate import difference
 from analysis.layout import fmt
 from analysis.paper import OUT_OF_SCOPE, load_paper
 from analysis.paper_tables import SPECS, paper_tables
-from analysis.protocol import RULE, annotate, as_records, choose, select, task_protocol
+from analysis.protocol import RULE, annotate, as_records, choose, compare, select, task_protocol
 from analysis.tables import KIND_METRICS, experiment_tables, key_str, label, metric_for
 
 VERDICTS = ["within", "outside", "not comparable", "no interval", "not run"]
@@ -90,7 +89,7 @@ def fig4_gains(df: pd.DataFrame, paper: pd.DataFrame) -> list[list]:
     """The text's Fig. 4 numbers: H2O minus full at 20% (points; the XSUM unit is unstated)."""
     rows = []
     for _, p in paper[paper["table"] == "Fig. 4 (text)"].iterrows():
-        exp = "table1" if p["task"] != "XSUM" else "helm"
+        exp = "fig4" if p["task"] != "XSUM" else "helm"
         runs = as_records(df[df["experiment"].astype(str).str.startswith(exp)]) if len(df) else []
         sub = [r for r in select(runs, {"model": p["our_model"], "shots": p["shots"]})
                if r["task"] == p["our_task"]]
@@ -102,7 +101,7 @@ def fig4_gains(df: pd.DataFrame, paper: pd.DataFrame) -> list[list]:
         elif task_protocol(h2o.protocol) != task_protocol(full.protocol):
             ours, verdict = "protocols differ", "not comparable: protocols differ"
         else:
-            d = difference(h2o.est, full.est).scaled(100)
+            d = compare(h2o, full, metric).scaled(100)
             ours = f"{fmt(d.value, 2)} [{fmt(d.lo, 2)}, {fmt(d.hi, 2)}]"
             verdict = "within" if d.lo <= p["number"] <= d.hi else "outside"
             verdict += " (unit unstated)" if p["task"] == "XSUM" else ""
@@ -162,7 +161,7 @@ def findings(runs: pd.DataFrame) -> list[str]:
                 if h2o is None or o is None or task_protocol(h2o.protocol) != \
                         task_protocol(o.protocol):
                     continue
-                d = difference(h2o.est, o.est)
+                d = compare(h2o, o, metric)
                 mark = "≈" if not d.has_interval or d.lo <= 0 <= d.hi else \
                     ">" if sign * d.value > 0 else "<"
                 digits = 2 if metric == "ppl" else 3

@@ -13,7 +13,7 @@ import pytest
 from analysis.estimate import Z95, wilson
 from analysis.figures import all_figures, curve_panel, fit_power_law
 from analysis.paper_tables import paper_tables
-from analysis.protocol import annotate
+from analysis.protocol import annotate, as_records, choose, compare, select
 from analysis.records import load_runs
 from analysis.render import MISSING
 from analysis.report import report
@@ -76,7 +76,7 @@ NLL = {"full": [2.0, 2.2, 2.4], "local": [3.0, 3.5, 4.0], "h2o": [2.1, 2.3, 2.5]
 
 
 def perplexity(root, policy, budget):
-    samples = [{"nll": v * 100, "n_tokens": 100} for v in NLL[policy]]
+    samples = [{"window": i, "nll": v * 100, "n_tokens": 100} for i, v in enumerate(NLL[policy])]
     return run(root, samples=samples, experiment="default", model="smollm2-135m",
                task="austen_ppl", task_kind="perplexity", policy=policy, shots=0,
                semantics="simulated", seed=0, budget=budget, n_samples=3, scoring=None,
@@ -107,8 +107,10 @@ def runs(tmp_path_factory):
     mc(root, "table9", "opt-13b", "piqa", "h2o", 0.77)
     mc(root, "table10", "opt-30b", "copa", "full", 0.86, shots=10)
     for budget, acc, n in [(0.1, 0.70, 100), (0.2, 0.80, 100), (0.2, 0.10, 20)]:
-        mc(root, "table1", "opt-6.7b", "copa", "h2o", acc, budget=budget, n=n, limit=n)
+        mc(root, "fig4", "opt-6.7b", "copa", "h2o", acc, budget=budget, n=n, limit=n)
+    mc(root, "fig4", "opt-6.7b", "copa", "full", 0.81, limit=100)
     mc(root, "table1", "opt-6.7b", "copa", "full", 0.81, limit=100)
+    mc(root, "table1", "opt-6.7b", "copa", "h2o", 0.80, limit=100)
     for policy, b, acc in [("full", 1.0, 0.60), ("local", 0.2, 0.40), ("h2o", 0.2, 0.58),
                            ("local", 0.1, 0.35), ("h2o", 0.1, 0.55)]:
         mc(root, "default", "smollm2-135m", "bb_copa", policy, acc, budget=b, n=60)
@@ -158,7 +160,7 @@ def cell(cells, **keys):
 
 
 def test_records_skip_unfinished(df):
-    assert len(df) == 35 and df["policy"].notna().all()   # the unfinished run is not there
+    assert len(df) == 37 and df["policy"].notna().all()   # the unfinished run is not there
     assert {"acc_mean", "protocol.limit", "throughput_tok_s", "prompt_len"} <= set(df.columns)
 
 
@@ -239,7 +241,7 @@ def test_self_bleu_reads_only_its_experiment(papers, df):
 
 def test_figure_point_is_one_protocol(df):
     fig, ax = plt.subplots()
-    runs = annotate(df[df["experiment"] == "table1"])
+    runs = annotate(df[df["experiment"] == "fig4"])
     assert curve_panel(ax, runs, "acc_mean", "t") == 3
     bars = ax.containers[0]
     assert list(bars.lines[0].get_ydata()) == pytest.approx([0.70, 0.80])  # not (0.80+0.10)/2
@@ -263,6 +265,22 @@ def test_experiment_tables(df):
         == ("250.0", "2.50×", "0.20×")
 
 
+def test_differences_pair_the_samples_both_runs_scored(df):
+    recs = [r for r in as_records(df[df["experiment"] == "default"]) if r["task"] == "austen_ppl"]
+    full, local = (choose(select(recs, w), "ppl") for w in ({"policy": "full"},
+                                                           {"policy": "local", "budget": 0.2}))
+    d = compare(local, full, "ppl")              # per-window log-ppl differences 1.0, 1.3, 1.6
+    ppl_full, half = math.exp(2.2), Z95 * 0.3 / math.sqrt(3)
+    assert d.value == pytest.approx(ppl_full * (math.exp(1.3) - 1))
+    assert (d.lo, d.hi) == pytest.approx((ppl_full * (math.exp(1.3 - half) - 1),
+                                         ppl_full * (math.exp(1.3 + half) - 1)))
+    h2o = choose(select(recs, {"policy": "h2o", "budget": 0.1}), "ppl")
+    assert compare(h2o, full, "ppl").lo == pytest.approx(ppl_full * (math.exp(0.1) - 1))
+    mc = as_records(df[(df["experiment"] == "default") & (df["task"] == "bb_copa")])
+    a, b = (choose(select(mc, {"policy": p, "budget": 0.2}), "acc_mean") for p in ("h2o", "local"))
+    assert compare(a, b, "acc_mean").se == pytest.approx(math.hypot(a.est.se, b.est.se))  # no samples
+
+
 def test_report(df):
     text = report(df)
     # within (COPA full and H2O, PiQA full), outside (COPA local), not comparable (OpenBookQA's
@@ -271,7 +289,7 @@ def test_report(df):
     assert "| Table 1 | 20 | 0 | 0 | 2 | 0 | 18 |" in text
     assert "| OPT-30B | opt-30b / Local w.o. H2 | COPA | 48.00 | 30.0 [" in text
     assert "## Experiment `default` (not a paper table)" in text
-    assert "- austen_ppl (smollm2-135m, 0-shot, ppl): 0.1: H2O ≈ full" in text
+    assert "- austen_ppl (smollm2-135m, 0-shot, ppl): 0.1: H2O < full" in text  # paired windows
     assert "0.2: H2O > local" in text and "**Table 11** (9 numbers): SpAtten" in text
 
 
