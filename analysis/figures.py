@@ -140,7 +140,8 @@ def budget_figure(runs: pd.DataFrame, out, name: str, title: str, policies=None)
     if not drawn:
         plt.close(fig)
         return []
-    fig.suptitle(title)
+    fig.suptitle(f"{title}\n(one protocol per point: the largest sample, see REPORT.md; "
+                 f"bars: 95% intervals)", fontsize=9)
     return save(fig, out, name)
 
 

@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
+from analysis.__main__ import main
 from analysis.estimate import Z95, wilson
 from analysis.figures import all_figures, curve_panel, fit_power_law
 from analysis.paper_tables import paper_tables
@@ -293,10 +294,10 @@ def test_report(df):
     assert "0.2: H2O > local" in text and "**Table 11** (9 numbers): SpAtten" in text
 
 
-def test_report_on_empty_runs(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "analysis", "report", "--runs", str(tmp_path / "no"),
-                          "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+def test_report_on_empty_runs(tmp_path, capsys):
+    assert main(["report", "--runs", str(tmp_path / "no"), "--out", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == f"0 finished runs under {tmp_path / 'no'}/; wrote " \
+        f"{tmp_path / 'REPORT.md'}\n"
     text = (tmp_path / "REPORT.md").read_text()
     for table, n in [("Table 1", 20), ("Table 2", 28), ("Table 8", 12), ("Table 9", 32),
                      ("Table 10", 36), ("Self-BLEU (App. C.1)", 3)]:
@@ -305,15 +306,15 @@ def test_report_on_empty_runs(tmp_path):
     assert len(rows) == 1 + 20 + 28 + 12 + 32 + 36 + 3 + 3   # summary header, numbers, Fig. 4
 
 
-def test_tables_and_figures_written(runs, tmp_path):
-    out = subprocess.run([sys.executable, "-m", "analysis", "tables", "--runs", str(runs),
-                          "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+def test_tables_and_figures_written(runs, tmp_path, capsys):
+    assert main(["tables", "--runs", str(runs), "--out", str(tmp_path)]) == 0
+    assert "**Table 2: local and Sparse" in capsys.readouterr().out
     names = {p.stem for p in (tmp_path / "tables").glob("*.md")}
     assert {"table1", "table2", "table8", "table9", "table10", "helm_0shot", "helm_5shot",
             "self_bleu", "default_multiple_choice", "default_perplexity", "benchmark"} <= names
     assert names == {p.stem for p in (tmp_path / "tables").glob("*.tex")}
-    assert "$\\pm$" not in (tmp_path / "tables" / "table2.tex").read_text()
+    tex = (tmp_path / "tables" / "table2.tex").read_text()
+    assert r"85.00 $\cdot$ 85.0 [" in tex and "·" not in tex and "†" not in tex
     paths = all_figures(load_runs(runs), tmp_path / "figures")
     stems = {p.name for p in paths}
     for name in ("fig4_budget_curves", "default_budget_curves", "streaming_ppl",
@@ -323,11 +324,11 @@ def test_tables_and_figures_written(runs, tmp_path):
 
 
 @pytest.mark.parametrize("what", ["tables", "figures"])
-def test_cli_without_runs(tmp_path, what):
-    out = subprocess.run([sys.executable, "-m", "analysis", what, "--runs", str(tmp_path / "no"),
-                          "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True)
-    assert out.returncode == 0 and out.stderr == ""
-    assert out.stdout.count("\n") == 1 and "no finished runs" in out.stdout
+def test_cli_without_runs(tmp_path, what, capsys):
+    assert main([what, "--runs", str(tmp_path / "no"), "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and out.out.count("\n") == 1 and "no finished runs" in out.out
+    assert not (tmp_path / what).exists()
 
 
 def test_self_bleu_cases():
