@@ -24,11 +24,6 @@ def cache_dir() -> Path:
 CACHE_DIR: Path = Path(os.environ.get("H2O_CACHE") or Path.home() / ".cache" / "h2o").expanduser()
 
 
-def cache_path(*parts: str) -> Path:
-    """A path inside the cache folder (parent folders are not created)."""
-    return cache_dir().joinpath(*parts)
-
-
 @contextlib.contextmanager
 def cache_lock(name: str) -> Iterator[None]:
     """Hold an exclusive lock ``<cache>/.locks/<name>.lock`` so two processes never fetch at once."""
