@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+REPO = Path(__file__).resolve().parents[2]  # the project root: conf/ and tasks/ live here
+
 
 def cache_dir() -> Path:
     """The cache folder (``$H2O_CACHE`` or ``~/.cache/h2o``), created if missing."""
