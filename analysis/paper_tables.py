@@ -132,7 +132,7 @@ SPECS = [TABLE1, TABLE2, TABLE8, TABLE9, TABLE10, helm(0), helm(5), SELF_BLEU]
 def paper_tables(df: pd.DataFrame, paper: pd.DataFrame | None = None):
     """[(spec, table, cells, claim lines)] for every paper table, run or not."""
     paper = load_paper() if paper is None else paper
-    if len(df) and any(s.metric == "self_bleu" for s in SPECS) and "self_bleu" not in df.columns:
+    if len(df) and "self_bleu" not in df.columns:
         from analysis.self_bleu import add_self_bleu
         df = add_self_bleu(df)
     out = []
