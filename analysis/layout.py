@@ -100,6 +100,8 @@ def ours(recs: list[dict], where: dict, metric: str):
 
 def paper_row(pap: list[dict], where: dict):
     """(row, model note) of the paper's number for a cell, or (None, "")."""
+    where = {**where, "policy": where.get("paper_policy", where.get("policy"))}
+
     def fits(r):
         if any(k in where and r[k] != where[k] for k in ("task", "policy")):
             return False

@@ -1,7 +1,7 @@
 """The paper's tables, one :class:`analysis.layout.Spec` each, in the paper's rows and columns.
 
-Each reads only its own experiment's records (``conf/experiment/<name>.yaml``): Tables 1, 2, 8, 9,
-10 (``table1`` ... ``table10``), HELM XSUM / CNN-DM at 0 and 5 shots (any experiment named
+Each reads only its own experiment's records (``conf/experiment/<name>.yaml``): Tables 1, 2, 6, 8,
+9, 10 (``table1`` ... ``table10``; Table 6's quantized rows need ``quant`` records, issue 14), HELM XSUM / CNN-DM at 0 and 5 shots (any experiment named
 ``helm*``), Self-BLEU (``self_bleu``). Accuracy is ``acc_mean`` (the paper code's per-token mean
 log-likelihood) in percent; the paper prints no HELM numbers (its Fig. 4 panels are curves).
 """
@@ -93,6 +93,21 @@ TABLE10 = Spec(
     claims=[NOT_WORSE, LOCAL_DROPS])
 
 
+QUANT4 = {"quant.quant": "uniform", "quant.bits": 4}   # FlexGen's group-wise 4-bit, as the paper
+TABLE6 = Spec(
+    "table6", "Table 6: H2O with 4-bit KV quantization (5-shot)", "Table 6", ("table6",),
+    [[at("Full", "full"), at("H2O", "h2o"), at("Quant-4bit", "full", paper_policy="quant", **QUANT4),
+      at("H2O w. Quant-4bit", "h2o", paper_policy="h2o_quant", **QUANT4)]], ["method"],
+    [tasks("COPA", "OpenBookQA", "PiQA")], where={"shots": 5},
+    claim="4-bit quantization on top of H2O keeps the full cache's accuracy",
+    claims=[Claim("H2O w. 4-bit quantization is not worse than the full cache (by more than 5 "
+                  "points)", {"policy": "h2o", "budget": 0.2, **QUANT4}, {"policy": "full"}, ">="),
+            Claim("4-bit quantization alone is not worse than the full cache (by more than 5 "
+                  "points)", {"policy": "full", **QUANT4}, {"policy": "full"}, ">=")],
+    notes=["quantized rows: records with quant=uniform, bits=4 (conf/quant/uniform.yaml); every "
+           "other row and table reads unquantized records only"])
+
+
 def helm(shots: int) -> Spec:
     budgets = [Item(f"{b:g}", {"budget": b}) for b in (0.04, 0.1, 0.2, 0.4, 0.6, 0.8)]
     return Spec(
@@ -126,7 +141,7 @@ SELF_BLEU = Spec(
            "generations; interval from the per-generation scores",
            "the paper does not state the budget of its H2O and local rows (20% assumed)"])
 
-SPECS = [TABLE1, TABLE2, TABLE8, TABLE9, TABLE10, helm(0), helm(5), SELF_BLEU]
+SPECS = [TABLE1, TABLE2, TABLE6, TABLE8, TABLE9, TABLE10, helm(0), helm(5), SELF_BLEU]
 
 
 def paper_tables(df: pd.DataFrame, paper: pd.DataFrame | None = None):

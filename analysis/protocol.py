@@ -181,14 +181,20 @@ def _fits(r: Record, k: str, v) -> bool:
     return have == v
 
 
+def _quantized(r: Record) -> bool:
+    return any(k.startswith("quant") and _clean(v) is not None for k, v in r.items())
+
+
 def select(runs, where: dict) -> list[Record]:
     """Records fitting a cell's keys (the full cache ignores the budget; H2O keeps only the
-    paper's even heavy/recent split; ``task`` is left to the caller: it may have stand-ins)."""
-    keys = {k: v for k, v in where.items()
-            if k != "task" and not (k == "budget" and where.get("policy") == "full")}
+    paper's even heavy/recent split; a quantized KV cache only where ``where`` names ``quant.*``;
+    ``task`` is left to the caller: it may have stand-ins; ``paper_*`` keys are the paper's)."""
+    keys = {k: v for k, v in where.items() if k != "task" and not k.startswith("paper_")
+            and not (k == "budget" and where.get("policy") == "full")}
+    quant = any(k.startswith("quant") for k in keys)
     out = []
     for r in as_records(runs):
-        if not all(_fits(r, k, v) for k, v in keys.items()):
+        if not all(_fits(r, k, v) for k, v in keys.items()) or (_quantized(r) and not quant):
             continue
         h, rec = _num(r.get("heavy")), _num(r.get("recent"))
         if r.get("policy") == "h2o" and not (math.isnan(h) or math.isnan(rec)) \

@@ -90,6 +90,9 @@ OBS = {"sparsity_per_layer": [0.96, 0.97, 0.99], "sparsity_threshold": 0.01,
        "heavy_masked": {"full": 0.80, "heavy_masked": 0.35, "random_masked": 0.78}}
 
 
+QUANT = {"quant": "uniform", "bits": 4, "group_size": 64}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
@@ -105,6 +108,8 @@ def runs(tmp_path_factory):
     mc(root, t2, "opt-30b", "openbookqa", "full", 0.43, legacy=True)      # old mean-rule record
     mc(root, t2, "opt-30b", "openbookqa", "h2o", 0.31, legacy=True, scoring="sum")
     mc(root, t2, "smollm2-135m", "bb_copa", "full", 0.60, n=50)           # stand-in task
+    mc(root, t2, "opt-30b", "copa", "h2o", 0.10, n=500, quant=QUANT)      # quantized: not H2O
+    mc(root, "table6", "opt-30b", "copa", "h2o", 0.83, quant=QUANT)
     mc(root, "table9", "opt-13b", "piqa", "h2o", 0.77)
     mc(root, "table10", "opt-30b", "copa", "full", 0.86, shots=10)
     for budget, acc, n in [(0.1, 0.70, 100), (0.2, 0.80, 100), (0.2, 0.10, 20)]:
@@ -161,7 +166,7 @@ def cell(cells, **keys):
 
 
 def test_records_skip_unfinished(df):
-    assert len(df) == 37 and df["policy"].notna().all()   # the unfinished run is not there
+    assert len(df) == 39 and df["policy"].notna().all()   # the unfinished run is not there
     assert {"acc_mean", "protocol.limit", "throughput_tok_s", "prompt_len"} <= set(df.columns)
 
 
@@ -226,6 +231,10 @@ def test_paper_layouts(papers):
     assert row(t10, "COPA", "Full")["10-shot opt-30b"].startswith("86.00 · 86.0 [")
     assert row(t10, "COPA", "Full")["5-shot opt-30b"] == "85.00 · not run"
     assert {"helm_0shot", "helm_5shot", "table8", "self_bleu"} <= set(papers)
+    t6 = papers["table6"][0]
+    assert [r[1] for r in t6.rows] == ["Full", "H2O", "Quant-4bit", "H2O w. Quant-4bit"]
+    assert row(t6, "opt-30b", "H2O w. Quant-4bit")["COPA"].startswith("84.00 · 83.0 [")
+    assert row(t6, "opt-30b", "H2O")["COPA"] == "84.00 · not run"   # the quantized run is not H2O
 
 
 def test_self_bleu_reads_only_its_experiment(papers, df):
@@ -299,11 +308,11 @@ def test_report_on_empty_runs(tmp_path, capsys):
     assert capsys.readouterr().out == f"0 finished runs under {tmp_path / 'no'}/; wrote " \
         f"{tmp_path / 'REPORT.md'}\n"
     text = (tmp_path / "REPORT.md").read_text()
-    for table, n in [("Table 1", 20), ("Table 2", 28), ("Table 8", 12), ("Table 9", 32),
-                     ("Table 10", 36), ("Self-BLEU (App. C.1)", 3)]:
+    for table, n in [("Table 1", 20), ("Table 2", 28), ("Table 6", 12), ("Table 8", 12),
+                     ("Table 9", 32), ("Table 10", 36), ("Self-BLEU (App. C.1)", 3)]:
         assert f"| {table} | {n} | 0 | 0 | 0 | 0 | {n} |" in text
     rows = [line for line in text.splitlines() if line.endswith(" | not run |")]
-    assert len(rows) == 1 + 20 + 28 + 12 + 32 + 36 + 3 + 3   # summary header, numbers, Fig. 4
+    assert len(rows) == 1 + 20 + 28 + 12 + 12 + 32 + 36 + 3 + 3  # summary header, numbers, Fig. 4
 
 
 def test_tables_and_figures_written(runs, tmp_path, capsys):
