@@ -11,6 +11,7 @@ import pandas as pd
 
 from analysis.layout import MODELS, Claim, Item, Spec, claim_lines, render
 from analysis.paper import load_paper
+from analysis.protocol import annotate
 from analysis.render import Table
 
 
@@ -147,6 +148,7 @@ SPECS = [TABLE1, TABLE2, TABLE6, TABLE8, TABLE9, TABLE10, helm(0), helm(5), SELF
 def paper_tables(df: pd.DataFrame, paper: pd.DataFrame | None = None):
     """[(spec, table, cells, claim lines)] for every paper table, run or not."""
     paper = load_paper() if paper is None else paper
+    df = annotate(df) if len(df) else df    # once: every subset below keeps the protocol key
     if len(df) and "self_bleu" not in df.columns:
         from analysis.self_bleu import add_self_bleu
         df = add_self_bleu(df)

@@ -192,6 +192,7 @@ def other_experiments(df: pd.DataFrame) -> list[str]:
 
 def report(df: pd.DataFrame) -> str:
     paper = load_paper()
+    df = annotate(df) if len(df) else df
     results = paper_tables(df, paper)
     n_exp = df["experiment"].nunique() if len(df) else 0
     lines = ["# H2O reproduction report", "",
