@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+from . import row_kernel
 from .policies import Policy, keep_top, select_slot
 from .policies.h2o import H2O, reference_mask
 
@@ -150,6 +151,9 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int) -> t
         keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
+    if row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
+        row_kernel.h2o_rows(logits, valid, pos, counts, keep, acc, out, start)
+        return out
     with serial(logits.device):
         row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start)
     return out

@@ -1,0 +1,7 @@
+"""Without a GPU, Triton kernels run under the interpreter (set before anything imports triton)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -1,0 +1,57 @@
+"""The Triton row kernel (h2o, h2_only) against the torch row loop (its reference); without a GPU it runs under
+TRITON_INTERPRET=1 (tests/conftest.py), on CUDA tensors where there is one."""
+import pytest
+import torch
+
+from h2o import make_policy
+from h2o.core import row_kernel, simulate
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def masks(policy, logits, valid, prompt_len, choice, monkeypatch):
+    monkeypatch.setenv("H2O_ROW_KERNEL", choice)
+    allowed = simulate.causal_valid(valid)
+    return simulate.policy_allowed(policy, logits, allowed, valid, prompt_len)
+
+
+@pytest.mark.parametrize("name,budget,prompt_len", [("h2o", 0.3, 0), ("h2o", 5, 7), ("h2_only", 0.25, 0)])
+def test_kernel_equals_the_torch_loop(monkeypatch, name, budget, prompt_len):
+    assert row_kernel.triton is not None, "triton is pinned in the test extra"
+    T = 20
+    logits = torch.randn(2, 2, 2, T, T, generator=torch.Generator().manual_seed(1)).to(DEVICE) * 3
+    valid = torch.ones(2, T, dtype=torch.bool, device=DEVICE)
+    valid[1, :4] = False  # left padding
+    policy = make_policy(name, budget=budget)
+    loop = masks(policy, logits, valid, prompt_len, "torch", monkeypatch)
+    kernel = masks(policy, logits, valid, prompt_len, "triton", monkeypatch)
+    assert torch.equal(loop, kernel)
+    assert not torch.equal(loop, simulate.causal_valid(valid).expand_as(loop))  # something was evicted
+
+
+def test_kernel_flag_is_checked(monkeypatch):
+    monkeypatch.setenv("H2O_ROW_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="H2O_ROW_KERNEL='cuda': allowed: auto, triton, torch"):
+        row_kernel.use_kernel(make_policy("h2o"), torch.device("cpu"))
+    monkeypatch.setenv("H2O_ROW_KERNEL", "triton")
+    with pytest.raises(ValueError, match="not strided_h2"):
+        row_kernel.use_kernel(make_policy("strided_h2"), torch.device("cpu"))
+    monkeypatch.setenv("H2O_ROW_KERNEL", "auto")
+    assert not row_kernel.use_kernel(make_policy("h2o"), torch.device("cpu"))  # the CPU keeps the torch loop
+
+
+def test_kernel_launches_do_not_grow_with_the_sequence(monkeypatch):
+    """h2o's mask through the kernel: the same aten ops at 16 and 32 tokens (the torch loop adds ~20 per row)."""
+    from h2o.bench.launches import aten_ops
+
+    def ops(T: int) -> int:
+        logits = torch.randn(1, 1, 1, T, T, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        valid = torch.ones(1, T, dtype=torch.bool, device=DEVICE)
+        policy = make_policy("h2o", budget=0.25)
+        return sum(aten_ops(lambda: simulate.policy_allowed(policy, logits, simulate.causal_valid(valid), valid,
+                                                            0)).values())
+
+    monkeypatch.setenv("H2O_ROW_KERNEL", "triton")
+    assert ops(16) == ops(32)
+    monkeypatch.setenv("H2O_ROW_KERNEL", "torch")
+    assert ops(32) > ops(16) + 10 * 16  # the reference loop: launches per row
