@@ -67,34 +67,12 @@ def launches(device: str) -> dict:
     return {"simulated": sim, "decode": dec, "ok": ok}
 
 
-class Timer:
-    """Wall time of a block: CUDA events on a GPU (no host wait inside the block), perf_counter on the CPU."""
-
-    def __init__(self, device: str):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def __enter__(self):
-        if self.cuda:
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.end.record()
-            self.end.synchronize()
-            self.seconds = self.start.elapsed_time(self.end) / 1000
-        else:
-            self.seconds = time.perf_counter() - self.t0
-
-
 def decode_time(model, ids, steps: int, device: str, policy=None) -> float:
     """Seconds per decoding step after a prefill of ``ids``: the evicting cache, or sdpa + DynamicCache."""
     from transformers import DynamicCache
 
     from h2o import attach
+    from h2o.bench.measure import Timer, gpu_devices
 
     with torch.no_grad():
         if policy is None:
@@ -109,7 +87,7 @@ def decode_time(model, ids, steps: int, device: str, policy=None) -> float:
             cache = new()
             logits = model(ids, cache=cache).logits
             nxt = logits[:, -1:].argmax(-1)
-            with Timer(device) as t:
+            with Timer(gpu_devices(model)) as t:
                 for _ in range(steps):
                     nxt = model(nxt, cache=cache).logits.argmax(-1)
         finally:

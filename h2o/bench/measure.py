@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import statistics
 import threading
+import time
 
 import torch
 from transformers.cache_utils import Cache
@@ -102,6 +103,50 @@ def kv_bytes(cache: Cache) -> tuple[int, int]:
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+# ------------------------------------------------------------------------------------------- GPUs
+def gpu_devices(model) -> list[torch.device]:
+    """Every CUDA device holding a parameter or buffer of ``model`` (a model split by ``device_map``)."""
+    found = {t.device for t in list(model.parameters()) + list(model.buffers()) if t.device.type == "cuda"}
+    return sorted(found, key=lambda d: d.index or 0)
+
+
+def reset_gpu_peaks(devices) -> None:
+    for d in devices:
+        torch.cuda.reset_peak_memory_stats(d)
+
+
+def gpu_peak_bytes(devices) -> int | None:
+    """Peak allocated bytes summed over ``devices`` since the last reset (None without a GPU)."""
+    return sum(torch.cuda.max_memory_allocated(d) for d in devices) if devices else None
+
+
+class Timer:
+    """Seconds of a block: CUDA events on every GPU the model spans (elapsed on the first, after all are done),
+    ``perf_counter`` on the CPU. ``.seconds`` after the block."""
+
+    def __init__(self, devices=()):
+        self.devices = list(devices)
+
+    def __enter__(self):
+        if self.devices:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record(torch.cuda.current_stream(self.devices[0]))
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.devices:
+            for d in self.devices[1:]:  # the last device's work finishes before the first's end event
+                torch.cuda.current_stream(self.devices[0]).wait_stream(torch.cuda.current_stream(d))
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.devices[0]))
+            end.synchronize()
+            self.seconds = self.start.elapsed_time(end) / 1000
+        else:
+            self.seconds = time.perf_counter() - self.t0
 
 
 def median(xs):

@@ -59,7 +59,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 from h2o.core.attach import attach
 from h2o.core.cache import EvictingCache
 from h2o.core.policies import Policy, make_policy
-from h2o.bench.measure import PeakRSS, kv_bytes, median, sync
+from h2o.bench.measure import PeakRSS, Timer, gpu_devices, gpu_peak_bytes, kv_bytes, median, reset_gpu_peaks, sync
 from h2o.bench.report import add_ratios, print_table, variant_label
 
 BASELINES = ("sdpa", "eager", "sliding")
@@ -175,31 +175,30 @@ def decode(model, cache, first_logits, n_steps: int, track=None):
 def run_once(model, new_cache, ids, gen_len: int, prefill_chunk: int = 0, fork=None) -> RunResult:
     """One timed generation. ``fork``: a callable returning ``(cache, first_logits)`` (shared prefill)."""
     device = ids.device
-    cuda = torch.device(device).type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
+    gpus = gpu_devices(model)  # memory and time over every GPU the model spans
+    reset_gpu_peaks(gpus)
     with PeakRSS() as mem:
         sync(device)
-        c0, t0 = time.process_time(), time.perf_counter()
-        if fork is None:
-            cache = new_cache(ids.shape[1])
-            logits = forward(model, ids, cache, prefill_chunk)
-        else:
-            cache, logits = fork()
-        sync(device)
-        c1, t1 = time.process_time(), time.perf_counter()
+        c0 = time.process_time()
+        with Timer(gpus) as t_prefill:
+            if fork is None:
+                cache = new_cache(ids.shape[1])
+                logits = forward(model, ids, cache, prefill_chunk)
+            else:
+                cache, logits = fork()
+        c1 = time.process_time()
         kv0, meta = kv_bytes(cache)
         kv_max = [kv0]
 
         def track(c):
             kv_max[0] = max(kv_max[0], kv_bytes(c)[0])
 
-        decode(model, cache, logits, gen_len - 1, track)
-        sync(device)
-        c2, t2 = time.process_time(), time.perf_counter()
+        with Timer(gpus) as t_decode:
+            decode(model, cache, logits, gen_len - 1, track)
+        c2 = time.process_time()
         kv_end, meta_end = kv_bytes(cache)
-    res = RunResult(t1 - t0, t2 - t1, kv0, kv_max[0], kv_end, max(meta, meta_end), mem.peak, mem.start,
-                    torch.cuda.max_memory_allocated(device) if cuda else None, c1 - c0, c2 - c1)
+    res = RunResult(t_prefill.seconds, t_decode.seconds, kv0, kv_max[0], kv_end, max(meta, meta_end), mem.peak,
+                    mem.start, gpu_peak_bytes(gpus), c1 - c0, c2 - c1)
     del cache, logits
     gc.collect()
     return res
@@ -237,15 +236,13 @@ def fork_cache(model, v: Variant, new_cache, snap: EvictingCache, logits1, batch
                     setattr(layer, name, value)
             for name in BATCH_STATE:
                 setattr(layer, name, rep(getattr(s, name), 1))
-            ref = layer.n_tok if layer.ref_len is None else torch.full_like(layer.n_tok, layer.ref_len)
-            layer.counts = layer.policy.counts(ref)
+            layer.adopt()
             if layer.policy.evicts and not layer.policy.is_full:
                 layer.cut()  # what real_attention does at the end of a prefill (chunk)
             if batch > 1:
                 for name in BATCH_STATE:
                     setattr(layer, name, rep(getattr(layer, name), batch))
-                ref = layer.n_tok if layer.ref_len is None else torch.full_like(layer.n_tok, layer.ref_len)
-                layer.counts = layer.policy.counts(ref)
+                layer.adopt()
         else:  # transformers' layers take the prompt's keys and values through their own update()
             layer.update(rep(s.keys, batch), rep(s.values, batch))
     return cache, rep(logits1, batch)

@@ -90,7 +90,7 @@ def real_attention(state, module, query, key, value, attention_mask, scaling):
     qg = grouped(query, key.shape[1])  # (B, Hkv, G, q, D)
     outs = []
     for r in range(0, q, ROWS):
-        logits = scores(qg[..., r:r + ROWS, :], key, scaling)  # (B, Hkv, G, r, S)
+        logits = scores(qg if q <= ROWS else qg[..., r:r + ROWS, :], key, scaling)  # (B, Hkv, G, r, S)
         if q > 1:  # prefill (chunk): each new row sees the cache and the new columns up to itself
             stop = r + ROWS - q
             row_pos = layer.pos[:, :, None, -q + r:(stop if stop < 0 else None), None]  # (B, Hkv, 1, r, 1)

@@ -99,7 +99,7 @@ class EvictingLayer(DynamicLayer):
             idx = slot[..., None].expand_as(key_states)  # (B, H, 1, D)
             self.keys.scatter_(-2, idx, key_states)
             self.values.scatter_(-2, idx, value_states)
-            self.pos.scatter_(-1, slot, self.n_tok[:, None, None].expand_as(slot))
+            self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand_as(slot))
             self.acc.scatter_(-1, slot, 0.0)
             self.host_held = [h + r for h, r in zip(self.host_held, room)]
         self.n_tok += 1
@@ -116,11 +116,23 @@ class EvictingLayer(DynamicLayer):
         self.host_tok = [n + k for n, k in zip(self.host_tok or [0] * len(new), new)]
         self.host_held = [h + k for h, k in zip(self.host_held or [0] * len(new), new)]
         if self.counts is None:
-            ref = self.host_tok if self.ref_len is None else [self.ref_len] * len(new)
-            counts = self.policy.counts(torch.tensor(ref))  # on the host, then copied once
-            self.host_total = counts.total.tolist()
-            self.counts = Counts(*(x.to(self.n_tok.device) for x in (counts.total, counts.heavy, counts.recent,
-                                                                     counts.length)))
+            self.fix_budget()
+
+    def fix_budget(self):
+        """The budget per sequence (on the host, then copied once) from the tokens seen, or ``ref_len``."""
+        ref = self.host_tok if self.ref_len is None else [self.ref_len] * len(self.host_tok)
+        counts = self.policy.counts(torch.tensor(ref))
+        self.host_total = counts.total.tolist()
+        self.counts = Counts(*(x.to(self.n_tok.device) for x in (counts.total, counts.heavy, counts.recent,
+                                                                 counts.length)))
+
+    def adopt(self):
+        """Re-derive the host counts and the budget from the device state (``n_tok``, ``pos``) after it was
+        copied in from elsewhere (a forked prefill); one host sync."""
+        self.host_tok = self.n_tok.tolist()
+        self.host_held = (self.pos[:, 0] >= 0).sum(-1).tolist()
+        self.room, self.room_list = None, []
+        self.fix_budget()
 
     def cut(self):
         """After a prefill (chunk): keep the budget, free the rest. Slots are in position order here."""

@@ -26,8 +26,8 @@ from typing import ClassVar
 import torch
 
 BudgetPart = float | int
-TIER = float(2**40)
-CELLS = 2**24  # held_rows: (rows x slots) priorities judged at once per sequence, bounds the memory  # priority tiers: tier * TIER + position, exact in float64 (positions < 2**40)
+TIER = float(2**40)  # priority tiers: tier * TIER + position, exact in float64 (positions < 2**40)
+CELLS = 2**24  # held_rows: (rows x slots) priorities judged at once per sequence, bounds the memory
 
 
 class PolicyError(ValueError):
