@@ -37,15 +37,23 @@ figures: install ## regenerate the figures from runs/
 
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
-sweep: install ## run experiment EXP (default: the CPU SmolLM2 sweep) on LAUNCHER (basic|submitit_local|slurm), then tables and figures; DRY=1 only lists the jobs
+sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables and figures; slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
 ifneq ($(DRY),)
-	$(PY) -m h2o.pipeline.sweep experiment=$(EXP) $(ARGS)
+	$(PY) -m h2o.pipeline.launch experiment=$(EXP) --dry --list $(ARGS)
+else ifeq ($(LAUNCHER),slurm)
+	$(PY) -m h2o.pipeline.launch experiment=$(EXP) $(ARGS)
 else
 	@mkdir -p runs && rm -f runs/.sweep-failed
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(ARGS) || touch runs/.sweep-failed
 	$(MAKE) --no-print-directory tables figures
 	@if [ -e runs/.sweep-failed ]; then rm -f runs/.sweep-failed; echo "sweep: some jobs failed (listed above)"; exit 1; fi
 endif
+
+status: install ## done / running / queued / failed / left of experiment EXP (runs/ and the Slurm scheduler)
+	$(PY) -m h2o.pipeline.status experiment=$(EXP) $(ARGS)
+
+prefetch: install ## download every model and data set of experiment EXP into the caches (login node, before a Slurm sweep)
+	$(PY) -m h2o.pipeline.prefetch experiment=$(EXP) $(ARGS)
 
 # Benchmarks (issue targets). Sizes: prompt,batch pairs. Estimated 10-15 min on 2 idle cores at these defaults
 # (measured: 33 min with BENCH_THREADS=1 beside four other jobs on 2 cores). On shared cores use BENCH_THREADS=1:
@@ -71,4 +79,4 @@ stream: install ## streaming perplexity on Austen: h2o vs streaming_llm vs local
 	$(PY) -m h2o.bench.streaming --text austen --tokens $(STREAM_TOKENS) --budgets $(STREAM_BUDGETS) \
 		--chunk $(STREAM_CHUNK) --threads $(BENCH_THREADS) --runs runs --progress 100
 
-.PHONY: help install test tables figures data model bench stream sweep
+.PHONY: help install test tables figures data model bench stream sweep status prefetch

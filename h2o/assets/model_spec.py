@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from h2o.assets.models import _DTYPES, TINY_ARCHS, load_model
+from h2o.assets.models import _DTYPES, TINY_ARCHS, DeviceError, load_model, wants_cuda
 
 DTYPES = ("auto", *_DTYPES)
 _LOADED: dict[tuple, tuple[Any, Any]] = {}  # one model at a time, reused across the jobs of a sweep
@@ -36,6 +36,7 @@ class ModelSpec:
     pretrained: str
     dtype: str = "auto"
     device_map: Any = None
+    resources: dict | None = None  # per Slurm array task: gpus, mem_gb, cpus, load_min, s_per_mtok (RESOURCES)
 
     def __post_init__(self):
         if not self.name or not self.pretrained:
@@ -46,6 +47,12 @@ class ModelSpec:
             raise ConfigError(f"model.pretrained={self.pretrained!r}: allowed tiny:<arch> with arch in "
                               f"{', '.join(TINY_ARCHS)}")
         check_device(self.device_map)
+        check_resources(self.resources)
+
+    @property
+    def wants_gpu(self) -> bool:
+        """A GPU config: device_map ``auto`` or a CUDA device, or resources asking for GPUs."""
+        return wants_cuda(self.device_map) or bool((self.resources or {}).get("gpus"))
 
     def max_positions(self) -> int | None:
         """The longest sequence the model takes (its config's max_position_embeddings / n_positions), read
@@ -74,9 +81,31 @@ class ModelSpec:
     def load(self) -> tuple[Any, Any]:
         """(model, tokenizer), eval mode. Keeps the last loaded model for the next job of the sweep."""
         if self.key() not in _LOADED:
+            import torch
+
+            if self.wants_gpu and not torch.cuda.is_available():
+                raise DeviceError(f"model={self.name}: a GPU config (device_map={self.device_map!r}, "
+                                  f"gpus={(self.resources or {}).get('gpus')}) but torch sees no GPU (torch "
+                                  f"{torch.__version__}, CUDA {torch.version.cuda}); no CPU fallback; to run on the CPU set model.device_map=null model.resources.gpus=0")
             release()
             _LOADED[self.key()] = load_model(resolve_tiny(self.pretrained), self.dtype, self.device_map)
         return _LOADED[self.key()]
+
+
+RESOURCES = {"gpus": int, "mem_gb": (int, float), "cpus": int, "load_min": (int, float), "s_per_mtok": (int, float)}
+
+
+def check_resources(resources: dict | None) -> None:
+    """ConfigError unless ``resources`` is null or a mapping of RESOURCES keys to numbers >= 0."""
+    if resources is None:
+        return
+    if not isinstance(resources, dict):
+        raise ConfigError(f"model.resources={resources!r}: expected a mapping with keys {', '.join(RESOURCES)}")
+    for key, value in resources.items():
+        if key not in RESOURCES:
+            raise ConfigError(f"model.resources.{key}: unknown; allowed: {', '.join(RESOURCES)}")
+        if isinstance(value, bool) or not isinstance(value, RESOURCES[key]) or value < 0:
+            raise ConfigError(f"model.resources.{key}={value!r}: expected a number >= 0")
 
 
 def check_device(device_map: Any) -> None:

@@ -30,7 +30,7 @@ from h2o.assets.paths import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"
-IGNORED = {"_target_", "name", "batch_size", "device_map"}  # never in <extras>
+IGNORED = {"_target_", "name", "batch_size", "device_map", "resources"}  # never in <extras>
 IN_PATH = {"task": {"shots"}, "policy": {"budget", "heavy", "recent"}, "model": set()}
 PACKAGES = ("torch", "transformers", "lm_eval", "hydra-core", "omegaconf", "hydra-submitit-launcher", "submitit",
             "datasets", "accelerate", "rouge-score", "wandb", "tokenizers", "numpy", "h2o-harness")
@@ -160,6 +160,12 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 # -------------------------------------------------------------------------------------- environment
+def slurm_job_id() -> str | None:
+    """``<array job>_<task>`` inside a Slurm array task (what sacct and scancel take), else SLURM_JOB_ID."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10)
@@ -207,5 +213,5 @@ def env_info(started: float, ended: float) -> dict:
         "ended": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(ended)),
         "wall_s": round(ended - started, 3),
         "argv": sys.argv,
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_job_id": slurm_job_id(),
     }

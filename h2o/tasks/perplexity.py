@@ -66,7 +66,7 @@ class PerplexityTask(TaskSpec):
             ids = wins[start:start + bs]  # (b, W)
             with attach(model, policy, semantics="reference" if semantics == "reference" else "h2o"), \
                     torch.no_grad():
-                logits = model(ids).logits.float()  # (b, W, V)
+                logits = model(ids, use_cache=False).logits.float()  # (b, W, V)
             nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
                                                     reduction="none").sum(-1)  # (b,)
             for j, v in enumerate(nll.tolist()):
