@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
 import time
 import traceback
@@ -32,6 +33,9 @@ from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_
                                   slurm_job_id, write_json, write_jsonl)
 from h2o.assets.paths import atomic_write_text
 from h2o.pipeline.sweep import BAD_INPUT, expand, status
+from h2o.tasks.progress import recording, resumed
+
+PARTIAL = "partial"  # per-request results of an unfinished run (resume inside a run)
 
 CRASH_ENV = "H2O_TEST_CRASH_AT"
 PASSTHROUGH = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc",
@@ -73,18 +77,20 @@ def execute(plan: Plan) -> dict:
     atomic_write_text(plan.path / "config.yaml", OmegaConf.to_yaml(plan.cfg, resolve=True))
     _crash_hook(plan.path)
     model, tokenizer = plan.model.load()
-    result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.cfg.seed)
+    with recording(plan.path / PARTIAL):  # per-request results kept across a preemption (h2o.tasks.progress)
+        result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.cfg.seed)
     ended = time.time()
     files = result.info.pop("files", {})  # extra record files of a task (observations.json)
     record = {**plan.head(), "n_samples": result.n_samples, "metrics": result.metrics,
               "wall_s": round(ended - started, 3), "batch_size": plan.cfg.task.get("batch_size"),
               "device": str(getattr(model, "device", "")), "dtype": str(getattr(model, "dtype", "")).replace("torch.", ""),
-              **result.info}
+              "resumed_requests": resumed(), **result.info}
     for name, content in files.items():
         write_json(plan.path / name, content)
     write_jsonl(plan.path / "samples.jsonl", result.samples)
     write_json(plan.path / "env.json", env_info(started, ended))
     write_json(plan.path / "metrics.json", record)  # last: the run is finished once this exists
+    shutil.rmtree(plan.path / PARTIAL, ignore_errors=True)
     return record
 
 

@@ -59,10 +59,16 @@ class PerplexityTask(TaskSpec):
 
         from h2o.core.attach import attach
 
+        from h2o.tasks.progress import RequestLog
+
         wins = self.windows(tokenizer).to(model.device)  # (N, W)
         bs = 1 if semantics == "reference" else self.batch_size
         samples = []
+        log = RequestLog.open("windows")  # windows scored before an interruption (None outside a recorded run)
         for start in tqdm(range(0, len(wins), bs), desc=f"{self.name} {policy.name}", file=sys.stderr):
+            if log is not None and all(w in log for w in range(start, min(start + bs, len(wins)))):
+                samples.extend(log[w] for w in range(start, min(start + bs, len(wins))))
+                continue
             ids = wins[start:start + bs]  # (b, W)
             with attach(model, policy, semantics="reference" if semantics == "reference" else "h2o"), \
                     torch.no_grad():
@@ -73,6 +79,8 @@ class PerplexityTask(TaskSpec):
                 n = self.window - 1
                 samples.append({"window": start + j, "start_token": (start + j) * self.stride * self.window,
                                 "nll": v, "n_tokens": n, "ppl": math.exp(v / n)})
+                if log is not None:
+                    log[start + j] = samples[-1]
         total = sum(s["nll"] for s in samples)
         count = sum(s["n_tokens"] for s in samples)
         return Result({"ppl": math.exp(total / count), "nll_per_token": total / count}, samples,
