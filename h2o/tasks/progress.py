@@ -11,7 +11,8 @@ Multiple-choice and generation tasks go through lm-eval: :func:`lm_eval_cache` h
 lock reliably on NFS/Lustre. A torn last line (the process killed mid-write) is ignored. The runner removes the
 folder once metrics.json is written; the run folder's identity (its config) is what makes old lines valid.
 
-Test hook: ``H2O_TEST_PAUSE_S`` sleeps that long after each appended result (a slow run to interrupt).
+Test hook: ``H2O_TEST_PAUSE_S`` sleeps that long after each appended result (a slow run to interrupt), in the
+first attempt of a Slurm task only (``SLURM_RESTART_COUNT`` unset or 0).
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ class RequestLog:
             fh.write(json.dumps({"k": str(key), "v": value}, default=str) + "\n")
             fh.flush()
         pause = float(os.environ.get("H2O_TEST_PAUSE_S", "0") or 0)
-        if pause:
+        if pause and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
             time.sleep(pause)
 
     def get(self, key, default=None):
