@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,8 @@ import pytest
 
 from h2o.pipeline import launch, status
 from h2o.pipeline.records import REPO, read_jsonl
+from h2o.pipeline.run import execute
+from h2o.pipeline.sweep import expand
 from h2o.tasks.progress import RequestLog, recording
 
 FAKE = Path(__file__).parent / "fake_slurm"
@@ -111,9 +112,7 @@ def test_fake_slurm_end_to_end_preempt_requeue_resume_status_tables(tmp_path, mo
 
     # the same run from zero, in this process: the resumed record is identical
     monkeypatch.setenv("H2O_TEST_PAUSE_S", "0")
-    fresh = [*TINY, "policy=full", f"runs_dir={tmp_path}/fresh"]
-    assert subprocess.run([sys.executable, "-m", "h2o.pipeline.run", *fresh], capture_output=True).returncode == 0
-    again = json.loads(next((tmp_path / "fresh").rglob("metrics.json")).read_text())
+    again = execute(expand([*TINY, "policy=full", f"runs_dir={tmp_path}/fresh"], multirun=False).plans[0])
     assert again["metrics"] == recs[str(first)]["metrics"] and again["resumed_requests"] == 0
 
     assert status.main(sweep) == 0
@@ -132,9 +131,10 @@ def test_fake_slurm_end_to_end_preempt_requeue_resume_status_tables(tmp_path, mo
     assert lines[1] == "done 2 | running 0 | queued 0 | failed 1 | left 0"
     assert lines[2].startswith("FAILED tiny-llama austen_ppl h2o 0.5: CANCELLED (job 1001)")
 
-    tables = subprocess.run([sys.executable, "-m", "analysis", "tables", "--runs", "runs", "--out", "out"],
-                            capture_output=True, text=True, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert tables.returncode == 0 and "3 finished runs under runs/" in tables.stdout, tables.stderr[-2000:]
+    from analysis.__main__ import main as analysis_main
+
+    assert analysis_main(["tables", "--runs", "runs", "--out", "out"]) == 0  # tables whenever asked
+    assert "3 finished runs under runs/" in capsys.readouterr().out
 
 
 @pytest.fixture(autouse=True)
