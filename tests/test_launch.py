@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -151,3 +154,30 @@ def _stop_fake_tasks(tmp_path):
                 os.killpg(info["Pid"], signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_wheel_ships_configs_and_task_yamls_and_runs(tmp_path):
+    """A built wheel (no checkout on the path) finds conf/ and tasks/ and runs a tiny model end to end."""
+    wheel = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(tmp_path / "dist"), str(REPO)], capture_output=True, text=True, cwd=tmp_path)
+    assert wheel.returncode == 0, wheel.stderr[-2000:]
+    shutil.rmtree(REPO / "build", ignore_errors=True)
+    (whl,) = (tmp_path / "dist").glob("h2o_harness-*.whl")
+    names = zipfile.ZipFile(whl).namelist()
+    assert {"h2o/conf/config.yaml", "h2o/conf/cluster.yaml", "h2o/conf/model/opt-66b.yaml", "h2o/lm_tasks/bb_copa.yaml",
+            "h2o/pipeline/launch.py"} <= set(names)
+    assert any(n.endswith("licenses/LICENSE") for n in names)
+    meta = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("METADATA"))).decode()
+    assert "Requires-Python: >=3.11" in meta and "License-Expression: Apache-2.0" in meta and "sacrebleu" not in meta
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(whl)], check=True)
+    env = {**os.environ, "PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "h2o.pipeline.run", "model=tiny-llama", "task=bb_copa", "task.limit=2",
+                          "task.shots=1", "threads=1", "runs_dir=runs"], capture_output=True, text=True, cwd=tmp_path,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (record,) = (tmp_path / "runs").rglob("metrics.json")
+    assert json.loads(record.read_text())["n_samples"] == 2
+    where = "import importlib.util as u; print(u.find_spec('h2o').origin)"  # the wheel's h2o, not the checkout's
+    assert subprocess.run([sys.executable, "-c", where], capture_output=True, text=True, cwd=tmp_path,
+                          env=env).stdout.startswith(str(site))

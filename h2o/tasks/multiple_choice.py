@@ -13,16 +13,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h2o.assets.model_spec import ConfigError
-from h2o.pipeline.records import REPO
+from h2o.pipeline.records import REPO, TASKS
 from h2o.tasks.base import Result, TaskSpec, check, check_hub_data, positive_or_none
 
 METRICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
 
 
 def task_folder(include_path: str) -> Path:
-    """``include_path`` as given if it exists, else relative to the repository root."""
+    """``include_path`` as given if it exists, else relative to the repository root (``tasks``: the shipped task
+    YAMLs, also from a wheel)."""
     path = Path(include_path).expanduser()
-    return path if path.is_absolute() or path.exists() else REPO / path
+    if path.is_absolute() or path.exists():
+        return path
+    return TASKS if path == Path("tasks") else REPO / path
 
 
 def yaml_task_names(folder: Path) -> list[str]:
