@@ -128,6 +128,10 @@ def test_fake_slurm_end_to_end_preempt_requeue_resume_status_tables(tmp_path, mo
     assert launch.main(more) == 0
     assert capsys.readouterr().out.startswith("4 jobs: 1 to run, 2 finished already, 1 duplicates")
     wait_for(lambda: task_state(slurm, "1001").get("StepPid"), 60, "the task to start")
+    assert launch.main([*more[:-1], f"hydra.sweep.dir={tmp_path}/multirun/s3", "--dry"]) == 0  # not submitted twice
+    assert capsys.readouterr().out.startswith("4 jobs: 0 to run, 2 finished already, 1 duplicates, 0 served by the "
+                                              "full run (budget 1.0 never evicts), 1 pending or running from an "
+                                              "earlier submission")
     subprocess.run(["scancel", "1001"], check=True)
     assert status.main(more) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -6,7 +6,8 @@ array task (one model load each), submit and return. Hydra composes the jobs, su
     python -m h2o.pipeline.launch experiment=table1 cluster.chunk=4 cluster.partition=gpu
 
 What is dropped before submission: finished runs (a complete metrics.json), duplicates (jobs naming the same run
-folder: ``policy=full`` crossed with budgets), and runs that never evict (local/h2o/... at budget 1.0 with the
+folder: ``policy=full`` crossed with budgets), runs still pending or running from an earlier submission (sacct),
+and runs that never evict (local/h2o/... at budget 1.0 with the
 default semantics), which are the full run by construction: their cell is served by the ``full`` record of the
 same model, task and settings (listed as ``served`` in ``<sweep dir>/launch.json``; analysis reads full there).
 
@@ -71,7 +72,8 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
 # ------------------------------------------------------------------------------------------- the work
 @dataclass
 class Work:
-    """One job of the sweep and what becomes of it: todo, done, dup, or served (by ``served_by``)."""
+    """One job of the sweep and what becomes of it: todo, done, dup, served (by ``served_by``), or queued (in an
+    earlier submission's array task that is still pending or running)."""
 
     index: int
     overrides: list[str]
@@ -221,9 +223,10 @@ def arrays(works: list[Work], cluster: DictConfig, sweep_dir: str) -> list[Array
 
 
 def describe(works: list[Work], arrs: list[Array], cluster: DictConfig) -> str:
-    n = {s: sum(w.state == s for w in works) for s in ("todo", "done", "dup", "served")}
+    n = {s: sum(w.state == s for w in works) for s in ("todo", "done", "dup", "served", "queued")}
     lines = [f"{len(works)} jobs: {n['todo']} to run, {n['done']} finished already, {n['dup']} duplicates, "
-             f"{n['served']} served by the full run (budget 1.0 never evicts)"]
+             f"{n['served']} served by the full run (budget 1.0 never evicts)"
+             + (f", {n['queued']} pending or running from an earlier submission" if n["queued"] else "")]
     total_gpu_h = 0.0
     for i, a in enumerate(arrs):
         gpus, mem, cpus = a.key
@@ -293,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
         sweep = expand(overrides, multirun=True)
         works = classify(sweep)
         sweep_dir = Path(sweep.sweep_dir).resolve()
+        from h2o.pipeline.status import in_flight
+
+        busy = in_flight(sweep_dir.parent)  # submitted before and still pending or running: not again
+        for w in works:
+            if w.state == "todo" and str(w.plan.path) in busy:
+                w.state = "queued"
         arrs = arrays(works, cluster, str(sweep_dir))
         if not dry and cluster.offline:
             check_assets(works)

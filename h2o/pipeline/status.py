@@ -56,6 +56,17 @@ def launches(root: Path) -> list[tuple[Path, dict]]:
     return found
 
 
+def in_flight(root: Path) -> set[str]:
+    """Run folders whose latest submission's array task is still pending or running (per sacct)."""
+    where: dict[str, str] = {}
+    for _, launch in launches(root):
+        for array in launch.get("arrays", []):
+            for task in array["tasks"]:
+                where.update({run: task["job_id"] for run in task["runs"]})
+    states = scheduler_states(sorted(set(where.values())))
+    return {run for run, jid in where.items() if states.get(jid) == "RUNNING" or states.get(jid) in QUEUED}
+
+
 def place(works: list[Work], root: Path) -> tuple[dict[str, list[Work]], dict[str, str]]:
     """Each run to be had (todo or done) in one of STATES; returns (by state, why for the failed ones)."""
     where: dict[str, tuple[str, list[str]]] = {}  # run path -> (array task id, that task's runs)
