@@ -12,6 +12,12 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+REPO = Path(__file__).resolve().parents[2]  # the project root: conf/ and tasks/ live here
+# ... in a checkout; a wheel ships them inside the package as h2o/conf and h2o/lm_tasks (setup.py).
+_CHECKOUT = (REPO / "conf" / "config.yaml").is_file()
+CONF = REPO / "conf" if _CHECKOUT else REPO / "h2o" / "conf"
+TASKS = REPO / "tasks" if _CHECKOUT else REPO / "h2o" / "lm_tasks"
+
 
 def cache_dir() -> Path:
     """The cache folder (``$H2O_CACHE`` or ``~/.cache/h2o``), created if missing."""
@@ -21,11 +27,6 @@ def cache_dir() -> Path:
 
 
 CACHE_DIR: Path = Path(os.environ.get("H2O_CACHE") or Path.home() / ".cache" / "h2o").expanduser()
-
-
-def cache_path(*parts: str) -> Path:
-    """A path inside the cache folder (parent folders are not created)."""
-    return cache_dir().joinpath(*parts)
 
 
 @contextlib.contextmanager

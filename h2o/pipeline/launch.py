@@ -20,7 +20,6 @@ its first unfinished run; inside a run, requests already scored are read back fr
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys

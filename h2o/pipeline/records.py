@@ -26,12 +26,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from h2o.assets.locks import append_line, folder_lock
-from h2o.assets.paths import atomic_write_text
+from h2o.assets.paths import CONF, REPO, atomic_write_text
 
-REPO = Path(__file__).resolve().parents[2]
-# A checkout has conf/ and tasks/ at its root; a wheel ships them as h2o/conf and h2o/lm_tasks (setup.py).
-CONF = REPO / "conf" if (REPO / "conf" / "config.yaml").is_file() else REPO / "h2o" / "conf"
-TASKS = REPO / "tasks" if (REPO / "conf" / "config.yaml").is_file() else REPO / "h2o" / "lm_tasks"
 IGNORED = {"_target_", "name", "batch_size", "device_map", "resources"}  # never in <extras>
 IN_PATH = {"task": {"shots"}, "policy": {"budget", "heavy", "recent"}, "model": set()}
 PACKAGES = ("torch", "transformers", "lm_eval", "hydra-core", "omegaconf", "hydra-submitit-launcher", "submitit",
