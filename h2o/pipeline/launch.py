@@ -152,11 +152,21 @@ class Chunk:
 
         if self.offline:
             os.environ.update(OFFLINE_ENV)
+        from h2o.assets.locks import stale_after
+
         outcomes = {}
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             compose = Composer()
+            run = lambda i, job: attempt(compose(job), Path(self.sweep_dir), {"job": i, "overrides": job})  # noqa: E731
             for index, job in zip(self.indices, self.jobs):
-                outcomes[index] = attempt(compose(job), Path(self.sweep_dir), {"job": index, "overrides": job})
+                outcomes[index] = run(index, job)
+            # "busy": a lock file left by this task's killed attempt on another node; taken over once stale
+            deadline = time.time() + stale_after() + 60
+            while "busy" in outcomes.values() and time.time() < deadline:
+                time.sleep(min(30.0, stale_after() / 10 + 1))
+                for index, job in zip(self.indices, self.jobs):
+                    if outcomes[index] == "busy":
+                        outcomes[index] = run(index, job)
         failed = [i for i, s in outcomes.items() if s == "failed"]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outcomes)} runs failed (jobs {failed}); see "
