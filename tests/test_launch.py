@@ -185,3 +185,20 @@ def test_wheel_ships_configs_and_task_yamls_and_runs(tmp_path):
     where = "import importlib.util as u; print(u.find_spec('h2o').origin)"  # the wheel's h2o, not the checkout's
     assert subprocess.run([sys.executable, "-c", where], capture_output=True, text=True, cwd=tmp_path,
                           env=env).stdout.startswith(str(site))
+
+
+def test_missing_model_fails_before_submission_in_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    monkeypatch.setenv("PATH", "/nonexistent")  # no sbatch: nothing could be submitted anyway
+    args = ["experiment=table1", "model=opt-6.7b", "task=copa", "policy=h2o", "policy.budget=0.2",
+            f"runs_dir={tmp_path}/runs", f"hydra.sweep.dir={tmp_path}/multirun/x"]
+    assert launch.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: opt-6.7b x copa: facebook/opt-6.7b is not in the Hugging Face cache; run `make prefetch "
+                   "EXP=...` on the login node first (or cluster.offline=false where compute nodes reach the hub)"]
+    assert not (tmp_path / "multirun").exists()
+    from h2o.pipeline.prefetch import main as prefetch
+
+    assert prefetch([*args, "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "model opt-6.7b: facebook/opt-6.7b is not in the Hugging Face cache" in out
