@@ -132,3 +132,12 @@ def test_durable_write_replaces_whole_and_leaves_no_tmp(tmp_path, monkeypatch):
     assert (tmp_path / "a.json").read_bytes() == b"22"
     assert [p.name for p in tmp_path.iterdir()] == ["a.json"]
     assert len(synced) == 6  # per write: the file, the folder before and after the rename
+
+
+def test_cache_lock_without_flock_uses_the_lock_file(tmp_path, no_flock, monkeypatch):
+    from h2o.assets.paths import cache_lock
+
+    monkeypatch.setenv("H2O_CACHE", str(tmp_path))
+    with cache_lock("fetch-x"):
+        assert (tmp_path / ".locks" / "fetch-x" / locks.CLAIM).exists()
+    assert not (tmp_path / ".locks" / "fetch-x" / locks.CLAIM).exists()
