@@ -35,9 +35,12 @@ tables: install ## regenerate the paper's tables from runs/
 figures: install ## regenerate the figures from runs/
 	$(PY) -m analysis figures --runs runs --out analysis/out
 
+report: install ## analysis/out/REPORT.md: every paper number beside ours, with a verdict (any runs/, even empty)
+	$(PY) -m analysis report --runs runs --out analysis/out
+
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
-sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables and figures; slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
+sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report; slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
 ifneq ($(DRY),)
 	$(PY) -m h2o.pipeline.launch experiment=$(EXP) --dry --list $(ARGS)
 else ifeq ($(LAUNCHER),slurm)
@@ -45,7 +48,7 @@ else ifeq ($(LAUNCHER),slurm)
 else
 	@mkdir -p runs && rm -f runs/.sweep-failed
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(ARGS) || touch runs/.sweep-failed
-	$(MAKE) --no-print-directory tables figures
+	$(MAKE) --no-print-directory tables figures report
 	@if [ -e runs/.sweep-failed ]; then rm -f runs/.sweep-failed; echo "sweep: some jobs failed (listed above)"; exit 1; fi
 endif
 
@@ -79,4 +82,4 @@ stream: install ## streaming perplexity on Austen: h2o vs streaming_llm vs local
 	$(PY) -m h2o.bench.streaming --text austen --tokens $(STREAM_TOKENS) --budgets $(STREAM_BUDGETS) \
 		--chunk $(STREAM_CHUNK) --threads $(BENCH_THREADS) --runs runs --progress 100
 
-.PHONY: help install test tables figures data model bench stream sweep status prefetch
+.PHONY: help install test tables figures report data model bench stream sweep status prefetch
