@@ -169,7 +169,7 @@ def test_wheel_ships_configs_and_task_yamls_and_runs(tmp_path):
     (whl,) = (tmp_path / "dist").glob("h2o_harness-*.whl")
     names = zipfile.ZipFile(whl).namelist()
     assert {"h2o/conf/config.yaml", "h2o/conf/cluster.yaml", "h2o/conf/model/opt-66b.yaml", "h2o/lm_tasks/bb_copa.yaml",
-            "h2o/pipeline/launch.py"} <= set(names)
+            "h2o/pipeline/launch.py", "analysis/paper_results.csv"} <= set(names)
     assert any(n.endswith("licenses/LICENSE") for n in names)
     meta = zipfile.ZipFile(whl).read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "Requires-Python: >=3.11" in meta and "License-Expression: Apache-2.0" in meta and "sacrebleu" not in meta
