@@ -1,0 +1,197 @@
+"""One summary run per experiment: the sweep as a researcher reads it, in the experiment's wandb group.
+
+    python -m h2o.pipeline.wandb_sync runs/ --experiment table1 --summary      (make wandb EXP=table1)
+
+Its identity follows from the experiment alone (id ``<experiment>-summary-<sha1>``, name ``<experiment>/summary``,
+job_type ``summary``), so a rerun updates the same run. It logs:
+
+* ``fig4/<model> <task> ...``: the paper's Fig. 4 as native wandb line plots (``wandb.plot.line``): the metric
+  against the budget, one line per policy, the full cache as a flat line over the same budgets. One plot per
+  protocol: model, task, shots, semantics, scoring, sample limit and seed (records of two protocols never share a
+  plot); metrics: acc (multiple choice), rouge2 (summarization), ppl (perplexity).
+* ``streaming/<model> <text>``: perplexity against tokens streamed, one line per policy and budget.
+* ``tables/<name>``: every table ``python -m analysis tables`` renders for this experiment, as a wandb.Table
+  (cells ``0.667 ±0.211`` become a number column and a ``±`` column; ``—`` is missing).
+* ``figures/<name>``: every figure ``python -m analysis figures`` draws for it, as an image.
+* ``report``: the paper-vs-ours report (``analysis/out/REPORT.md``, ``make report``) when it exists, as HTML,
+  and its tables as ``report/<n>`` wandb.Tables.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from h2o.pipeline.records import fmt
+from h2o.pipeline.wandb_mirror import Settings, is_number, run_id, start, table
+
+CURVE_METRIC = {"multiple_choice": "acc", "summarization": "rouge2", "perplexity": "ppl"}
+PROTOCOL = ("model", "task", "shots", "semantics", "scoring", "limit", "seed")
+MISSING = {"", "—", "-", "–", "nan", "None"}
+NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+
+
+# ------------------------------------------------------------------------------------------------ Fig. 4
+def load_records(folder: Path) -> list[tuple[Path, dict]]:
+    out = []
+    for f in sorted(Path(folder).rglob("metrics.json")):
+        try:
+            out.append((f.parent, json.loads(f.read_text(encoding="utf-8"))))
+        except (OSError, ValueError):
+            print(f"[h2o] wandb summary: skipping unreadable record {f}", file=sys.stderr)
+    return out
+
+
+def curves(records: list[dict]) -> dict[tuple, list[dict]]:
+    """{protocol: [{"policy", "budget", metric}, ...]}: Fig. 4's points (mean over identical protocol points),
+    the full cache repeated at every budget of its protocol (a flat line)."""
+    points, full = defaultdict(lambda: defaultdict(list)), defaultdict(list)
+    for r in records:
+        metric = CURVE_METRIC.get(r.get("task_kind"))
+        value = (r.get("metrics") or {}).get(metric)
+        if metric is None or not is_number(value):
+            continue
+        key = (metric, *(r.get(k) for k in PROTOCOL))
+        if r.get("policy") == "full":
+            full[key].append(value)
+        elif is_number(r.get("budget")) and isinstance(r.get("budget"), float):
+            points[key][(r["policy"], r["budget"])].append(value)
+    out = {}
+    for key, pts in points.items():
+        rows = [{"policy": p, "budget": b, key[0]: sum(v) / len(v)} for (p, b), v in sorted(pts.items())]
+        if full.get(key):
+            base = sum(full[key]) / len(full[key])
+            rows += [{"policy": "full", "budget": b, key[0]: base} for b in sorted({b for _, b in pts})]
+        out[key] = rows
+    return out
+
+
+def curve_title(key: tuple) -> str:
+    metric, model, task, shots, semantics, scoring, limit, seed = key
+    parts = [f"{model} {task}", f"{shots}-shot" if shots is not None else None, semantics,
+             f"scoring={scoring}" if scoring else None, f"limit={limit}" if limit else None,
+             f"seed={seed}" if seed else None]
+    return " ".join(p for p in parts if p) + f": {metric}"
+
+
+def streaming_rows(found: list[tuple[Path, dict]], max_points: int = 500) -> dict[tuple, list[dict]]:
+    from h2o.pipeline.records import read_jsonl
+
+    out = defaultdict(list)
+    for folder, r in found:
+        if r.get("task_kind") != "streaming":
+            continue
+        samples = [s for s in read_jsonl(folder / "samples.jsonl") if is_number(s.get("tokens"))]
+        line = f"{r.get('policy')} {r.get('budget')}"
+        for s in samples[::max(1, len(samples) // max_points)]:
+            out[(r.get("model"), r.get("task"))].append({"line": line, "tokens": s["tokens"], "ppl": s.get("ppl")})
+    return out
+
+
+# --------------------------------------------------------------------------------------- analysis output
+def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
+    """(header, rows) of every pipe table in a Markdown text."""
+    found, block = [], []
+    for line in text.splitlines() + [""]:
+        if line.strip().startswith("|"):
+            block.append([c.strip() for c in line.strip().strip("|").split("|")])
+        elif block:
+            if len(block) >= 2 and all(set(c) <= set("-: ") for c in block[1]):
+                found.append((block[0], block[2:]))
+            block = []
+    return found
+
+
+def typed_table_rows(header: list[str], rows: list[list[str]]) -> list[dict]:
+    """Rows as dicts; a column whose every cell is a number (``0.5``, ``0.5 ±0.1``, ``1.9x``, ``45%``) or missing
+    becomes numbers (and a ``<col> ±`` column when some cell has an error); other columns stay text."""
+    def parse(cell):
+        m = re.fullmatch(rf"({NUM})\s*(?:±\s*({NUM}))?\s*(x|×|%)?", cell)
+        return (float(m.group(1)), float(m.group(2)) if m.group(2) else None) if m else None
+
+    numeric = {j for j in range(len(header))
+               if any(r[j] not in MISSING for r in rows if j < len(r))
+               and all(r[j] in MISSING or parse(r[j]) for r in rows if j < len(r))}
+    out = []
+    for r in rows:
+        d = {}
+        for j, name in enumerate(header):
+            cell = r[j] if j < len(r) else ""
+            if j in numeric:
+                v, err = parse(cell) or (None, None)
+                d[name] = v
+                if any(parse(x[j]) and parse(x[j])[1] is not None for x in rows if j < len(x)):
+                    d[f"{name} ±"] = err
+            else:
+                d[name] = None if cell in MISSING else cell
+        out.append(d)
+    return out
+
+
+def analysis_outputs(runs: Path, out: Path) -> None:
+    """``python -m analysis tables`` and ``figures`` for these records, into ``out``."""
+    for what in ("tables", "figures"):
+        done = subprocess.run([sys.executable, "-m", "analysis", what, "--runs", str(runs), "--out", str(out)],
+                              capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+        if done.returncode:
+            print(f"[h2o] wandb summary: analysis {what} failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------ the run
+def summary_identity(experiment: str) -> dict:
+    return {"id": run_id(experiment, f"{fmt(experiment)}/summary"), "name": f"{fmt(experiment)}/summary",
+            "group": experiment, "job_type": "summary", "tags": ["summary"]}
+
+
+def summarize(root: Path, experiment: str, s: Settings, report: Path | None = None) -> bool:
+    """Log the summary run of ``<root>/<experiment>``. Returns True on success; never raises."""
+    import wandb
+
+    run = None
+    try:
+        folder = Path(root) / fmt(experiment)
+        found = load_records(folder)
+        log = {}
+        for key, rows in curves([r for _, r in found]).items():
+            log[f"fig4/{curve_title(key)}"] = wandb.plot.line(table(rows), "budget", key[0], stroke="policy",
+                                                              title=curve_title(key))
+        for (model, text), rows in streaming_rows(found).items():
+            log[f"streaming/{model} {text}"] = wandb.plot.line(table(rows), "tokens", "ppl", stroke="line",
+                                                               title=f"{model} {text}: perplexity vs tokens")
+        with tempfile.TemporaryDirectory() as tmp:
+            analysis_outputs(folder, Path(tmp))
+            for md in sorted(Path(tmp, "tables").glob("*.md")):
+                for i, (header, rows) in enumerate(markdown_tables(md.read_text(encoding="utf-8"))):
+                    log[f"tables/{md.stem}" + (f"_{i}" if i else "")] = table(typed_table_rows(header, rows))
+            for png in sorted(Path(tmp, "figures").glob("*.png")):
+                log[f"figures/{png.stem}"] = wandb.Image(str(png))
+            if report and Path(report).exists():
+                text = Path(report).read_text(encoding="utf-8")
+                log["report"] = wandb.Html(report_html(text))
+                for i, (header, rows) in enumerate(markdown_tables(text)):
+                    log[f"report/{i}"] = table(typed_table_rows(header, rows))
+            config = {"experiment": experiment, "records": len(found), "record": f"{fmt(experiment)}/summary"}
+            run = start(s, root, summary_identity(experiment), config)
+            run.log(log)
+            run.finish()
+        return True
+    except Exception as exc:  # noqa: BLE001 - a summary is a view; it must not fail a sweep
+        print(f"[h2o] wandb summary failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+        if run is not None:
+            run.finish(exit_code=1)
+        return False
+
+
+def report_html(markdown: str) -> str:
+    try:
+        from markdown_it import MarkdownIt
+
+        return MarkdownIt("commonmark").enable("table").render(markdown)
+    except ImportError:
+        import html
+
+        return f"<pre>{html.escape(markdown)}</pre>"
