@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -133,12 +132,19 @@ def typed_table_rows(header: list[str], rows: list[list[str]]) -> list[dict]:
 
 
 def analysis_outputs(runs: Path, out: Path) -> None:
-    """``python -m analysis tables`` and ``figures`` for these records, into ``out``."""
+    """``python -m analysis tables`` and ``figures`` for these records, into ``out`` (its command line, in
+    process: its printout is dropped, its failure is one line)."""
+    import contextlib
+    import io
+
+    from analysis.__main__ import main as analysis
+
     for what in ("tables", "figures"):
-        done = subprocess.run([sys.executable, "-m", "analysis", what, "--runs", str(runs), "--out", str(out)],
-                              capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
-        if done.returncode:
-            print(f"[h2o] wandb summary: analysis {what} failed: {done.stderr.strip()[-300:]}", file=sys.stderr)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                analysis([what, "--runs", str(runs), "--out", str(out)])
+        except Exception as exc:  # noqa: BLE001 - a missing table must not lose the rest of the summary
+            print(f"[h2o] wandb summary: analysis {what} failed ({type(exc).__name__}: {exc})", file=sys.stderr)
 
 
 # ------------------------------------------------------------------------------------------------ the run
@@ -149,10 +155,10 @@ def summary_identity(experiment: str) -> dict:
 
 def summarize(root: Path, experiment: str, s: Settings, report: Path | None = None) -> bool:
     """Log the summary run of ``<root>/<experiment>``. Returns True on success; never raises."""
-    import wandb
-
     run = None
     try:
+        import wandb
+
         folder = Path(root) / fmt(experiment)
         found = load_records(folder)
         log = {}
@@ -195,3 +201,16 @@ def report_html(markdown: str) -> str:
         import html
 
         return f"<pre>{html.escape(markdown)}</pre>"
+
+
+def after_sweep(plans) -> None:
+    """The runner's hook at the end of a multirun: one summary run per experiment whose jobs use logger=wandb."""
+    from h2o.pipeline.records import REPO, runs_root
+
+    done = set()
+    for plan in plans:
+        logger = plan.cfg.get("logger") or {}
+        key = (str(runs_root(plan.cfg)), plan.cfg.experiment_name)
+        if logger.get("wandb") and key not in done:
+            done.add(key)
+            summarize(Path(key[0]), key[1], Settings.of(logger), REPO / "analysis" / "out" / "REPORT.md")
