@@ -101,6 +101,7 @@ def test_sync_logs_one_run_per_record_and_a_second_sync_creates_none(offline, ca
     assert runs[f"{EXP}/tiny-llama/real_h2o_0.2_512_8_1_each"].table("samples")["columns"] == [
         "policy", "metrics.decode_tok_s"]
     stream = runs[f"{EXP}/tiny-llama/austen/shots0/h2o/64tok"]  # a line against tokens: one step per sample
+    assert stream.step_metrics == {"stream/tokens": "", "stream/*": "stream/tokens"}
     steps = [h for h in stream.history if "stream/tokens" in h]
     assert [(h["stream/tokens"], h["stream/ppl"], h["stream/cache_tokens"]) for h in steps] == [
         (32, 40.0, 32), (64, 39.0, 64), (96, 38.0, 64)]

@@ -50,6 +50,7 @@ class OfflineRun:
     config: dict = field(default_factory=dict)
     history: list = field(default_factory=list)   # one dict per step: key -> decoded JSON value
     summary: dict = field(default_factory=dict)
+    step_metrics: dict = field(default_factory=dict)  # define_metric: name or glob -> its x axis
 
     def table(self, key: str) -> dict:
         """A logged wandb.Table (its .table.json: columns, data), found through the history."""
@@ -70,6 +71,8 @@ def read_run(wandb_file: Path) -> OfflineRun:
             run.config.update({_key(u): json.loads(u.value_json) for u in rec.config.update})
         elif kind == "history":
             run.history.append({_key(i): json.loads(i.value_json) for i in rec.history.item})
+        elif kind == "metric":
+            run.step_metrics[rec.metric.name or rec.metric.glob_name] = rec.metric.step_metric
         elif kind == "summary":
             run.summary.update({_key(u): json.loads(u.value_json) for u in rec.summary.update})
     return run
