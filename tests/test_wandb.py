@@ -73,7 +73,10 @@ def offline_dirs(root: Path) -> list[Path]:
 def test_sync_logs_one_run_per_record_and_a_second_sync_creates_none(offline, capsys):
     root = offline / "runs"
     recs = make_records(root)
-    assert wandb_sync.main([str(root)]) == 0
+    sweep = offline / "multirun" / EXP / "2026-01-01_00-00-00"  # the runner's job log names the sweep
+    sweep.mkdir(parents=True)
+    (sweep / "jobs.jsonl").write_text(json.dumps({"status": "done", "run_dir": str(root / next(iter(recs)))}) + "\n")
+    assert wandb_sync.main([str(root), "--multirun", str(offline / "multirun")]) == 0
     assert "7 logged, 0 unchanged, 0 failed" in capsys.readouterr().out
     runs = {r.name: r for r in read_runs(root / ".wandb")}
     assert set(runs) == set(recs)
@@ -90,6 +93,8 @@ def test_sync_logs_one_run_per_record_and_a_second_sync_creates_none(offline, ca
             if isinstance(value, (int, float)):
                 key = f"metric_{key}" if key in rec and key != "metrics" else key
                 assert last[key] == value and type(last[key]) in (int, float), (name, key)  # a number, not text
+    assert [r.config.get("sweep") for r in runs.values()].count(str(sweep)) == 1
+    assert runs[next(iter(recs))].config["sweep"] == str(sweep)
     copa = runs[f"{EXP}/tiny-llama/bb_copa/shots0/h2o/0.1"]
     assert copa.config["budget"] == 0.1 and copa.config["scoring"] == "mean" and copa.history[-1]["n_samples"] == 4
     samples = copa.table("samples")

@@ -7,7 +7,8 @@
 
 Each record keeps its id (h2o.pipeline.wandb_mirror.identity), so syncing again, or after the runner mirrored it,
 never creates a second run: records already mirrored to the same destination with the same metrics.json are
-skipped (``--force`` logs them again, into the same runs). Offline data go to ``<runs root>/.wandb``; push them
+skipped (``--force`` logs them again, into the same runs). A record's sweep id (config ``sweep``) is read from the
+runner's ``multirun/<experiment>/<time>/jobs.jsonl``, as the runner's own mirror sets it. Offline data go to ``<runs root>/.wandb``; push them
 later with ``wandb sync <runs root>/.wandb/wandb/offline-run-*``.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from h2o.pipeline.records import fmt
+from h2o.pipeline.records import fmt, read_jsonl
 from h2o.pipeline.wandb_mirror import Settings, mirror_folder, read_record, split_root
 
 MODES = ("offline", "online", "disabled")
@@ -29,11 +30,26 @@ def record_folders(path: Path, experiment: str | None) -> list[Path]:
     return [f for f in folders if experiment is None or fmt(experiment) in f.resolve().parts]
 
 
-def sync(path: Path, s: Settings, experiment: str | None = None, force: bool = False) -> dict[str, int]:
+def sweeps(multirun: Path | None) -> dict[Path, str]:
+    """{record folder: the Hydra sweep that finished it last} from the runner's ``<sweep dir>/jobs.jsonl`` files."""
+    out = {}
+    for f in sorted(Path(multirun).rglob("jobs.jsonl")) if multirun and Path(multirun).is_dir() else []:
+        try:
+            rows = read_jsonl(f)
+        except ValueError:  # a torn last line of a killed sweep
+            continue
+        out.update({Path(r["run_dir"]).resolve(): str(f.parent) for r in rows
+                    if r.get("status") == "done" and r.get("run_dir")})
+    return out
+
+
+def sync(path: Path, s: Settings, experiment: str | None = None, force: bool = False,
+         multirun: Path | None = None) -> dict[str, int]:
     """Mirror every record under ``path``; returns how many were logged, unchanged or failed."""
     counts = {"logged": 0, "unchanged": 0, "failed": 0}
+    made_by = sweeps(multirun)
     for folder in record_folders(path, experiment):
-        counts[mirror_folder(folder, s, force=force)] += 1
+        counts[mirror_folder(folder, s, sweep=made_by.get(folder.resolve()), force=force)] += 1
     return counts
 
 
@@ -61,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mode", default=os.environ.get("WANDB_MODE") or "offline", help=f"one of {', '.join(MODES)}")
     p.add_argument("--dir", default=None, help="wandb data folder (default: <runs root>/.wandb)")
     p.add_argument("--force", action="store_true", help="log records again even if mirrored unchanged")
+    p.add_argument("--multirun", default="multirun", help="Hydra sweep folders: the sweep id of each record")
     args = p.parse_args(argv)
     if args.mode not in MODES:
         print(f"error: --mode={args.mode!r}: allowed: {', '.join(MODES)}", file=sys.stderr)
@@ -75,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: wandb is not installed; `pip install wandb` to mirror records", file=sys.stderr)
         return 2
     s = Settings(args.project, args.entity, args.mode, args.dir)
-    counts = sync(path, s, args.experiment, args.force)
+    counts = sync(path, s, args.experiment, args.force, Path(args.multirun))
     print(f"[h2o] wandb ({args.mode}): {counts['logged']} logged, {counts['unchanged']} unchanged, "
           f"{counts['failed']} failed")
     if args.summary:
