@@ -13,8 +13,8 @@ job_type ``summary``), so a rerun updates the same run. It logs:
 * ``tables/<name>``: every table ``python -m analysis tables`` renders for this experiment, as a wandb.Table
   (cells ``0.667 ±0.211`` become a number column and a ``±`` column; ``—`` is missing).
 * ``figures/<name>``: every figure ``python -m analysis figures`` draws for it, as an image.
-* ``report``: the paper-vs-ours report (``analysis/out/REPORT.md``, ``make report``) when it exists, as HTML,
-  and its tables as ``report/<n>`` wandb.Tables.
+* ``report``: the paper-vs-ours report of these records (``python -m analysis report``, or a given REPORT.md)
+  when there is one, as HTML, and its tables as ``report/<n>`` wandb.Tables.
 """
 from __future__ import annotations
 
@@ -105,44 +105,71 @@ def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
     return found
 
 
-def typed_table_rows(header: list[str], rows: list[list[str]]) -> list[dict]:
-    """Rows as dicts; a column whose every cell is a number (``0.5``, ``0.5 ±0.1``, ``1.9x``, ``45%``) or missing
-    becomes numbers (and a ``<col> ±`` column when some cell has an error); other columns stay text."""
-    def parse(cell):
-        m = re.fullmatch(rf"({NUM})\s*(?:±\s*({NUM}))?\s*(x|×|%)?", cell)
-        return (float(m.group(1)), float(m.group(2)) if m.group(2) else None) if m else None
+VALUE = re.compile(rf"({NUM})\s*(?:±\s*({NUM}))?\s*(?:\[({NUM}),\s*({NUM})\])?\s*(?:x|×|%)?"
+                   r"(?:\s*\(no interval\))?\s*[†‡*⁰¹²³⁴⁵⁶⁷⁸⁹ᵃᵇᶜᵈᵉ]*")
+PARTS = ("{} paper", "{}", "{} ±", "{} lo", "{} hi", "{} diff")  # the order of a numeric column's sub-columns
 
-    numeric = {j for j in range(len(header))
-               if any(r[j] not in MISSING for r in rows if j < len(r))
-               and all(r[j] in MISSING or parse(r[j]) for r in rows if j < len(r))}
-    out = []
-    for r in rows:
-        d = {}
-        for j, name in enumerate(header):
-            cell = r[j] if j < len(r) else ""
-            if j in numeric:
-                v, err = parse(cell) or (None, None)
-                d[name] = v
-                if any(parse(x[j]) and parse(x[j])[1] is not None for x in rows if j < len(x)):
-                    d[f"{name} ±"] = err
-            else:
-                d[name] = None if cell in MISSING else cell
-        out.append(d)
+
+def parse_value(text: str) -> dict | None:
+    """``0.5``, ``0.5 ±0.1``, ``0.8 [0.3, 0.9]``, ``1.9x``, ``45%`` (marks after it ignored) -> numbers;
+    missing / ``not run`` -> None; anything else -> None (not a number)."""
+    text = text.strip().replace("−", "-")
+    if text in MISSING or text == "not run":
+        return {"{}": None}
+    m = VALUE.fullmatch(text)
+    if not m:
+        return None
+    v, err, lo, hi = (float(g) if g else None for g in m.groups())
+    return {"{}": v, "{} ±": err, "{} lo": lo, "{} hi": hi}
+
+
+def parse_cell(cell: str) -> dict | None:
+    """A cell as numbers, also analysis' ``paper · ours [lo, hi] · ours − paper``; None if it is text."""
+    parts = cell.split(" · ")
+    if len(parts) == 1:
+        return parse_value(cell)
+    found = [parse_value(x) for x in parts] + [{"{}": None}] * (3 - len(parts))
+    if len(parts) > 3 or None in found:
+        return None
+    return {"{} paper": found[0]["{}"], **found[1], "{} diff": found[2]["{}"]}
+
+
+def typed_table_rows(header: list[str], rows: list[list[str]]) -> list[dict]:
+    """Rows as dicts; a column whose every cell is a number (:func:`parse_cell`) or missing becomes numbers, split
+    into sub-columns where cells carry more (``<col> ±``, ``<col> lo`` / ``hi``, ``<col> paper``, ``<col> diff``);
+    any other column stays text."""
+    cells = [[r[j] if j < len(r) else "" for j in range(len(header))] for r in rows]
+    out = [{} for _ in rows]
+    for j, name in enumerate(header):
+        parsed = [parse_cell(r[j]) for r in cells]
+        numeric = None not in parsed and any(v is not None for p in parsed for v in p.values())
+        if not numeric:
+            for d, r in zip(out, cells):
+                d[name] = None if r[j] in MISSING else r[j]
+            continue
+        used = [k for k in PARTS if k == "{}" or any(p.get(k) is not None for p in parsed)]
+        for d, p in zip(out, parsed):
+            d.update({k.format(name): p.get(k) for k in used})
     return out
 
 
 def analysis_outputs(runs: Path, out: Path) -> None:
-    """``python -m analysis tables`` and ``figures`` for these records, into ``out`` (its command line, in
-    process: its printout is dropped, its failure is one line)."""
+    """``python -m analysis tables``, ``figures`` and ``report`` for these records, into ``out`` (its command
+    line, in process: its printout is dropped; a failure is one line; an analysis without ``report`` is skipped)."""
     import contextlib
     import io
 
     from analysis.__main__ import main as analysis
 
-    for what in ("tables", "figures"):
+    for what in ("tables", "figures", "report"):
+        err = io.StringIO()
         try:
-            with contextlib.redirect_stdout(io.StringIO()):
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
                 analysis([what, "--runs", str(runs), "--out", str(out)])
+        except SystemExit as exc:  # argparse: this analysis has no such command
+            if what != "report":
+                print(f"[h2o] wandb summary: analysis {what} exited {exc.code}: {err.getvalue().strip()[-200:]}",
+                      file=sys.stderr)
         except Exception as exc:  # noqa: BLE001 - a missing table must not lose the rest of the summary
             print(f"[h2o] wandb summary: analysis {what} failed ({type(exc).__name__}: {exc})", file=sys.stderr)
 
@@ -175,8 +202,9 @@ def summarize(root: Path, experiment: str, s: Settings, report: Path | None = No
                     log[f"tables/{md.stem}" + (f"_{i}" if i else "")] = table(typed_table_rows(header, rows))
             for png in sorted(Path(tmp, "figures").glob("*.png")):
                 log[f"figures/{png.stem}"] = wandb.Image(str(png))
-            if report and Path(report).exists():
-                text = Path(report).read_text(encoding="utf-8")
+            report = Path(report) if report else Path(tmp, "REPORT.md")
+            if report.exists():
+                text = report.read_text(encoding="utf-8")
                 log["report"] = wandb.Html(report_html(text))
                 for i, (header, rows) in enumerate(markdown_tables(text)):
                     log[f"report/{i}"] = table(typed_table_rows(header, rows))
@@ -205,7 +233,7 @@ def report_html(markdown: str) -> str:
 
 def after_sweep(plans) -> None:
     """The runner's hook at the end of a multirun: one summary run per experiment whose jobs use logger=wandb."""
-    from h2o.pipeline.records import REPO, runs_root
+    from h2o.pipeline.records import runs_root
 
     done = set()
     for plan in plans:
@@ -213,4 +241,4 @@ def after_sweep(plans) -> None:
         key = (str(runs_root(plan.cfg)), plan.cfg.experiment_name)
         if logger.get("wandb") and key not in done:
             done.add(key)
-            summarize(Path(key[0]), key[1], Settings.of(logger), REPO / "analysis" / "out" / "REPORT.md")
+            summarize(Path(key[0]), key[1], Settings.of(logger))

@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", nargs="?", default="runs", help="runs root, or any folder under it (default: runs)")
     p.add_argument("--experiment", default=None, help="only this experiment's records")
     p.add_argument("--summary", action="store_true", help="also log each experiment's summary run")
-    p.add_argument("--report", default="analysis/out/REPORT.md", help="paper-vs-ours report for the summary")
+    p.add_argument("--report", default=None, help="paper-vs-ours report for the summary (default: made from the "
+                   "experiment's records by `python -m analysis report`, where analysis has it)")
     p.add_argument("--project", default="h2o-repro")
     p.add_argument("--entity", default=None)
     p.add_argument("--mode", default=os.environ.get("WANDB_MODE") or "offline", help=f"one of {', '.join(MODES)}")
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for root, exp in experiments(path):
             if args.experiment in (None, exp):
-                ok = summarize(root, exp, s, Path(args.report))
+                ok = summarize(root, exp, s, args.report)
                 print(f"[h2o] wandb summary of {exp}: {'logged' if ok else 'failed'}")
     return 1 if counts["failed"] else 0
 
