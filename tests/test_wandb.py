@@ -137,7 +137,7 @@ def test_summary_run_has_fig4_line_plots_tables_figures_and_the_report(offline):
     (run,) = read_runs(root / ".wandb")
     assert (run.name, run.group, run.job_type, run.tags) == (f"{EXP}/summary", EXP, "summary", ["summary"])
     plots = {k.split("/", 2)[2]: v["panel_config"] for k, v in run.config.items() if k.startswith("_wandb/visualize/")}
-    fig4 = "fig4/tiny-llama bb_copa 0-shot simulated scoring=mean limit=4: acc"
+    fig4 = "fig4/tiny-llama bb_copa 0-shot simulated scoring=mean: acc"
     assert plots[fig4]["panelDefId"] == "wandb/line/v0"
     assert plots[fig4]["fieldSettings"] == {"x": "budget", "y": "acc", "stroke": "policy"}
     points = {(p, b): a for p, b, a in run.table(fig4 + "_table")["data"]}
@@ -160,16 +160,21 @@ def test_fig4_curves_keep_protocols_apart_and_tables_parse_typed():
 
     base = {"task_kind": "multiple_choice", "model": "m", "task": "copa", "shots": 0, "semantics": "simulated",
             "scoring": "mean", "limit": None, "seed": 0}
-    recs = [{**base, "policy": "full", "budget": 1.0, "metrics": {"acc": 0.9}},
-            {**base, "policy": "h2o", "budget": 0.2, "metrics": {"acc": 0.8}},
-            {**base, "policy": "h2o", "budget": 0.2, "seed": 1, "metrics": {"acc": 0.6}},
-            {**base, "policy": "h2o", "budget": 0.2, "scoring": "sum", "metrics": {"acc": 0.1}},
-            {**base, "policy": "h2o", "budget": 64, "metrics": {"acc": 0.5}}]  # a token budget: not Fig. 4
-    got = curves(recs)
-    assert got[("acc", "m", "copa", 0, "simulated", "mean", None, 0)] == [
-        {"policy": "h2o", "budget": 0.2, "acc": 0.8}, {"policy": "full", "budget": 0.2, "acc": 0.9}]
-    assert got[("acc", "m", "copa", 0, "simulated", "sum", None, 0)] == [{"policy": "h2o", "budget": 0.2, "acc": 0.1}]
-    assert len(got) == 3
+    recs = [("e/m/copa/shots0/full/1.0", {**base, "policy": "full", "budget": 1.0, "metrics": {"acc": 0.9}}),
+            ("e/m/copa/shots0/h2o/0.2", {**base, "policy": "h2o", "budget": 0.2, "metrics": {"acc": 0.8}}),
+            ("e/m/copa/shots0/h2o/0.2/seed=1", {**base, "policy": "h2o", "budget": 0.2, "seed": 1,
+                                                 "metrics": {"acc": 0.6}}),
+            ("e/m/copa/shots0/h2o/0.2/scoring=sum", {**base, "policy": "h2o", "budget": 0.2, "scoring": "sum",
+                                                      "metrics": {"acc": 0.1}}),
+            ("e/m/copa/shots0/streaming_llm/0.2/sinks=8", {**base, "policy": "streaming_llm", "budget": 0.2,
+                                                            "metrics": {"acc": 0.7}}),
+            ("e/m/copa/shots0/h2o/64tok", {**base, "policy": "h2o", "budget": 64, "metrics": {"acc": 0.5}})]
+    got = curves(recs)  # a token budget is not Fig. 4's axis; every other record is its own protocol's point
+    key = ("acc", "m", "copa", 0, "simulated", "mean", None, 0)
+    assert got == {(*key, ""): [{"policy": "h2o", "budget": 0.2, "acc": 0.8}, {"policy": "full", "budget": 0.2, "acc": 0.9}],
+                   (*key[:-1], 1, "seed=1"): [{"policy": "h2o", "budget": 0.2, "acc": 0.6}],
+                   (*key[:5], "sum", None, 0, "scoring=sum"): [{"policy": "h2o", "budget": 0.2, "acc": 0.1}],
+                   (*key, "sinks=8"): [{"policy": "streaming_llm", "budget": 0.2, "acc": 0.7}]}
     (header, rows), = markdown_tables("x\n\n| a | b | c | d | e |\n|---|:-:|---|---|---|\n"
                                       "| 0.5 ±0.1 | — | 1.9x | n/a | 85.00 · 84.0 [75.6, 89.9]† · −1.0 |\n"
                                       "| 2 | 3 | 45% | 1 | 43.20 · not run |\n")

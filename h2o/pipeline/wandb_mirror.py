@@ -21,6 +21,7 @@ neither fail nor lose a run, and wandb is imported only when a record is mirrore
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -150,8 +151,21 @@ def destination(s: Settings, ident: dict) -> str:
 
 
 def mirrored(s: Settings, root: Path) -> dict:
-    """{destination: digest of metrics.json last mirrored there} from the ledger."""
-    return {row["to"]: row["digest"] for row in read_jsonl(s.where(root) / LEDGER)}
+    """{destination: digest of metrics.json last mirrored there} from the ledger (read again only when it grew)."""
+    f = s.where(root) / LEDGER
+    return _ledger(str(f), f.stat().st_size if f.exists() else 0)
+
+
+@functools.lru_cache(maxsize=4)
+def _ledger(path: str, size: int) -> dict:
+    out = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines() if size else []:
+        try:
+            row = json.loads(line)
+            out[row["to"]] = row["digest"]
+        except (ValueError, KeyError, TypeError):  # a line torn by a killed process: that record is redone
+            continue
+    return out
 
 
 def config_of(folder: Path, record: dict, name: str, sweep: str | None) -> dict:

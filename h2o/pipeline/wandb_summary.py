@@ -7,8 +7,8 @@ job_type ``summary``), so a rerun updates the same run. It logs:
 
 * ``fig4/<model> <task> ...``: the paper's Fig. 4 as native wandb line plots (``wandb.plot.line``): the metric
   against the budget, one line per policy, the full cache as a flat line over the same budgets. One plot per
-  protocol: model, task, shots, semantics, scoring, sample limit and seed (records of two protocols never share a
-  plot); metrics: acc (multiple choice), rouge2 (summarization), ppl (perplexity).
+  protocol (:func:`curves`: records of two protocols never share a plot); metrics: acc (multiple choice), rouge2
+  (summarization), ppl (perplexity).
 * ``streaming/<model> <text>``: perplexity against tokens streamed, one line per policy and budget.
 * ``tables/<name>``: every table ``python -m analysis tables`` renders for this experiment, as a wandb.Table
   (cells ``0.667 ±0.211`` become a number column and a ``±`` column; ``—`` is missing).
@@ -45,35 +45,35 @@ def load_records(folder: Path) -> list[tuple[Path, dict]]:
     return out
 
 
-def curves(records: list[dict]) -> dict[tuple, list[dict]]:
-    """{protocol: [{"policy", "budget", metric}, ...]}: Fig. 4's points (mean over identical protocol points),
-    the full cache repeated at every budget of its protocol (a flat line)."""
-    points, full = defaultdict(lambda: defaultdict(list)), defaultdict(list)
-    for r in records:
+def curves(records: list[tuple[str, dict]]) -> dict[tuple, list[dict]]:
+    """{protocol: [{"policy", "budget", metric}, ...]} from (name under runs/, record) pairs: Fig. 4's points, one
+    plot per protocol = model, task, shots, semantics, scoring, limit, seed and the record folder's settings part
+    (``limit=40,sinks=8``: every setting that differs from its default), so a point is one record and two
+    protocols never share a plot; the full cache of the same protocol repeated at every budget (a flat line)."""
+    points, full = defaultdict(dict), {}
+    for name, r in records:
         metric = CURVE_METRIC.get(r.get("task_kind"))
         value = (r.get("metrics") or {}).get(metric)
         if metric is None or not is_number(value):
             continue
-        key = (metric, *(r.get(k) for k in PROTOCOL))
+        key = (metric, *(r.get(k) for k in PROTOCOL), "/".join(Path(name).parts[6:]))
         if r.get("policy") == "full":
-            full[key].append(value)
-        elif is_number(r.get("budget")) and isinstance(r.get("budget"), float):
-            points[key][(r["policy"], r["budget"])].append(value)
+            full[key] = value
+        elif isinstance(r.get("budget"), float):
+            points[key][(r["policy"], r["budget"])] = value
     out = {}
     for key, pts in points.items():
-        rows = [{"policy": p, "budget": b, key[0]: sum(v) / len(v)} for (p, b), v in sorted(pts.items())]
-        if full.get(key):
-            base = sum(full[key]) / len(full[key])
-            rows += [{"policy": "full", "budget": b, key[0]: base} for b in sorted({b for _, b in pts})]
+        rows = [{"policy": p, "budget": b, key[0]: v} for (p, b), v in sorted(pts.items())]
+        if key in full:
+            rows += [{"policy": "full", "budget": b, key[0]: full[key]} for b in sorted({b for _, b in pts})]
         out[key] = rows
     return out
 
 
 def curve_title(key: tuple) -> str:
-    metric, model, task, shots, semantics, scoring, limit, seed = key
+    metric, model, task, shots, semantics, scoring, limit, seed, settings = key
     parts = [f"{model} {task}", f"{shots}-shot" if shots is not None else None, semantics,
-             f"scoring={scoring}" if scoring else None, f"limit={limit}" if limit else None,
-             f"seed={seed}" if seed else None]
+             f"scoring={scoring}" if scoring else None, settings or None]
     return " ".join(p for p in parts if p) + f": {metric}"
 
 
@@ -189,7 +189,7 @@ def summarize(root: Path, experiment: str, s: Settings, report: Path | None = No
         folder = Path(root) / fmt(experiment)
         found = load_records(folder)
         log = {}
-        for key, rows in curves([r for _, r in found]).items():
+        for key, rows in curves([(str(f.relative_to(root)), r) for f, r in found]).items():
             log[f"fig4/{curve_title(key)}"] = wandb.plot.line(table(rows), "budget", key[0], stroke="policy",
                                                               title=curve_title(key))
         for (model, text), rows in streaming_rows(found).items():
