@@ -49,7 +49,8 @@ class Settings:
 
     @classmethod
     def of(cls, cfg) -> "Settings":
-        return cls(cfg.get("project") or cls.project, cfg.get("entity"), cfg.get("mode") or "offline", cfg.get("dir"))
+        return cls(cfg.get("project") or cls.project, cfg.get("entity"), cfg.get("mode") or "offline",
+                   cfg.get("dir"))
 
     def where(self, root: Path) -> Path:
         return Path(self.dir) if self.dir else Path(root) / ".wandb"
@@ -108,7 +109,8 @@ def is_number(v) -> bool:
 
 def numbers(d: dict) -> dict:
     """The numeric leaves of ``d`` (flattened), as int / float; booleans as 0 / 1."""
-    return {k: int(v) if isinstance(v, bool) else v for k, v in flatten(d).items() if is_number(v) or isinstance(v, bool)}
+    return {k: int(v) if isinstance(v, bool) else v for k, v in flatten(d).items()
+            if is_number(v) or isinstance(v, bool)}
 
 
 def typed_rows(rows: list[dict]) -> tuple[list[str], list[list]]:

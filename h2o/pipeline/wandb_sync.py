@@ -8,8 +8,8 @@
 Each record keeps its id (h2o.pipeline.wandb_mirror.identity), so syncing again, or after the runner mirrored it,
 never creates a second run: records already mirrored to the same destination with the same metrics.json are
 skipped (``--force`` logs them again, into the same runs). A record's sweep id (config ``sweep``) is read from the
-runner's ``multirun/<experiment>/<time>/jobs.jsonl``, as the runner's own mirror sets it. Offline data go to ``<runs root>/.wandb``; push them
-later with ``wandb sync <runs root>/.wandb/wandb/offline-run-*``.
+runner's ``multirun/<experiment>/<time>/jobs.jsonl``, as the runner's own mirror sets it. Offline data go to
+``<runs root>/.wandb``; push them later with ``wandb sync <runs root>/.wandb/wandb/offline-run-*``.
 """
 from __future__ import annotations
 

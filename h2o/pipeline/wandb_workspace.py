@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-TABLES = ("table1", "table2", "table6", "table8", "table9", "table10", "helm_0shot", "helm_5shot", "rouge", "self_bleu",
-          "perplexity", "benchmark")
+TABLES = ("table1", "table2", "table6", "table8", "table9", "table10", "helm_0shot", "helm_5shot", "rouge",
+          "self_bleu", "perplexity", "benchmark")
 FIGURES = ("figures/fig4_budget_curves", "figures/streaming_ppl", "figures/fig2_observations", "report")
 BUDGET_METRICS = ("acc", "rouge2", "ppl")
 BENCH_METRICS = ("decode_tok_s", "vs_full.decode_tok_s", "kv_bytes", "vs_full.kv_bytes")
