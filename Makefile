@@ -37,15 +37,18 @@ tables: install ## regenerate the paper's tables from runs/
 figures: install ## regenerate the figures from runs/
 	$(PY) -m analysis figures --runs runs --out analysis/out
 
+report: install ## analysis/out/REPORT.md: every paper number beside ours, with a verdict (any runs/, even empty)
+	$(PY) -m analysis report --runs runs --out analysis/out
+
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
-sweep: install ## run experiment EXP (default: the CPU SmolLM2 sweep) on LAUNCHER (basic|submitit_local|slurm), then tables and figures; DRY=1 only lists the jobs
+sweep: install ## run experiment EXP (default: the CPU SmolLM2 sweep) on LAUNCHER (basic|submitit_local|slurm), then tables, figures and the report; DRY=1 only lists the jobs
 ifneq ($(DRY),)
 	$(PY) -m h2o.pipeline.sweep experiment=$(EXP) $(ARGS)
 else
 	@mkdir -p runs && rm -f runs/.sweep-failed
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS) || touch runs/.sweep-failed
-	$(MAKE) --no-print-directory tables figures
+	$(MAKE) --no-print-directory tables figures report
 	@if [ -e runs/.sweep-failed ]; then rm -f runs/.sweep-failed; echo "sweep: some jobs failed (listed above)"; exit 1; fi
 endif
 
@@ -78,4 +81,4 @@ stream: install ## streaming perplexity on Austen: h2o vs streaming_llm vs local
 wandb: install ## mirror EXP's records in runs/ to wandb (offline unless WANDB_MODE=online; idempotent) and log its summary run
 	$(PY) -m h2o.pipeline.wandb_sync runs --experiment $(EXP) --summary
 
-.PHONY: help install test tables figures data model bench stream sweep wandb
+.PHONY: help install test tables figures report data model bench stream sweep wandb
