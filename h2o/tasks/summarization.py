@@ -111,6 +111,12 @@ class SummarizationTask(TaskSpec):
         if hub_path is not None:
             check_hub_data(self.name, hub_path, (hub_path, hub_path.split("/")[-1]))
 
+    def check_model(self, model) -> None:
+        max_pos = model.max_positions()
+        check(max_pos is None or self.max_new_tokens <= max_pos // 2,
+              f"task.max_new_tokens={self.max_new_tokens}: leaves too little of model {model.name}'s context of "
+              f"{max_pos} tokens for the prompt; allowed: 1-{(max_pos or 0) // 2}")
+
     # ------------------------------------------------------------------------------- prompts
     def examples(self) -> tuple[list[dict], list[dict]]:
         """(in-context examples, test instances), both fixed by ``subset_seed``."""
@@ -138,6 +144,8 @@ class SummarizationTask(TaskSpec):
                 context.pop(0)
             else:
                 words = article.split()
+                check(bool(words), f"task.max_new_tokens={self.max_new_tokens}: even an empty article's prompt "
+                                   f"does not fit in {max_tokens} tokens; lower task.max_new_tokens")
                 article = " ".join(words[len(words) // 10 + 1:])
 
     # ----------------------------------------------------------------------------- generation
@@ -149,6 +157,8 @@ class SummarizationTask(TaskSpec):
 
         shots, test = self.examples()
         max_pos = getattr(model.config, "max_position_embeddings", None) or 2048
+        check(self.max_new_tokens < max_pos, f"task.max_new_tokens={self.max_new_tokens}: no room for a prompt "
+                                             f"in the model's context of {max_pos} tokens")
         prompts = [self.prompt(shots, r, tokenizer, max_pos - self.max_new_tokens) for r in test]
         scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
         torch.manual_seed(seed)
