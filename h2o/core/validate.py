@@ -166,11 +166,10 @@ def choice(flag: str, values: list[str], allowed) -> list[str]:
 
 
 class ArgParser(argparse.ArgumentParser):
-    """argparse whose errors are one line (``error: <prog>: <message>``) with exit status 2."""
+    """argparse whose errors are a ConfigError (with :func:`guard`: one line ``error: <prog>: ...``, exit 2)."""
 
     def error(self, message: str):  # noqa: D102 - argparse API
-        print(f"error: {self.prog}: {' '.join(message.split())}", file=sys.stderr)
-        sys.exit(2)
+        raise ConfigError(f"{self.prog}: {message}")
 
 
 def fail(exc: BaseException) -> int:

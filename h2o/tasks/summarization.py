@@ -112,6 +112,13 @@ class SummarizationTask(TaskSpec):
             check_hub_data(self.name, hub_path, (hub_path, hub_path.split("/")[-1]))
 
     def check_model(self, model) -> None:
+        if self.dataset == "bb_xsum":  # the in-context pool is a subset of the converted train split
+            from h2o.tasks.multiple_choice import offline_train_rows
+
+            n = offline_train_rows("bb_xsum")
+            check(n is None or self.shots <= n, f"task.shots={self.shots}: bb_xsum has {n} train articles (the "
+                                                f"in-context pool is those of {self.shot_min_words}-"
+                                                f"{self.shot_max_words} words); allowed: 0-{n}")
         max_pos = model.max_positions()
         check(max_pos is None or self.max_new_tokens <= max_pos // 2,
               f"task.max_new_tokens={self.max_new_tokens}: leaves too little of model {model.name}'s context of "
