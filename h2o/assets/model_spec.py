@@ -97,7 +97,8 @@ def check_pretrained(pretrained: Any, key: str = "model.pretrained") -> None:
     path = Path(text).expanduser()
     if path.exists() or text.startswith((".", "/", "~")):
         why = "no such folder" if not path.exists() else "not a checkpoint folder (no config.json)"
-        check(path.is_dir() and (path / "config.json").is_file(), f"{key}={text!r}: {why}; allowed: {ALLOWED_PRETRAINED}")
+        check(path.is_dir() and (path / "config.json").is_file(),
+              f"{key}={text!r}: {why}; allowed: {ALLOWED_PRETRAINED}")
         return
     check(bool(HUB_ID.fullmatch(text)), f"{key}={text!r}: neither a folder nor a hub id; allowed: {ALLOWED_PRETRAINED}")
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")

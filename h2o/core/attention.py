@@ -12,6 +12,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .policies import PolicyError
 from .simulate import grouped, grouped_scores, grouped_values, masked_softmax, simulated_attention
 
 NAME = "h2o"
@@ -36,10 +37,10 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if state.mode == "simulated":
         if key.shape[-2] != q:
             raise RuntimeError("simulated mode scores whole sequences in one pass; for generation use mode='real'")
+        if state.prompt_len > q:
+            raise PolicyError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
         out, probs = simulated_attention(state.policy, query, key, value, new_valid, scaling,
                                          prompt_len=state.prompt_len, semantics=state.semantics)
-        if not 0 <= state.prompt_len <= q:
-            raise ValueError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
         state.flag(module.layer_idx, out)
         state.observe(module, probs)
         return out.to(query.dtype), probs
@@ -52,7 +53,7 @@ ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S)
 def real_attention(state, module, query, key, value, new_valid, scaling):
     """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D)."""
     if state.cache is None:
-        raise ValueError("mode='real' needs a cache: pass cache=h.new_cache() to the model")
+        raise PolicyError("mode='real' needs a cache: pass cache=h.new_cache() to the model")
     layer = state.cache.layers[module.layer_idx]
     if layer.keys is not key:
         raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")

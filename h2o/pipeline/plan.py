@@ -71,12 +71,14 @@ def check_keys(cfg: DictConfig) -> None:
                            f"conf/{group}/{cfg[group].name}.yaml is required")
     check_name("experiment_name", cfg.experiment_name)
     check(is_int(cfg.seed) and 0 <= cfg.seed < 2**32, f"seed={cfg.seed!r}: expected an int in [0, 2**32)")
-    check(cfg.threads is None or (is_int(cfg.threads) and cfg.threads >= 1),
-          f"threads={cfg.threads!r}: expected a positive int or null")
+    threads = cfg.threads
+    check(threads is None or (is_int(threads) and threads >= 1),
+          f"threads={threads!r}: expected a positive int or null")
     check(isinstance(cfg.fail_fast, bool), f"fail_fast={cfg.fail_fast!r}: expected true or false")
     check(isinstance(cfg.semantics, str), f"semantics={cfg.semantics!r}: expected auto, simulated, reference or real")
-    check(isinstance(cfg.runs_dir, str) and cfg.runs_dir.strip() != "",
-          f"runs_dir={cfg.runs_dir!r}: expected a folder path (not empty)")
+    runs_dir = cfg.runs_dir  # an interpolation: resolved once
+    check(isinstance(runs_dir, str) and runs_dir.strip() != "", f"runs_dir={runs_dir!r}: expected a folder path "
+                                                                 f"(not empty)")
     check(cfg.task_overrides is None or isinstance(cfg.task_overrides, DictConfig),
           f"task_overrides={cfg.task_overrides!r}: expected {{<task name>: {{key: value}}}}")
 

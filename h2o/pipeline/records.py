@@ -4,7 +4,11 @@ Folder: ``<runs_dir>/<experiment_name>/<model>/<task>/shots<k>/<policy>/<budget>
 ``<budget>`` is the policy's budget (``0.2``; ``64tok`` for a token count; ``h0.15-r0.05`` for a hand split;
 ``1.0`` for full, whatever budget a sweep gave it) and ``<extras>`` lists, as ``key=value`` joined by ``,``,
 every setting that differs from its group file's default (``limit=40``, ``sinks=8``, ``seed=1``,
-``semantics=reference``, ...). Settings that cannot change a result (batch size, threads) are left out.
+``semantics=reference``, ...). Settings that cannot change a result (batch size, threads) are left out. Values are
+spelled without loss (:func:`fmt`: floats by their shortest exact text, so 0.2000001 is not 0.2; text outside
+``[A-Za-z0-9_.+-]`` gets a short hash); ``experiment_name`` must be in that set, and the folder stays inside
+``runs_dir``. A finished record is reused only for its own normalised config (:func:`identity`, read back from
+its config.yaml): :func:`check_reusable` refuses any other.
 
 Files (contract read by analysis/): ``config.yaml`` (resolved Hydra config), ``samples.jsonl``, ``env.json``,
 then ``metrics.json`` LAST and atomically (tmp file + ``os.replace``): a folder without it is unfinished and

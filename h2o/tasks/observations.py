@@ -56,8 +56,9 @@ class ObservationsTask(PerplexityTask):
     def check_model(self, model) -> None:
         super().check_model(model)
         n = model.num_layers()
-        check(self.layer >= -1 and (n is None or self.layer < n), f"task.layer={self.layer}: model {model.name} has {n} layers; "
-                                                 f"allowed: -1 (the middle one) or 0-{(n or 1) - 1}")
+        check(self.layer >= -1 and (n is None or self.layer < n),
+              f"task.layer={self.layer}: model {model.name} has {n} layers; allowed: -1 (the middle one) or "
+              f"0-{(n or 1) - 1}")
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
         from tqdm import tqdm

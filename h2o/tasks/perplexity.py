@@ -47,16 +47,18 @@ class PerplexityTask(TaskSpec):
 
     def check_model(self, model) -> None:
         max_pos = model.max_positions()
-        check(max_pos is None or self.window <= max_pos, f"task.window={self.window}: longer than model "
-                                                         f"{model.name}'s context of {max_pos} tokens; allowed: 2-{max_pos}")
+        check(max_pos is None or self.window <= max_pos,
+              f"task.window={self.window}: longer than model {model.name}'s context of {max_pos} tokens; "
+              f"allowed: 2-{max_pos}")
         from h2o.assets.paths import cache_dir
 
         need = ((self.n_windows - 1) * self.stride + 1) * self.window  # tokens; a token is at least one byte
         path = cache_dir() / "books" / f"{self.text}.txt"
         size = path.stat().st_size if path.is_file() else None
-        check(size is None or need <= size, f"task.n_windows={self.n_windows}: {self.n_windows} windows of "
-                                            f"{self.window} tokens (stride {self.stride}) need {need} tokens; the text "
-                                            f"{self.text} has at most {size}; allowed: 1-{size // (self.stride * self.window) if size else 0}")
+        most = (size // self.window - 1) // self.stride + 1 if size else 0
+        check(size is None or need <= size,
+              f"task.n_windows={self.n_windows}: {self.n_windows} windows of {self.window} tokens (stride "
+              f"{self.stride}) need {need} tokens; the text {self.text} has at most {size}; allowed: 1-{most}")
 
     def windows(self, tokenizer) -> torch.Tensor:
         """(n_windows, window) token ids."""
