@@ -88,6 +88,7 @@ def suite_targets(model, args, out=None) -> list[dict]:
 
 def write_records(records: list[dict], path: str | None, runs: str | None, experiment: str) -> None:
     if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work (validate)
         with open(path, "w") as f:
             for r in records:
                 f.write(json.dumps({"experiment": experiment, **r}) + "\n")
@@ -122,9 +123,10 @@ def validate(args) -> None:
     for flag, low in (("repeats", 1), ("warmup", 0), ("max_batch_cap", 1), ("sim", 1), ("threads", 0),
                       ("prefill_chunk", 0), ("seed", 0)):
         check(getattr(args, flag) >= low, f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= {low}")
-    check(args.kv_limit_mib == "full" or is_number(split_list("--kv-limit-mib", args.kv_limit_mib, float,
-                                                               "a number of MiB or 'full'")[0])
-          and float(args.kv_limit_mib) >= 0, f"--kv-limit-mib={args.kv_limit_mib!r}: expected MiB >= 0 or 'full'")
+    if args.kv_limit_mib != "full":
+        mib = split_list("--kv-limit-mib", args.kv_limit_mib, float, "a number of MiB or 'full'")
+        check(len(mib) == 1 and is_number(mib[0]) and mib[0] >= 0,
+              f"--kv-limit-mib={args.kv_limit_mib!r}: expected one number of MiB >= 0 or 'full'")
     if args.json:
         output_file("--json", args.json)
     if args.runs:

@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run(model, tok, args.text, args.tokens, args.policies.split(","), budgets, args.chunk,
                   args.positions, args.log_every, args.progress, model_name=args.model)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work (validate)
         with open(args.json, "w") as f:
             for rec, samples in results:
                 f.write(json.dumps({"experiment": args.experiment, **rec, "samples": samples}) + "\n")
