@@ -260,13 +260,13 @@ def test_killed_sweep_resumes_exactly_the_missing_runs(tmp_path):
 
 @pytest.mark.slow
 def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
-    # every value is validated per job before anything runs; 50 shots pass the up-front check (bb_xsum has 100
-    # train articles) but only 9 of them have 50-150 words: that fails at run time, in one job only
+    # every value is validated per job before anything runs; the in-context pool (train articles of 10-60
+    # words: none, the shortest has 72) is known only once the data is read: that fails at run time, in one job
     args = ["-m", *TINY, "task=bb_xsum,bb_copa", "policy=local", f"runs_dir={tmp_path}/runs",
-            "task_overrides.bb_xsum.shots=50"]
+            "++task_overrides.bb_xsum.shot_min_words=10", "++task_overrides.bb_xsum.shot_max_words=60"]
     out = h2o_run(args, tmp_path)
-    assert out.returncode == 1
-    assert "FAILED job" in out.stderr and "only 9 train articles" in out.stderr
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "FAILED job" in out.stderr and "only 0 train articles" in out.stderr
     assert [r["task"] for r in records(tmp_path / "runs").values()] == ["bb_copa"]
     fails = read_jsonl(next((tmp_path / "multirun").rglob("failures.jsonl")))
     assert len(fails) == 1 and "task=bb_xsum" in fails[0]["overrides"] and fails[0]["traceback"]
