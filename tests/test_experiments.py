@@ -260,10 +260,10 @@ def test_killed_sweep_resumes_exactly_the_missing_runs(tmp_path):
 
 @pytest.mark.slow
 def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
-    # every value is validated per job before anything runs; the in-context pool (train articles of 10-60
-    # words: none, the shortest has 72) is known only once the data is read: that fails at run time, in one job
+    # every value is validated per job before anything runs; the in-context pool (train articles of 61-150 words
+    # once cut to doc_max_words=60: none) is known only once the data is read: that fails at run time, in one job
     args = ["-m", *TINY, "task=bb_xsum,bb_copa", "policy=local", f"runs_dir={tmp_path}/runs",
-            "++task_overrides.bb_xsum.shot_min_words=10", "++task_overrides.bb_xsum.shot_max_words=60"]
+            "++task_overrides.bb_xsum.shot_min_words=61"]
     out = h2o_run(args, tmp_path)
     assert out.returncode == 1, out.stderr[-2000:]
     assert "FAILED job" in out.stderr and "only 0 train articles" in out.stderr
