@@ -24,6 +24,7 @@ import shutil
 import sys
 import time
 import traceback
+import uuid
 from pathlib import Path
 
 import hydra
@@ -33,12 +34,14 @@ from h2o.pipeline.plan import Plan, prepare
 from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl,
                                   slurm_job_id, write_json, write_jsonl)
 from h2o.assets.paths import atomic_write_text
+from h2o.core.validate import fail
 from h2o.pipeline.sweep import BAD_INPUT, expand, status
 from h2o.tasks.progress import recording, resumed
 
 PARTIAL = "partial"  # per-request results of an unfinished run (resume inside a run)
 
 CRASH_ENV = "H2O_TEST_CRASH_AT"
+SWEEP_ENV = "H2O_SWEEP_ID"  # set by main() for a multirun; every job row of the sweep carries it
 PASSTHROUGH = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc",
                "--version", "--resolve", "--package", "-p", "--run", "-r")
 _executed = 0  # runs executed (not skipped) by this process
@@ -110,7 +113,8 @@ def run_job(cfg: DictConfig) -> str:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir if multirun else None
-    return attempt(cfg, sweep_dir, {"job": hc.job.get("num"), "overrides": list(hc.overrides.task)})
+    return attempt(cfg, sweep_dir, {"job": hc.job.get("num"), "overrides": list(hc.overrides.task),
+                                    "sweep_id": os.environ.get(SWEEP_ENV)})
 
 
 def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
@@ -135,8 +139,7 @@ def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
         plan = prepare(cfg)
     except BAD_INPUT as exc:
         if not multirun:
-            print(f"error: {exc}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(fail(exc))
         log(f"invalid job {entry['overrides']}: {exc}")
         return outcome("failed", exc=exc)
     if finished(plan.path):
@@ -150,6 +153,9 @@ def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
         try:
             record = execute(plan)
         except Exception as exc:  # noqa: BLE001 - a failing job must not end the sweep
+            if not multirun and isinstance(exc, BAD_INPUT):  # found only once loaded: still one line
+                log(f"FAILED {plan.path} (left unfinished)")
+                sys.exit(fail(exc))
             if not multirun or cfg.fail_fast:
                 raise
             traceback.print_exc()
@@ -177,14 +183,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sweep = expand(overrides, multirun)
         except BAD_INPUT as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return fail(exc)
         if multirun:
             states = status(sweep)
             log(f"{len(states)} jobs: {states.count('todo')} to run, {states.count('done')} finished already, "
                 f"{states.count('dup')} duplicates")
+            sweep_id = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            os.environ[SWEEP_ENV] = sweep_id  # each job row carries it: the summary counts this process's jobs
             if not any(a.startswith("hydra.sweep.dir=") for a in overrides):
-                argv.append(f"hydra.sweep.dir={sweep.sweep_dir}")  # pin the timestamp: we read it back below
+                # a folder of its own per sweep process, not only per second: <experiment>/<date_time>-<pid>-<rand>
+                argv.append(f"hydra.sweep.dir={sweep.sweep_dir}-{sweep_id}")
             sweep_dir = Path(next(a for a in argv if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
     sys.argv = [sys.argv[0], *argv]
     hydra_main()
@@ -194,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         from h2o.pipeline.wandb_summary import after_sweep
 
         after_sweep(sweep.plans)  # the experiment's summary run (tables, figures, Fig. 4 plots); never raises
-    jobs = read_jsonl(sweep_dir / "jobs.jsonl")
-    failures = read_jsonl(sweep_dir / "failures.jsonl")
+    mine = lambda rows: [r for r in rows if r.get("sweep_id") == os.environ.get(SWEEP_ENV)]  # noqa: E731
+    jobs = mine(read_jsonl(sweep_dir / "jobs.jsonl"))
+    failures = mine(read_jsonl(sweep_dir / "failures.jsonl"))
     counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "busy", "failed")}
     log(f"sweep {sweep_dir}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     for f in failures:
