@@ -73,13 +73,14 @@ class ModelSpec:
 
     def load(self) -> tuple[Any, Any]:
         """(model, tokenizer), eval mode. Keeps the last loaded model for the next job of the sweep."""
-        if self.key() not in _LOADED:
-            import torch
+        import torch
 
-            if self.wants_gpu and not torch.cuda.is_available():
-                raise DeviceError(f"model={self.name}: a GPU config (device_map={self.device_map!r}, "
-                                  f"gpus={(self.resources or {}).get('gpus')}) but torch sees no GPU (torch "
-                                  f"{torch.__version__}, CUDA {torch.version.cuda}); no CPU fallback; to run on the CPU set model.device_map=null model.resources.gpus=0")
+        if self.wants_gpu and not torch.cuda.is_available():
+            raise DeviceError(f"model={self.name}: a GPU config (device_map={self.device_map!r}, "
+                              f"gpus={(self.resources or {}).get('gpus')}) but torch sees no GPU (torch "
+                              f"{torch.__version__}, CUDA {torch.version.cuda}); no CPU fallback; to run on the CPU "
+                              f"set model.device_map=null model.resources.gpus=0")
+        if self.key() not in _LOADED:
             release()
             _LOADED[self.key()] = load_model(resolve_tiny(self.pretrained), self.dtype, self.device_map)
         return _LOADED[self.key()]
