@@ -6,8 +6,8 @@ repeated for grouped-query attention) and the mask built by :func:`h2o_mask`. It
 (set by :func:`h2o.core.attach`) and runs the simulated path (a mask over the full sequence) or the real path (the
 evicting cache's layer). Scores are computed and accumulated in fp32, q scaled before the product.
 
-No host sync per layer: the non-finite guard is a device flag per layer, read once per forward (at the last layer);
-the evicting cache keeps its token counts on the host. A mask that does not depend on the scores (full,
+No host sync per layer: the non-finite guard is a device flag per layer (``Attached.flag``), read once per forward
+(on the logits, ``Attached.check_logits``); the evicting cache keeps its token counts on the host. A mask that does not depend on the scores (full,
 position-only policies) is built once per forward and shared by the layers.
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .policies import PolicyError
 from .simulate import grouped, grouped_values, masked_softmax, scores, simulated_attention, static_mask
 
 NAME = "h2o"
@@ -38,11 +39,14 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if state.mode == "simulated":
         if key.shape[-2] != query.shape[-2]:
             raise RuntimeError("simulated mode scores whole sequences in one pass; for generation use mode='real'")
+        q = query.shape[-2]
+        if state.prompt_len > q:
+            raise PolicyError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
         valid, static = state.per_forward(attention_mask, query, lambda v: static_mask(state.policy, v,
                                                                                         state.prompt_len))
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
                                          prompt_len=state.prompt_len, semantics=state.semantics, static=static)
-        guard(state, module, out, "the forward pass")
+        state.flag(module.layer_idx, out)
         state.observe(module, probs)
         return out, probs
     return real_attention(state, module, query, key, value, attention_mask, scaling)
@@ -56,26 +60,13 @@ def new_valid(attention_mask, query) -> torch.Tensor:
     return attention_mask[:, 0, -1, -q:].bool()
 
 
-def guard(state, module, out: torch.Tensor, where: str):
-    """NaN/inf guard (fp16 overflow, bad weights): each layer records on the device whether its output is finite;
-    the last layer reads the flags once per forward and the error names the first bad layer and the step. Pad rows
-    are finite by construction (fully masked rows are uniform), so any non-finite value is real."""
-    state.finite[module.layer_idx] = out.abs().amax()  # NaN and inf propagate; read as isfinite below
-    if module.layer_idx == state.num_layers - 1:
-        layers = sorted(state.finite)
-        ok = torch.stack([f if f.device == out.device else f.to(out.device) for f in map(state.finite.get, layers)])
-        state.finite.clear()
-        ok = torch.isfinite(ok)
-        if not bool(ok.all()):  # the one host sync of a forward
-            bad = layers[int((~ok).nonzero()[0])]
-            raise FloatingPointError(f"non-finite attention output in layer {bad} at {where}")
-
-
 ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S) fp32 scores
 
 
 def real_attention(state, module, query, key, value, attention_mask, scaling):
     """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D)."""
+    if state.cache is None:
+        raise PolicyError("mode='real' needs a cache: pass cache=h.new_cache() to the model")
     layer = state.cache.layers[module.layer_idx]
     if layer.keys is not key:
         raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")
@@ -110,7 +101,7 @@ def real_attention(state, module, query, key, value, attention_mask, scaling):
     if q > 1 and policy.evicts and not policy.is_full:
         layer.cut()
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).reshape(B, Hq, q, D).transpose(1, 2)
-    guard(state, module, out, f"token {max(layer.host_tok) - 1}")
+    state.flag(module.layer_idx, out)  # NaN/inf guard: no host sync here; Attached.check_logits reads it per step
     return out, (probs.reshape(B, Hq, q, -1) if q <= ROWS else None)
 
 
