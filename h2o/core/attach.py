@@ -38,7 +38,7 @@ class Attached:
     num_layers: int = 0
     cache: EvictingCache | None = None
     observer: Callable | None = field(default=None, repr=False)  # observer(layer_idx, probs (B, Hq, T, S))
-    nonfinite: torch.Tensor | None = field(default=None, repr=False)  # (num_layers,) bool, on the device
+    nonfinite: torch.Tensor | None = field(default=None, repr=False)  # (num_layers,) fp32 max |output|: NaN/inf = bad
     memo: tuple = field(default=(), repr=False)  # (attention mask, valid, static mask) of the current forward
 
     def new_cache(self, ref_len: int | None = None) -> EvictingCache:
@@ -67,15 +67,16 @@ class Attached:
         """Record whether layer ``layer_idx``'s attention output (B, q, Hq, D) has a non-finite value: a write
         on the device, no host sync (checked once per forward by :meth:`check_logits`)."""
         if self.nonfinite is None:
-            self.nonfinite = torch.zeros(self.num_layers, dtype=torch.bool, device=out.device)
-        self.nonfinite[layer_idx] = (~torch.isfinite(out).all()).to(self.nonfinite.device)
+            self.nonfinite = torch.zeros(self.num_layers, device=out.device)
+        peak = out.abs().amax()  # NaN and inf propagate: two ops per layer (issue 12: launches per decoding step)
+        self.nonfinite[layer_idx] = peak if peak.device == self.nonfinite.device else peak.to(self.nonfinite.device)
 
     def check_logits(self, logits: torch.Tensor) -> None:
         """logits (B, q, V): the one host sync per forward. FloatingPointError, before anything samples from
         them, when the logits or any layer's attention output of this forward are non-finite."""
         bad = ~torch.isfinite(logits).all()
         if self.nonfinite is not None:
-            bad = bad | self.nonfinite.any().to(bad.device)
+            bad = bad | (~torch.isfinite(self.nonfinite)).any().to(bad.device)
         if bool(bad):
             raise FloatingPointError(self.nonfinite_message(logits))
 
@@ -83,7 +84,7 @@ class Attached:
         rows = (~torch.isfinite(logits)).any(-1)  # (B, q)
         offset = self.cache.layers[0].seen - logits.shape[1] if self.cache is not None else 0  # tokens before
         token = f"token {offset + int(rows.any(0).nonzero()[0])}" if bool(rows.any()) else "a token (logits finite)"
-        layers = [] if self.nonfinite is None else self.nonfinite.nonzero().flatten().tolist()
+        layers = [] if self.nonfinite is None else (~torch.isfinite(self.nonfinite)).nonzero().flatten().tolist()
         where = f"attention output in layer {layers[0]}" if layers else "logits, produced outside attention (MLP, " \
                                                                         "norm or LM head; no attention output was)"
         return f"non-finite {where} at {token} ({self.mode} path): stopped before sampling"
