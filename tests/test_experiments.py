@@ -199,9 +199,11 @@ def check_records(root: Path, expect: dict[str, int]) -> dict[Path, dict]:
             assert rec["semantics"] == "simulated"
         elif kind == "perplexity":
             assert rec["metrics"]["ppl"] > 1 and rec["semantics"] == "simulated"
+            m = rec["metrics"]
+            assert m["ppl_ci95_low"] <= m["ppl"] <= m["ppl_ci95_high"] and m["nll_per_token_stderr"] > 0
         else:
             assert kind == "summarization" and rec["semantics"] == "real"
-            assert {"rouge1", "rouge2", "rougeL"} <= rec["metrics"].keys()
+            assert {"rouge1", "rouge2", "rougeL", "rouge1_stderr", "rouge2_stderr", "rougeL_stderr"} <= rec["metrics"].keys()
             assert all({"doc_id", "prompt", "generation", "reference", "rouge2"} <= s.keys() for s in samples)
             assert all(s["prompt"].startswith("###\nArticle: ") for s in samples)
     return recs
@@ -314,6 +316,10 @@ def test_lm_eval_batches_equal_single_requests_and_mean_scoring(tiny, policy):
         assert s["acc_mean"] == float(means.index(max(means)) == s["target"])
         assert s["acc"] == float(s["pred"] == s["target"])
     assert res.metrics["acc_mean"] == sum(s["acc_mean"] for s in res.samples) / 4
+    from lm_eval.api.metrics import mean_stderr
+
+    hits = [s["acc_mean"] for s in res.samples]
+    assert res.metrics["acc_mean_stderr"] == pytest.approx(mean_stderr(hits) if len(set(hits)) > 1 else 0.0)
     assert len({n for s in res.samples for n in s["cont_tokens"]}) > 1  # the two rules can differ here
     # the lm-eval model's own scoring=mean (for lm-eval's CLI) divides the same log-likelihoods
     from h2o.tasks.lm_eval_model import H2OLM

@@ -1,7 +1,7 @@
 """Offline data: BIG-bench task files, Jane Austen's novels, Moby-Dick, and lm-eval-ready JSONL.
 
-Everything comes from package registries (see ``shared/PAPER.md``, "Data and a model that can be
-had without a model hub") and lands in the cache folder (``h2o.assets.paths.cache_dir()``)::
+Everything comes from package registries (see ``docs/protocols.md``, "Data without a model hub") and lands
+in the cache folder (``h2o.assets.paths.cache_dir()``)::
 
     <cache>/bigbench/<task>/task.json        8 BIG-bench task files (gem/xsum, cause_and_effect/...)
     <cache>/books/austen/<slug>.txt          the six novels, one file each (lines as in the R package)

@@ -60,6 +60,15 @@ class TaskSpec:
 NOT_PROTOCOL = ("name", "batch_size")  # settings that cannot change a number
 
 
+def stderr(values: list[float]) -> float:
+    """Standard error of the mean (sample standard deviation / sqrt(n); lm-eval's mean_stderr); 0 for n < 2."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mu = sum(values) / n
+    return (sum((v - mu) ** 2 for v in values) / (n - 1)) ** 0.5 / n ** 0.5
+
+
 def adds_bos(tokenizer, add_bos_token: bool | None) -> bool:
     """Whether encoding with ``add_bos_token`` (lm-eval's meaning: None = the tokenizer's default, which adds BOS
     for LLaMA and OPT; True/False = ``add_special_tokens``) puts BOS first."""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from h2o.assets.model_spec import ConfigError
 from h2o.pipeline.records import REPO
-from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none, stderr
 
 METRICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
 HEADLINE = {"mean": "acc_mean", "sum": "acc"}  # scoring -> the accuracy it names
@@ -152,10 +152,6 @@ def sample_row(s: dict, cont_tokens: dict[tuple[str, str], int]) -> dict:
 
 
 def mean_accuracy(samples: list[dict]) -> dict[str, float]:
-    """``acc_mean`` and its standard error (lm-eval's mean_stderr: sample standard deviation / sqrt(n))."""
-    from lm_eval.api.metrics import mean_stderr
-
+    """``acc_mean`` and its standard error (as lm-eval's mean_stderr: sample standard deviation / sqrt(n))."""
     hits = [s["acc_mean"] for s in samples if s["acc_mean"] is not None]
-    if not hits:
-        return {}
-    return {"acc_mean": sum(hits) / len(hits), "acc_mean_stderr": mean_stderr(hits) if len(hits) > 1 else 0.0}
+    return {"acc_mean": sum(hits) / len(hits), "acc_mean_stderr": stderr(hits)} if hits else {}

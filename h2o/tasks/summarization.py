@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from transformers import StoppingCriteria
 
-from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none, stderr
 
 DATASETS = {  # name -> (hub path, config, article field, summary field); bb_xsum is offline (h2o.assets.data)
     "xsum": ("EdinburghNLP/xsum", None, "document", "summary"),
@@ -178,7 +178,9 @@ class SummarizationTask(TaskSpec):
                 scores = scorer.score(ref, gen)
                 samples.append({"doc_id": row["id"], "prompt": prompt, "generation": gen, "reference": ref,
                                 "prompt_tokens": n, **{k: v.fmeasure for k, v in scores.items()}})
-        metrics = {k: sum(s[k] for s in samples) / len(samples) for k in ("rouge1", "rouge2", "rougeL")}
+        metrics = {}
+        for k in ("rouge1", "rouge2", "rougeL"):
+            metrics.update({k: sum(s[k] for s in samples) / len(samples), f"{k}_stderr": stderr([s[k] for s in samples])})
         info = {"mean_prompt_tokens": round(sum(s["prompt_tokens"] for s in samples) / len(samples), 1),
                 "kv_bytes_per_seq": round(sum(kv_bytes) / len(kv_bytes)), "shots_used": len(shots)}
         return Result(metrics, samples, info)
