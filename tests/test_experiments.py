@@ -420,6 +420,7 @@ def test_bos_follows_add_bos_token_and_is_resolved(tiny):
         assert mc.add_bos(tok) == (flag is None) and mc.protocol(tok)["add_bos_token"] == (flag is None)
         summ = SummarizationTask("bb_xsum", "bb_xsum", add_bos_token=flag)
         assert tok("###", **summ.encode_kwargs()).input_ids[0] == (tok.bos_token_id if flag is None else ord("#"))
+    assert H2OLM(pretrained=model, tokenizer=tok, policy="full")._encode_pair("a q", " b")[0][0] == ord("a")  # default
     proto = LmEvalTask("bb_piqa", "bb_piqa", "tasks").protocol(tok)
     assert proto["scoring"] == "mean" and proto["add_bos_token"] is False and "batch_size" not in proto
     assert SummarizationTask("bb_xsum", "bb_xsum").protocol(tok)["scoring"] is None

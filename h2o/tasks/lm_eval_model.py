@@ -29,7 +29,8 @@ so ``acc`` becomes the per-token-average accuracy. Either way ``cont_tokens`` ma
 log-likelihoods (h2o.tasks.multiple_choice computes both accuracies from one forward pass).
 
 BOS: ``add_bos_token`` is lm-eval's: ``None`` leaves the tokenizer's default (which adds BOS for LLaMA and OPT),
-``False`` encodes without special tokens (the paper code's ``add_special_tokens=False``), ``True`` with them.
+``False`` encodes without special tokens (the paper code's ``add_special_tokens=False``), ``True`` with them. The
+``h2o`` model defaults to ``False`` (the paper's protocol); HFLM's default is ``None``.
 
 lm-eval 0.4.13 has no plugin hook for out-of-tree models (its registry is filled by imports only), hence
 ``python -m h2o.tasks.lm_eval_cli``, which imports this module and runs lm-eval's CLI.
@@ -90,6 +91,7 @@ class H2OLM(HFLM):
             raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
         if scoring not in SCORING:
             raise PolicyError(f"scoring={scoring!r}: allowed: {', '.join(SCORING)}")
+        kwargs.setdefault("add_bos_token", False)  # the paper code's protocol (see the module docstring)
         if kwargs.get("device") in (None, "cuda") and not torch.cuda.is_available():
             kwargs["device"] = "cpu"
         super().__init__(pretrained=resolve_pretrained(pretrained), **kwargs)
