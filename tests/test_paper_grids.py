@@ -57,3 +57,14 @@ def test_experiment_lists_the_papers_grid(exp):
         assert len(paper) == n_paper and paper <= set(listed)
     elif n_paper is not None:
         assert len(expected) == n_paper
+
+
+def test_default_spends_its_time_on_one_budget():
+    """The CPU default: 4 policies at 20% on bb_copa (64 questions, 5-shot) and 16 Austen windows, 8 runs."""
+    sweep = expand(["experiment=default"], multirun=True)
+    assert len({p.path for p in sweep.plans}) == len(sweep.plans) == 8
+    assert {p.policy.name for p in sweep.plans} == {"full", "local", "streaming_llm", "h2o"}
+    assert {p.policy.budget for p in sweep.plans if p.policy.name != "full"} == {0.2}
+    sizes = {p.task.name: (p.task.shots, getattr(p.task, "limit", None), getattr(p.task, "n_windows", None))
+             for p in sweep.plans}
+    assert sizes == {"bb_copa": (5, 64, None), "austen_ppl": (0, None, 16)}
