@@ -4,7 +4,11 @@ Folder: ``<runs_dir>/<experiment_name>/<model>/<task>/shots<k>/<policy>/<budget>
 ``<budget>`` is the policy's budget (``0.2``; ``64tok`` for a token count; ``h0.15-r0.05`` for a hand split;
 ``1.0`` for full, whatever budget a sweep gave it) and ``<extras>`` lists, as ``key=value`` joined by ``,``,
 every setting that differs from its group file's default (``limit=40``, ``sinks=8``, ``seed=1``,
-``semantics=reference``, ...). Settings that cannot change a result (batch size, threads) are left out.
+``semantics=reference``, ...). Settings that cannot change a result (batch size, threads) are left out. Values are
+spelled without loss (:func:`fmt`: floats by their shortest exact text, so 0.2000001 is not 0.2; text outside
+``[A-Za-z0-9_.+-]`` gets a short hash); ``experiment_name`` must be in that set, and the folder stays inside
+``runs_dir``. A finished record is reused only for its own normalised config (:func:`identity`, read back from
+its config.yaml): :func:`check_reusable` refuses any other.
 
 Files (contract read by analysis/): ``config.yaml`` (resolved Hydra config), ``samples.jsonl``, ``env.json``,
 then ``metrics.json`` LAST and atomically (tmp file + ``os.replace``): a folder without it is unfinished and
@@ -15,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from h2o.assets.paths import REPO, atomic_write_text
+from h2o.core.validate import SAFE, ConfigError, check, check_name
 
 CONF = REPO / "conf"
 IGNORED = {"_target_", "name", "batch_size", "device_map"}  # never in <extras>
@@ -36,16 +42,23 @@ PACKAGES = ("torch", "transformers", "lm_eval", "hydra-core", "omegaconf", "hydr
 
 
 # ------------------------------------------------------------------------------------------- naming
+
 def fmt(value: Any) -> str:
-    """A config value as it appears in a folder name: 0.2, 1.0, 64, true, null, words_with_underscores."""
+    """A config value as it appears in a folder name, without loss: 0.2, 0.2000001, 1.0, 64, true, null, words;
+    text outside the safe character set is spelled safely and tagged with a short hash of the exact text."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
         return "null"
     if isinstance(value, float):
-        text = f"{value:g}"
-        return text if any(c in text for c in ".en") else f"{text}.0"
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in str(value))
+        return repr(value)  # the shortest text that reads back as the same float: 0.2 vs 0.2000001 differ
+    if isinstance(value, int):
+        return str(value)
+    text = str(value)
+    if SAFE.fullmatch(text) and len(text) <= 80:
+        return text
+    spelled = "".join(c if c.isalnum() or c in "-_." else "_" for c in text)[:40].lstrip(".") or "_"
+    return f"{spelled}~{hashlib.sha1(text.encode()).hexdigest()[:8]}"
 
 
 def budget_label(policy, hand_split: bool = False) -> str:
@@ -98,10 +111,71 @@ def runs_root(cfg) -> Path:
 
 
 def run_dir(cfg, policy, default_semantics: str) -> Path:
-    names = [fmt(cfg.experiment_name), fmt(cfg.model.name), fmt(cfg.task.name), f"shots{cfg.task.shots}",
-             fmt(policy.name), budget_label(policy, cfg.policy.get("heavy") is not None)]
+    names = [check_name("experiment_name", cfg.experiment_name), fmt(cfg.model.name), fmt(cfg.task.name),
+             f"shots{fmt(cfg.task.shots)}", fmt(policy.name), budget_label(policy, cfg.policy.get("heavy") is not None)]
     extra = extras(cfg, default_semantics)
-    return runs_root(cfg).joinpath(*names, *([",".join(extra)] if extra else []))
+    root = runs_root(cfg)
+    joined = ",".join(extra)  # each value spelled by fmt: safe characters, = and ,
+    if len(joined) > 200:  # a folder name has at most 255 bytes
+        joined = f"{joined[:180]}~{hashlib.sha1(joined.encode()).hexdigest()[:8]}"
+    path = root.joinpath(*names, *([joined] if extra else []))
+    check(path.resolve().is_relative_to(root.resolve()), f"experiment_name={cfg.experiment_name!r}: the run folder "
+                                                         f"{path} is outside runs_dir={cfg.runs_dir!r}")
+    return path
+
+
+def identity(cfg, policy, semantics: str) -> dict:
+    """Everything that changes a run's result, normalised: the model, task and policy options (less IGNORED;
+    the policy as its built heavy/recent split, so a full policy's unused budget does not count), seed and the
+    resolved semantics. Two configs with one identity share a record; a record is reused only for its own."""
+    from omegaconf import OmegaConf
+
+    nodes = {g: {k: v for k, v in OmegaConf.to_container(cfg[g], resolve=True).items() if k not in IGNORED}
+             for g in ("model", "task", "policy")}
+    for key in ("budget", "heavy", "recent", "heavy_share"):
+        nodes["policy"].pop(key, None)
+    nodes["policy"].update(name=policy.name, heavy=policy.heavy, recent=policy.recent)
+    return {**nodes, "seed": cfg.seed, "semantics": semantics}
+
+
+def record_identity(path: Path) -> dict | None:
+    """The identity a finished record was run with (its config.yaml and metrics.json), None if unreadable."""
+    from omegaconf import OmegaConf
+
+    try:
+        cfg = OmegaConf.load(Path(path) / "config.yaml")
+        rec = json.loads((Path(path) / "metrics.json").read_text(encoding="utf-8"))
+        from h2o.core.policies import make_policy
+
+        options = {k: v for k, v in OmegaConf.to_container(cfg.policy, resolve=True).items() if k != "_target_"}
+        return identity(cfg, make_policy(**options), rec["semantics"])
+    except Exception:  # noqa: BLE001 - any damage means: not provably the same run
+        return None
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    """{"task": {"shots": 5}} -> {"task.shots": 5}."""
+    out = {}
+    for k, v in d.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_reusable(path: Path, wanted: dict) -> None:
+    """ConfigError when ``path`` holds a finished record whose identity differs from ``wanted`` (never reused)."""
+    if not finished(path):
+        return
+    have = record_identity(path)
+    if have == wanted:
+        return
+    if have is None:
+        diff = "its config.yaml or metrics.json is unreadable"
+    else:
+        h, w = flat(have), flat(wanted)
+        diff = "; ".join(f"{k}: {h.get(k)!r} there, {w.get(k)!r} here" for k in sorted(set(h) | set(w))
+                         if h.get(k) != w.get(k))
+    raise ConfigError(f"{path}: a finished record with a different config is there ({diff}); it is not reused: "
+                      f"set another experiment_name or runs_dir, or move that folder away")
 
 
 # ------------------------------------------------------------------------------------------ writing

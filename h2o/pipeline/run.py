@@ -7,7 +7,8 @@
 Order of work: compose and validate every job (bad values: one line, exit status 2, no model loaded); skip a
 run whose folder already has metrics.json; load the model (reused across the jobs of a sweep); attach the
 policy; run the task; write config.yaml, samples.jsonl, env.json, then metrics.json last (atomically); mirror
-to wandb if ``logger=wandb`` (its failures are printed, never raised). In a multirun a failing job is recorded in
+to wandb if ``logger=wandb`` (its failures are printed, never raised; after a multirun, the experiment's summary
+run, h2o.pipeline.wandb_summary). In a multirun a failing job is recorded in
 ``<sweep dir>/failures.jsonl`` and the sweep goes on; the failures are printed at the end (exit status 1).
 Every job's outcome goes to ``<sweep dir>/jobs.jsonl``.
 
@@ -22,6 +23,7 @@ import random
 import sys
 import time
 import traceback
+import uuid
 from pathlib import Path
 
 import hydra
@@ -31,9 +33,11 @@ from h2o.pipeline.plan import Plan, prepare
 from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl, write_json,
                          write_jsonl)
 from h2o.assets.paths import atomic_write_text
+from h2o.core.validate import fail
 from h2o.pipeline.sweep import BAD_INPUT, expand, status
 
 CRASH_ENV = "H2O_TEST_CRASH_AT"
+SWEEP_ENV = "H2O_SWEEP_ID"  # set by main() for a multirun; every job row of the sweep carries it
 PASSTHROUGH = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc",
                "--version", "--resolve", "--package", "-p", "--run", "-r")
 _executed = 0  # runs executed (not skipped) by this process
@@ -103,7 +107,7 @@ def run_job(cfg: DictConfig) -> str:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir if multirun else None
-    entry = {"job": hc.job.get("num"), "overrides": list(hc.overrides.task)}
+    entry = {"job": hc.job.get("num"), "overrides": list(hc.overrides.task), "sweep_id": os.environ.get(SWEEP_ENV)}
     t0 = time.time()
 
     def outcome(state: str, path=None, exc: BaseException | None = None) -> str:
@@ -119,8 +123,7 @@ def run_job(cfg: DictConfig) -> str:
         plan = prepare(cfg)
     except BAD_INPUT as exc:
         if not multirun:
-            print(f"error: {exc}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(fail(exc))
         log(f"invalid job {entry['overrides']}: {exc}")
         return outcome("failed", exc=exc)
     if finished(plan.path):
@@ -134,6 +137,9 @@ def run_job(cfg: DictConfig) -> str:
         try:
             record = execute(plan)
         except Exception as exc:  # noqa: BLE001 - a failing job must not end the sweep
+            if not multirun and isinstance(exc, BAD_INPUT):  # found only once loaded: still one line
+                log(f"FAILED {plan.path} (left unfinished)")
+                sys.exit(fail(exc))
             if not multirun or cfg.fail_fast:
                 raise
             traceback.print_exc()
@@ -161,21 +167,28 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sweep = expand(overrides, multirun)
         except BAD_INPUT as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return fail(exc)
         if multirun:
             states = status(sweep)
             log(f"{len(states)} jobs: {states.count('todo')} to run, {states.count('done')} finished already, "
                 f"{states.count('dup')} duplicates")
+            sweep_id = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            os.environ[SWEEP_ENV] = sweep_id  # each job row carries it: the summary counts this process's jobs
             if not any(a.startswith("hydra.sweep.dir=") for a in overrides):
-                argv.append(f"hydra.sweep.dir={sweep.sweep_dir}")  # pin the timestamp: we read it back below
+                # a folder of its own per sweep process, not only per second: <experiment>/<date_time>-<pid>-<rand>
+                argv.append(f"hydra.sweep.dir={sweep.sweep_dir}-{sweep_id}")
             sweep_dir = Path(next(a for a in argv if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
     sys.argv = [sys.argv[0], *argv]
     hydra_main()
     if sweep_dir is None:
         return 0
-    jobs = read_jsonl(sweep_dir / "jobs.jsonl")
-    failures = read_jsonl(sweep_dir / "failures.jsonl")
+    if any(plan.cfg.logger.get("wandb") for plan in sweep.plans):
+        from h2o.pipeline.wandb_summary import after_sweep
+
+        after_sweep(sweep.plans)  # the experiment's summary run (tables, figures, Fig. 4 plots); never raises
+    mine = lambda rows: [r for r in rows if r.get("sweep_id") == os.environ.get(SWEEP_ENV)]  # noqa: E731
+    jobs = mine(read_jsonl(sweep_dir / "jobs.jsonl"))
+    failures = mine(read_jsonl(sweep_dir / "failures.jsonl"))
     counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "busy", "failed")}
     log(f"sweep {sweep_dir}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     for f in failures:

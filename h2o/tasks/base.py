@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
-from h2o.assets.model_spec import ConfigError
+from h2o.core.validate import ConfigError, check
 
 
 @dataclass
@@ -40,6 +40,10 @@ class TaskSpec:
             raise ConfigError(f"semantics={requested!r}: task {self.name} ({self.kind}) allows "
                               f"auto, {', '.join(self.semantics)}")
         return requested
+
+    def check_model(self, model) -> None:
+        """ConfigError when this task cannot run on ``model`` (an h2o.assets.model_spec.ModelSpec), judged from
+        its config.json without loading (context length, layers); nothing to check by default."""
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:  # pragma: no cover - abstract
         raise NotImplementedError  # abstract
@@ -75,12 +79,6 @@ def adds_bos(tokenizer, add_bos_token: bool | None) -> bool:
     kwargs = {} if add_bos_token is None else {"add_special_tokens": add_bos_token}
     bos = getattr(tokenizer, "bos_token_id", None)
     return bos is not None and tokenizer.encode("a", **kwargs)[:1] == [bos]
-
-
-def check(cond: bool, message: str) -> None:
-    """Raise ConfigError(message) unless ``cond``."""
-    if not cond:
-        raise ConfigError(message)
 
 
 def positive_or_none(name: str, value) -> None:

@@ -53,6 +53,13 @@ class ObservationsTask(PerplexityTask):
         check(0 < self.threshold < 1, f"task.threshold={self.threshold}: must be in (0, 1)")
         check(0 < self.mask_ratio < 1, f"task.mask_ratio={self.mask_ratio}: must be in (0, 1)")
 
+    def check_model(self, model) -> None:
+        super().check_model(model)
+        n = model.num_layers()
+        check(self.layer >= -1 and (n is None or self.layer < n),
+              f"task.layer={self.layer}: model {model.name} has {n} layers; allowed: -1 (the middle one) or "
+              f"0-{(n or 1) - 1}")
+
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
         from tqdm import tqdm
 

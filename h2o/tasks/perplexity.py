@@ -47,6 +47,21 @@ class PerplexityTask(TaskSpec):
         check(self.window >= 2, f"task.window={self.window}: must be >= 2")
         check(self.shots == 0, f"task.shots={self.shots}: perplexity takes no in-context examples (0)")
 
+    def check_model(self, model) -> None:
+        max_pos = model.max_positions()
+        check(max_pos is None or self.window <= max_pos,
+              f"task.window={self.window}: longer than model {model.name}'s context of {max_pos} tokens; "
+              f"allowed: 2-{max_pos}")
+        from h2o.assets.paths import cache_dir
+
+        need = ((self.n_windows - 1) * self.stride + 1) * self.window  # tokens; a token is at least one byte
+        path = cache_dir() / "books" / f"{self.text}.txt"
+        size = path.stat().st_size if path.is_file() else None
+        most = (size // self.window - 1) // self.stride + 1 if size else 0
+        check(size is None or need <= size,
+              f"task.n_windows={self.n_windows}: {self.n_windows} windows of {self.window} tokens (stride "
+              f"{self.stride}) need {need} tokens; the text {self.text} has at most {size}; allowed: 1-{most}")
+
     def windows(self, tokenizer) -> torch.Tensor:
         """(n_windows, window) token ids."""
         need_chars = (self.n_windows - 1) * self.stride * self.window * 8 + self.window * 8  # ~4 chars a token

@@ -119,6 +119,19 @@ class SummarizationTask(TaskSpec):
         if hub_path is not None:
             check_hub_data(self.name, hub_path, (hub_path, hub_path.split("/")[-1]))
 
+    def check_model(self, model) -> None:
+        if self.dataset == "bb_xsum":  # the in-context pool is a subset of the converted train split
+            from h2o.tasks.multiple_choice import offline_train_rows
+
+            n = offline_train_rows("bb_xsum")
+            check(n is None or self.shots <= n, f"task.shots={self.shots}: bb_xsum has {n} train articles (the "
+                                                f"in-context pool is those of {self.shot_min_words}-"
+                                                f"{self.shot_max_words} words); allowed: 0-{n}")
+        max_pos = model.max_positions()
+        check(max_pos is None or self.max_new_tokens <= max_pos // 2,
+              f"task.max_new_tokens={self.max_new_tokens}: leaves too little of model {model.name}'s context of "
+              f"{max_pos} tokens for the prompt; allowed: 1-{(max_pos or 0) // 2}")
+
     # ------------------------------------------------------------------------------- prompts
     def examples(self) -> tuple[list[dict], list[dict]]:
         """(in-context examples, test instances), both fixed by ``subset_seed``."""
@@ -153,6 +166,8 @@ class SummarizationTask(TaskSpec):
                 context.pop()
             else:
                 words = article.split()
+                check(bool(words), f"task.max_new_tokens={self.max_new_tokens}: even an empty article's prompt "
+                                   f"does not fit in {max_tokens} tokens; lower task.max_new_tokens")
                 article = " ".join(words[len(words) // 10 + 1:])
 
     # ----------------------------------------------------------------------------- generation
@@ -164,6 +179,8 @@ class SummarizationTask(TaskSpec):
 
         shots, test = self.examples()
         max_pos = getattr(model.config, "max_position_embeddings", None) or 2048
+        check(self.max_new_tokens < max_pos, f"task.max_new_tokens={self.max_new_tokens}: no room for a prompt "
+                                             f"in the model's context of {max_pos} tokens")
         prompts = [self.prompt(shots, r, tokenizer, max_pos - self.max_new_tokens) for r in test]
         scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
         torch.manual_seed(seed)
