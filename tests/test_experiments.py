@@ -436,6 +436,11 @@ def test_bos_follows_add_bos_token_and_is_resolved(tiny):
     proto = LmEvalTask("bb_piqa", "bb_piqa", "tasks").protocol(tok)
     assert proto["scoring"] == "mean" and proto["add_bos_token"] is False and "batch_size" not in proto
     assert SummarizationTask("bb_xsum", "bb_xsum").protocol(tok)["scoring"] is None
+    from h2o.bench.streaming import StreamingTask
+    from h2o.tasks.perplexity import PerplexityTask
+
+    assert StreamingTask("bench_streaming").add_bos(tok) and not StreamingTask("bench_streaming").add_bos(plain)
+    assert PerplexityTask("austen_ppl").protocol(tok)["add_bos_token"] is False  # windows: no special tokens
 
 
 def test_console_script_finds_the_configs(tmp_path):
