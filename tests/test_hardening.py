@@ -343,7 +343,7 @@ def test_record_identity_is_exact_and_a_differing_record_is_never_reused(tmp_pat
     assert plan_for(["model.name='x y'"], tmp_path).path != plan_for(["model.name=x_y"], tmp_path).path
     plan.path.mkdir(parents=True)
     (plan.path / "config.yaml").write_text(OmegaConf.to_yaml(plan.cfg, resolve=True))
-    write_json(plan.path / "metrics.json", plan.head())
+    write_json(plan.path / "metrics.json", {**plan.head(), "metrics": {}, "n_samples": 0, "wall_s": 0.0})  # complete
     assert plan_for(["policy.budget=0.2"], tmp_path).path == plan.path  # its own config: reused (skipped)
     stored = OmegaConf.load(plan.path / "config.yaml")
     stored.policy.heavy_share = 0.25  # as if an older run with another split had left its record here

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from h2o.assets.models import _DTYPES, TINY_ARCHS, load_model
+from h2o.assets.models import _DTYPES, TINY_ARCHS, DeviceError, load_model, wants_cuda
 from h2o.core.validate import ConfigError, check
 
 DTYPES = ("auto", *_DTYPES)
@@ -37,6 +37,7 @@ class ModelSpec:
     pretrained: str
     dtype: str = "auto"
     device_map: Any = None
+    resources: dict | None = None  # per Slurm array task: gpus, mem_gb, cpus, load_min, s_per_mtok (RESOURCES)
 
     def __post_init__(self):
         if not self.name or not self.pretrained:
@@ -45,6 +46,12 @@ class ModelSpec:
             raise ConfigError(f"model.dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
         check_pretrained(self.pretrained)
         check_device(self.device_map)
+        check_resources(self.resources)
+
+    @property
+    def wants_gpu(self) -> bool:
+        """A GPU config: device_map ``auto`` or a CUDA device, or resources asking for GPUs."""
+        return wants_cuda(self.device_map) or bool((self.resources or {}).get("gpus"))
 
     def config(self) -> dict:
         """The checkpoint's config.json read without loading weights ({} if unknown: a hub id not cached)."""
@@ -66,10 +73,33 @@ class ModelSpec:
 
     def load(self) -> tuple[Any, Any]:
         """(model, tokenizer), eval mode. Keeps the last loaded model for the next job of the sweep."""
+        import torch
+
+        if self.wants_gpu and not torch.cuda.is_available():
+            raise DeviceError(f"model={self.name}: a GPU config (device_map={self.device_map!r}, "
+                              f"gpus={(self.resources or {}).get('gpus')}) but torch sees no GPU (torch "
+                              f"{torch.__version__}, CUDA {torch.version.cuda}); no CPU fallback; to run on the CPU "
+                              f"set model.device_map=null model.resources.gpus=0")
         if self.key() not in _LOADED:
             release()
             _LOADED[self.key()] = load_model(resolve_tiny(self.pretrained), self.dtype, self.device_map)
         return _LOADED[self.key()]
+
+
+RESOURCES = {"gpus": int, "mem_gb": (int, float), "cpus": int, "load_min": (int, float), "s_per_mtok": (int, float)}
+
+
+def check_resources(resources: dict | None) -> None:
+    """ConfigError unless ``resources`` is null or a mapping of RESOURCES keys to numbers >= 0."""
+    if resources is None:
+        return
+    if not isinstance(resources, dict):
+        raise ConfigError(f"model.resources={resources!r}: expected a mapping with keys {', '.join(RESOURCES)}")
+    for key, value in resources.items():
+        if key not in RESOURCES:
+            raise ConfigError(f"model.resources.{key}: unknown; allowed: {', '.join(RESOURCES)}")
+        if isinstance(value, bool) or not isinstance(value, RESOURCES[key]) or value < 0:
+            raise ConfigError(f"model.resources.{key}={value!r}: expected a number >= 0")
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")

@@ -17,7 +17,6 @@ is redone by the next run, whose files replace the old ones whole.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import json
@@ -31,11 +30,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
 
-from h2o.assets.paths import REPO, atomic_write_text
+from h2o.assets.locks import append_line, folder_lock
+from h2o.assets.paths import CONF, REPO, atomic_write_text
 from h2o.core.validate import SAFE, ConfigError, check, check_name
 
-CONF = REPO / "conf"
-IGNORED = {"_target_", "name", "batch_size", "device_map"}  # never in <extras>
+IGNORED = {"_target_", "name", "batch_size", "device_map", "resources"}  # never in <extras>
 IN_PATH = {"task": {"shots"}, "policy": {"budget", "heavy", "recent"}, "model": set()}
 PACKAGES = ("torch", "transformers", "lm_eval", "hydra-core", "omegaconf", "hydra-submitit-launcher", "submitit",
             "datasets", "accelerate", "rouge-score", "wandb", "tokenizers", "numpy", "h2o-harness")
@@ -179,24 +178,25 @@ def check_reusable(path: Path, wanted: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------ writing
+COMPLETE = ("model", "task", "policy", "metrics", "n_samples", "wall_s")  # fields every metrics.json has
+
+
 def finished(path: Path) -> bool:
-    return (Path(path) / "metrics.json").exists()
+    """A run is finished when its metrics.json parses and holds every field of COMPLETE (an empty or torn
+    file, as a node crash can leave on a shared filesystem, does not count: the run is redone)."""
+    try:
+        record = json.loads((Path(path) / "metrics.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and all(k in record for k in COMPLETE) and isinstance(record["metrics"], dict)
 
 
 @contextlib.contextmanager
 def claim(path: Path) -> Iterator[bool]:
-    """Hold ``<path>/.lock`` (flock, released when the process dies). Yields False if another process has it."""
-    path.mkdir(parents=True, exist_ok=True)
-    with open(path / ".lock", "w") as fh:
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        try:
-            yield True
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    """Hold the run folder's lock (flock, or an O_EXCL lock file with a heartbeat where flock does not work:
+    h2o.assets.locks). Yields False if another process has it."""
+    with folder_lock(path, wait=False) as mine:
+        yield mine
 
 
 def clear_partial(path: Path) -> None:
@@ -216,22 +216,28 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def append_jsonl(path: Path, row: dict) -> None:
-    """Append one line under an exclusive lock (several jobs of a sweep may write at once)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        fh.write(json.dumps(row, default=str) + "\n")
-        fh.flush()
-        fcntl.flock(fh, fcntl.LOCK_UN)
+    """Append one line in one write, fsync'd (several jobs of a sweep may write at once)."""
+    append_line(Path(path), json.dumps(row, default=str))
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSONL file; a torn line (a writer killed mid-write) is left out."""
     if not Path(path).exists():
         return []
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        with contextlib.suppress(ValueError):
+            rows.append(json.loads(line)) if line.strip() else None
+    return rows
 
 
 # -------------------------------------------------------------------------------------- environment
+def slurm_job_id() -> str | None:
+    """``<array job>_<task>`` inside a Slurm array task (what sacct and scancel take), else SLURM_JOB_ID."""
+    array, task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{task}" if array and task else os.environ.get("SLURM_JOB_ID")
+
+
 def _git(*args: str) -> str | None:
     try:
         out = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10)
@@ -279,5 +285,5 @@ def env_info(started: float, ended: float) -> dict:
         "ended": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(ended)),
         "wall_s": round(ended - started, 3),
         "argv": sys.argv,
-        "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+        "slurm_job_id": slurm_job_id(),
     }

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
 import time
 import traceback
@@ -30,11 +31,14 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from h2o.pipeline.plan import Plan, prepare
-from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl, write_json,
-                         write_jsonl)
+from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl,
+                                  slurm_job_id, write_json, write_jsonl)
 from h2o.assets.paths import atomic_write_text
 from h2o.core.validate import fail
 from h2o.pipeline.sweep import BAD_INPUT, expand, status
+from h2o.tasks.progress import recording, resumed
+
+PARTIAL = "partial"  # per-request results of an unfinished run (resume inside a run)
 
 CRASH_ENV = "H2O_TEST_CRASH_AT"
 SWEEP_ENV = "H2O_SWEEP_ID"  # set by main() for a multirun; every job row of the sweep carries it
@@ -77,18 +81,22 @@ def execute(plan: Plan) -> dict:
     atomic_write_text(plan.path / "config.yaml", OmegaConf.to_yaml(plan.cfg, resolve=True))
     _crash_hook(plan.path)
     model, tokenizer = plan.model.load()
-    result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.cfg.seed)
+    with recording(plan.path / PARTIAL):  # per-request results kept across a preemption (h2o.tasks.progress)
+        result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.cfg.seed)
     ended = time.time()
     files = result.info.pop("files", {})  # extra record files of a task (observations.json)
     protocol = plan.task.protocol(tokenizer)  # every task setting that changes a number, BOS resolved
     record = {**plan.head(), "scoring": protocol["scoring"], "add_bos_token": protocol["add_bos_token"],
               "protocol": protocol, "n_samples": result.n_samples, "metrics": result.metrics,
-              "wall_s": round(ended - started, 3), **result.info}
+              "wall_s": round(ended - started, 3), "batch_size": plan.cfg.task.get("batch_size"),
+              "device": str(getattr(model, "device", "")), "dtype": str(getattr(model, "dtype", "")).replace("torch.", ""),
+              "resumed_requests": resumed(), **result.info}
     for name, content in files.items():
         write_json(plan.path / name, content)
     write_jsonl(plan.path / "samples.jsonl", result.samples)
     write_json(plan.path / "env.json", env_info(started, ended))
     write_json(plan.path / "metrics.json", record)  # last: the run is finished once this exists
+    shutil.rmtree(plan.path / PARTIAL, ignore_errors=True)
     return record
 
 
@@ -100,19 +108,29 @@ def mirror(cfg: DictConfig, plan: Plan, record: dict) -> None:
 
 
 def run_job(cfg: DictConfig) -> str:
-    """One job: returns its outcome (done, skipped, busy, failed)."""
+    """One Hydra job: returns its outcome (done, skipped, busy, failed)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir if multirun else None
-    entry = {"job": hc.job.get("num"), "overrides": list(hc.overrides.task), "sweep_id": os.environ.get(SWEEP_ENV)}
+    return attempt(cfg, sweep_dir, {"job": hc.job.get("num"), "overrides": list(hc.overrides.task),
+                                    "sweep_id": os.environ.get(SWEEP_ENV)})
+
+
+def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
+    """Run one composed config unless it is finished or held; returns its outcome (done, skipped, busy,
+    failed). ``sweep_dir`` None: a single run (bad input exits 2, errors raise); else a sweep's job, whose
+    outcome goes to ``<sweep_dir>/jobs.jsonl`` (and failures.jsonl). Also the body of a Slurm array task's
+    runs (h2o.pipeline.launch)."""
+    multirun = sweep_dir is not None
     t0 = time.time()
 
     def outcome(state: str, path=None, exc: BaseException | None = None) -> str:
         if sweep_dir is not None:
-            row = {**entry, "status": state, "run_dir": str(path) if path else None, "wall_s": round(time.time() - t0, 2)}
+            row = {**entry, "status": state, "run_dir": str(path) if path else None, "wall_s": round(time.time() - t0, 2),
+                   "slurm_job_id": slurm_job_id()}
             if exc is not None:
                 row.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
                 append_jsonl(sweep_dir / "failures.jsonl", row)

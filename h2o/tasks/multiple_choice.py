@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h2o.assets.model_spec import ConfigError
-from h2o.assets.paths import REPO
+from h2o.assets.paths import REPO, TASKS
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none, stderr
 
 METRICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
@@ -29,9 +29,12 @@ HEADLINE = {"mean": "acc_mean", "sum": "acc"}  # scoring -> the accuracy it name
 
 
 def task_folder(include_path: str) -> Path:
-    """``include_path`` as given if it exists, else relative to the repository root."""
+    """``include_path`` as given if it exists, else relative to the repository root (``tasks``: the shipped task
+    YAMLs, also from a wheel)."""
     path = Path(include_path).expanduser()
-    return path if path.is_absolute() or path.exists() else REPO / path
+    if path.is_absolute() or path.exists():
+        return path
+    return TASKS if path == Path("tasks") else REPO / path
 
 
 def yaml_task_names(folder: Path) -> list[str]:
@@ -115,17 +118,19 @@ class LmEvalTask(TaskSpec):
         from lm_eval.tasks import TaskManager
 
         from h2o.tasks.lm_eval_model import H2OLM
+        from h2o.tasks.progress import lm_eval_cache
 
         lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, semantics=semantics, scoring="sum",
                    batch_size=self.batch_size, add_bos_token=self.add_bos_token)
         tm = (TaskManager(include_path=str(task_folder(self.include_path)), include_defaults=False)
               if self.include_path else TaskManager())
-        out = simple_evaluate(model=lm, tasks=[self.lm_eval_task], num_fewshot=self.shots, limit=self.limit,
-                              task_manager=tm, log_samples=True, random_seed=seed, numpy_random_seed=seed,
-                              torch_random_seed=seed, fewshot_random_seed=seed)
+        with lm_eval_cache() as cache:  # per-request results appended as they come: a requeued run resumes
+            out = simple_evaluate(model=lm, tasks=[self.lm_eval_task], num_fewshot=self.shots, limit=self.limit,
+                                  task_manager=tm, log_samples=True, random_seed=seed, numpy_random_seed=seed,
+                                  torch_random_seed=seed, fewshot_random_seed=seed, use_cache=cache)
         res = out["results"][self.lm_eval_task]
         metrics = {m: float(res[f"{m},none"]) for m in METRICS if res.get(f"{m},none") not in (None, "N/A")}
-        samples = [sample_row(s, lm.cont_tokens) for s in out["samples"][self.lm_eval_task]]
+        samples = [sample_row(s, lm.n_cont_tokens) for s in out["samples"][self.lm_eval_task]]
         metrics.update(mean_accuracy(samples))
         info = {"mean_seq_len": round(lm.stats["tokens"] / max(lm.stats["rows"], 1), 1),
                 "headline": HEADLINE[self.scoring], "lm_eval_task": self.lm_eval_task}
@@ -139,11 +144,11 @@ def argmax(values: list[float]) -> int | None:
     return max(range(len(values)), key=values.__getitem__) if values else None
 
 
-def sample_row(s: dict, cont_tokens: dict[tuple[str, str], int]) -> dict:
+def sample_row(s: dict, n_cont_tokens) -> dict:
     """One lm-eval sample -> {"doc_id", "target", "loglikelihoods" (summed), "cont_tokens", "pred", "acc",
     "acc_norm", "pred_mean", "acc_mean"} (``*_mean``: the per-token average rule on the same log-likelihoods)."""
     lls = [float(r[0]) for r in s["filtered_resps"]]
-    counts = [cont_tokens[tuple(a[:2])] for a in s["arguments"]]
+    counts = [n_cont_tokens(*a[:2]) for a in s["arguments"]]  # (context, continuation) -> tokens
     means = [ll / max(n, 1) for ll, n in zip(lls, counts)]
     pred_mean = argmax(means)
     return {"doc_id": s["doc_id"], "target": s["target"], "loglikelihoods": lls, "cont_tokens": counts,

@@ -76,7 +76,7 @@ class ObservationsTask(PerplexityTask):
             probs = {}
             with torch.no_grad(), attach(model, make_policy("full")) as h:
                 h.observer = lambda i, p: probs.__setitem__(i, p[0].float())  # (Hq, T, T)
-                logits = model(ids).logits
+                logits = model(ids, use_cache=False).logits
             correct["full"] += self.hits(logits, ids)
             for i, p in probs.items():
                 causal = torch.ones_like(p[0], dtype=torch.bool).tril()
@@ -120,5 +120,5 @@ class ObservationsTask(PerplexityTask):
             modules = [m for m in model.modules() if getattr(m, "h2o", None) is h]
             for m in modules:  # each layer hides its own tokens
                 m.h2o = type(h)(Hide(hidden[m.layer_idx]), h.mode, h.semantics, h.prompt_len, h.num_layers)
-            logits = model(ids).logits
+            logits = model(ids, use_cache=False).logits
         return self.hits(logits, ids)

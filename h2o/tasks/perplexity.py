@@ -76,20 +76,28 @@ class PerplexityTask(TaskSpec):
 
         from h2o.core.attach import attach
 
+        from h2o.tasks.progress import RequestLog
+
         wins = self.windows(tokenizer).to(model.device)  # (N, W)
         bs = 1 if semantics == "reference" else self.batch_size
         samples = []
+        log = RequestLog.open("windows")  # windows scored before an interruption (None outside a recorded run)
         for start in tqdm(range(0, len(wins), bs), desc=f"{self.name} {policy.name}", file=sys.stderr):
+            if log is not None and all(w in log for w in range(start, min(start + bs, len(wins)))):
+                samples.extend(log[w] for w in range(start, min(start + bs, len(wins))))
+                continue
             ids = wins[start:start + bs]  # (b, W)
             with attach(model, policy, semantics="reference" if semantics == "reference" else "h2o"), \
                     torch.no_grad():
-                logits = model(ids).logits.float()  # (b, W, V)
+                logits = model(ids, use_cache=False).logits.float()  # (b, W, V)
             nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
                                                     reduction="none").sum(-1)  # (b,)
             for j, v in enumerate(nll.tolist()):
                 n = self.window - 1
                 samples.append({"window": start + j, "start_token": (start + j) * self.stride * self.window,
                                 "nll": v, "n_tokens": n, "ppl": math.exp(v / n)})
+                if log is not None:
+                    log[start + j] = samples[-1]
         total = sum(s["nll"] for s in samples)
         count = sum(s["n_tokens"] for s in samples)
         nll, se = total / count, stderr([s["nll"] / s["n_tokens"] for s in samples])

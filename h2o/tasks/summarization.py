@@ -176,6 +176,7 @@ class SummarizationTask(TaskSpec):
         from tqdm import tqdm
 
         from h2o.core.attach import attach
+        from h2o.tasks.progress import RequestLog
 
         shots, test = self.examples()
         max_pos = getattr(model.config, "max_position_embeddings", None) or 2048
@@ -185,16 +186,25 @@ class SummarizationTask(TaskSpec):
         scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
         torch.manual_seed(seed)
         samples, kv_bytes = [], []
+        log = RequestLog.open(f"batches{self.batch_size}") if self.greedy else None  # resume (greedy: same output)
         for start in tqdm(range(0, len(prompts), self.batch_size), desc=f"{self.name} {policy.name}",
                           file=sys.stderr):
+            if log is not None and start in log:
+                kv_bytes.append(log[start]["kv"])
+                samples.extend(log[start]["samples"])
+                continue
             batch = prompts[start:start + self.batch_size]
             gens, nbytes, lens = self.generate(model, tokenizer, policy, batch, attach)
             kv_bytes.append(nbytes / len(batch))
+            done = []
             for row, prompt, gen, n in zip(test[start:start + self.batch_size], batch, gens, lens):
                 ref = clean(row["summary"])
                 scores = scorer.score(ref, gen)
-                samples.append({"doc_id": row["id"], "prompt": prompt, "generation": gen, "reference": ref,
-                                "prompt_tokens": n, **{k: v.fmeasure for k, v in scores.items()}})
+                done.append({"doc_id": row["id"], "prompt": prompt, "generation": gen, "reference": ref,
+                             "prompt_tokens": n, **{k: v.fmeasure for k, v in scores.items()}})
+            samples.extend(done)
+            if log is not None:
+                log[start] = {"kv": kv_bytes[-1], "samples": done}
         metrics = {}
         for k in ("rouge1", "rouge2", "rougeL"):
             metrics.update({k: sum(s[k] for s in samples) / len(samples), f"{k}_stderr": stderr([s[k] for s in samples])})
