@@ -347,6 +347,9 @@ def test_lm_eval_batches_equal_single_requests_and_mean_scoring(tiny, policy):
     averaged = lm.loglikelihood(reqs)
     for (s_ll, _), (m_ll, _), req in zip(summed, averaged, reqs):
         assert abs(m_ll * lm.cont_tokens[req.args] - s_ll) < 1e-4
+    # a request answered from lm-eval's cache (a resumed run) is never scored: its count is encoded the same way
+    fresh = H2OLM(pretrained=model, tokenizer=tok, policy=policy, budget=0.3)
+    assert [fresh.n_cont_tokens(*r.args) for r in reqs] == [lm.cont_tokens[r.args] for r in reqs] == [11, 23]
 
 
 def test_lm_eval_model_rejects_bad_args(tiny):
