@@ -239,7 +239,9 @@ def test_lm_eval_tasks_load_and_build_requests(fetched):
         if name == "bb_xsum":
             assert req.request_type == "generate_until"
             assert context.count("###\nArticle: ") == 6  # 5 in-context examples + the open test block
-            assert context.endswith("Summarize the above article in 1 sentence.\n")
+            assert context.endswith("Summarize the above article in 1 sentence.")  # HELM: open block rstripped
+            assert context.startswith("###\nArticle: ") and context.count("\n\n###\nArticle: ") == 5  # "summary\n" + "\n"
+            assert context.count("in 1 sentence.\n") == 5  # each in-context block: instruction, newline, summary
             assert req.args[1]["until"] == ["###"] and req.args[1]["max_gen_toks"] == 64
         else:
             doc = task.test_docs()[0]

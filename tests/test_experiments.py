@@ -27,8 +27,9 @@ from h2o.pipeline.wandb_mirror import Settings, run_id
 from wandb_offline import read_runs  # tests/wandb_offline.py
 
 GROUPS = ("model", "task", "policy", "logger", "experiment")
+PAPER_GRIDS = ("table1", "table2", "table8", "table9", "table10", "fig4", "fig8", "fig9", "helm")  # test_paper_grids.py
 RECORD_KEYS = {"experiment", "model", "task", "task_kind", "policy", "budget", "heavy", "recent", "shots",
-               "semantics", "seed", "n_samples", "metrics", "wall_s", "evicts"}
+               "semantics", "seed", "n_samples", "metrics", "wall_s", "evicts", "scoring", "add_bos_token", "protocol"}
 ENV_KEYS = {"git_commit", "git_dirty", "packages", "device", "torch_threads", "wall_s", "hostname"}
 TINY = ["experiment=default", "model=tiny-llama", "policy.budget=0.2", "threads=1",
         "task_overrides.bb_copa.limit=3", "++task_overrides.bb_copa.shots=1",
@@ -118,12 +119,12 @@ def test_model_task_logger_launcher_details(hydra_ctx, monkeypatch):
 
 
 def test_every_experiment_expands_and_fast_compose_equals_hydra(hydra_ctx):
-    """Each experiment's jobs validate (table1: see the dry-run test); the fast composer gives Hydra's config."""
+    """Each experiment's jobs validate (the paper's: tests/test_paper_grids.py); the fast composer gives Hydra's config."""
     from h2o.pipeline.sweep import job_overrides
 
     composer = Composer()
     for exp in files("experiment"):
-        if exp != "table1":
+        if exp not in PAPER_GRIDS:
             sweep = expand([f"experiment={exp}"], multirun=True)
             assert sweep.plans and all(p.cfg.experiment_name == exp for p in sweep.plans)
         jobs = job_overrides([f"experiment={exp}", "seed=3", "++task_overrides.x.limit=2"], multirun=True)[0]
@@ -136,7 +137,7 @@ def test_every_experiment_expands_and_fast_compose_equals_hydra(hydra_ctx):
     (["policy=nope"], ["policy", "allowed"]),
     (["policy.budget=1.5"], ["budget=1.5"]),
     (["task=nope"], ["task", "nope"]),
-    (["task.scoring=avg"], ["scoring", "sum, mean"]),
+    (["task.scoring=avg"], ["scoring", "mean, sum"]),
     (["semantics=reference", "policy=local"], ["reference", "h2o"]),
     (["-m", "policy=h2o,local", "policy.budget=0.2,-1"], ["budget"]),
 ])
@@ -152,20 +153,16 @@ def test_bad_values_exit_2_with_one_line_before_any_load(args, words, capsys, tm
 
 
 # ------------------------------------------------------------------------------------------ dry run
-def test_dry_run_table1_lists_every_job(capsys):
+def test_dry_run_lists_every_job(capsys):
     from h2o.pipeline.sweep import main
 
-    assert main(["experiment=table1"]) == 0
+    assert main(["experiment=table8"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     jobs = [ln.split() for ln in lines[1:-1]]
-    models = ["opt-6.7b", "opt-13b", "opt-30b", "opt-66b", "llama-7b", "llama-13b", "gpt-neox-20b"]
-    tasks = ["copa", "mathqa", "openbookqa", "piqa", "rte", "winogrande"]
-    budgets = ["0.04", "0.1", "0.2", "0.4", "0.6", "0.8", "1.0"]
-    assert len(jobs) == 7 * 6 * 3 * 7
-    listed = {(j[2], j[3], j[5], j[6]) for j in jobs if j[5] != "full"}
-    assert listed == set(product(models, tasks, ["local", "h2o"], budgets))
-    assert {(j[2], j[3]) for j in jobs if j[5] == "full"} == set(product(models, tasks))
-    assert lines[-1] == "882 jobs: 630 to run, 0 finished already, 252 duplicates of an earlier job (skipped)"
+    assert {(j[3], j[5]) for j in jobs} == set(product(["copa", "openbookqa", "piqa", "winogrande"],
+                                                        ["full", "topk", "topk_h2"]))
+    assert all(j[2] == "opt-30b" and j[4] == "5" and j[7].startswith("table8/opt-30b/") for j in jobs)
+    assert lines[-1] == "12 jobs: 12 to run, 0 finished already, 0 duplicates of an earlier job (skipped)"
 
 
 # ------------------------------------------------------------------------------------- run records
@@ -193,15 +190,22 @@ def check_records(root: Path, expect: dict[str, int]) -> dict[Path, dict]:
         assert cfg.policy.name == rec["policy"] and cfg.task.name == rec["task"] and cfg.model.name == "tiny-llama"
         assert path.parts[-5:-2] == (rec["task"], f"shots{rec['shots']}", rec["policy"])
         kind = rec["task_kind"]
+        assert rec["add_bos_token"] is False and rec["protocol"]["add_bos_token"] is False
+        assert rec["scoring"] == ("mean" if kind == "multiple_choice" else None) == rec["protocol"]["scoring"]
+        assert {k: v for k, v in cfg.task.items() if k not in ("_target_", "name", "batch_size")}.items() \
+            <= rec["protocol"].items()
         if kind == "multiple_choice":
             assert 0 <= rec["metrics"]["acc"] <= 1 and "acc_norm" in rec["metrics"] and "acc_stderr" in rec["metrics"]
+            assert 0 <= rec["metrics"]["acc_mean"] <= 1 and "acc_mean_stderr" in rec["metrics"]
             assert all(len(s["loglikelihoods"]) >= 2 for s in samples)
             assert rec["semantics"] == "simulated"
         elif kind == "perplexity":
             assert rec["metrics"]["ppl"] > 1 and rec["semantics"] == "simulated"
+            m = rec["metrics"]
+            assert m["ppl_ci95_low"] <= m["ppl"] <= m["ppl_ci95_high"] and m["nll_per_token_stderr"] > 0
         else:
             assert kind == "summarization" and rec["semantics"] == "real"
-            assert {"rouge1", "rouge2", "rougeL"} <= rec["metrics"].keys()
+            assert {"rouge1", "rouge2", "rougeL", "rouge1_stderr", "rouge2_stderr", "rougeL_stderr"} <= rec["metrics"].keys()
             assert all({"doc_id", "prompt", "generation", "reference", "rouge2"} <= s.keys() for s in samples)
             assert all(s["prompt"].startswith("###\nArticle: ") for s in samples)
     return recs
@@ -315,11 +319,37 @@ def test_lm_eval_batches_equal_single_requests_and_mean_scoring(tiny, policy):
     one, four = ([s["loglikelihoods"] for s in runs[bs].samples] for bs in (1, 4))
     assert len(one) == 4 and max(len(x) for x in one) > 1
     assert torch.allclose(torch.tensor(sum(one, [])), torch.tensor(sum(four, [])), atol=1e-3)
-    mean = LmEvalTask("bb_piqa", "bb_piqa", "tasks", shots=0, limit=4, batch_size=4, scoring="mean").run(
-        model, tok, make_policy(policy, budget=0.3), "simulated", 0)
-    choices = [s["loglikelihoods"] for s in mean.samples]
-    ratios = [s / m for a, b in zip(one, choices) for s, m in zip(a, b)]
-    assert all(r >= 1 - 1e-4 for r in ratios) and len(set(round(r) for r in ratios)) > 1  # divided by token counts
+    # both accuracies from the same forward pass: lm-eval's summed rule and the paper code's per-token mean
+    res = runs[4]
+    assert {"acc", "acc_norm", "acc_mean", "acc_mean_stderr"} <= res.metrics.keys()
+    for s in res.samples:
+        assert len(s["cont_tokens"]) == len(s["loglikelihoods"]) and min(s["cont_tokens"]) >= 1
+        means = [ll / n for ll, n in zip(s["loglikelihoods"], s["cont_tokens"])]
+        assert s["acc_mean"] == float(means.index(max(means)) == s["target"])
+        assert s["acc"] == float(s["pred"] == s["target"])
+    assert res.metrics["acc_mean"] == sum(s["acc_mean"] for s in res.samples) / 4
+    from lm_eval.api.metrics import mean_stderr
+
+    hits = [s["acc_mean"] for s in res.samples]
+    assert res.metrics["acc_mean_stderr"] == pytest.approx(mean_stderr(hits) if len(set(hits)) > 1 else 0.0)
+    assert len({n for s in res.samples for n in s["cont_tokens"]}) > 1  # the two rules can differ here
+    # the lm-eval model's own scoring=mean (for lm-eval's CLI) divides the same log-likelihoods
+    from h2o.tasks.lm_eval_model import H2OLM
+
+    lm = H2OLM(pretrained=model, tokenizer=tok, policy=policy, budget=0.3, scoring="mean", batch_size=4,
+               add_bos_token=False)
+    from lm_eval.api.instance import Instance
+
+    reqs = [Instance("loglikelihood", {}, args, 0) for args in
+            [("A question:", " one answer"), ("A question:", " a longer second answer")]]
+    summed = H2OLM(pretrained=model, tokenizer=tok, policy=policy, budget=0.3, batch_size=4,
+                   add_bos_token=False).loglikelihood(reqs)
+    averaged = lm.loglikelihood(reqs)
+    for (s_ll, _), (m_ll, _), req in zip(summed, averaged, reqs):
+        assert abs(m_ll * lm.cont_tokens[req.args] - s_ll) < 1e-4
+    # a request answered from lm-eval's cache (a resumed run) is never scored: its count is encoded the same way
+    fresh = H2OLM(pretrained=model, tokenizer=tok, policy=policy, budget=0.3)
+    assert [fresh.n_cont_tokens(*r.args) for r in reqs] == [lm.cont_tokens[r.args] for r in reqs] == [11, 23]
 
 
 def test_lm_eval_model_rejects_bad_args(tiny):
@@ -353,7 +383,7 @@ def test_helm_prompt_and_example_selection(tiny):
     from h2o.tasks.summarization import SummarizationTask, block, clean
 
     assert block("A b.", 1, "S.") == "###\nArticle: A b.\n\nSummarize the above article in 1 sentence.\nS.\n"
-    assert block("A b.", 3).endswith("in 3 sentences.\n")
+    assert block("A b.", 3).endswith("in 3 sentences.")  # the open block: HELM's output_prefix.rstrip()
     assert clean("a\n b  c", 2) == "a b"
     task = SummarizationTask("bb_xsum", "bb_xsum", shots=5, limit=7, subset_seed=0)
     shots, test = task.examples()
@@ -361,12 +391,59 @@ def test_helm_prompt_and_example_selection(tiny):
     assert len(test) == 7 and [r["id"] for r in test] == [r["id"] for r in task.examples()[1]]  # fixed subset
     _, tok = tiny
     text = task.prompt(shots, test[0], tok, 100_000)
-    assert text.count("###\nArticle: ") == 6 and text.endswith("Summarize the above article in 1 sentence.\n")
-    assert text.startswith(block(clean(shots[0]["article"], 512), 1, clean(shots[0]["summary"])) + "\n###")
-    short = task.prompt(shots, test[0], tok, 2000)  # too long: whole in-context blocks go first
-    assert len(tok(short).input_ids) <= 2000 and short.count("###\nArticle: ") < 6
+    assert text.count("###\nArticle: ") == 6 and text.endswith("Summarize the above article in 1 sentence.")
+    first = block(clean(shots[0]["article"], 512), 1, clean(shots[0]["summary"]))
+    assert text.startswith(first + "\n###") and first.endswith(".\n")  # blocks joined by HELM's "\n"
+    n = len(tok(text).input_ids)
+    short = task.prompt(shots, test[0], tok, n - 10)  # too long: the last in-context block goes first (HELM)
+    assert len(tok(short).input_ids) <= n - 10 and short.count("###\nArticle: ") == 5
+    assert short.startswith(first) and short.endswith(text[text.rindex("###"):])
     with pytest.raises(ConfigError, match="temperature"):
         SummarizationTask("x", "bb_xsum", temperature=0.0)
+
+
+def bos_tokenizer():
+    """The tiny byte tokenizer made to add BOS like LLaMA's and OPT's."""
+    from tokenizers import processors
+
+    from h2o.assets.tiny import byte_tokenizer
+
+    tok = byte_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tok.bos_token} $A", special_tokens=[(tok.bos_token, tok.bos_token_id)])
+    return tok
+
+
+def test_bos_follows_add_bos_token_and_is_resolved(tiny):
+    """add_bos_token=false (the paper code's default here) never prepends BOS, for lm-eval requests and HELM
+    prompts alike; null is the tokenizer's default (BOS for this one, like LLaMA/OPT); records state it resolved."""
+    from h2o.tasks.base import adds_bos
+    from h2o.tasks.lm_eval_model import H2OLM
+    from h2o.tasks.multiple_choice import LmEvalTask
+    from h2o.tasks.summarization import SummarizationTask
+
+    model, plain = tiny
+    tok = bos_tokenizer()
+    assert tok.encode("ab")[0] == tok.bos_token_id and plain.encode("ab")[0] != plain.bos_token_id
+    assert (adds_bos(tok, None), adds_bos(tok, False), adds_bos(tok, True), adds_bos(plain, None)) == \
+        (True, False, True, False)
+    for flag, first in ((False, ord("a")), (None, tok.bos_token_id)):
+        lm = H2OLM(pretrained=model, tokenizer=tok, policy="full", add_bos_token=flag)
+        ctx, cont = lm._encode_pair("a question", " an answer")
+        assert ctx[0] == first and cont[0] == ord(" ")
+        mc = LmEvalTask("bb_piqa", "bb_piqa", "tasks", add_bos_token=flag)
+        assert mc.add_bos(tok) == (flag is None) and mc.protocol(tok)["add_bos_token"] == (flag is None)
+        summ = SummarizationTask("bb_xsum", "bb_xsum", add_bos_token=flag)
+        assert tok("###", **summ.encode_kwargs()).input_ids[0] == (tok.bos_token_id if flag is None else ord("#"))
+    assert H2OLM(pretrained=model, tokenizer=tok, policy="full")._encode_pair("a q", " b")[0][0] == ord("a")  # default
+    proto = LmEvalTask("bb_piqa", "bb_piqa", "tasks").protocol(tok)
+    assert proto["scoring"] == "mean" and proto["add_bos_token"] is False and "batch_size" not in proto
+    assert SummarizationTask("bb_xsum", "bb_xsum").protocol(tok)["scoring"] is None
+    from h2o.bench.streaming import StreamingTask
+    from h2o.tasks.perplexity import PerplexityTask
+
+    assert StreamingTask("bench_streaming").add_bos(tok) and not StreamingTask("bench_streaming").add_bos(plain)
+    assert PerplexityTask("austen_ppl").protocol(tok)["add_bos_token"] is False  # windows: no special tokens
 
 
 def test_console_script_finds_the_configs(tmp_path):

@@ -45,10 +45,8 @@ def test_budget_respected_and_no_future_visible(name, budget):
     seen = mask.sum(-1)  # (B, H, T)
     assert not mask.triu(1).any()
     assert mask.diagonal(dim1=-2, dim2=-1)[..., K:].all() or not policy.evicts  # the query sees itself
-    if policy.evicts:  # exactly the budget once full
-        assert torch.equal(seen, torch.arange(1, T + 1).clamp(max=K).expand_as(seen))
-    else:
-        assert (seen <= K).all()
+    # exactly the budget once full; restricting policies (topk, topk_h2) fill it too
+    assert torch.equal(seen, torch.arange(1, T + 1).clamp(max=K).expand_as(seen))
 
 
 def test_local_is_a_window():
@@ -137,6 +135,75 @@ def test_topk_each_query_sees_its_best_keys():
     for i in range(k, T):
         best = logits[1, 2, i, : i + 1].topk(k).indices.sort().values
         assert mask[1, 2, i].nonzero().flatten().tolist() == best.tolist()
+
+
+def naive_topk_h2(logits, heavy, total):
+    """Independent Top-K + H2 for one KV head: logits (G, T, T) of its G query heads -> (G, T, T) bool.
+
+    Row i sees the ``heavy`` keys of highest accumulated attention (earlier first on ties), then the keys of highest
+    logit for that query head among the others, ``total`` keys in all; its attention is then added to the scores.
+    """
+    G, T, _ = logits.shape
+    rows = torch.zeros(G, T, T, dtype=torch.bool)
+    acc = [0.0] * T
+    for i in range(T):
+        hitters = sorted(range(i + 1), key=lambda j: (-acc[j], j))[:heavy]
+        for g in range(G):
+            rest = sorted((j for j in range(i + 1) if j not in hitters), key=lambda j: (-float(logits[g, i, j]), j))
+            seen = hitters + rest[:max(total - len(hitters), 0)]
+            rows[g, i, seen] = True
+        for g in range(G):
+            p = torch.softmax(logits[g, i].double().masked_fill(~rows[g, i], -float("inf")), -1)
+            for j in range(i + 1):
+                acc[j] += float(p[j])
+    return rows
+
+
+@pytest.mark.parametrize("heavy,recent", [(3, 3), (5, 1), (1, 5), (0, 6), (6, 0)])
+def test_topk_h2_fills_its_budget_simulated(heavy, recent):
+    """Simulated path against the naive reference: heavy hitters first, top logits fill the rest (never fewer
+    keys than top-k with the same budget)."""
+    T = 24
+    logits = random_logits(T, seed=heavy * 7 + recent)
+    mask = run_mask(make_policy("topk_h2", heavy=heavy, recent=recent), logits)
+    for b in range(2):
+        for h in range(3):
+            assert torch.equal(mask[b, h], naive_topk_h2(logits[b, h][None], heavy, heavy + recent)[0])
+    topk = run_mask(make_policy("topk", budget=heavy + recent), logits)
+    assert torch.equal(mask.sum(-1), topk.sum(-1))
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "opt"])
+def test_topk_h2_fills_its_budget_real_cache(arch):
+    """Real path (the evicting cache, token by token): each step's restriction, recorded with the logits it was
+    given, equals the naive reference run on those same logits; GQA included (3 query heads per KV head)."""
+    from h2o import attach
+    from h2o.assets.models import tiny_model
+
+    model = tiny_model(arch)
+    T, n_layers = 20, model.config.num_hidden_layers
+    policy = make_policy("topk_h2", heavy=0.2, recent=0.15)  # 4 + 3 of 20 tokens
+    calls = []
+    restrict = policy.restrict
+    policy.restrict = lambda logits, acc, allowed, counts: calls.append(
+        (logits, restrict(logits, acc, allowed, counts))) or calls[-1][1]
+    ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        cache = h.new_cache(ref_len=T)
+        for t in range(T):
+            model(ids[:, t:t + 1], cache=cache)
+    assert len(calls) == T * n_layers
+    for layer in range(n_layers):
+        steps = calls[layer::n_layers]  # token t of this layer: logits (1, Hkv, G, 1, t + 1)
+        Hkv, G = steps[0][0].shape[1:3]
+        logits = torch.full((Hkv, G, T, T), -float("inf"))
+        seen = torch.zeros(Hkv, G, T, T, dtype=torch.bool)
+        for t, (lg, m) in enumerate(steps):
+            logits[:, :, t, :t + 1] = lg[0, :, :, 0]
+            seen[:, :, t, :t + 1] = m.expand_as(lg)[0, :, :, 0]
+        for kv in range(Hkv):
+            assert torch.equal(seen[kv], naive_topk_h2(logits[kv], 4, 7))
+        assert torch.equal(seen.sum(-1), torch.arange(1, T + 1).clamp(max=7).expand(Hkv, G, T))
 
 
 def test_reference_semantics_hand_computed():

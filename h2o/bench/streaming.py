@@ -59,7 +59,7 @@ from h2o.core.policies import Policy, make_policy
 from h2o.assets.model_spec import check_pretrained
 from h2o.core.policies import POLICIES
 from h2o.core.validate import ArgParser, check_name, choice, guard, output_dir, output_file, positive_int, split_list
-from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none
 
 POSITIONS = ("cache", "true")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
@@ -302,6 +302,10 @@ class StreamingTask(TaskSpec):
             positive_or_none(f"task.{key}", getattr(self, key))
         check(self.positions in POSITIONS, f"task.positions={self.positions!r}: allowed: {', '.join(POSITIONS)}")
         check(self.shots == 0, f"task.shots={self.shots}: streaming takes no in-context examples (0)")
+
+    def add_bos(self, tokenizer) -> bool:
+        """The text is encoded with the tokenizer's special tokens (``text_ids``): BOS where the tokenizer adds it."""
+        return adds_bos(tokenizer, None)
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
         check(policy.is_full or isinstance(policy.budget, int),

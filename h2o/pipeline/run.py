@@ -85,7 +85,9 @@ def execute(plan: Plan) -> dict:
         result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.cfg.seed)
     ended = time.time()
     files = result.info.pop("files", {})  # extra record files of a task (observations.json)
-    record = {**plan.head(), "n_samples": result.n_samples, "metrics": result.metrics,
+    protocol = plan.task.protocol(tokenizer)  # every task setting that changes a number, BOS resolved
+    record = {**plan.head(), "scoring": protocol["scoring"], "add_bos_token": protocol["add_bos_token"],
+              "protocol": protocol, "n_samples": result.n_samples, "metrics": result.metrics,
               "wall_s": round(ended - started, 3), "batch_size": plan.cfg.task.get("batch_size"),
               "device": str(getattr(model, "device", "")), "dtype": str(getattr(model, "dtype", "")).replace("torch.", ""),
               "resumed_requests": resumed(), **result.info}

@@ -9,7 +9,7 @@ Subclasses: :class:`h2o.tasks.multiple_choice.LmEvalTask` (multiple choice throu
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
 from h2o.core.validate import ConfigError, check
@@ -47,6 +47,38 @@ class TaskSpec:
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:  # pragma: no cover - abstract
         raise NotImplementedError  # abstract
+
+    def add_bos(self, tokenizer) -> bool:
+        """Whether the token sequences this task scores start with BOS (resolved: never None). Default: the task
+        builds its ids without special tokens (perplexity windows, random-token benchmarks)."""
+        return False
+
+    def protocol(self, tokenizer) -> dict[str, Any]:
+        """Every setting of this task that changes a number (its config fields less ``name`` and ``batch_size``),
+        with ``add_bos_token`` resolved and ``scoring`` (None unless multiple choice): metrics.json ``protocol``."""
+        out = {f.name: getattr(self, f.name) for f in (fields(self) if is_dataclass(self) else ())
+               if f.name not in NOT_PROTOCOL}
+        return {**out, "scoring": getattr(self, "scoring", None), "add_bos_token": self.add_bos(tokenizer)}
+
+
+NOT_PROTOCOL = ("name", "batch_size")  # settings that cannot change a number
+
+
+def stderr(values: list[float]) -> float:
+    """Standard error of the mean (sample standard deviation / sqrt(n); lm-eval's mean_stderr); 0 for n < 2."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mu = sum(values) / n
+    return (sum((v - mu) ** 2 for v in values) / (n - 1)) ** 0.5 / n ** 0.5
+
+
+def adds_bos(tokenizer, add_bos_token: bool | None) -> bool:
+    """Whether encoding with ``add_bos_token`` (lm-eval's meaning: None = the tokenizer's default, which adds BOS
+    for LLaMA and OPT; True/False = ``add_special_tokens``) puts BOS first."""
+    kwargs = {} if add_bos_token is None else {"add_special_tokens": add_bos_token}
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return bos is not None and tokenizer.encode("a", **kwargs)[:1] == [bos]
 
 
 def positive_or_none(name: str, value) -> None:

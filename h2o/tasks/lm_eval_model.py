@@ -24,7 +24,13 @@ batch size (tested). A row that matches no known input (only lm-eval's batch-siz
 
 Scoring: ``scoring=sum`` is lm-eval's (summed log-likelihood for ``acc``, byte-normalised for ``acc_norm``);
 ``scoring=mean`` divides each continuation's log-likelihood by its number of tokens (the paper code's rule),
-so ``acc`` becomes the per-token-average accuracy.
+so ``acc`` becomes the per-token-average accuracy. Either way ``cont_tokens`` maps each request's
+``(context, continuation)`` to its continuation's token count, so a caller can apply the other rule to the same
+log-likelihoods (h2o.tasks.multiple_choice computes both accuracies from one forward pass).
+
+BOS: ``add_bos_token`` is lm-eval's: ``None`` leaves the tokenizer's default (which adds BOS for LLaMA and OPT),
+``False`` encodes without special tokens (the paper code's ``add_special_tokens=False``), ``True`` with them. The
+``h2o`` model defaults to ``False`` (the paper's protocol); HFLM's default is ``None``.
 
 lm-eval 0.4.13 has no plugin hook for out-of-tree models (its registry is filled by imports only), hence
 ``python -m h2o.tasks.lm_eval_cli``, which imports this module and runs lm-eval's CLI.
@@ -85,11 +91,13 @@ class H2OLM(HFLM):
             raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
         if scoring not in SCORING:
             raise PolicyError(f"scoring={scoring!r}: allowed: {', '.join(SCORING)}")
+        kwargs.setdefault("add_bos_token", False)  # the paper code's protocol (see the module docstring)
         if kwargs.get("device") in (None, "cuda") and not torch.cuda.is_available():
             kwargs["device"] = "cpu"
         super().__init__(pretrained=resolve_pretrained(pretrained), **kwargs)
         self.policy, self.semantics, self.scoring = policy, semantics, scoring
         self._known: set[tuple[int, ...]] = set()
+        self.cont_tokens: dict[tuple[str, str], int] = {}  # (context, continuation) -> continuation tokens
         self._per_token = False
         self.stats = {"rows": 0, "tokens": 0, "unmatched_rows": 0}
 
@@ -109,10 +117,23 @@ class H2OLM(HFLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
         # the exact model input of each request, as HFLM builds it (left-truncated, last token dropped)
         self._known = {tuple((ctx + cont)[-(self.max_length + 1):][:-1]) for _, ctx, cont in requests}
+        self.cont_tokens.update({key: len(cont) for key, _, cont in requests if key is not None})
         res = super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         if self._per_token:
             res = [(ll / len(cont), greedy) for (ll, greedy), (_, _, cont) in zip(res, requests, strict=True)]
         return res
+
+    def n_cont_tokens(self, context: str, continuation: str) -> int:
+        """Tokens of a request's continuation as scored (recorded when scored; else encoded as lm-eval does, e.g.
+        for a request answered from lm-eval's request cache on a resumed run)."""
+        key = (context, continuation)
+        if key not in self.cont_tokens:
+            if context == "":  # lm-eval scores it after the prefix token (TemplateLM.loglikelihood)
+                enc = self.tok_encode(continuation, add_special_tokens=False)
+                self.cont_tokens[key] = len(enc) if self.prefix_token_id != enc[0] else len(enc) - 1
+            else:
+                self.cont_tokens[key] = len(self._encode_pair(context, continuation)[1])
+        return self.cont_tokens[key]
 
     def true_lengths(self, inps: torch.Tensor) -> torch.Tensor:
         """(B, T) right-padded input ids -> (B,) true length of each row (see the module docstring)."""

@@ -5,6 +5,14 @@ lm-eval builds the few-shot prompts and scores every choice by its log-likelihoo
 simulated mask (budget = ratio of each request's length). Offline tasks load from ``include_path`` with
 ``TaskManager(include_path, include_defaults=False)`` (instant); lm-eval's own tasks index the built-in
 catalogue (~10 s) and fetch their data with ``datasets``.
+
+Both accuracies from one forward pass: lm-eval scores the summed log-likelihood (``acc``; ``acc_norm`` divides by
+the continuation's bytes); from the same log-likelihoods and each continuation's token count this module adds
+``acc_mean`` (+ ``acc_mean_stderr``), the paper code's per-token average. ``scoring`` (mean | sum) names the
+headline accuracy of the run (``acc_mean`` | ``acc``) and is recorded; it changes no computation.
+BOS: ``add_bos_token=false`` (default) encodes without special tokens, as the paper code
+(``tokenizer(prompt, add_special_tokens=False)``); ``null`` is lm-eval's default, i.e. the tokenizer's, which adds
+BOS for LLaMA and OPT (an attention sink that local evicts and H2O keeps).
 """
 from __future__ import annotations
 
@@ -14,9 +22,10 @@ from pathlib import Path
 
 from h2o.assets.model_spec import ConfigError
 from h2o.assets.paths import REPO, TASKS
-from h2o.tasks.base import Result, TaskSpec, check, check_hub_data, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none, stderr
 
 METRICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
+HEADLINE = {"mean": "acc_mean", "sum": "acc"}  # scoring -> the accuracy it names
 
 
 def task_folder(include_path: str) -> Path:
@@ -77,8 +86,8 @@ class LmEvalTask(TaskSpec):
     shots: int = 5
     limit: int | None = None
     batch_size: int = 1
-    scoring: str = "sum"
-    add_bos_token: bool | None = None
+    scoring: str = "mean"
+    add_bos_token: bool | None = False
 
     kind = "multiple_choice"
     semantics = ("simulated", "reference")
@@ -87,7 +96,9 @@ class LmEvalTask(TaskSpec):
         check(isinstance(self.shots, int) and self.shots >= 0, f"task.shots={self.shots!r}: expected an int >= 0")
         positive_or_none("task.limit", self.limit)
         positive_or_none("task.batch_size", self.batch_size)
-        check(self.scoring in ("sum", "mean"), f"task.scoring={self.scoring!r}: allowed: sum, mean")
+        check(self.scoring in HEADLINE, f"task.scoring={self.scoring!r}: allowed: {', '.join(HEADLINE)}")
+        check(self.add_bos_token in (None, True, False),
+              f"task.add_bos_token={self.add_bos_token!r}: allowed: true, false, null (the tokenizer's default)")
         if self.include_path is not None:
             folder = task_folder(self.include_path)
             check(folder.is_dir(), f"task.include_path={self.include_path!r}: no such folder")
@@ -109,7 +120,7 @@ class LmEvalTask(TaskSpec):
         from h2o.tasks.lm_eval_model import H2OLM
         from h2o.tasks.progress import lm_eval_cache
 
-        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, semantics=semantics, scoring=self.scoring,
+        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, semantics=semantics, scoring="sum",
                    batch_size=self.batch_size, add_bos_token=self.add_bos_token)
         tm = (TaskManager(include_path=str(task_folder(self.include_path)), include_defaults=False)
               if self.include_path else TaskManager())
@@ -119,15 +130,33 @@ class LmEvalTask(TaskSpec):
                                   torch_random_seed=seed, fewshot_random_seed=seed, use_cache=cache)
         res = out["results"][self.lm_eval_task]
         metrics = {m: float(res[f"{m},none"]) for m in METRICS if res.get(f"{m},none") not in (None, "N/A")}
-        samples = [sample_row(s) for s in out["samples"][self.lm_eval_task]]
+        samples = [sample_row(s, lm.n_cont_tokens) for s in out["samples"][self.lm_eval_task]]
+        metrics.update(mean_accuracy(samples))
         info = {"mean_seq_len": round(lm.stats["tokens"] / max(lm.stats["rows"], 1), 1),
-                "scoring": self.scoring, "lm_eval_task": self.lm_eval_task}
+                "headline": HEADLINE[self.scoring], "lm_eval_task": self.lm_eval_task}
         return Result(metrics, samples, info)
 
+    def add_bos(self, tokenizer) -> bool:
+        return adds_bos(tokenizer, self.add_bos_token)
 
-def sample_row(s: dict) -> dict:
-    """One lm-eval sample -> {"doc_id", "target", "loglikelihoods", "pred", "acc", "acc_norm"}."""
+
+def argmax(values: list[float]) -> int | None:
+    return max(range(len(values)), key=values.__getitem__) if values else None
+
+
+def sample_row(s: dict, n_cont_tokens) -> dict:
+    """One lm-eval sample -> {"doc_id", "target", "loglikelihoods" (summed), "cont_tokens", "pred", "acc",
+    "acc_norm", "pred_mean", "acc_mean"} (``*_mean``: the per-token average rule on the same log-likelihoods)."""
     lls = [float(r[0]) for r in s["filtered_resps"]]
-    return {"doc_id": s["doc_id"], "target": s["target"], "loglikelihoods": lls,
-            "pred": max(range(len(lls)), key=lls.__getitem__) if lls else None,
-            "acc": s.get("acc"), "acc_norm": s.get("acc_norm")}
+    counts = [n_cont_tokens(*a[:2]) for a in s["arguments"]]  # (context, continuation) -> tokens
+    means = [ll / max(n, 1) for ll, n in zip(lls, counts)]
+    pred_mean = argmax(means)
+    return {"doc_id": s["doc_id"], "target": s["target"], "loglikelihoods": lls, "cont_tokens": counts,
+            "pred": argmax(lls), "acc": s.get("acc"), "acc_norm": s.get("acc_norm"), "pred_mean": pred_mean,
+            "acc_mean": float(pred_mean == int(s["target"])) if pred_mean is not None else None}
+
+
+def mean_accuracy(samples: list[dict]) -> dict[str, float]:
+    """``acc_mean`` and its standard error (as lm-eval's mean_stderr: sample standard deviation / sqrt(n))."""
+    hits = [s["acc_mean"] for s in samples if s["acc_mean"] is not None]
+    return {"acc_mean": sum(hits) / len(hits), "acc_mean_stderr": stderr(hits)} if hits else {}

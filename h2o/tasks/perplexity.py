@@ -4,7 +4,9 @@ The book (Jane Austen's six novels, or Moby-Dick; h2o.assets.data) is tokenized 
 into consecutive windows of ``window`` tokens; windows ``0, stride, 2*stride, ...`` (``n_windows`` of them) are
 scored, ``batch_size`` at a time, each in one forward pass inside ``attach(model, policy)``: token i of a window
 is predicted from what the policy holds at step i (budget = ratio of the window). Every token after the first
-of each window is predicted; ``ppl = exp(total NLL / predicted tokens)``.
+of each window is predicted; ``ppl = exp(total NLL / predicted tokens)``. Its 95% interval treats the windows as
+the sample (they have equal lengths): ``exp(nll_per_token +- 1.96 * nll_per_token_stderr)``, the standard error
+of the windows' mean NLL per token.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, check, positive_or_none, stderr
 
 TEXTS = ("austen", "moby_dick")
 
@@ -98,5 +100,7 @@ class PerplexityTask(TaskSpec):
                     log[start + j] = samples[-1]
         total = sum(s["nll"] for s in samples)
         count = sum(s["n_tokens"] for s in samples)
-        return Result({"ppl": math.exp(total / count), "nll_per_token": total / count}, samples,
-                      {"window": self.window, "tokens_scored": count})
+        nll, se = total / count, stderr([s["nll"] / s["n_tokens"] for s in samples])
+        metrics = {"ppl": math.exp(nll), "nll_per_token": nll, "nll_per_token_stderr": se,
+                   "ppl_ci95_low": math.exp(nll - 1.96 * se), "ppl_ci95_high": math.exp(nll + 1.96 * se)}
+        return Result(metrics, samples, {"window": self.window, "tokens_scored": count})

@@ -1,6 +1,9 @@
 """Summarization with HELM's XSUM / CNN-DailyMail settings, generated with the real evicting cache.
 
-Prompt (HELM run spec, PAPER.md): ``shots`` in-context blocks, then the test block left open::
+Prompt: HELM's summarization adapter (``input_prefix="###\nArticle: "``, ``input_suffix="\n\n"``,
+``output_prefix="Summarize the above article in 1 sentence.\n"``, ``output_suffix="\n"``, blocks joined by
+``instance_prefix="\n"``; the open test block ends with ``output_prefix.rstrip()``, so the prompt ends on the
+instruction's full stop, no newline)::
 
     ###
     Article: {article}
@@ -16,8 +19,10 @@ Prompt (HELM run spec, PAPER.md): ``shots`` in-context blocks, then the test blo
 Articles are whitespace-normalised and cut to ``doc_max_words`` words (HELM's ``doc_max_length``); in-context
 examples are train articles of ``shot_min_words``..``shot_max_words`` words, the same ``shots`` for every test
 instance, drawn with ``random.Random(subset_seed)``; the test instances are a fixed random subset of
-``limit`` (HELM samples its evaluation instances). When a prompt does not fit the model's positions, whole
-in-context blocks are dropped first, then the article is cut from the left.
+``limit`` (HELM samples its evaluation instances). When a prompt does not fit the model's positions, the last
+in-context block is dropped first, as HELM does; with none left the article is cut from the left (HELM would cut
+the prompt's end, the instruction included). Tokenized without BOS (``add_bos_token=false``, the paper code's
+``add_special_tokens=False``); ``true``/``null`` are lm-eval's meanings (see h2o.tasks.multiple_choice).
 
 Generation: left-padded batches of ``batch_size`` prompts, ``attach(model, policy, mode="real")`` with a fresh
 cache per batch (budget = ratio of each prompt's length, fixed at prefill; eviction runs during decoding),
@@ -34,7 +39,7 @@ from dataclasses import dataclass
 import torch
 from transformers import StoppingCriteria
 
-from h2o.tasks.base import Result, TaskSpec, check, check_hub_data, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none, stderr
 
 DATASETS = {  # name -> (hub path, config, article field, summary field); bb_xsum is offline (h2o.assets.data)
     "xsum": ("EdinburghNLP/xsum", None, "document", "summary"),
@@ -49,10 +54,10 @@ def clean(text: str, max_words: int | None = None) -> str:
 
 
 def block(article: str, sentences: int, summary: str | None = None) -> str:
-    """One HELM block; ``summary=None`` leaves it open for the model."""
+    """One HELM block; ``summary=None`` leaves it open for the model (HELM strips the output prefix's newline)."""
     unit = "sentence" if sentences == 1 else "sentences"
     head = f"###\nArticle: {article}\n\nSummarize the above article in {sentences} {unit}.\n"
-    return head if summary is None else f"{head}{summary}\n"
+    return head.rstrip() if summary is None else f"{head}{summary}\n"
 
 
 def load_split(dataset: str, split: str) -> list[dict]:
@@ -96,6 +101,7 @@ class SummarizationTask(TaskSpec):
     subset_seed: int = 0
     equal_length: bool = False
     batch_size: int = 1
+    add_bos_token: bool | None = False
 
     kind = "summarization"
     semantics = ("real",)
@@ -107,6 +113,8 @@ class SummarizationTask(TaskSpec):
             positive_or_none(f"task.{key}", getattr(self, key))
         check(self.greedy or float(self.temperature) > 0, f"task.temperature={self.temperature}: must be > 0 "
                                                           "when sampling (or set task.greedy=true)")
+        check(self.add_bos_token in (None, True, False),
+              f"task.add_bos_token={self.add_bos_token!r}: allowed: true, false, null (the tokenizer's default)")
         hub_path = DATASETS[self.dataset][0]
         if hub_path is not None:
             check_hub_data(self.name, hub_path, (hub_path, hub_path.split("/")[-1]))
@@ -138,17 +146,24 @@ class SummarizationTask(TaskSpec):
             test = [test[i] for i in sorted(rng.sample(range(len(test)), self.limit))]
         return shots, test
 
+    def add_bos(self, tokenizer) -> bool:
+        return adds_bos(tokenizer, self.add_bos_token)
+
+    def encode_kwargs(self) -> dict:
+        """Tokenizer keyword for ``add_bos_token`` (lm-eval's meaning: None = the tokenizer's default)."""
+        return {} if self.add_bos_token is None else {"add_special_tokens": self.add_bos_token}
+
     def prompt(self, shots: list[dict], row: dict, tokenizer, max_tokens: int) -> str:
-        """The HELM prompt for one test row, shortened (drop blocks, then cut the article) to ``max_tokens``."""
-        context = [block(clean(s["article"], self.doc_max_words), self.sentences, clean(s["summary"])) + "\n"
+        """The HELM prompt for one test row, shortened (drop the last blocks, then cut the article) to ``max_tokens``."""
+        context = [block(clean(s["article"], self.doc_max_words), self.sentences, clean(s["summary"]))
                    for s in shots]
         article = clean(row["article"], self.doc_max_words)
         while True:
-            text = "".join(context) + block(article, self.sentences)
-            if len(tokenizer(text).input_ids) <= max_tokens:
+            text = "\n".join([*context, block(article, self.sentences)])  # HELM's instance_prefix
+            if len(tokenizer(text, **self.encode_kwargs()).input_ids) <= max_tokens:
                 return text
             if context:
-                context.pop(0)
+                context.pop()
             else:
                 words = article.split()
                 check(bool(words), f"task.max_new_tokens={self.max_new_tokens}: even an empty article's prompt "
@@ -190,7 +205,9 @@ class SummarizationTask(TaskSpec):
             samples.extend(done)
             if log is not None:
                 log[start] = {"kv": kv_bytes[-1], "samples": done}
-        metrics = {k: sum(s[k] for s in samples) / len(samples) for k in ("rouge1", "rouge2", "rougeL")}
+        metrics = {}
+        for k in ("rouge1", "rouge2", "rougeL"):
+            metrics.update({k: sum(s[k] for s in samples) / len(samples), f"{k}_stderr": stderr([s[k] for s in samples])})
         info = {"mean_prompt_tokens": round(sum(s["prompt_tokens"] for s in samples) / len(samples), 1),
                 "kv_bytes_per_seq": round(sum(kv_bytes) / len(kv_bytes)), "shots_used": len(shots)}
         return Result(metrics, samples, info)
@@ -198,7 +215,7 @@ class SummarizationTask(TaskSpec):
     def generate(self, model, tokenizer, policy, prompts: list[str], attach) -> tuple[list[str], int, list[int]]:
         """Left-padded batch generation -> (texts cut at the stop, KV bytes held at the end, prompt lengths)."""
         tokenizer.padding_side = "left"
-        enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)  # (B, P)
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, **self.encode_kwargs()).to(model.device)  # (B, P)
         P = enc.input_ids.shape[1]
         kw = dict(max_new_tokens=self.max_new_tokens, do_sample=not self.greedy,
                   pad_token_id=tokenizer.pad_token_id)
