@@ -53,13 +53,18 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from h2o.core.attach import attach
+from h2o.core.attach import attach, attention_modules
+from h2o.core.cache import EvictingCache
 from h2o.bench.measure import rss_bytes
 from h2o.core.policies import Policy, make_policy
 from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
 
 POSITIONS = ("cache", "true")
+CHUNK = 1  # tokens per forward: one at a time, the authors' protocol
+HEAVY_SHARE = 1 / 3  # the authors' streaming split: heavy 32 + recent 64 at 96 tokens
+WINDOW = 1000  # predicted tokens per sample
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -201,93 +206,206 @@ def flatness(samples: list[dict], warmup: float = 0.1) -> dict:
     return out
 
 
-@torch.inference_mode()
-def stream(model, ids: torch.Tensor, policy: str | Policy, budget: int | None = None, chunk: int = 32,
-           positions: str = "cache", log_every: int = 0, progress: int = 0) -> tuple[dict, list[dict]]:
+def parse_policy(spec: str) -> tuple[str, dict]:
+    """``"h2o:heavy_share=1/2:score=decay:decay=0.99"`` -> ("h2o", {"heavy_share": 0.5, "score": "decay", ...}).
+
+    Values: int, float, a fraction ``a/b``, else a string. The spec is also the run's label."""
+    name, *opts = spec.split(":")
+    options = {}
+    for opt in opts:
+        key, eq, value = opt.partition("=")
+        if not eq or not key:
+            raise ValueError(f"policy spec {spec!r}: option {opt!r} is not key=value")
+        options[key] = _number(value)
+    return name, options
+
+
+def _number(value: str):
+    for cast in (int, float):
+        try:
+            return cast(value)
+        except ValueError:
+            pass
+    a, slash, b = value.partition("/")
+    if slash:
+        try:
+            return float(a) / float(b)
+        except (ValueError, ZeroDivisionError):
+            pass
+    return value
+
+
+def build_policy(spec: str | Policy, budget: int | None, heavy_share: float = HEAVY_SHARE) -> Policy:
+    """A policy from a spec (:func:`parse_policy`) with a budget in tokens; ``heavy_share`` unless the spec sets it."""
+    if isinstance(spec, Policy):
+        return spec
+    name, options = parse_policy(spec)
+    if name == "full":
+        return make_policy(name, **options)
+    return make_policy(name, **{"budget": budget, "heavy_share": heavy_share, **options})
+
+
+class Windows:
+    """Perplexity per window of ``size`` predicted tokens (exact windows, split across chunks)."""
+
+    def __init__(self, size: int, on_sample=None):
+        self.size, self.samples, self.on_sample = size, [], on_sample
+        self.total_nll, self.total_n = 0.0, 0
+        self.nll = self.n = self.t = self.c = 0.0
+
+    def add(self, nll: torch.Tensor, dt: float, dc: float, held: int, last: bool) -> None:
+        """nll (q,) of one chunk that took ``dt`` seconds (``dc`` CPU seconds), shared out by tokens."""
+        q, i = nll.numel(), 0
+        while i < q:
+            take = min(q - i, self.size - int(self.n))
+            part = float(nll[i:i + take].sum())
+            self.nll, self.n = self.nll + part, self.n + take
+            self.t, self.c = self.t + dt * take / q, self.c + dc * take / q
+            self.total_nll, self.total_n = self.total_nll + part, self.total_n + take
+            i += take
+            if self.n >= self.size or (last and i == q):
+                self.emit(held)
+
+    def emit(self, held: int) -> None:
+        m = self.nll / self.n
+        self.samples.append({"tokens": self.total_n, "nll": m, "chunk_ppl": math.exp(m),
+                             "ppl": math.exp(self.total_nll / self.total_n), "time_s": self.t,
+                             "time_per_token_s": self.t / self.n, "cpu_per_token_s": self.c / self.n,
+                             "rss_bytes": rss_bytes(), "cache_tokens": held})
+        if self.on_sample:
+            self.on_sample(self.samples[-1])
+        self.nll = self.n = self.t = self.c = 0.0
+
+
+def estimate(done: int, total: int, seconds: float, runs: int = 1) -> str:
+    """One line: the measured speed so far and the wall time it predicts for ``total`` tokens (x ``runs``)."""
+    rate = done / max(seconds, 1e-9)
+    eta = total / rate
+    more = f", ~{hms(eta * runs)} for all {runs} runs" if runs > 1 else ""
+    return f"{rate:.1f} tok/s over the first {done} tokens -> ~{hms(eta)} for {total} tokens{more}"
+
+
+def hms(seconds: float) -> str:
+    h, rem = divmod(int(seconds), 3600)
+    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
+
+
+class Streamer:
+    """One stream (a policy, a budget, a chunk size) that can be advanced a few tokens at a time, so that several
+    streams share one model in turns (``run(interleave=True)``): each keeps its own cache and counters."""
+
+    def __init__(self, model, ids: torch.Tensor, policy: str | Policy, budget: int | None = None,
+                 chunk: int = CHUNK, positions: str = "cache", window: int = WINDOW,
+                 heavy_share: float = HEAVY_SHARE, on_sample=None):
+        if positions not in POSITIONS:
+            raise ValueError(f"positions={positions!r}: allowed: {', '.join(POSITIONS)}")
+        self.model, self.chunk, self.positions = model, chunk, positions
+        self.device = next(model.parameters()).device
+        self.ids = ids.to(self.device)
+        self.pol = build_policy(policy, budget, heavy_share)
+        self.budget = self.pol.budget
+        if not self.pol.is_full and not isinstance(self.budget, int):
+            raise ValueError(f"streaming: budget={self.budget!r}: give a cache size in tokens (an int), not a ratio")
+        self.ctx = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.win = Windows(window, on_sample)
+        self.past_nll, self.past_n = 0.0, 0
+        self.max_pos = self.max_held = self.held = self.s = 0
+        self.n_pred = self.ids.shape[1] - 1
+        self.wall = 0.0
+        ref_len = self.budget if isinstance(self.budget, int) else None
+        self.cache = EvictingCache(self.pol, len(attention_modules(model)), ref_len)
+        self.renum = CachePositions(model, len(self.cache.layers)) if positions == "cache" else None
+
+    @property
+    def done(self) -> bool:
+        return self.s >= self.n_pred
+
+    @torch.inference_mode()
+    def advance(self, until: int) -> None:
+        """Feed chunks until ``until`` tokens have been predicted (or the text ends)."""
+        until = min(until, self.n_pred)
+        ids, chunk, renum = self.ids, self.chunk, self.renum
+        t_in = time.perf_counter()
+        with attach(self.model, self.pol, mode="real") as h:
+            h.cache = self.cache
+            while self.s < until:
+                s = self.s
+                x, y = ids[:, s:s + chunk], ids[:, s + 1:s + chunk + 1]
+                x = x[:, :y.shape[1]]
+                q = x.shape[1]
+                t0, c0 = time.perf_counter(), time.process_time()
+                pos_ids = None
+                if renum is not None:
+                    pos_ids = torch.arange(renum.n, renum.n + q, device=self.device)[None]
+                    self.max_pos = max(self.max_pos, renum.n + q - 1)
+                out = self.model(input_ids=x, cache=self.cache, position_ids=pos_ids, use_cache=True)
+                nll = F.cross_entropy(out.logits[0].float(), y[0], reduction="none")  # (q,)
+                if renum is not None:
+                    held = renum.after_chunk(self.cache, s)
+                else:
+                    held = int((self.cache.layers[0].pos[0, 0] >= 0).sum())
+                    self.max_pos = s + q - 1
+                if self.ctx and s + q > self.ctx:
+                    past = nll[max(0, self.ctx - s - 1):]  # predicted tokens whose position is >= ctx
+                    self.past_nll, self.past_n = self.past_nll + float(past.sum()), self.past_n + past.numel()
+                self.s += q
+                self.win.add(nll, time.perf_counter() - t0, time.process_time() - c0, held, last=self.done)
+                self.held, self.max_held = held, max(self.max_held, held)
+        self.wall += time.perf_counter() - t_in
+
+    def metrics(self) -> dict:
+        total_nll, total_n = self.win.total_nll, self.win.total_n
+        return {"ppl": math.exp(total_nll / total_n), "nll": total_nll / total_n, "tokens": total_n,
+                "ppl_past_context": math.exp(self.past_nll / self.past_n) if self.past_n else None,
+                "tokens_past_context": self.past_n, "tok_s": total_n / self.wall, "wall_s": self.wall,
+                "cache_tokens_max": self.max_held, "kv_bytes": self.cache.nbytes(), "max_position_id": self.max_pos,
+                **flatness(self.win.samples)}
+
+
+def stream(model, ids: torch.Tensor, policy: str | Policy, budget: int | None = None, chunk: int = CHUNK,
+           positions: str = "cache", window: int = WINDOW, progress: bool = False, heavy_share: float = HEAVY_SHARE,
+           runs_left: int = 1, on_sample=None) -> tuple[dict, list[dict]]:
     """Stream ``ids`` (1, N + 1) through an evicting cache of ``budget`` tokens (or a built policy with a token
-    budget). Returns (metrics, samples)."""
-    if positions not in POSITIONS:
-        raise ValueError(f"positions={positions!r}: allowed: {', '.join(POSITIONS)}")
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    if isinstance(policy, Policy):
-        pol, budget = policy, policy.budget
-    else:
-        pol = make_policy(policy) if policy == "full" else make_policy(policy, budget=budget)
-    if not pol.is_full and not isinstance(pol.budget, int):
-        raise ValueError(f"streaming: budget={pol.budget!r}: give a cache size in tokens (an int), not a ratio")
-    policy = pol.name
-    ctx = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    samples: list[dict] = []
-    total_nll, total_n, past_nll, past_n = 0.0, 0, 0.0, 0
-    acc = {"nll": 0.0, "n": 0, "t": 0.0, "c": 0.0}
-    max_pos = max_held = 0
-    n_pred = ids.shape[1] - 1
-    t_start = time.perf_counter()
-    with attach(model, pol, mode="real") as h:
-        cache = h.new_cache(ref_len=budget if isinstance(budget, int) else None)
-        renum = CachePositions(model, len(cache.layers)) if positions == "cache" else None
-        for s in range(0, n_pred, chunk):
-            x, y = ids[:, s:s + chunk], ids[:, s + 1:s + chunk + 1]
-            x = x[:, :y.shape[1]]
-            q = x.shape[1]
-            t0, c0 = time.perf_counter(), time.process_time()
-            pos_ids = None
-            if renum is not None:
-                pos_ids = torch.arange(renum.n, renum.n + q, device=device)[None]
-                max_pos = max(max_pos, renum.n + q - 1)
-            out = model(input_ids=x, cache=cache, position_ids=pos_ids, use_cache=True)
-            nll = F.cross_entropy(out.logits[0].float(), y[0], reduction="none")
-            held = renum.after_chunk(cache, s) if renum is not None else int((cache.layers[0].pos[0, 0] >= 0).sum())
-            nll_sum = float(nll.sum())
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
-            if renum is None:
-                max_pos = s + q - 1
-            max_held = max(max_held, held)
-            total_nll, total_n = total_nll + nll_sum, total_n + q
-            if ctx:
-                past = nll[max(0, ctx - s - 1):]  # predicted tokens whose position is >= ctx
-                past_nll, past_n = past_nll + float(past.sum()), past_n + past.numel()
-            acc = {"nll": acc["nll"] + nll_sum, "n": acc["n"] + q, "t": acc["t"] + dt, "c": acc["c"] + dc}
-            if acc["n"] >= max(log_every, 1) or s + chunk >= n_pred:
-                m = acc["nll"] / acc["n"]
-                samples.append({"tokens": total_n, "nll": m, "chunk_ppl": math.exp(m),
-                                "ppl": math.exp(total_nll / total_n), "time_s": acc["t"],
-                                "time_per_token_s": acc["t"] / acc["n"], "cpu_per_token_s": acc["c"] / acc["n"],
-                                "rss_bytes": rss_bytes(), "cache_tokens": held})
-                acc = {"nll": 0.0, "n": 0, "t": 0.0, "c": 0.0}
-            if progress and (s // chunk) % progress == 0:
-                print(f"[stream] {policy} {budget}: {total_n} tokens, ppl {math.exp(total_nll / total_n):.2f}, "
-                      f"held {held}, {total_n / (time.perf_counter() - t_start):.0f} tok/s, "
-                      f"rss {rss_bytes() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-        kv = cache.nbytes()
-    wall = time.perf_counter() - t_start
-    metrics = {"ppl": math.exp(total_nll / total_n), "nll": total_nll / total_n, "tokens": total_n,
-               "ppl_past_context": math.exp(past_nll / past_n) if past_n else None, "tokens_past_context": past_n,
-               "tok_s": total_n / wall, "wall_s": wall, "cache_tokens_max": max_held, "kv_bytes": kv,
-               "max_position_id": max_pos, **flatness(samples)}
-    return metrics, samples
+    budget), ``chunk`` tokens per forward (1: token by token). Returns (metrics, samples), one sample per
+    ``window`` predicted tokens. ``progress``: a tqdm bar and, after the calibration, the wall-time estimate."""
+    st = Streamer(model, ids, policy, budget, chunk, positions, window, heavy_share, on_sample)
+    calib = min(st.n_pred, max(2 * (st.budget if isinstance(st.budget, int) else 0), 256))  # past the filling
+    step = chunk * max(1, 64 // chunk)
+    with tqdm(total=st.n_pred, unit="tok", desc=f"{st.pol.name} {st.budget}", mininterval=5, disable=not progress,
+              file=sys.stderr) as bar:
+        while not st.done:
+            before = st.s
+            st.advance(calib if before < calib else before + step)
+            bar.update(st.s - before)
+            if progress and before < calib <= st.s:
+                bar.write(f"[stream] {st.pol.name} {st.budget} chunk {chunk}: "
+                          f"{estimate(st.s, st.n_pred, st.wall, runs_left)}")
+            if progress and st.win.samples:
+                bar.set_postfix(ppl=f"{st.win.samples[-1]['ppl']:.2f}", held=st.held,
+                                rss=f"{rss_bytes() / 2**20:.0f}MiB", refresh=False)
+    return st.metrics(), st.win.samples
 
 
 # ------------------------------------------------------------------------------------ runner task
 @dataclass
 class StreamingTask(TaskSpec):
     """``conf/task/bench_streaming.yaml``: one run = the configured policy (a budget in tokens, e.g.
-    ``policy.budget=128``) streaming ``tokens`` tokens of the text. Samples: one per chunk (module doc)."""
+    ``policy.budget=128``) streaming ``tokens`` tokens of the text, ``chunk`` per forward (1: the authors'
+    protocol). Samples: one per ``window`` predicted tokens (module doc)."""
 
     name: str
     text: str = "austen"
     tokens: int = 20000
-    chunk: int = 32
+    chunk: int = CHUNK
     positions: str = "cache"
-    log_every: int = 0
+    window: int = WINDOW
     shots: int = 0
 
     kind = "streaming"
     semantics = ("real",)
 
     def __post_init__(self):
-        for key in ("tokens", "chunk"):
+        for key in ("tokens", "chunk", "window"):
             positive_or_none(f"task.{key}", getattr(self, key))
         check(self.positions in POSITIONS, f"task.positions={self.positions!r}: allowed: {', '.join(POSITIONS)}")
         check(self.shots == 0, f"task.shots={self.shots}: streaming takes no in-context examples (0)")
@@ -297,26 +415,68 @@ class StreamingTask(TaskSpec):
               f"policy.budget={policy.budget!r}: streaming needs a cache size in tokens (an int, e.g. 128)")
         ids = text_ids(tokenizer, load_text(self.text), self.tokens)
         metrics, samples = stream(model, ids, policy, chunk=self.chunk, positions=self.positions,
-                                  log_every=self.log_every)
+                                  window=self.window)
         return Result(metrics, samples, {"chunk": self.chunk, "positions": self.positions, "text": self.text})
 
 
 def run(model, tokenizer, text: str = "austen", tokens: int = 20000, policies=("h2o", "streaming_llm", "local"),
-        budgets=(64, 128, 256), chunk: int = 32, positions: str = "cache", log_every: int = 0, progress: int = 0,
-        model_name: str = "", out=None) -> list[tuple[dict, list[dict]]]:
-    """Stream the text for each policy x budget; returns [(record, samples)] in the run-record format."""
+        budgets=(96, 192, 384), chunk: int = CHUNK, positions: str = "cache", window: int = WINDOW,
+        progress: bool = False, heavy_share: float = HEAVY_SHARE, compare_chunk: int = 0, interleave: bool = False,
+        model_name: str = "", out=None, on_record=None, on_sample=None) -> list[tuple[dict, list[dict]]]:
+    """Stream the text for each budget x policy spec (:func:`parse_policy`); with ``compare_chunk`` each run is
+    repeated with that chunk size and printed beside it. Returns [(record, samples)] in the run-record format;
+    ``on_record(record, samples)`` is called as each run finishes (a long study loses no finished run),
+    ``on_sample(label, sample)`` as each window ends. ``interleave``: all runs advance one window at a time in
+    turns (a study cut short still has every curve up to the same length)."""
     ids = text_ids(tokenizer, load_text(text), tokens)
+    chunks = [chunk] + ([compare_chunk] if compare_chunk and compare_chunk != chunk else [])
+    jobs = [(spec, budget, c) for budget in budgets for spec in policies for c in chunks]
     results = []
-    for budget in budgets:
-        for policy in policies:
-            metrics, samples = stream(model, ids, policy, budget, chunk, positions, log_every, progress)
-            rec = {"task_kind": "streaming", "task": text, "semantics": "real", "policy": policy,
-                   "budget": budget, "chunk": chunk, "positions": positions, "model": model_name,
-                   "n_samples": metrics["tokens"], "wall_s": metrics["wall_s"], "threads": torch.get_num_threads(),
-                   "metrics": metrics}
-            results.append((rec, samples))
-            print_row(rec, out)
+
+    def record(spec, budget, c, metrics):
+        pol = build_policy(spec, budget, heavy_share)
+        return {"task_kind": "streaming", "task": text, "semantics": "real", "policy": pol.name,
+                "label": spec if isinstance(spec, str) else pol.name, "budget": budget, "heavy": pol.heavy,
+                "recent": pol.recent, "options": parse_policy(spec)[1] if isinstance(spec, str) else {},
+                "chunk": c, "positions": positions, "window": window, "model": model_name,
+                "n_samples": metrics["tokens"], "wall_s": metrics["wall_s"], "threads": torch.get_num_threads(),
+                "metrics": metrics}
+
+    def finish(rec, samples):
+        results.append((rec, samples))
+        print_row(rec, out)
+        if on_record:
+            on_record(rec, samples)
+        if len(chunks) == 2 and rec["chunk"] == chunks[1]:
+            print_comparison(results[-2][0], rec, out=out)
+
+    def sampler(spec, budget, c):
+        return None if on_sample is None else (lambda smp: on_sample(job_label(spec, budget, c), smp))
+
+    if interleave:
+        streams = [Streamer(model, ids, spec, budget, c, positions, window, heavy_share, sampler(spec, budget, c))
+                   for spec, budget, c in jobs]
+        with tqdm(total=len(streams) * streams[0].n_pred, unit="tok", desc="all runs", mininterval=5,
+                  disable=not progress, file=sys.stderr) as bar:
+            while not all(st.done for st in streams):
+                for st in streams:
+                    before = st.s
+                    st.advance(st.s + window)
+                    bar.update(st.s - before)
+        for (spec, budget, c), st in zip(jobs, streams):
+            finish(record(spec, budget, c, st.metrics()), st.win.samples)
+        return results
+    for i, (spec, budget, c) in enumerate(jobs):
+        metrics, samples = stream(model, ids, spec, budget, c, positions, window, progress, heavy_share,
+                                  runs_left=len(jobs) - i, on_sample=sampler(spec, budget, c))
+        finish(record(spec, budget, c, metrics), samples)
     return results
+
+
+def job_label(spec, budget, chunk) -> str:
+    """A file-name-safe label of one run: ``h2o_heavy_share1-2_96_c1``."""
+    label = spec if isinstance(spec, str) else spec.name
+    return f"{label.replace(':', '_').replace('=', '').replace('/', '-')}_{budget}_c{chunk}"
 
 
 def print_row(rec: dict, out=None) -> None:
@@ -325,14 +485,28 @@ def print_row(rec: dict, out=None) -> None:
     def g(x, f, scale=1.0):
         return "-" if x is None else format(x * scale, f)
 
-    print(f"{rec['policy']:>14} budget {rec['budget']:>5} chunk {rec['chunk']:>3} positions {rec['positions']:>5}: "
+    print(f"{rec.get('label', rec['policy']):>14} budget {rec['budget']:>5} chunk {rec['chunk']:>3} "
+          f"positions {rec['positions']:>5}: "
           f"ppl {m['ppl']:8.3f}  past-context ppl {g(m['ppl_past_context'], '8.3f')}  tokens {m['tokens']}  "
-          f"held <= {m['cache_tokens_max']}  max pos {m['max_position_id']}  {m['tok_s']:.0f} tok/s  "
-          f"time/token {g(m['time_per_token_s_start'], '.2f', 1e3)} -> {g(m['time_per_token_s_end'], '.2f', 1e3)} "
-          f"ms ({g(m['time_per_token_growth'], '+.1f', 100)}%), CPU/token "
+          f"held <= {m['cache_tokens_max']}  max pos {m['max_position_id']}  {m['tok_s']:.1f} tok/s  "
+          f"wall {hms(m['wall_s'])}  time/token {g(m['time_per_token_s_start'], '.2f', 1e3)} -> "
+          f"{g(m['time_per_token_s_end'], '.2f', 1e3)} ms ({g(m['time_per_token_growth'], '+.1f', 100)}%), CPU/token "
           f"{g(m.get('cpu_per_token_growth'), '+.1f', 100)}%  RSS growth after warm-up "
           f"{g(m['rss_growth'], '+.2f', 100)}% (max {g(m.get('rss_growth_max'), '+.2f', 100)}%)",
           file=out or sys.stdout, flush=True)
+
+
+def print_comparison(base: dict, other: dict, out=None) -> None:
+    """The chunked option's effect beside the token-by-token run: perplexity change and speed-up."""
+    a, b = base["metrics"], other["metrics"]
+    print(f"{'':>14} chunk {other['chunk']} vs {base['chunk']}: ppl {b['ppl']:.3f} vs {a['ppl']:.3f} "
+          f"({100 * (b['ppl'] / a['ppl'] - 1):+.2f}%), {b['tok_s'] / a['tok_s']:.1f}x the speed",
+          file=out or sys.stdout, flush=True)
+
+
+def run_dir(root, rec: dict, experiment: str) -> Path:
+    return Path(root) / experiment / rec["model"] / rec["task"] / \
+        f"{job_label(rec['label'], rec['budget'], rec['chunk'])}_{rec['positions']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -340,35 +514,64 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default="austen", help="austen, moby, pg19 or a text file")
     p.add_argument("--tokens", type=int, default=20000, help="tokens to stream (up to 1M and more)")
-    p.add_argument("--policies", default="h2o,streaming_llm,local")
-    p.add_argument("--budgets", default="64,128,256", help="cache sizes in tokens, comma-separated")
-    p.add_argument("--chunk", type=int, default=32, help="tokens per forward")
+    p.add_argument("--policies", default="h2o,streaming_llm,local",
+                   help="policy specs, comma-separated: name[:option=value...], e.g. h2o:heavy_share=1/2:score=mean")
+    p.add_argument("--budgets", default="96,192,384", help="cache sizes in tokens, comma-separated")
+    p.add_argument("--heavy-share", type=_number, default=HEAVY_SHARE,
+                   help="heavy hitters' share of the cache unless a spec sets it (default 1/3: 32 + 64 at 96)")
+    p.add_argument("--chunk", type=int, default=CHUNK, help="tokens per forward (1: token by token, the default)")
+    p.add_argument("--compare-chunk", type=int, default=0,
+                   help="also run each policy with this chunk size and print the difference (0: no)")
     p.add_argument("--positions", choices=POSITIONS, default="cache")
-    p.add_argument("--log-every", type=int, default=0, help="one sample per this many tokens (0: per chunk)")
-    p.add_argument("--progress", type=int, default=0, help="print progress every this many chunks")
+    p.add_argument("--window", type=int, default=WINDOW, help="one sample (window perplexity) per this many tokens")
+    p.add_argument("--progress", action="store_true", help="a progress bar and a wall-time estimate")
     p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--json", default=None, help="write records (with their samples) here, JSON lines")
+    p.add_argument("--json", default=None, help="append records (with their samples) here as each run ends")
     p.add_argument("--runs", default=None, help="also write run folders (metrics.json + samples.jsonl)")
+    p.add_argument("--live", default=None, help="append each window's sample to LIVE/<run>.jsonl as it ends")
+    p.add_argument("--interleave", action="store_true",
+                   help="advance all runs one window at a time in turns (a study cut short keeps every curve)")
     p.add_argument("--experiment", default="streaming")
     args = p.parse_args(argv)
+    try:
+        budgets = [int(b) for b in args.budgets.split(",")]
+        specs = args.policies.split(",")
+        for spec in specs:
+            for b in budgets:
+                build_policy(spec, b, args.heavy_share)
+        for key in ("tokens", "chunk", "window"):
+            if getattr(args, key) < 1:
+                raise ValueError(f"--{key}={getattr(args, key)}: must be >= 1")
+        if args.compare_chunk < 0:
+            raise ValueError(f"--compare-chunk={args.compare_chunk}: must be >= 0")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     from h2o.assets.models import load_model
-    model, tok = load_model(args.model)
-    results = run(model, tok, args.text, args.tokens, args.policies.split(","),
-                  [int(b) for b in args.budgets.split(",")], args.chunk, args.positions, args.log_every,
-                  args.progress, model_name=args.model)
-    if args.json:
-        with open(args.json, "w") as f:
-            for rec, samples in results:
+    from h2o.assets.model_spec import resolve_tiny
+    model, tok = load_model(resolve_tiny(args.model))
+
+    def save(rec, samples):
+        if args.json:
+            with open(args.json, "a") as f:
                 f.write(json.dumps({"experiment": args.experiment, **rec, "samples": samples}) + "\n")
-    if args.runs:
-        for rec, samples in results:
-            d = Path(args.runs) / args.experiment / args.model / args.text / \
-                f"{rec['policy']}_{rec['budget']}_c{rec['chunk']}_{rec['positions']}"
+        if args.runs:
+            d = run_dir(args.runs, rec, args.experiment)
             d.mkdir(parents=True, exist_ok=True)
             (d / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
             (d / "metrics.json").write_text(json.dumps({"experiment": args.experiment, **rec}, indent=1))
+
+    def live(label, sample):
+        with open(Path(args.live) / f"{label}.jsonl", "a") as f:
+            f.write(json.dumps(sample) + "\n")
+
+    if args.live:
+        Path(args.live).mkdir(parents=True, exist_ok=True)
+    run(model, tok, args.text, args.tokens, specs, budgets, args.chunk, args.positions, args.window,
+        args.progress, args.heavy_share, args.compare_chunk, args.interleave, model_name=args.model,
+        on_record=save, on_sample=live if args.live else None)
     return 0
 
 
