@@ -79,7 +79,7 @@ def real_attention(state, module, query, key, value, new_valid, scaling):
         probs = masked_softmax(logits, allowed)  # (B, Hkv, G, r, S)
         if policy.needs_scores or q > 1:
             rows = new_valid[:, None, None, r:r + ROWS, None]  # pad query rows add nothing
-            layer.acc += (probs * rows).sum((2, 3))
+            policy.accumulate(layer.acc, (probs * rows).sum(2), new_valid[:, r:r + ROWS])
         outs.append(grouped_values(probs.to(value.dtype), value))  # (B, Hkv, G, r, D)
     if q > 1 and policy.evicts and not policy.is_full:
         layer.cut()

@@ -116,6 +116,12 @@ class Policy:
         """(B, H, S) float64, higher = keep. Called on valid slots only; ties are broken towards older tokens."""
         raise NotImplementedError(f"{type(self).__name__} is not an evicting policy")  # abstract
 
+    def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Add query rows to the accumulated attention, in place: acc (B, H, S), probs (B, H, r, S) summed over
+        the query heads of each KV head, rows in order, pad rows zeroed; valid (B, r) bool real rows (None: all).
+        Both paths call this; score variants override it (:mod:`.score`)."""
+        acc += probs.sum(-2)
+
     # ---------------------------------------------------- restricting policies
     def restrict(self, logits: torch.Tensor, acc: torch.Tensor, allowed: torch.Tensor,
                  counts: Counts) -> torch.Tensor:
