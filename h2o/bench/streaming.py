@@ -49,6 +49,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -59,6 +60,7 @@ from h2o.core.attach import attach, attention_modules
 from h2o.core.cache import EvictingCache
 from h2o.bench.measure import rss_bytes
 from h2o.core.policies import Policy, make_policy
+from h2o.core.policies.per_sequence import PerSequence
 from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
 
 POSITIONS = ("cache", "true")
@@ -291,24 +293,28 @@ def hms(seconds: float) -> str:
 
 
 class Streamer:
-    """One stream (a policy, a budget, a chunk size) that can be advanced a few tokens at a time, so that several
-    streams share one model in turns (``run(interleave=True)``): each keeps its own cache and counters."""
+    """Streams of one text through evicting caches of one budget, one per policy spec, batched: sequence b of the
+    batch runs ``specs[b]`` (:class:`PerSequence`), so a step reads the weights once for all of them. Advanced a
+    few tokens at a time, so that several streamers share one model in turns (``run(interleave=True)``).
+    Per-stream times are the batch's time divided by the streams."""
 
-    def __init__(self, model, ids: torch.Tensor, policy: str | Policy, budget: int | None = None,
-                 chunk: int = CHUNK, positions: str = "cache", window: int = WINDOW,
-                 heavy_share: float = HEAVY_SHARE, on_sample=None):
+    def __init__(self, model, ids: torch.Tensor, specs: list, budget: int | None = None, chunk: int = CHUNK,
+                 positions: str = "cache", window: int = WINDOW, heavy_share: float = HEAVY_SHARE,
+                 on_sample=None):
         if positions not in POSITIONS:
             raise ValueError(f"positions={positions!r}: allowed: {', '.join(POSITIONS)}")
         self.model, self.chunk, self.positions = model, chunk, positions
         self.device = next(model.parameters()).device
-        self.ids = ids.to(self.device)
-        self.pol = build_policy(policy, budget, heavy_share)
+        self.pols = [build_policy(spec, budget, heavy_share) for spec in specs]
+        self.B = len(self.pols)
+        self.ids = ids.to(self.device).expand(self.B, -1)
+        self.pol = self.pols[0] if self.B == 1 else PerSequence(self.pols)
         self.budget = self.pol.budget
         if not self.pol.is_full and not isinstance(self.budget, int):
             raise ValueError(f"streaming: budget={self.budget!r}: give a cache size in tokens (an int), not a ratio")
         self.ctx = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        self.win = Windows(window, on_sample)
-        self.past_nll, self.past_n = 0.0, 0
+        self.wins = [Windows(window, None if on_sample is None else partial(on_sample, b)) for b in range(self.B)]
+        self.past_nll, self.past_n = torch.zeros(self.B, dtype=torch.float64), 0
         self.max_pos = self.max_held = self.held = self.s = 0
         self.n_pred = self.ids.shape[1] - 1
         self.wall = 0.0
@@ -336,41 +342,55 @@ class Streamer:
                 t0, c0 = time.perf_counter(), time.process_time()
                 pos_ids = None
                 if renum is not None:
-                    pos_ids = torch.arange(renum.n, renum.n + q, device=self.device)[None]
+                    pos_ids = torch.arange(renum.n, renum.n + q, device=self.device)[None].expand(self.B, -1)
                     self.max_pos = max(self.max_pos, renum.n + q - 1)
                 out = self.model(input_ids=x, cache=self.cache, position_ids=pos_ids, use_cache=True)
-                nll = F.cross_entropy(out.logits[0].float(), y[0], reduction="none")  # (q,)
+                nll = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), reduction="none")
+                nll = nll.view(self.B, q).cpu()  # (B, q)
                 if renum is not None:
                     held = renum.after_chunk(self.cache, s)
                 else:
                     held = int((self.cache.layers[0].pos[0, 0] >= 0).sum())
                     self.max_pos = s + q - 1
                 if self.ctx and s + q > self.ctx:
-                    past = nll[max(0, self.ctx - s - 1):]  # predicted tokens whose position is >= ctx
-                    self.past_nll, self.past_n = self.past_nll + float(past.sum()), self.past_n + past.numel()
+                    past = nll[:, max(0, self.ctx - s - 1):]  # predicted tokens whose position is >= ctx
+                    self.past_nll, self.past_n = self.past_nll + past.double().sum(-1), self.past_n + past.shape[1]
                 self.s += q
-                self.win.add(nll, time.perf_counter() - t0, time.process_time() - c0, held, last=self.done)
+                dt, dc = (time.perf_counter() - t0) / self.B, (time.process_time() - c0) / self.B
+                for b, win in enumerate(self.wins):
+                    win.add(nll[b], dt, dc, held, last=self.done)
                 self.held, self.max_held = held, max(self.max_held, held)
         self.wall += time.perf_counter() - t_in
 
-    def metrics(self) -> dict:
-        total_nll, total_n = self.win.total_nll, self.win.total_n
+    def metrics(self, b: int = 0) -> dict:
+        """Stream ``b``'s summary metrics."""
+        win = self.wins[b]
+        total_nll, total_n = win.total_nll, win.total_n
+        wall = self.wall / self.B
         return {"ppl": math.exp(total_nll / total_n), "nll": total_nll / total_n, "tokens": total_n,
-                "ppl_past_context": math.exp(self.past_nll / self.past_n) if self.past_n else None,
-                "tokens_past_context": self.past_n, "tok_s": total_n / self.wall, "wall_s": self.wall,
-                "cache_tokens_max": self.max_held, "kv_bytes": self.cache.nbytes(), "max_position_id": self.max_pos,
-                **flatness(self.win.samples)}
+                "ppl_past_context": math.exp(self.past_nll[b] / self.past_n) if self.past_n else None,
+                "tokens_past_context": self.past_n, "tok_s": total_n / wall, "wall_s": wall, "batch": self.B,
+                "cache_tokens_max": self.max_held, "kv_bytes": self.cache.nbytes() // self.B,
+                "max_position_id": self.max_pos, **flatness(win.samples)}
 
 
 def stream(model, ids: torch.Tensor, policy: str | Policy, budget: int | None = None, chunk: int = CHUNK,
            positions: str = "cache", window: int = WINDOW, progress: bool = False, heavy_share: float = HEAVY_SHARE,
-           runs_left: int = 1, on_sample=None) -> tuple[dict, list[dict]]:
+           on_sample=None) -> tuple[dict, list[dict]]:
     """Stream ``ids`` (1, N + 1) through an evicting cache of ``budget`` tokens (or a built policy with a token
     budget), ``chunk`` tokens per forward (1: token by token). Returns (metrics, samples), one sample per
     ``window`` predicted tokens. ``progress``: a tqdm bar and, after the calibration, the wall-time estimate."""
-    st = Streamer(model, ids, policy, budget, chunk, positions, window, heavy_share, on_sample)
+    st = Streamer(model, ids, [policy], budget, chunk, positions, window, heavy_share,
+                  None if on_sample is None else (lambda b, smp: on_sample(smp)))
+    drive(st, progress)
+    return st.metrics(), st.wins[0].samples
+
+
+def drive(st: Streamer, progress: bool = False, runs_left: int = 1) -> None:
+    """Advance a streamer to the end of its text, with a tqdm bar and, once the cache is full and some tokens
+    more are done, the measured speed and the wall time it predicts (for ``runs_left`` such runs)."""
     calib = min(st.n_pred, max(2 * (st.budget if isinstance(st.budget, int) else 0), 256))  # past the filling
-    step = chunk * max(1, 64 // chunk)
+    step = st.chunk * max(1, 64 // st.chunk)
     with tqdm(total=st.n_pred, unit="tok", desc=f"{st.pol.name} {st.budget}", mininterval=5, disable=not progress,
               file=sys.stderr) as bar:
         while not st.done:
@@ -378,12 +398,11 @@ def stream(model, ids: torch.Tensor, policy: str | Policy, budget: int | None = 
             st.advance(calib if before < calib else before + step)
             bar.update(st.s - before)
             if progress and before < calib <= st.s:
-                bar.write(f"[stream] {st.pol.name} {st.budget} chunk {chunk}: "
+                bar.write(f"[stream] {st.pol.name} {st.budget} chunk {st.chunk}: "
                           f"{estimate(st.s, st.n_pred, st.wall, runs_left)}")
-            if progress and st.win.samples:
-                bar.set_postfix(ppl=f"{st.win.samples[-1]['ppl']:.2f}", held=st.held,
+            if progress and st.wins[0].samples:
+                bar.set_postfix(ppl=f"{st.wins[0].samples[-1]['ppl']:.2f}", held=st.held,
                                 rss=f"{rss_bytes() / 2**20:.0f}MiB", refresh=False)
-    return st.metrics(), st.win.samples
 
 
 # ------------------------------------------------------------------------------------ runner task
@@ -421,55 +440,61 @@ class StreamingTask(TaskSpec):
 
 def run(model, tokenizer, text: str = "austen", tokens: int = 20000, policies=("h2o", "streaming_llm", "local"),
         budgets=(96, 192, 384), chunk: int = CHUNK, positions: str = "cache", window: int = WINDOW,
-        progress: bool = False, heavy_share: float = HEAVY_SHARE, compare_chunk: int = 0, interleave: bool = False,
-        model_name: str = "", out=None, on_record=None, on_sample=None) -> list[tuple[dict, list[dict]]]:
+        progress: bool = False, heavy_share: float = HEAVY_SHARE, compare_chunk: int = 0, batch: bool = False,
+        interleave: bool = False, model_name: str = "", out=None, on_record=None,
+        on_sample=None) -> list[tuple[dict, list[dict]]]:
     """Stream the text for each budget x policy spec (:func:`parse_policy`); with ``compare_chunk`` each run is
-    repeated with that chunk size and printed beside it. Returns [(record, samples)] in the run-record format;
-    ``on_record(record, samples)`` is called as each run finishes (a long study loses no finished run),
-    ``on_sample(label, sample)`` as each window ends. ``interleave``: all runs advance one window at a time in
-    turns (a study cut short still has every curve up to the same length)."""
+    repeated with that chunk size and its difference printed. Returns [(record, samples)] in the run-record
+    format; ``on_record(record, samples)`` is called as each run finishes (a long study loses no finished run),
+    ``on_sample(label, sample)`` as each window ends. ``batch``: the policies of one budget stream together as
+    one batch (:class:`Streamer`). ``interleave``: all streamers advance one window at a time in turns (a study
+    cut short still has every curve up to the same length)."""
     ids = text_ids(tokenizer, load_text(text), tokens)
     chunks = [chunk] + ([compare_chunk] if compare_chunk and compare_chunk != chunk else [])
-    jobs = [(spec, budget, c) for budget in budgets for spec in policies for c in chunks]
+    groups = [(budget, c, group) for budget in budgets for c in chunks
+              for group in ([list(policies)] if batch else [[spec] for spec in policies])]
     results = []
 
-    def record(spec, budget, c, metrics):
+    def finish(spec, budget, c, metrics, samples):
         pol = build_policy(spec, budget, heavy_share)
-        return {"task_kind": "streaming", "task": text, "semantics": "real", "policy": pol.name,
-                "label": spec if isinstance(spec, str) else pol.name, "budget": budget, "heavy": pol.heavy,
-                "recent": pol.recent, "options": parse_policy(spec)[1] if isinstance(spec, str) else {},
-                "chunk": c, "positions": positions, "window": window, "model": model_name,
-                "n_samples": metrics["tokens"], "wall_s": metrics["wall_s"], "threads": torch.get_num_threads(),
-                "metrics": metrics}
-
-    def finish(rec, samples):
+        rec = {"task_kind": "streaming", "task": text, "semantics": "real", "policy": pol.name,
+               "label": spec if isinstance(spec, str) else pol.name, "budget": budget, "heavy": pol.heavy,
+               "recent": pol.recent, "options": parse_policy(spec)[1] if isinstance(spec, str) else {},
+               "chunk": c, "positions": positions, "window": window, "model": model_name,
+               "n_samples": metrics["tokens"], "wall_s": metrics["wall_s"], "threads": torch.get_num_threads(),
+               "metrics": metrics}
         results.append((rec, samples))
         print_row(rec, out)
         if on_record:
             on_record(rec, samples)
-        if len(chunks) == 2 and rec["chunk"] == chunks[1]:
-            print_comparison(results[-2][0], rec, out=out)
+        base = [r for r, _ in results if r["label"] == rec["label"] and r["budget"] == budget and r["chunk"] == chunk]
+        if c != chunk and base:
+            print_comparison(base[0], rec, out=out)
 
-    def sampler(spec, budget, c):
-        return None if on_sample is None else (lambda smp: on_sample(job_label(spec, budget, c), smp))
+    def streamer(budget, c, specs):
+        live = None if on_sample is None else (lambda b, smp: on_sample(job_label(specs[b], budget, c), smp))
+        return Streamer(model, ids, specs, budget, c, positions, window, heavy_share, live)
 
-    if interleave:
-        streams = [Streamer(model, ids, spec, budget, c, positions, window, heavy_share, sampler(spec, budget, c))
-                   for spec, budget, c in jobs]
-        with tqdm(total=len(streams) * streams[0].n_pred, unit="tok", desc="all runs", mininterval=5,
-                  disable=not progress, file=sys.stderr) as bar:
-            while not all(st.done for st in streams):
-                for st in streams:
-                    before = st.s
-                    st.advance(st.s + window)
-                    bar.update(st.s - before)
-        for (spec, budget, c), st in zip(jobs, streams):
-            finish(record(spec, budget, c, st.metrics()), st.win.samples)
+    def done(st, budget, c, specs):
+        for b, spec in enumerate(specs):
+            finish(spec, budget, c, st.metrics(b), st.wins[b].samples)
+
+    if not interleave:
+        for i, (budget, c, specs) in enumerate(groups):
+            st = streamer(budget, c, specs)
+            drive(st, progress, runs_left=len(groups) - i)
+            done(st, budget, c, specs)
         return results
-    for i, (spec, budget, c) in enumerate(jobs):
-        metrics, samples = stream(model, ids, spec, budget, c, positions, window, progress, heavy_share,
-                                  runs_left=len(jobs) - i, on_sample=sampler(spec, budget, c))
-        finish(record(spec, budget, c, metrics), samples)
+    streams = [streamer(*g) for g in groups]
+    with tqdm(total=len(streams) * streams[0].n_pred, unit="tok", desc="all runs", mininterval=5,
+              disable=not progress, file=sys.stderr) as bar:
+        while not all(st.done for st in streams):
+            for st in streams:
+                before = st.s
+                st.advance(st.s + window)
+                bar.update(st.s - before)
+    for st, g in zip(streams, groups):
+        done(st, *g)
     return results
 
 
@@ -529,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="append records (with their samples) here as each run ends")
     p.add_argument("--runs", default=None, help="also write run folders (metrics.json + samples.jsonl)")
     p.add_argument("--live", default=None, help="append each window's sample to LIVE/<run>.jsonl as it ends")
+    p.add_argument("--batch", action="store_true",
+                   help="stream the policies of one budget together as one batch (weights read once per step)")
     p.add_argument("--interleave", action="store_true",
                    help="advance all runs one window at a time in turns (a study cut short keeps every curve)")
     p.add_argument("--experiment", default="streaming")
@@ -570,7 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.live:
         Path(args.live).mkdir(parents=True, exist_ok=True)
     run(model, tok, args.text, args.tokens, specs, budgets, args.chunk, args.positions, args.window,
-        args.progress, args.heavy_share, args.compare_chunk, args.interleave, model_name=args.model,
+        args.progress, args.heavy_share, args.compare_chunk, args.batch, args.interleave, model_name=args.model,
         on_record=save, on_sample=live if args.live else None)
     return 0
 
