@@ -1,14 +1,15 @@
 """h2o.bench.streaming's protocol options on a tiny random model: policy specs, exact windows, batched and
 interleaved streams equal to separate ones, the authors' defaults."""
-import json
 import math
 
 import pytest
 import torch
 
 from h2o.assets.models import tiny_model
-from h2o.bench import streaming
-from h2o.bench.streaming import Windows, build_policy, parse_policy, run, stream
+from h2o.bench import streaming, streaming_cli
+from h2o.bench.stream_parts import Windows, build_policy, parse_policy
+from h2o.bench.streaming import stream
+from h2o.bench.streaming_cli import run
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,8 @@ def test_batched_and_interleaved_streams_equal_separate_ones(model, monkeypatch)
     alone = {(spec, c): stream(model, ids, spec, 24, chunk=c, window=50)[0]["ppl"] for spec in specs for c in (1, 8)}
     assert len({round(v, 6) for v in alone.values()}) == len(alone)  # the policies differ
     tok = type("Tok", (), {"__call__": lambda self, text, add_special_tokens=True: None})
-    monkeypatch.setattr(streaming, "text_ids", lambda tokenizer, text, n: ids[:, :n + 1])  # the ids above
-    monkeypatch.setattr(streaming, "load_text", lambda name: "")
+    monkeypatch.setattr(streaming_cli, "text_ids", lambda tokenizer, text, n: ids[:, :n + 1])  # the ids above
+    monkeypatch.setattr(streaming_cli, "load_text", lambda name: "")
     for batch, interleave in [(True, False), (True, True)]:
         seen = []
         res = run(model, tok(), tokens=160, policies=specs, budgets=(24,), chunk=1, compare_chunk=8, window=50,

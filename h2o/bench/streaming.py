@@ -42,10 +42,7 @@ CLI: ``python -m h2o.bench.streaming --text austen --tokens 20000 --policies h2o
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -59,13 +56,13 @@ from tqdm import tqdm
 from h2o.core.attach import attach, attention_modules
 from h2o.core.cache import EvictingCache
 from h2o.bench.measure import rss_bytes
-from h2o.core.policies import Policy, make_policy
+from h2o.bench.stream_parts import HEAVY_SHARE, Windows, build_policy, estimate, flatness
+from h2o.core.policies import Policy
 from h2o.core.policies.per_sequence import PerSequence
 from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
 
 POSITIONS = ("cache", "true")
 CHUNK = 1  # tokens per forward: one at a time, the authors' protocol
-HEAVY_SHARE = 1 / 3  # the authors' streaming split: heavy 32 + recent 64 at 96 tokens
 WINDOW = 1000  # predicted tokens per sample
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 
@@ -182,116 +179,6 @@ def text_ids(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------- stream
-def flatness(samples: list[dict], warmup: float = 0.1) -> dict:
-    """Growth after the warm-up (the first ``warmup`` fraction of samples, at least two): resident memory at the
-    end over memory right after the warm-up, minus 1; median time (and CPU time) per token of the last quarter
-    of the samples over the first quarter after the warm-up, minus 1 (medians of quarters: robust to load spikes
-    from other processes)."""
-    n = len(samples)
-    w = min(max(2, int(n * warmup)), n - 1)
-    after = samples[w:]
-    if len(after) < 2:
-        return {"rss_growth": None, "rss_growth_max": None, "time_per_token_growth": None,
-                "time_per_token_s_start": None, "time_per_token_s_end": None, "warmup_tokens": None,
-                "cpu_per_token_growth": None}
-    k = max(1, len(after) // 4)
-    t0 = statistics.median(s["time_per_token_s"] for s in after[:k])
-    t1 = statistics.median(s["time_per_token_s"] for s in after[-k:])
-    out = {"rss_growth": after[-1]["rss_bytes"] / after[0]["rss_bytes"] - 1,
-           "rss_growth_max": max(s["rss_bytes"] for s in after) / after[0]["rss_bytes"] - 1,
-           "time_per_token_growth": t1 / t0 - 1, "time_per_token_s_start": t0, "time_per_token_s_end": t1,
-           "warmup_tokens": samples[w - 1]["tokens"]}
-    if all("cpu_per_token_s" in s for s in after):  # CPU seconds: not inflated by other processes' load
-        c0 = statistics.median(s["cpu_per_token_s"] for s in after[:k])
-        c1 = statistics.median(s["cpu_per_token_s"] for s in after[-k:])
-        out.update(cpu_per_token_growth=c1 / c0 - 1, cpu_per_token_s_start=c0, cpu_per_token_s_end=c1)
-    return out
-
-
-def parse_policy(spec: str) -> tuple[str, dict]:
-    """``"h2o:heavy_share=1/2:score=decay:decay=0.99"`` -> ("h2o", {"heavy_share": 0.5, "score": "decay", ...}).
-
-    Values: int, float, a fraction ``a/b``, else a string. The spec is also the run's label."""
-    name, *opts = spec.split(":")
-    options = {}
-    for opt in opts:
-        key, eq, value = opt.partition("=")
-        if not eq or not key:
-            raise ValueError(f"policy spec {spec!r}: option {opt!r} is not key=value")
-        options[key] = _number(value)
-    return name, options
-
-
-def _number(value: str):
-    for cast in (int, float):
-        try:
-            return cast(value)
-        except ValueError:
-            pass
-    a, slash, b = value.partition("/")
-    if slash:
-        try:
-            return float(a) / float(b)
-        except (ValueError, ZeroDivisionError):
-            pass
-    return value
-
-
-def build_policy(spec: str | Policy, budget: int | None, heavy_share: float = HEAVY_SHARE) -> Policy:
-    """A policy from a spec (:func:`parse_policy`) with a budget in tokens; ``heavy_share`` unless the spec sets it."""
-    if isinstance(spec, Policy):
-        return spec
-    name, options = parse_policy(spec)
-    if name == "full":
-        return make_policy(name, **options)
-    return make_policy(name, **{"budget": budget, "heavy_share": heavy_share, **options})
-
-
-class Windows:
-    """Perplexity per window of ``size`` predicted tokens (exact windows, split across chunks)."""
-
-    def __init__(self, size: int, on_sample=None):
-        self.size, self.samples, self.on_sample = size, [], on_sample
-        self.total_nll, self.total_n = 0.0, 0
-        self.nll = self.n = self.t = self.c = 0.0
-
-    def add(self, nll: torch.Tensor, dt: float, dc: float, held: int, last: bool) -> None:
-        """nll (q,) of one chunk that took ``dt`` seconds (``dc`` CPU seconds), shared out by tokens."""
-        q, i = nll.numel(), 0
-        while i < q:
-            take = min(q - i, self.size - int(self.n))
-            part = float(nll[i:i + take].sum())
-            self.nll, self.n = self.nll + part, self.n + take
-            self.t, self.c = self.t + dt * take / q, self.c + dc * take / q
-            self.total_nll, self.total_n = self.total_nll + part, self.total_n + take
-            i += take
-            if self.n >= self.size or (last and i == q):
-                self.emit(held)
-
-    def emit(self, held: int) -> None:
-        m = self.nll / self.n
-        self.samples.append({"tokens": self.total_n, "nll": m, "chunk_ppl": math.exp(m),
-                             "ppl": math.exp(self.total_nll / self.total_n), "time_s": self.t,
-                             "time_per_token_s": self.t / self.n, "cpu_per_token_s": self.c / self.n,
-                             "rss_bytes": rss_bytes(), "cache_tokens": held})
-        if self.on_sample:
-            self.on_sample(self.samples[-1])
-        self.nll = self.n = self.t = self.c = 0.0
-
-
-def estimate(done: int, total: int, seconds: float, runs: int = 1) -> str:
-    """One line: the measured speed so far and the wall time it predicts for ``total`` tokens (x ``runs``)."""
-    rate = done / max(seconds, 1e-9)
-    eta = total / rate
-    more = f", ~{hms(eta * runs)} for all {runs} runs" if runs > 1 else ""
-    return f"{rate:.1f} tok/s over the first {done} tokens -> ~{hms(eta)} for {total} tokens{more}"
-
-
-def hms(seconds: float) -> str:
-    h, rem = divmod(int(seconds), 3600)
-    return f"{h}h{rem // 60:02d}m" if h else f"{rem // 60}m{rem % 60:02d}s"
-
-
 class Streamer:
     """Streams of one text through evicting caches of one budget, one per policy spec, batched: sequence b of the
     batch runs ``specs[b]`` (:class:`PerSequence`), so a step reads the weights once for all of them. Advanced a
@@ -438,168 +325,10 @@ class StreamingTask(TaskSpec):
         return Result(metrics, samples, {"chunk": self.chunk, "positions": self.positions, "text": self.text})
 
 
-def run(model, tokenizer, text: str = "austen", tokens: int = 20000, policies=("h2o", "streaming_llm", "local"),
-        budgets=(96, 192, 384), chunk: int = CHUNK, positions: str = "cache", window: int = WINDOW,
-        progress: bool = False, heavy_share: float = HEAVY_SHARE, compare_chunk: int = 0, batch: bool = False,
-        interleave: bool = False, model_name: str = "", out=None, on_record=None,
-        on_sample=None) -> list[tuple[dict, list[dict]]]:
-    """Stream the text for each budget x policy spec (:func:`parse_policy`); with ``compare_chunk`` each run is
-    repeated with that chunk size and its difference printed. Returns [(record, samples)] in the run-record
-    format; ``on_record(record, samples)`` is called as each run finishes (a long study loses no finished run),
-    ``on_sample(label, sample)`` as each window ends. ``batch``: the policies of one budget stream together as
-    one batch (:class:`Streamer`). ``interleave``: all streamers advance one window at a time in turns (a study
-    cut short still has every curve up to the same length)."""
-    ids = text_ids(tokenizer, load_text(text), tokens)
-    chunks = [chunk] + ([compare_chunk] if compare_chunk and compare_chunk != chunk else [])
-    groups = [(budget, c, group) for budget in budgets for c in chunks
-              for group in ([list(policies)] if batch else [[spec] for spec in policies])]
-    results = []
-
-    def finish(spec, budget, c, metrics, samples):
-        pol = build_policy(spec, budget, heavy_share)
-        rec = {"task_kind": "streaming", "task": text, "semantics": "real", "policy": pol.name,
-               "label": spec if isinstance(spec, str) else pol.name, "budget": budget, "heavy": pol.heavy,
-               "recent": pol.recent, "options": parse_policy(spec)[1] if isinstance(spec, str) else {},
-               "chunk": c, "positions": positions, "window": window, "model": model_name,
-               "n_samples": metrics["tokens"], "wall_s": metrics["wall_s"], "threads": torch.get_num_threads(),
-               "metrics": metrics}
-        results.append((rec, samples))
-        print_row(rec, out)
-        if on_record:
-            on_record(rec, samples)
-        base = [r for r, _ in results if r["label"] == rec["label"] and r["budget"] == budget and r["chunk"] == chunk]
-        if c != chunk and base:
-            print_comparison(base[0], rec, out=out)
-
-    def streamer(budget, c, specs):
-        live = None if on_sample is None else (lambda b, smp: on_sample(job_label(specs[b], budget, c), smp))
-        return Streamer(model, ids, specs, budget, c, positions, window, heavy_share, live)
-
-    def done(st, budget, c, specs):
-        for b, spec in enumerate(specs):
-            finish(spec, budget, c, st.metrics(b), st.wins[b].samples)
-
-    if not interleave:
-        for i, (budget, c, specs) in enumerate(groups):
-            st = streamer(budget, c, specs)
-            drive(st, progress, runs_left=len(groups) - i)
-            done(st, budget, c, specs)
-        return results
-    streams = [streamer(*g) for g in groups]
-    with tqdm(total=len(streams) * streams[0].n_pred, unit="tok", desc="all runs", mininterval=5,
-              disable=not progress, file=sys.stderr) as bar:
-        while not all(st.done for st in streams):
-            for st in streams:
-                before = st.s
-                st.advance(st.s + window)
-                bar.update(st.s - before)
-    for st, g in zip(streams, groups):
-        done(st, *g)
-    return results
-
-
-def job_label(spec, budget, chunk) -> str:
-    """A file-name-safe label of one run: ``h2o_heavy_share1-2_96_c1``."""
-    label = spec if isinstance(spec, str) else spec.name
-    return f"{label.replace(':', '_').replace('=', '').replace('/', '-')}_{budget}_c{chunk}"
-
-
-def print_row(rec: dict, out=None) -> None:
-    m = rec["metrics"]
-
-    def g(x, f, scale=1.0):
-        return "-" if x is None else format(x * scale, f)
-
-    print(f"{rec.get('label', rec['policy']):>14} budget {rec['budget']:>5} chunk {rec['chunk']:>3} "
-          f"positions {rec['positions']:>5}: "
-          f"ppl {m['ppl']:8.3f}  past-context ppl {g(m['ppl_past_context'], '8.3f')}  tokens {m['tokens']}  "
-          f"held <= {m['cache_tokens_max']}  max pos {m['max_position_id']}  {m['tok_s']:.1f} tok/s  "
-          f"wall {hms(m['wall_s'])}  time/token {g(m['time_per_token_s_start'], '.2f', 1e3)} -> "
-          f"{g(m['time_per_token_s_end'], '.2f', 1e3)} ms ({g(m['time_per_token_growth'], '+.1f', 100)}%), CPU/token "
-          f"{g(m.get('cpu_per_token_growth'), '+.1f', 100)}%  RSS growth after warm-up "
-          f"{g(m['rss_growth'], '+.2f', 100)}% (max {g(m.get('rss_growth_max'), '+.2f', 100)}%)",
-          file=out or sys.stdout, flush=True)
-
-
-def print_comparison(base: dict, other: dict, out=None) -> None:
-    """The chunked option's effect beside the token-by-token run: perplexity change and speed-up."""
-    a, b = base["metrics"], other["metrics"]
-    print(f"{'':>14} chunk {other['chunk']} vs {base['chunk']}: ppl {b['ppl']:.3f} vs {a['ppl']:.3f} "
-          f"({100 * (b['ppl'] / a['ppl'] - 1):+.2f}%), {b['tok_s'] / a['tok_s']:.1f}x the speed",
-          file=out or sys.stdout, flush=True)
-
-
-def run_dir(root, rec: dict, experiment: str) -> Path:
-    return Path(root) / experiment / rec["model"] / rec["task"] / \
-        f"{job_label(rec['label'], rec['budget'], rec['chunk'])}_{rec['positions']}"
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m h2o.bench.streaming", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--text", default="austen", help="austen, moby, pg19 or a text file")
-    p.add_argument("--tokens", type=int, default=20000, help="tokens to stream (up to 1M and more)")
-    p.add_argument("--policies", default="h2o,streaming_llm,local",
-                   help="policy specs, comma-separated: name[:option=value...], e.g. h2o:heavy_share=1/2:score=mean")
-    p.add_argument("--budgets", default="96,192,384", help="cache sizes in tokens, comma-separated")
-    p.add_argument("--heavy-share", type=_number, default=HEAVY_SHARE,
-                   help="heavy hitters' share of the cache unless a spec sets it (default 1/3: 32 + 64 at 96)")
-    p.add_argument("--chunk", type=int, default=CHUNK, help="tokens per forward (1: token by token, the default)")
-    p.add_argument("--compare-chunk", type=int, default=0,
-                   help="also run each policy with this chunk size and print the difference (0: no)")
-    p.add_argument("--positions", choices=POSITIONS, default="cache")
-    p.add_argument("--window", type=int, default=WINDOW, help="one sample (window perplexity) per this many tokens")
-    p.add_argument("--progress", action="store_true", help="a progress bar and a wall-time estimate")
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--json", default=None, help="append records (with their samples) here as each run ends")
-    p.add_argument("--runs", default=None, help="also write run folders (metrics.json + samples.jsonl)")
-    p.add_argument("--live", default=None, help="append each window's sample to LIVE/<run>.jsonl as it ends")
-    p.add_argument("--batch", action="store_true",
-                   help="stream the policies of one budget together as one batch (weights read once per step)")
-    p.add_argument("--interleave", action="store_true",
-                   help="advance all runs one window at a time in turns (a study cut short keeps every curve)")
-    p.add_argument("--experiment", default="streaming")
-    args = p.parse_args(argv)
-    try:
-        budgets = [int(b) for b in args.budgets.split(",")]
-        specs = args.policies.split(",")
-        for spec in specs:
-            for b in budgets:
-                build_policy(spec, b, args.heavy_share)
-        for key in ("tokens", "chunk", "window"):
-            if getattr(args, key) < 1:
-                raise ValueError(f"--{key}={getattr(args, key)}: must be >= 1")
-        if args.compare_chunk < 0:
-            raise ValueError(f"--compare-chunk={args.compare_chunk}: must be >= 0")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from h2o.assets.models import load_model
-    from h2o.assets.model_spec import resolve_tiny
-    model, tok = load_model(resolve_tiny(args.model))
-
-    def save(rec, samples):
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps({"experiment": args.experiment, **rec, "samples": samples}) + "\n")
-        if args.runs:
-            d = run_dir(args.runs, rec, args.experiment)
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-            (d / "metrics.json").write_text(json.dumps({"experiment": args.experiment, **rec}, indent=1))
-
-    def live(label, sample):
-        with open(Path(args.live) / f"{label}.jsonl", "a") as f:
-            f.write(json.dumps(sample) + "\n")
-
-    if args.live:
-        Path(args.live).mkdir(parents=True, exist_ok=True)
-    run(model, tok, args.text, args.tokens, specs, budgets, args.chunk, args.positions, args.window,
-        args.progress, args.heavy_share, args.compare_chunk, args.batch, args.interleave, model_name=args.model,
-        on_record=save, on_sample=live if args.live else None)
-    return 0
+    """The CLI (:mod:`h2o.bench.streaming_cli`): ``python -m h2o.bench.streaming --help``."""
+    from h2o.bench.streaming_cli import main as cli_main
+    return cli_main(argv)
 
 
 if __name__ == "__main__":
