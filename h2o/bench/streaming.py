@@ -1,10 +1,12 @@
 """Streaming perplexity over one long text through the evicting cache (the paper's long-context figure).
 
-The text is fed in chunks of ``chunk`` tokens. Each chunk is a prefill chunk of the real path: it attends to the
-cache and to itself causally, then the cache is cut back to its budget (absolute token budgets: ``budget=128``
-keeps 128 tokens per KV head). Every token of the text but the first is predicted once; a chunk's tokens see
-between ``budget`` and ``budget + chunk - 1`` tokens (the cache plus the chunk's own prefix), so a smaller chunk is
-closer to token-by-token streaming and slower.
+The authors' protocol is the default: one token at a time (``chunk=1``: each step evicts one token, the paper's
+setting) and H2O split 1/3 heavy, 2/3 recent (heavy 32 + recent 64 at 96 tokens, scaled with the cache size;
+``HEAVY_SHARE``). Budgets are token counts (``budget=96`` keeps 96 tokens per KV head). With ``chunk > 1`` each
+chunk is a prefill chunk of the real path: it attends to the cache and to itself causally, then the cache is cut
+back to its budget, so a chunk's tokens see between ``budget`` and ``budget + chunk - 1`` tokens: faster (the
+weights are read once per chunk), and not the same numbers (measured in the README). Every token of the text but
+the first is predicted once.
 
 Positions (``positions=``), once the text passes the model's context (8192 tokens for SmolLM2):
 
@@ -29,16 +31,20 @@ are moved as well, which is ``"cache"``.
 Rotary models only for ``"cache"`` (Llama, Mistral, GPT-NeoX's partial rotary; not OPT's learned positions,
 nor rope types whose frequencies change with length).
 
-Samples, one per chunk (or per ``log_every`` tokens): ``tokens`` (tokens predicted so far), ``nll`` (mean over the
-chunk), ``chunk_ppl``, ``ppl`` (perplexity of everything so far), ``time_s`` (the chunk's seconds),
-``time_per_token_s``, ``cpu_per_token_s`` (this process's CPU seconds: not inflated by other processes),
-``rss_bytes`` (process resident memory), ``cache_tokens`` (tokens held per KV head).
+Samples, one per ``window`` predicted tokens (1000; exact windows, split across chunks): ``tokens`` (tokens
+predicted so far), ``nll`` (mean over the window), ``chunk_ppl`` (the window's perplexity), ``ppl`` (perplexity
+of everything so far), ``time_s`` (the window's seconds), ``time_per_token_s``, ``cpu_per_token_s`` (this
+process's CPU seconds: not inflated by other processes), ``rss_bytes`` (process resident memory),
+``cache_tokens`` (tokens held per KV head). Several policies of one budget can stream as one batch
+(:class:`Streamer`, sequence b runs policy b): the same numbers, and a token-by-token step reads the weights once
+for all of them; per-stream times are then the batch's divided by the streams.
 Summary metrics: ``ppl``, ``nll``, ``ppl_past_context`` (tokens past the model's context), ``tok_s``,
 ``rss_growth``, ``time_per_token_growth`` and ``cpu_per_token_growth`` (end vs after the warm-up, see
 :func:`flatness`).
 
-CLI: ``python -m h2o.bench.streaming --text austen --tokens 20000 --policies h2o,streaming_llm,local
---budgets 64,128,256 --chunk 32``; ``--tokens 1000000`` streams a million tokens (the text repeats if shorter).
+CLI (:mod:`h2o.bench.streaming_cli`): ``python -m h2o.bench.streaming --text austen --tokens 20000 --policies
+h2o,h2o:heavy_share=1/2,streaming_llm,local --budgets 96,192,384 --compare-chunk 32 --batch --progress``;
+``--tokens 1000000`` streams a million tokens (the text repeats if shorter).
 """
 from __future__ import annotations
 
