@@ -105,9 +105,9 @@ def print_row(rec: dict, out=None) -> None:
 def print_comparison(base: dict, other: dict, out=None) -> None:
     """The chunked option's effect beside the token-by-token run: perplexity change and speed-up."""
     a, b = base["metrics"], other["metrics"]
-    print(f"{'':>14} chunk {other['chunk']} vs {base['chunk']}: ppl {b['ppl']:.3f} vs {a['ppl']:.3f} "
-          f"({100 * (b['ppl'] / a['ppl'] - 1):+.2f}%), {b['tok_s'] / a['tok_s']:.1f}x the speed",
-          file=out or sys.stdout, flush=True)
+    print(f"{base['label']:>14} budget {base['budget']:>5} chunk {other['chunk']} vs {base['chunk']}: "
+          f"ppl {b['ppl']:.3f} vs {a['ppl']:.3f} ({100 * (b['ppl'] / a['ppl'] - 1):+.2f}%), "
+          f"{b['tok_s'] / a['tok_s']:.1f}x the speed", file=out or sys.stdout, flush=True)
 
 
 def run_dir(root, rec: dict, experiment: str) -> Path:
