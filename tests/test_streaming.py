@@ -67,3 +67,17 @@ def test_cli_bad_input_exits_2_before_loading(capsys):
     assert streaming.main(["--policies", "h2o:score=max"]) == 2
     assert "score='max'" in capsys.readouterr().err
     assert streaming.main(["--chunk", "0"]) == 2
+
+
+def test_wall_time_estimate_and_per_sequence_checks():
+    from h2o.bench.stream_parts import estimate
+    from h2o.core.policies import PolicyError, make_policy
+    from h2o.core.policies.per_sequence import PerSequence
+
+    line = estimate(256, 1_000_000, 10.0, runs=3)
+    assert "25.6 tok/s over the first 256 tokens" in line and "~10h51m for 1000000 tokens" in line
+    assert "3 runs left: ~32h33m" in line
+    with pytest.raises(PolicyError, match="budgets"):
+        PerSequence([make_policy("h2o", budget=96), make_policy("local", budget=48)])
+    with pytest.raises(PolicyError, match="evicting"):
+        PerSequence([make_policy("h2o", budget=96), make_policy("topk", budget=96)])
