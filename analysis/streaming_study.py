@@ -3,7 +3,7 @@
 ``python -m analysis.streaming_study runs/streaming_study --out analysis/streaming_study`` reads the window samples
 written live by ``python -m h2o.bench.streaming --live DIR`` (``DIR/<label>_<budget>_c<chunk>.jsonl``, one JSON
 sample per window: ``tokens``, ``chunk_ppl`` = the window's perplexity, ``ppl`` = everything so far) from every
-folder under the root, and writes ``study.png`` (one panel per feeding x budget) and ``study.md`` (the table).
+folder under the root, and writes ``study.png`` (one panel per feeding x budget, each policy relative to StreamingLLM) and ``study.md`` (the table).
 Curves are compared over the windows every run of a panel has finished (a study cut short stays fair).
 """
 from __future__ import annotations
@@ -87,19 +87,26 @@ def table(data) -> str:
 
 
 def figure(data, out: Path) -> Path:
+    """One panel per feeding x budget: each policy's window perplexity relative to StreamingLLM's, in percent
+    (below 0: better than StreamingLLM); local, far above, is left to the table."""
     panels = sorted(data)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False, dpi=80)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False, dpi=80)
     for ax, key in zip(axes[0], panels):
         runs, (chunk, budget) = data[key], key
         n = common(runs)
+        base = runs.get(BASELINE)
         for label, s in sorted(runs.items()):
-            ax.plot([x["tokens"] / 1000 for x in s[:n]], [x["chunk_ppl"] for x in s[:n]], label=label,
-                    lw=1.6 if label in ("h2o", BASELINE) else 1.0)
+            if base is None or label in (BASELINE, "local"):
+                continue
+            ax.plot([x["tokens"] / 1000 for x in s[:n]],
+                    [100 * (x["chunk_ppl"] / b["chunk_ppl"] - 1) for x, b in zip(s[:n], base[:n])],
+                    marker="o", ms=3, label=label, lw=1.8 if label == "h2o" else 1.0)
+        ax.axhline(0, color="k", lw=0.8, label=f"{BASELINE} (0)")
         ax.set(title=f"{budget}-token cache, " + ("token by token" if chunk == 1 else f"chunks of {chunk}"),
-               xlabel="tokens streamed (k)", ylabel="perplexity of each 1k-token window")
+               xlabel="tokens streamed (k)", ylabel="window perplexity vs StreamingLLM (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("SmolLM2-135M streaming Austen (positions inside the cache)", fontsize=10)
+    fig.suptitle("SmolLM2-135M streaming Austen: perplexity of each 1k-token window", fontsize=10)
     fig.tight_layout()
     path = out / "study.png"
     fig.savefig(path)
