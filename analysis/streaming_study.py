@@ -4,7 +4,7 @@
 written live by ``python -m h2o.bench.streaming --live DIR`` (``DIR/<label>_<budget>_c<chunk>.jsonl``, one JSON
 sample per window: ``tokens``, ``chunk_ppl`` = the window's perplexity, ``ppl`` = everything so far) from every
 folder under the root, and writes ``study.png`` (one panel per feeding x budget, each policy relative to StreamingLLM) and ``study.md`` (the table).
-Curves are compared over the windows every run of a panel has finished (a study cut short stays fair).
+Curves are compared over the windows every run of a panel has finished (a study cut short stays fair); every window is shown up to 12 of them.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def table(data) -> str:
     for (chunk, budget), runs in sorted(data.items()):
         n = common(runs)
         feed = "token by token" if chunk == 1 else f"chunks of {chunk}"
-        marks = [i for i in range(n) if (i + 1) in (1, 2, 5, 10, 20, 30, 40, 50) or i == n - 1]
+        marks = [i for i in range(n) if n <= 12 or (i + 1) in (1, 2, 5, 10, 20, 30, 40, 50) or i == n - 1]
         head = " | ".join(f"{runs[next(iter(runs))][i]['tokens'] // 1000}k" for i in marks)
         lines += [f"**{budget}-token cache, {feed}** ({n} windows of 1k tokens; window perplexity at the k-th "
                   f"thousand tokens, then the perplexity of all {n} windows)", "",
