@@ -5,6 +5,8 @@ PIP ?= .venv/bin/pip
 EXP ?= default
 LAUNCHER ?= basic
 DRY ?=
+# WANDB=1: sweep, bench and stream mirror their records to wandb (offline unless WANDB_MODE=online)
+WANDB ?=
 
 .DEFAULT_GOAL := help
 
@@ -35,17 +37,28 @@ tables: install ## regenerate the paper's tables from runs/
 figures: install ## regenerate the figures from runs/
 	$(PY) -m analysis figures --runs runs --out analysis/out
 
+report: install ## analysis/out/REPORT.md: every paper number beside ours, with a verdict (any runs/, even empty)
+	$(PY) -m analysis report --runs runs --out analysis/out
+
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
-sweep: install ## run experiment EXP (default: the CPU SmolLM2 sweep) on LAUNCHER (basic|submitit_local|slurm), then tables and figures; DRY=1 only lists the jobs
+sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report; slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
 ifneq ($(DRY),)
-	$(PY) -m h2o.pipeline.sweep experiment=$(EXP) $(ARGS)
+	$(PY) -m h2o.pipeline.launch experiment=$(EXP) --dry --list $(ARGS)
+else ifeq ($(LAUNCHER),slurm)
+	$(PY) -m h2o.pipeline.launch experiment=$(EXP) $(ARGS)
 else
 	@mkdir -p runs && rm -f runs/.sweep-failed
-	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(ARGS) || touch runs/.sweep-failed
-	$(MAKE) --no-print-directory tables figures
+	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS) || touch runs/.sweep-failed
+	$(MAKE) --no-print-directory tables figures report
 	@if [ -e runs/.sweep-failed ]; then rm -f runs/.sweep-failed; echo "sweep: some jobs failed (listed above)"; exit 1; fi
 endif
+
+status: install ## done / running / queued / failed / left of experiment EXP (runs/ and the Slurm scheduler)
+	$(PY) -m h2o.pipeline.status experiment=$(EXP) $(ARGS)
+
+prefetch: install ## download every model and data set of experiment EXP into the caches (login node, before a Slurm sweep)
+	$(PY) -m h2o.pipeline.prefetch experiment=$(EXP) $(ARGS)
 
 # Benchmarks (issue targets). Sizes: prompt,batch pairs. Estimated 10-15 min on 2 idle cores at these defaults
 # (measured: 33 min with BENCH_THREADS=1 beside four other jobs on 2 cores). On shared cores use BENCH_THREADS=1:
@@ -62,7 +75,8 @@ bench: install ## throughput, latency and KV memory vs full and transformers' ca
 	@mkdir -p $(dir $(BENCH_OUT))
 	$(PY) -m h2o.bench --suite targets --model smollm2-135m --threads $(BENCH_THREADS) \
 		--long $(BENCH_LONG) --short $(BENCH_SHORT) --e2e $(BENCH_E2E) --sim $(BENCH_SIM) \
-		--gen $(BENCH_GEN) --repeats $(BENCH_REPEATS) --json $(BENCH_OUT)
+		--gen $(BENCH_GEN) --repeats $(BENCH_REPEATS) --json $(BENCH_OUT) $(if $(WANDB),--runs runs)
+	$(if $(WANDB),$(PY) -m h2o.pipeline.wandb_sync runs --experiment benchmark)
 
 STREAM_TOKENS ?= 20000
 STREAM_BUDGETS ?= 96,192,384
@@ -73,5 +87,9 @@ stream: install ## streaming perplexity on Austen, the authors' protocol (token 
 	$(PY) -m h2o.bench.streaming --text austen --tokens $(STREAM_TOKENS) --budgets $(STREAM_BUDGETS) \
 		--policies $(STREAM_POLICIES) --chunk $(STREAM_CHUNK) --compare-chunk $(STREAM_COMPARE_CHUNK) --batch \
 		--threads $(BENCH_THREADS) --runs runs --progress
+	$(if $(WANDB),$(PY) -m h2o.pipeline.wandb_sync runs --experiment streaming --summary)
 
-.PHONY: help install test tables figures data model bench stream sweep
+wandb: install ## mirror EXP's records in runs/ to wandb (offline unless WANDB_MODE=online; idempotent) and log its summary run
+	$(PY) -m h2o.pipeline.wandb_sync runs --experiment $(EXP) --summary
+
+.PHONY: help install test tables figures report data model bench stream sweep wandb status prefetch

@@ -23,6 +23,8 @@ from h2o.pipeline.plan import build, prepare
 from h2o.core.policies import PolicyError
 from h2o.pipeline.records import CONF, REPO, budget_label, fmt, read_jsonl, runs_root
 from h2o.pipeline.sweep import Composer, _compose, expand
+from h2o.pipeline.wandb_mirror import Settings, run_id
+from wandb_offline import read_runs  # tests/wandb_offline.py
 
 GROUPS = ("model", "task", "policy", "logger", "experiment")
 RECORD_KEYS = {"experiment", "model", "task", "task_kind", "policy", "budget", "heavy", "recent", "shots",
@@ -216,7 +218,17 @@ def test_sweep_basic_launcher_end_to_end_with_wandb(tmp_path):
     h2o = {r["task"]: r for r in recs.values() if r["policy"] == "h2o"}
     assert h2o["bb_xsum"]["kv_bytes_per_seq"] < {r["task"]: r for r in recs.values()
                                                   if r["policy"] == "full"}["bb_xsum"]["kv_bytes_per_seq"] / 3
-    assert list((tmp_path / "runs" / ".wandb").rglob("*.wandb")), "wandb offline files expected"
+    mirrored = {r.name: r for r in read_runs(tmp_path / "runs" / ".wandb")}  # one run per record + the summary
+    names = {str(p.relative_to(tmp_path / "runs")): r for p, r in recs.items()}
+    assert set(mirrored) == {*names, "default/summary"}
+    for name, rec in names.items():
+        run = mirrored[name]
+        assert (run.id, run.group, run.job_type) == (run_id("default", name), "default", rec["task"])
+        assert f"policy:{rec['policy']}" in run.tags and run.config["sweep"].startswith("multirun/default/")
+        assert run.history[-1]["n_samples"] == rec["n_samples"]
+    assert any(k.startswith("_wandb/visualize/fig4/") for k in mirrored["default/summary"].config)
+    from h2o.pipeline import wandb_sync
+    assert wandb_sync.sync(tmp_path / "runs", Settings()) == {"logged": 0, "unchanged": 6, "failed": 0}
     jobs = read_jsonl(next((tmp_path / "multirun").rglob("jobs.jsonl")))
     assert sorted(j["status"] for j in jobs) == ["done"] * 6
     stamps = {p: (p / "metrics.json").stat().st_mtime_ns for p in recs}
@@ -260,16 +272,16 @@ def test_killed_sweep_resumes_exactly_the_missing_runs(tmp_path):
 
 @pytest.mark.slow
 def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
-    # the reference mask rule exists for h2o only, and semantics is validated per job before anything runs:
-    # an unknown dataset file instead fails at run time (after validation) in one job only
-    args = ["-m", *TINY, "task=austen_ppl,bb_copa", "policy=local", f"runs_dir={tmp_path}/runs",
-            "task_overrides.austen_ppl.n_windows=100000"]
+    # every value is validated per job before anything runs; the in-context pool (train articles of 61-150 words
+    # once cut to doc_max_words=60: none) is known only once the data is read: that fails at run time, in one job
+    args = ["-m", *TINY, "task=bb_xsum,bb_copa", "policy=local", f"runs_dir={tmp_path}/runs",
+            "++task_overrides.bb_xsum.shot_min_words=61"]
     out = h2o_run(args, tmp_path)
-    assert out.returncode == 1
-    assert "FAILED job" in out.stderr and "fewer than" in out.stderr
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "FAILED job" in out.stderr and "only 0 train articles" in out.stderr
     assert [r["task"] for r in records(tmp_path / "runs").values()] == ["bb_copa"]
     fails = read_jsonl(next((tmp_path / "multirun").rglob("failures.jsonl")))
-    assert len(fails) == 1 and "task=austen_ppl" in fails[0]["overrides"] and fails[0]["traceback"]
+    assert len(fails) == 1 and "task=bb_xsum" in fails[0]["overrides"] and fails[0]["traceback"]
 
 
 # ------------------------------------------------------------------------------------------ lm-eval

@@ -7,7 +7,6 @@ appends each window's sample to a file as it ends. Records: ``--json`` (JSON lin
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -16,7 +15,11 @@ import torch
 from tqdm import tqdm
 
 from h2o.bench.stream_parts import HEAVY_SHARE, build_policy, hms, parse_policy, spec_value
+from h2o.assets.model_spec import check_pretrained
 from h2o.bench.streaming import CHUNK, POSITIONS, WINDOW, Streamer, drive, load_text, text_ids
+from h2o.core.policies import POLICIES
+from h2o.core.validate import (ArgParser, ConfigError, check, check_name, choice, guard, is_number, output_dir,
+                               output_file, positive_int, split_list)
 
 
 def run(model, tokenizer, text: str = "austen", tokens: int = 20000, policies=("h2o", "streaming_llm", "local"),
@@ -115,8 +118,40 @@ def run_dir(root, rec: dict, experiment: str) -> Path:
         f"{job_label(rec['label'], rec['budget'], rec['chunk'])}_{rec['positions']}"
 
 
+TEXTS = ("austen", "moby", "moby_dick", "pg19")
+
+
+def validate(args) -> tuple[list[str], list[int]]:
+    """Every value checked before the model or the text loads (h2o.core.validate); returns (specs, budgets)."""
+    check_pretrained(args.model, "--model")
+    check(args.text in TEXTS or Path(args.text).is_file(), f"--text={args.text!r}: allowed: "
+                                                           f"{', '.join(TEXTS)} or an existing text file")
+    specs = split_list("--policies", args.policies, str, "a policy spec (name[:option=value...])")
+    try:
+        names = [parse_policy(spec)[0] for spec in specs]
+    except ValueError as err:
+        raise ConfigError(f"--policies={args.policies!r}: {err}") from None
+    choice("--policies", names, POLICIES)
+    budgets = split_list("--budgets", args.budgets, positive_int, "a cache size in tokens (an int >= 1)")
+    check(is_number(args.heavy_share), f"--heavy-share={args.heavy_share!r}: expected a number in [0, 1] (1/3 ok)")
+    for spec in specs:
+        for b in budgets:
+            build_policy(spec, b, args.heavy_share)  # PolicyError, e.g. streaming_llm: a budget below sinks + 1
+    for flag, low in (("tokens", 1), ("chunk", 1), ("window", 1), ("compare_chunk", 0), ("threads", 0)):
+        check(getattr(args, flag) >= low, f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= {low}")
+    if args.json:
+        output_file("--json", args.json)
+    if args.live:
+        output_dir("--live", args.live)
+    if args.runs:
+        output_dir("--runs", args.runs)
+        check_name("--experiment", args.experiment)
+    return specs, budgets
+
+
+@guard
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m h2o.bench.streaming", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="python -m h2o.bench.streaming", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default="austen", help="austen, moby, pg19 or a text file")
     p.add_argument("--tokens", type=int, default=20000, help="tokens to stream (up to 1M and more)")
@@ -141,30 +176,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="advance all runs one window at a time in turns (a study cut short keeps every curve)")
     p.add_argument("--experiment", default="streaming")
     args = p.parse_args(argv)
-    try:
-        budgets = [spec_value(b) for b in args.budgets.split(",")]
-        if not all(isinstance(b, int) and b >= 1 for b in budgets):
-            raise ValueError(f"--budgets={args.budgets}: give cache sizes in tokens, ints >= 1, comma-separated")
-        specs = args.policies.split(",")
-        for spec in specs:
-            for b in budgets:
-                build_policy(spec, b, args.heavy_share)
-        for key in ("tokens", "chunk", "window"):
-            if getattr(args, key) < 1:
-                raise ValueError(f"--{key}={getattr(args, key)}: must be >= 1")
-        if args.compare_chunk < 0:
-            raise ValueError(f"--compare-chunk={args.compare_chunk}: must be >= 0")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    specs, budgets = validate(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from h2o.assets.models import load_model
+    from h2o.assets import models
     from h2o.assets.model_spec import resolve_tiny
-    model, tok = load_model(resolve_tiny(args.model))
+    model, tok = models.load_model(resolve_tiny(args.model))
 
     def save(rec, samples):
         if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work
             with open(args.json, "a") as f:
                 f.write(json.dumps({"experiment": args.experiment, **rec, "samples": samples}) + "\n")
         if args.runs:
