@@ -79,11 +79,14 @@ bench: install ## throughput, latency and KV memory vs full and transformers' ca
 	$(if $(WANDB),$(PY) -m h2o.pipeline.wandb_sync runs --experiment benchmark)
 
 STREAM_TOKENS ?= 20000
-STREAM_BUDGETS ?= 64,128,256
-STREAM_CHUNK ?= 32
-stream: install ## streaming perplexity on Austen: h2o vs streaming_llm vs local (STREAM_* sizes)
+STREAM_BUDGETS ?= 96,192,384
+STREAM_POLICIES ?= h2o,streaming_llm,local
+STREAM_CHUNK ?= 1
+STREAM_COMPARE_CHUNK ?= 32
+stream: install ## streaming perplexity on Austen, the authors' protocol (token by token, heavy 1/3) + chunked beside it
 	$(PY) -m h2o.bench.streaming --text austen --tokens $(STREAM_TOKENS) --budgets $(STREAM_BUDGETS) \
-		--chunk $(STREAM_CHUNK) --threads $(BENCH_THREADS) --runs runs --progress 100
+		--policies $(STREAM_POLICIES) --chunk $(STREAM_CHUNK) --compare-chunk $(STREAM_COMPARE_CHUNK) --batch \
+		--threads $(BENCH_THREADS) --runs runs --progress
 	$(if $(WANDB),$(PY) -m h2o.pipeline.wandb_sync runs --experiment streaming --summary)
 
 GPU_CHECK_OUT ?= runs/gpu_check.json

@@ -151,7 +151,7 @@ def stream_ids(model, n=400, seed=1):
 @pytest.mark.parametrize("policy", ["h2o", "streaming_llm", "local"])
 def test_streaming_cache_stays_at_budget(model, policy):
     ids = stream_ids(model)
-    metrics, samples = stream(model, ids, policy, 32, chunk=8)
+    metrics, samples = stream(model, ids, policy, 32, chunk=8, window=8)
     assert len(samples) == 50 and samples[-1]["tokens"] == 400
     assert all(s["cache_tokens"] == 32 for s in samples[4:])  # full after four chunks, never more
     assert metrics["cache_tokens_max"] == 32

@@ -203,3 +203,19 @@ def test_non_finite_values_fail_naming_layer_and_step(model, mode):
                 model(ids, **kw)
     finally:
         proj.weight.data.copy_(saved)
+
+
+@pytest.mark.parametrize("score", ["mean", "decay"])
+@pytest.mark.parametrize("name", ["h2o", "strided_h2"])  # h2_only, fixed_h2: the same classes (test_policies)
+def test_score_variants_cache_equals_simulated_mask(model, name, score):
+    """Score variants go through the same two hooks in both paths: token by token and prefill + decode agree."""
+    L, P = 44, 24
+    ids = tokens(L, 3)
+    policy = make_policy(name, budget=0.25, score=score, decay=0.5)
+    sim = simulated(model, policy, ids)
+    real, _ = real_prefill_decode(model, policy, ids, prompt=0, ref_len=L)
+    assert torch.allclose(real, sim, atol=ATOL)
+    assert not torch.allclose(sim, simulated(model, make_policy(name, budget=0.25), ids), atol=1e-4)  # not vacuous
+    sim = simulated(model, policy, ids, prompt_len=P)
+    real, _ = real_prefill_decode(model, policy, ids, prompt=P)
+    assert torch.allclose(real, sim, atol=ATOL)

@@ -83,18 +83,22 @@ def test_fixed_pattern():
     assert mask[1, 1, 37].nonzero().flatten().tolist() == [9, 14, 19, 24, 29, 33, 34, 35, 36, 37]
 
 
-def naive_h2o(logits, K, recent):
-    """Independent H2O: evict the non-recent token of least accumulated attention, then add the new one."""
+def naive_h2o(logits, K, recent, score="sum", decay=0.9):
+    """Independent H2O: evict the non-recent token of least score, then add the new one. Scores: the summed
+    attention (sum), that sum over the steps held counting the arriving one (mean), or a decayed sum (decay)."""
     T = logits.shape[-1]
     rows = torch.zeros(T, T, dtype=torch.bool)
     keep, acc = [], [0.0] * T
     for i in range(T):
         if len(keep) == K:
             old = [j for j in keep if j <= i - recent]
-            keep.remove(min(old, key=lambda j: (acc[j], j)))
+            held = {j: (i - j + 1 if score == "mean" else 1) for j in old}
+            keep.remove(min(old, key=lambda j: (acc[j] / held[j], j)))
         keep.append(i)
         rows[i, keep] = True
         p = torch.softmax(logits[i, keep].double(), -1)
+        if score == "decay":
+            acc = [a * decay for a in acc]
         for j, pj in zip(keep, p.tolist()):
             acc[j] += pj
     return rows
@@ -107,6 +111,47 @@ def test_h2o_keeps_top_accumulated_scores(heavy, recent):
     for b in range(2):
         for h in range(3):
             assert torch.equal(mask[b, h], naive_h2o(logits[b, h], heavy + recent, recent))
+
+
+@pytest.mark.parametrize("score", ["mean", "decay"])
+@pytest.mark.parametrize("heavy,recent", [(4, 4), (6, 2), (8, 0)])
+def test_h2o_score_variants_against_naive(score, heavy, recent):
+    logits = random_logits(36, seed=heavy * 10 + recent)
+    mask = run_mask(make_policy("h2o", heavy=heavy, recent=recent, score=score, decay=0.9), logits)
+    summed = run_mask(make_policy("h2o", heavy=heavy, recent=recent), logits)
+    assert not torch.equal(mask, summed)  # the variant changes what is kept
+    for b in range(2):
+        for h in range(3):
+            assert torch.equal(mask[b, h], naive_h2o(logits[b, h], heavy + recent, recent, score, 0.9))
+
+
+def test_score_variants_forget_a_past_heavy_hitter():
+    """Token 2 draws all the attention of rows 2-9, token 20 of rows 20 on: the summed score keeps the old one,
+    the mean and the decayed scores move to the new one."""
+    T = 60
+    logits = torch.zeros(1, 1, T, T)
+    logits[..., :10, 2] = 8.0
+    logits[..., 20:, 20] = 8.0
+    kept = {s: run_mask(make_policy("h2o", heavy=1, recent=4, score=s, decay=0.8), logits)[0, 0, -1]
+            for s in ("sum", "mean", "decay")}
+    assert kept["sum"][2] and not kept["sum"][20]
+    assert kept["mean"][20] and not kept["mean"][2] and kept["decay"][20] and not kept["decay"][2]
+
+
+def test_decay_accumulates_a_block_as_row_by_row():
+    """One call over a block of rows (a prefill) equals one call per row (decoding), pad rows skipped."""
+    pol = make_policy("strided_h2", budget=8, score="decay", decay=0.7)
+    probs = torch.rand(2, 3, 5, 9, generator=torch.Generator().manual_seed(0))
+    valid = torch.tensor([[True] * 5, [False, False, True, True, True]])
+    probs = probs * valid[:, None, :, None]
+    init = torch.rand(2, 3, 9, generator=torch.Generator().manual_seed(1))
+    block, rows = init.clone(), init.clone()
+    pol.accumulate(block, probs, valid)
+    for r in range(5):
+        pol.accumulate(rows, probs[:, :, r:r + 1], valid[:, r:r + 1])
+    torch.testing.assert_close(block, rows)
+    expected = init[1] * 0.7 ** 3 + probs[1, :, 2] * 0.7 ** 2 + probs[1, :, 3] * 0.7 + probs[1, :, 4]
+    torch.testing.assert_close(block[1], expected)  # the two pad rows do not decay
 
 
 def test_h2o_keeps_an_obvious_heavy_hitter_that_local_drops():
@@ -230,6 +275,13 @@ def test_bad_budgets_fail_with_one_line(kwargs, needle):
     with pytest.raises(PolicyError) as e:
         make_policy("h2o", **kwargs)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs, needle", [({"score": "max"}, "score='max'"), ({"score": "decay", "decay": 1.0},
+                                                                                    "decay=1.0")])
+def test_bad_score_options_fail_with_one_line(kwargs, needle):
+    with pytest.raises(PolicyError, match=needle):
+        make_policy("h2o", budget=8, **kwargs)
 
 
 def test_unknown_policy_and_option():

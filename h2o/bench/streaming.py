@@ -1,10 +1,12 @@
 """Streaming perplexity over one long text through the evicting cache (the paper's long-context figure).
 
-The text is fed in chunks of ``chunk`` tokens. Each chunk is a prefill chunk of the real path: it attends to the
-cache and to itself causally, then the cache is cut back to its budget (absolute token budgets: ``budget=128``
-keeps 128 tokens per KV head). Every token of the text but the first is predicted once; a chunk's tokens see
-between ``budget`` and ``budget + chunk - 1`` tokens (the cache plus the chunk's own prefix), so a smaller chunk is
-closer to token-by-token streaming and slower.
+The authors' protocol is the default: one token at a time (``chunk=1``: each step evicts one token, the paper's
+setting) and H2O split 1/3 heavy, 2/3 recent (heavy 32 + recent 64 at 96 tokens, scaled with the cache size;
+``HEAVY_SHARE``). Budgets are token counts (``budget=96`` keeps 96 tokens per KV head). With ``chunk > 1`` each
+chunk is a prefill chunk of the real path: it attends to the cache and to itself causally, then the cache is cut
+back to its budget, so a chunk's tokens see between ``budget`` and ``budget + chunk - 1`` tokens: faster (the
+weights are read once per chunk), and not the same numbers (measured in the README). Every token of the text but
+the first is predicted once.
 
 Positions (``positions=``), once the text passes the model's context (8192 tokens for SmolLM2):
 
@@ -29,39 +31,45 @@ are moved as well, which is ``"cache"``.
 Rotary models only for ``"cache"`` (Llama, Mistral, GPT-NeoX's partial rotary; not OPT's learned positions,
 nor rope types whose frequencies change with length).
 
-Samples, one per chunk (or per ``log_every`` tokens): ``tokens`` (tokens predicted so far), ``nll`` (mean over the
-chunk), ``chunk_ppl``, ``ppl`` (perplexity of everything so far), ``time_s`` (the chunk's seconds),
-``time_per_token_s``, ``cpu_per_token_s`` (this process's CPU seconds: not inflated by other processes),
-``rss_bytes`` (process resident memory), ``cache_tokens`` (tokens held per KV head).
+Samples, one per ``window`` predicted tokens (1000; exact windows, split across chunks): ``tokens`` (tokens
+predicted so far), ``nll`` (mean over the window), ``chunk_ppl`` (the window's perplexity), ``ppl`` (perplexity
+of everything so far), ``time_s`` (the window's seconds), ``time_per_token_s``, ``cpu_per_token_s`` (this
+process's CPU seconds: not inflated by other processes), ``rss_bytes`` (process resident memory),
+``cache_tokens`` (tokens held per KV head). Several policies of one budget can stream as one batch
+(:class:`Streamer`, sequence b runs policy b): the same numbers, and a token-by-token step reads the weights once
+for all of them; per-stream times are then the batch's divided by the streams.
 Summary metrics: ``ppl``, ``nll``, ``ppl_past_context`` (tokens past the model's context), ``tok_s``,
 ``rss_growth``, ``time_per_token_growth`` and ``cpu_per_token_growth`` (end vs after the warm-up, see
 :func:`flatness`).
 
-CLI: ``python -m h2o.bench.streaming --text austen --tokens 20000 --policies h2o,streaming_llm,local
---budgets 64,128,256 --chunk 32``; ``--tokens 1000000`` streams a million tokens (the text repeats if shorter).
+CLI (:mod:`h2o.bench.streaming_cli`): ``python -m h2o.bench.streaming --text austen --tokens 20000 --policies
+h2o,h2o:heavy_share=1/2,streaming_llm,local --budgets 96,192,384 --compare-chunk 32 --batch --progress``;
+``--tokens 1000000`` streams a million tokens (the text repeats if shorter).
 """
 from __future__ import annotations
 
-import json
 import math
-import statistics
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
-from h2o.core.attach import attach
+from h2o.core.attach import attach, attention_modules
+from h2o.core.cache import EvictingCache
 from h2o.bench.measure import rss_bytes
-from h2o.core.policies import Policy, make_policy
-from h2o.assets.model_spec import check_pretrained
-from h2o.core.policies import POLICIES
-from h2o.core.validate import ArgParser, check_name, choice, guard, output_dir, output_file, positive_int, split_list
+from h2o.bench.stream_parts import HEAVY_SHARE, Windows, build_policy, estimate, flatness
+from h2o.core.policies import Policy
+from h2o.core.policies.per_sequence import PerSequence
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none
 
 POSITIONS = ("cache", "true")
+CHUNK = 1  # tokens per forward: one at a time, the authors' protocol
+WINDOW = 1000  # predicted tokens per sample
 STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
 
 
@@ -186,119 +194,139 @@ def text_ids(tokenizer, text: str, n_tokens: int) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------------------- stream
-def flatness(samples: list[dict], warmup: float = 0.1) -> dict:
-    """Growth after the warm-up (the first ``warmup`` fraction of samples, at least two): resident memory at the
-    end over memory right after the warm-up, minus 1; median time (and CPU time) per token of the last quarter
-    of the samples over the first quarter after the warm-up, minus 1 (medians of quarters: robust to load spikes
-    from other processes)."""
-    n = len(samples)
-    w = min(max(2, int(n * warmup)), n - 1)
-    after = samples[w:]
-    if len(after) < 2:
-        return {"rss_growth": None, "rss_growth_max": None, "time_per_token_growth": None,
-                "time_per_token_s_start": None, "time_per_token_s_end": None, "warmup_tokens": None,
-                "cpu_per_token_growth": None}
-    k = max(1, len(after) // 4)
-    t0 = statistics.median(s["time_per_token_s"] for s in after[:k])
-    t1 = statistics.median(s["time_per_token_s"] for s in after[-k:])
-    out = {"rss_growth": after[-1]["rss_bytes"] / after[0]["rss_bytes"] - 1,
-           "rss_growth_max": max(s["rss_bytes"] for s in after) / after[0]["rss_bytes"] - 1,
-           "time_per_token_growth": t1 / t0 - 1, "time_per_token_s_start": t0, "time_per_token_s_end": t1,
-           "warmup_tokens": samples[w - 1]["tokens"]}
-    if all("cpu_per_token_s" in s for s in after):  # CPU seconds: not inflated by other processes' load
-        c0 = statistics.median(s["cpu_per_token_s"] for s in after[:k])
-        c1 = statistics.median(s["cpu_per_token_s"] for s in after[-k:])
-        out.update(cpu_per_token_growth=c1 / c0 - 1, cpu_per_token_s_start=c0, cpu_per_token_s_end=c1)
-    return out
+class Streamer:
+    """Streams of one text through evicting caches of one budget, one per policy spec, batched: sequence b of the
+    batch runs ``specs[b]`` (:class:`PerSequence`), so a step reads the weights once for all of them. Advanced a
+    few tokens at a time, so that several streamers share one model in turns (``run(interleave=True)``).
+    Per-stream times are the batch's time divided by the streams."""
+
+    def __init__(self, model, ids: torch.Tensor, specs: list, budget: int | None = None, chunk: int = CHUNK,
+                 positions: str = "cache", window: int = WINDOW, heavy_share: float = HEAVY_SHARE,
+                 on_sample=None):
+        if positions not in POSITIONS:
+            raise ValueError(f"positions={positions!r}: allowed: {', '.join(POSITIONS)}")
+        self.model, self.chunk, self.positions = model, chunk, positions
+        self.device = next(model.parameters()).device
+        self.pols = [build_policy(spec, budget, heavy_share) for spec in specs]
+        self.B = len(self.pols)
+        self.ids = ids.to(self.device).expand(self.B, -1)
+        self.pol = self.pols[0] if self.B == 1 else PerSequence(self.pols)
+        self.budget = self.pol.budget
+        if not self.pol.is_full and not isinstance(self.budget, int):
+            raise ValueError(f"streaming: budget={self.budget!r}: give a cache size in tokens (an int), not a ratio")
+        self.ctx = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.wins = [Windows(window, None if on_sample is None else partial(on_sample, b)) for b in range(self.B)]
+        self.past_nll, self.past_n = torch.zeros(self.B, dtype=torch.float64), 0
+        self.max_pos = self.max_held = self.held = self.s = 0
+        self.n_pred = self.ids.shape[1] - 1
+        self.wall = 0.0
+        ref_len = self.budget if isinstance(self.budget, int) else None
+        self.cache = EvictingCache(self.pol, len(attention_modules(model)), ref_len)
+        self.renum = CachePositions(model, len(self.cache.layers)) if positions == "cache" else None
+
+    @property
+    def done(self) -> bool:
+        return self.s >= self.n_pred
+
+    @torch.inference_mode()
+    def advance(self, until: int) -> None:
+        """Feed chunks until ``until`` tokens have been predicted (or the text ends)."""
+        until = min(until, self.n_pred)
+        ids, chunk, renum = self.ids, self.chunk, self.renum
+        t_in = time.perf_counter()
+        with attach(self.model, self.pol, mode="real") as h:
+            h.cache = self.cache
+            while self.s < until:
+                s = self.s
+                x, y = ids[:, s:s + chunk], ids[:, s + 1:s + chunk + 1]
+                x = x[:, :y.shape[1]]
+                q = x.shape[1]
+                t0, c0 = time.perf_counter(), time.process_time()
+                pos_ids = None
+                if renum is not None:
+                    pos_ids = torch.arange(renum.n, renum.n + q, device=self.device)[None].expand(self.B, -1)
+                    self.max_pos = max(self.max_pos, renum.n + q - 1)
+                out = self.model(input_ids=x, cache=self.cache, position_ids=pos_ids, use_cache=True)
+                nll = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), reduction="none")
+                nll = nll.view(self.B, q).cpu()  # (B, q)
+                if renum is not None:
+                    held = renum.after_chunk(self.cache, s)
+                else:
+                    held = int((self.cache.layers[0].pos[0, 0] >= 0).sum())
+                    self.max_pos = s + q - 1
+                if self.ctx and s + q > self.ctx:
+                    past = nll[:, max(0, self.ctx - s - 1):]  # predicted tokens whose position is >= ctx
+                    self.past_nll, self.past_n = self.past_nll + past.double().sum(-1), self.past_n + past.shape[1]
+                self.s += q
+                dt, dc = (time.perf_counter() - t0) / self.B, (time.process_time() - c0) / self.B
+                for b, win in enumerate(self.wins):
+                    win.add(nll[b], dt, dc, held, last=self.done)
+                self.held, self.max_held = held, max(self.max_held, held)
+        self.wall += time.perf_counter() - t_in
+
+    def metrics(self, b: int = 0) -> dict:
+        """Stream ``b``'s summary metrics."""
+        win = self.wins[b]
+        total_nll, total_n = win.total_nll, win.total_n
+        wall = self.wall / self.B
+        return {"ppl": math.exp(total_nll / total_n), "nll": total_nll / total_n, "tokens": total_n,
+                "ppl_past_context": math.exp(self.past_nll[b] / self.past_n) if self.past_n else None,
+                "tokens_past_context": self.past_n, "tok_s": total_n / wall, "wall_s": wall, "batch": self.B,
+                "cache_tokens_max": self.max_held, "kv_bytes": self.cache.nbytes() // self.B,
+                "max_position_id": self.max_pos, **flatness(win.samples)}
 
 
-@torch.inference_mode()
-def stream(model, ids: torch.Tensor, policy: str | Policy, budget: int | None = None, chunk: int = 32,
-           positions: str = "cache", log_every: int = 0, progress: int = 0) -> tuple[dict, list[dict]]:
+def stream(model, ids: torch.Tensor, policy: str | Policy, budget: int | None = None, chunk: int = CHUNK,
+           positions: str = "cache", window: int = WINDOW, progress: bool = False, heavy_share: float = HEAVY_SHARE,
+           on_sample=None) -> tuple[dict, list[dict]]:
     """Stream ``ids`` (1, N + 1) through an evicting cache of ``budget`` tokens (or a built policy with a token
-    budget). Returns (metrics, samples)."""
-    if positions not in POSITIONS:
-        raise ValueError(f"positions={positions!r}: allowed: {', '.join(POSITIONS)}")
-    device = next(model.parameters()).device
-    ids = ids.to(device)
-    if isinstance(policy, Policy):
-        pol, budget = policy, policy.budget
-    else:
-        pol = make_policy(policy) if policy == "full" else make_policy(policy, budget=budget)
-    if not pol.is_full and not isinstance(pol.budget, int):
-        raise ValueError(f"streaming: budget={pol.budget!r}: give a cache size in tokens (an int), not a ratio")
-    policy = pol.name
-    ctx = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-    samples: list[dict] = []
-    total_nll, total_n, past_nll, past_n = 0.0, 0, 0.0, 0
-    acc = {"nll": 0.0, "n": 0, "t": 0.0, "c": 0.0}
-    max_pos = max_held = 0
-    n_pred = ids.shape[1] - 1
-    t_start = time.perf_counter()
-    with attach(model, pol, mode="real") as h:
-        cache = h.new_cache(ref_len=budget if isinstance(budget, int) else None)
-        renum = CachePositions(model, len(cache.layers)) if positions == "cache" else None
-        for s in range(0, n_pred, chunk):
-            x, y = ids[:, s:s + chunk], ids[:, s + 1:s + chunk + 1]
-            x = x[:, :y.shape[1]]
-            q = x.shape[1]
-            t0, c0 = time.perf_counter(), time.process_time()
-            pos_ids = None
-            if renum is not None:
-                pos_ids = torch.arange(renum.n, renum.n + q, device=device)[None]
-                max_pos = max(max_pos, renum.n + q - 1)
-            out = model(input_ids=x, cache=cache, position_ids=pos_ids, use_cache=True)
-            nll = F.cross_entropy(out.logits[0].float(), y[0], reduction="none")
-            held = renum.after_chunk(cache, s) if renum is not None else int((cache.layers[0].pos[0, 0] >= 0).sum())
-            nll_sum = float(nll.sum())
-            dt, dc = time.perf_counter() - t0, time.process_time() - c0
-            if renum is None:
-                max_pos = s + q - 1
-            max_held = max(max_held, held)
-            total_nll, total_n = total_nll + nll_sum, total_n + q
-            if ctx:
-                past = nll[max(0, ctx - s - 1):]  # predicted tokens whose position is >= ctx
-                past_nll, past_n = past_nll + float(past.sum()), past_n + past.numel()
-            acc = {"nll": acc["nll"] + nll_sum, "n": acc["n"] + q, "t": acc["t"] + dt, "c": acc["c"] + dc}
-            if acc["n"] >= max(log_every, 1) or s + chunk >= n_pred:
-                m = acc["nll"] / acc["n"]
-                samples.append({"tokens": total_n, "nll": m, "chunk_ppl": math.exp(m),
-                                "ppl": math.exp(total_nll / total_n), "time_s": acc["t"],
-                                "time_per_token_s": acc["t"] / acc["n"], "cpu_per_token_s": acc["c"] / acc["n"],
-                                "rss_bytes": rss_bytes(), "cache_tokens": held})
-                acc = {"nll": 0.0, "n": 0, "t": 0.0, "c": 0.0}
-            if progress and (s // chunk) % progress == 0:
-                print(f"[stream] {policy} {budget}: {total_n} tokens, ppl {math.exp(total_nll / total_n):.2f}, "
-                      f"held {held}, {total_n / (time.perf_counter() - t_start):.0f} tok/s, "
-                      f"rss {rss_bytes() / 2**20:.0f} MiB", file=sys.stderr, flush=True)
-        kv = cache.nbytes()
-    wall = time.perf_counter() - t_start
-    metrics = {"ppl": math.exp(total_nll / total_n), "nll": total_nll / total_n, "tokens": total_n,
-               "ppl_past_context": math.exp(past_nll / past_n) if past_n else None, "tokens_past_context": past_n,
-               "tok_s": total_n / wall, "wall_s": wall, "cache_tokens_max": max_held, "kv_bytes": kv,
-               "max_position_id": max_pos, **flatness(samples)}
-    return metrics, samples
+    budget), ``chunk`` tokens per forward (1: token by token). Returns (metrics, samples), one sample per
+    ``window`` predicted tokens. ``progress``: a tqdm bar and, after the calibration, the wall-time estimate."""
+    st = Streamer(model, ids, [policy], budget, chunk, positions, window, heavy_share,
+                  None if on_sample is None else (lambda b, smp: on_sample(smp)))
+    drive(st, progress)
+    return st.metrics(), st.wins[0].samples
+
+
+def drive(st: Streamer, progress: bool = False, runs_left: int = 1) -> None:
+    """Advance a streamer to the end of its text, with a tqdm bar and, once the cache is full and some tokens
+    more are done, the measured speed and the wall time it predicts (for ``runs_left`` such runs)."""
+    calib = min(st.n_pred, max(2 * (st.budget if isinstance(st.budget, int) else 0), 256))  # past the filling
+    step = st.chunk * max(1, 64 // st.chunk)
+    with tqdm(total=st.n_pred, unit="tok", desc=f"{st.pol.name} {st.budget}", mininterval=5, disable=not progress,
+              file=sys.stderr) as bar:
+        while not st.done:
+            before = st.s
+            st.advance(calib if before < calib else before + step)
+            bar.update(st.s - before)
+            if progress and before < calib <= st.s:
+                bar.write(f"[stream] {st.pol.name} {st.budget} chunk {st.chunk}: "
+                          f"{estimate(st.s, st.n_pred, st.wall, runs_left)}")
+            if progress and st.wins[0].samples:
+                bar.set_postfix(ppl=f"{st.wins[0].samples[-1]['ppl']:.2f}", held=st.held,
+                                rss=f"{rss_bytes() / 2**20:.0f}MiB", refresh=False)
 
 
 # ------------------------------------------------------------------------------------ runner task
 @dataclass
 class StreamingTask(TaskSpec):
     """``conf/task/bench_streaming.yaml``: one run = the configured policy (a budget in tokens, e.g.
-    ``policy.budget=128``) streaming ``tokens`` tokens of the text. Samples: one per chunk (module doc)."""
+    ``policy.budget=128``) streaming ``tokens`` tokens of the text, ``chunk`` per forward (1: the authors'
+    protocol). Samples: one per ``window`` predicted tokens (module doc)."""
 
     name: str
     text: str = "austen"
     tokens: int = 20000
-    chunk: int = 32
+    chunk: int = CHUNK
     positions: str = "cache"
-    log_every: int = 0
+    window: int = WINDOW
     shots: int = 0
 
     kind = "streaming"
     semantics = ("real",)
 
     def __post_init__(self):
-        for key in ("tokens", "chunk"):
+        for key in ("tokens", "chunk", "window"):
             positive_or_none(f"task.{key}", getattr(self, key))
         check(self.positions in POSITIONS, f"task.positions={self.positions!r}: allowed: {', '.join(POSITIONS)}")
         check(self.shots == 0, f"task.shots={self.shots}: streaming takes no in-context examples (0)")
@@ -312,104 +340,14 @@ class StreamingTask(TaskSpec):
               f"policy.budget={policy.budget!r}: streaming needs a cache size in tokens (an int, e.g. 128)")
         ids = text_ids(tokenizer, load_text(self.text), self.tokens)
         metrics, samples = stream(model, ids, policy, chunk=self.chunk, positions=self.positions,
-                                  log_every=self.log_every)
+                                  window=self.window)
         return Result(metrics, samples, {"chunk": self.chunk, "positions": self.positions, "text": self.text})
 
 
-def run(model, tokenizer, text: str = "austen", tokens: int = 20000, policies=("h2o", "streaming_llm", "local"),
-        budgets=(64, 128, 256), chunk: int = 32, positions: str = "cache", log_every: int = 0, progress: int = 0,
-        model_name: str = "", out=None) -> list[tuple[dict, list[dict]]]:
-    """Stream the text for each policy x budget; returns [(record, samples)] in the run-record format."""
-    ids = text_ids(tokenizer, load_text(text), tokens)
-    results = []
-    for budget in budgets:
-        for policy in policies:
-            metrics, samples = stream(model, ids, policy, budget, chunk, positions, log_every, progress)
-            rec = {"task_kind": "streaming", "task": text, "semantics": "real", "policy": policy,
-                   "budget": budget, "chunk": chunk, "positions": positions, "model": model_name,
-                   "n_samples": metrics["tokens"], "wall_s": metrics["wall_s"], "threads": torch.get_num_threads(),
-                   "metrics": metrics}
-            results.append((rec, samples))
-            print_row(rec, out)
-    return results
-
-
-def print_row(rec: dict, out=None) -> None:
-    m = rec["metrics"]
-
-    def g(x, f, scale=1.0):
-        return "-" if x is None else format(x * scale, f)
-
-    print(f"{rec['policy']:>14} budget {rec['budget']:>5} chunk {rec['chunk']:>3} positions {rec['positions']:>5}: "
-          f"ppl {m['ppl']:8.3f}  past-context ppl {g(m['ppl_past_context'], '8.3f')}  tokens {m['tokens']}  "
-          f"held <= {m['cache_tokens_max']}  max pos {m['max_position_id']}  {m['tok_s']:.0f} tok/s  "
-          f"time/token {g(m['time_per_token_s_start'], '.2f', 1e3)} -> {g(m['time_per_token_s_end'], '.2f', 1e3)} "
-          f"ms ({g(m['time_per_token_growth'], '+.1f', 100)}%), CPU/token "
-          f"{g(m.get('cpu_per_token_growth'), '+.1f', 100)}%  RSS growth after warm-up "
-          f"{g(m['rss_growth'], '+.2f', 100)}% (max {g(m.get('rss_growth_max'), '+.2f', 100)}%)",
-          file=out or sys.stdout, flush=True)
-
-
-TEXTS = ("austen", "moby", "moby_dick", "pg19")
-
-
-def validate(args) -> list[int]:
-    """Every value checked before the model or the text loads (h2o.core.validate); returns the budgets."""
-    check_pretrained(args.model, "--model")
-    check(args.text in TEXTS or Path(args.text).is_file(), f"--text={args.text!r}: allowed: "
-                                                           f"{', '.join(TEXTS)} or an existing text file")
-    policies = choice("--policies", split_list("--policies", args.policies, str, "a policy name"), POLICIES)
-    budgets = split_list("--budgets", args.budgets, positive_int, "a cache size in tokens (an int >= 1)")
-    for name in policies:
-        for b in budgets:
-            make_policy(name, budget=b)  # e.g. streaming_llm: a budget below its sinks + 1
-    for flag, low in (("tokens", 1), ("chunk", 1), ("log_every", 0), ("progress", 0), ("threads", 0)):
-        check(getattr(args, flag) >= low, f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= {low}")
-    if args.json:
-        output_file("--json", args.json)
-    if args.runs:
-        output_dir("--runs", args.runs)
-        check_name("--experiment", args.experiment)
-    return budgets
-
-
-@guard
 def main(argv: list[str] | None = None) -> int:
-    p = ArgParser(prog="python -m h2o.bench.streaming", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--text", default="austen", help="austen, moby, pg19 or a text file")
-    p.add_argument("--tokens", type=int, default=20000, help="tokens to stream (up to 1M and more)")
-    p.add_argument("--policies", default="h2o,streaming_llm,local")
-    p.add_argument("--budgets", default="64,128,256", help="cache sizes in tokens, comma-separated")
-    p.add_argument("--chunk", type=int, default=32, help="tokens per forward")
-    p.add_argument("--positions", choices=POSITIONS, default="cache")
-    p.add_argument("--log-every", type=int, default=0, help="one sample per this many tokens (0: per chunk)")
-    p.add_argument("--progress", type=int, default=0, help="print progress every this many chunks")
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--json", default=None, help="write records (with their samples) here, JSON lines")
-    p.add_argument("--runs", default=None, help="also write run folders (metrics.json + samples.jsonl)")
-    p.add_argument("--experiment", default="streaming")
-    args = p.parse_args(argv)
-    budgets = validate(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    from h2o.assets.models import load_model
-    model, tok = load_model(args.model)
-    results = run(model, tok, args.text, args.tokens, args.policies.split(","), budgets, args.chunk,
-                  args.positions, args.log_every, args.progress, model_name=args.model)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work (validate)
-        with open(args.json, "w") as f:
-            for rec, samples in results:
-                f.write(json.dumps({"experiment": args.experiment, **rec, "samples": samples}) + "\n")
-    if args.runs:
-        for rec, samples in results:
-            d = Path(args.runs) / args.experiment / args.model / args.text / \
-                f"{rec['policy']}_{rec['budget']}_c{rec['chunk']}_{rec['positions']}"
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-            (d / "metrics.json").write_text(json.dumps({"experiment": args.experiment, **rec}, indent=1))
-    return 0
+    """The CLI (:mod:`h2o.bench.streaming_cli`): ``python -m h2o.bench.streaming --help``."""
+    from h2o.bench.streaming_cli import main as cli_main
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

@@ -94,9 +94,10 @@ def real_attention(state, module, query, key, value, attention_mask, scaling):
             allowed = held
         probs = masked_softmax(logits, allowed)  # (B, Hkv, G, r, S)
         if q > 1:  # pad query rows add nothing
-            layer.acc += (probs * valid[:, None, None, r:r + ROWS, None]).sum((2, 3))
+            rows = valid[:, None, None, r:r + ROWS, None]
+            policy.accumulate(layer.acc, (probs * rows).sum(2), valid[:, r:r + ROWS])  # (B, Hkv, r, S) rows
         elif policy.needs_scores:  # a decoding token is never a pad
-            layer.acc += probs.sum((2, 3))
+            policy.accumulate(layer.acc, probs.sum(2))
         outs.append(grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value))
     if q > 1 and policy.evicts and not policy.is_full:
         layer.cut()

@@ -59,8 +59,9 @@ if triton is not None:
 
 
 def supports(policy: Policy) -> bool:
-    """The kernel implements the H2O priority only (h2o, h2_only)."""
-    return isinstance(policy, H2O) and type(policy).priority is H2O.priority
+    """The kernel implements the H2O priority with the paper's summed score only (h2o, h2_only; score=sum)."""
+    return (isinstance(policy, H2O) and type(policy).priority is H2O.priority
+            and getattr(policy, "score_kind", "sum") == "sum")
 
 
 def use_kernel(policy: Policy, device: torch.device) -> bool:
@@ -69,7 +70,7 @@ def use_kernel(policy: Policy, device: torch.device) -> bool:
         raise ValueError(f"H2O_ROW_KERNEL={choice!r}: allowed: {', '.join(CHOICES)}")
     if choice == "torch" or not supports(policy):
         if choice == "triton":
-            raise ValueError(f"H2O_ROW_KERNEL=triton: the kernel implements h2o and h2_only, not {policy.name}")
+            raise ValueError(f"H2O_ROW_KERNEL=triton: the kernel implements h2o and h2_only with score=sum, not {policy!r}")
         return False
     if choice == "triton":
         if triton is None:

@@ -145,7 +145,8 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int) -> t
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
     probs = masked_softmax(logits[..., :start, :], allowed[..., :start, :]) * valid[:, None, None, :start, None]
-    acc = probs.sum((2, 3))  # (B, Hkv, T) accumulated attention
+    acc = probs.new_zeros(B, Hkv, T)  # (B, Hkv, T) accumulated attention
+    policy.accumulate(acc, probs.sum(2), valid[:, :start])
     if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
         now = keep[:, 0].sum(-1) - 1
         keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
@@ -192,5 +193,6 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start):
         out[..., i, :] = row
         if policy.needs_scores:
             p = masked_softmax(logits[..., i, :], row)  # (B, Hkv, G, T)
-            acc += p.sum(2) * tok[:, None, None] if padded else p.sum(2)
+            p = p.sum(2)[:, :, None, :]  # (B, Hkv, 1, T)
+            policy.accumulate(acc, p * tok[:, None, None, None] if padded else p, tok[:, None] if padded else None)
 

@@ -150,6 +150,12 @@ class Policy:
             out.append(keep_top(self.priority(cols, None, at, c), older, c.total - 1).view(B, n, S))
         return out[0] if len(out) == 1 else torch.cat(out, 1)
 
+    def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Add query rows to the accumulated attention, in place: acc (B, H, S), probs (B, H, r, S) summed over
+        the query heads of each KV head, rows in order, pad rows zeroed; valid (B, r) bool real rows (None: all).
+        Both paths call this; score variants override it (:mod:`.score`)."""
+        acc += probs.sum(-2)
+
     # ---------------------------------------------------- restricting policies
     def restrict(self, logits: torch.Tensor, acc: torch.Tensor, allowed: torch.Tensor,
                  counts: Counts) -> torch.Tensor:

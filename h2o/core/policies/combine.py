@@ -5,20 +5,21 @@ heavy part to the tokens of highest accumulated attention among those the patter
 """
 
 from .base import Counts, Policy, bcast, keep_top
+from .score import Scored
 
 
-class WithHeavy(Policy):
-    """Base class: subclasses set ``pattern`` to the pattern's policy class."""
+class WithHeavy(Scored):
+    """Base class: subclasses set ``pattern`` to the pattern's policy class. ``score``: :mod:`.score`."""
 
     pattern: type[Policy]
-    needs_scores = True
 
-    def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
+    def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, score="sum", decay=0.99):
         super().__init__(budget, heavy, recent, heavy_share)
+        self.set_score(score, decay)
         self.base = self.pattern(budget=self.recent) if self.recent else None
 
     def priority(self, pos, acc, now, counts: Counts):
-        prio = acc.double()  # (B, H, S)
+        prio = self.score(pos, acc, now)  # (B, H, S)
         if self.base is None:
             return prio
         base_counts = self.base.counts(counts.length)

@@ -3,22 +3,27 @@
 The ``n_recent`` latest tokens (the arriving one included) are never dropped; among the others the token of lowest
 accumulated attention is. A token's score is the sum of the attention probabilities it received from every query
 so far (the attention actually used, i.e. over the kept tokens), summed over the query heads of its KV head under
-grouped-query attention. 20% budget = 10% heavy + 10% recent by default.
+grouped-query attention. 20% budget = 10% heavy + 10% recent by default. ``score=mean|decay`` changes what
+"heavy" means (:mod:`.score`).
 
 ``reference_mask`` reproduces instead the rule of the paper's code for OPT and GPT-NeoX, see its docstring.
 """
 import torch
 
-from .base import Counts, Policy, recent_window
+from .base import Counts, recent_window
+from .score import Scored
 
 
-class H2O(Policy):
+class H2O(Scored):
     name = "h2o"
-    needs_scores = True
+
+    def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, score="sum", decay=0.99):
+        super().__init__(budget, heavy, recent, heavy_share)
+        self.set_score(score, decay)
 
     def priority(self, pos, acc, now, counts: Counts):
         window = recent_window(pos, now, counts.recent)
-        return acc.masked_fill(window, float("inf"))  # (B, H, S) fp32
+        return self.score(pos, acc, now).masked_fill(window, float("inf"))  # (B, H, S) fp32
 
 
 def reference_mask(logits: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:

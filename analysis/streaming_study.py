@@ -1,0 +1,136 @@
+"""The long-stream study (README "Streaming study"): perplexity per 1k-token window against tokens streamed.
+
+``python -m analysis.streaming_study runs/streaming_study --out analysis/streaming_study`` reads the window samples
+written live by ``python -m h2o.bench.streaming --live DIR`` (``DIR/<label>_<budget>_c<chunk>.jsonl``, one JSON
+sample per window: ``tokens``, ``chunk_ppl`` = the window's perplexity, ``ppl`` = everything so far) from every
+folder under the root, and writes ``study.png`` (one panel per feeding x budget, each policy relative to StreamingLLM) and ``study.md`` (the table).
+Curves are compared over the windows every run of a panel has finished (a study cut short stays fair); every window is shown up to 12 of them.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+NAME = re.compile(r"(?P<label>.+)_(?P<budget>\d+)_c(?P<chunk>\d+)$")
+BASELINE = "streaming_llm"
+
+
+def load(root: Path) -> dict[tuple[int, int], dict[str, list[dict]]]:
+    """{(chunk, budget): {label: samples}} from every ``*.jsonl`` of live samples under ``root``."""
+    out: dict[tuple[int, int], dict[str, list[dict]]] = {}
+    for f in sorted(root.rglob("*.jsonl")):
+        m = NAME.match(f.stem)
+        if not m:
+            continue
+        samples = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        if samples:
+            out.setdefault((int(m["chunk"]), int(m["budget"])), {})[m["label"]] = samples
+    return out
+
+
+def common(runs: dict[str, list[dict]]) -> int:
+    """Windows every run of the panel has finished."""
+    return min(len(s) for s in runs.values())
+
+
+def overall(samples: list[dict]) -> float:
+    """Perplexity of the windows given (token-weighted)."""
+    n = [s["tokens"] - (samples[i - 1]["tokens"] if i else 0) for i, s in enumerate(samples)]
+    return math.exp(sum(s["nll"] * k for s, k in zip(samples, n)) / sum(n))
+
+
+def behind_from(h2o: list[dict], base: list[dict], span: int = 3) -> int | None:
+    """Tokens streamed from which H2O's window perplexity, averaged over ``span`` windows, stays above the
+    baseline's to the end (None: never)."""
+    diff = [a["nll"] - b["nll"] for a, b in zip(h2o, base)]
+    run = [sum(diff[max(0, i - span + 1):i + 1]) / len(diff[max(0, i - span + 1):i + 1]) for i in range(len(diff))]
+    start = None
+    for i, d in enumerate(run):
+        if d > 0 and start is None:
+            start = i
+        elif d <= 0:
+            start = None
+    return None if start is None else h2o[start]["tokens"]
+
+
+def table(data) -> str:
+    lines = []
+    for (chunk, budget), runs in sorted(data.items()):
+        n = common(runs)
+        feed = "token by token" if chunk == 1 else f"chunks of {chunk}"
+        marks = [i for i in range(n) if n <= 12 or (i + 1) in (1, 2, 5, 10, 20, 30, 40, 50) or i == n - 1]
+        head = " | ".join(f"{runs[next(iter(runs))][i]['tokens'] // 1000}k" for i in marks)
+        lines += [f"**{budget}-token cache, {feed}** ({n} windows of 1k tokens; window perplexity at the k-th "
+                  f"thousand tokens, then the perplexity of all {n} windows)", "",
+                  f"| policy | {head} | all |", "|---|" + "---|" * (len(marks) + 1)]
+        for label, s in sorted(runs.items(), key=lambda kv: overall(kv[1][:n])):
+            cells = " | ".join(f"{s[i]['chunk_ppl']:.2f}" for i in marks)
+            lines.append(f"| {label} | {cells} | {overall(s[:n]):.2f} |")
+        if BASELINE in runs:
+            for label in sorted(k for k in runs if k.startswith("h2o")):
+                b = behind_from(runs[label][:n], runs[BASELINE][:n])
+                ahead = sum(a["nll"] < c["nll"] for a, c in zip(runs[label][:n], runs[BASELINE][:n]))
+                lines.append(f"\n{label} vs {BASELINE}: lower window perplexity in {ahead} of {n} windows; "
+                             + (f"behind (3-window mean) from {b} tokens to the end" if b is not None
+                                else "never behind to the end (3-window mean)"))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def figure(data, out: Path) -> Path:
+    """One panel per feeding x budget: each policy's window perplexity relative to StreamingLLM's, in percent
+    (below 0: better than StreamingLLM); local, far above, is left to the table."""
+    panels = sorted(data)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False, dpi=80)
+    for ax, key in zip(axes[0], panels):
+        runs, (chunk, budget) = data[key], key
+        n = common(runs)
+        base = runs.get(BASELINE)
+        for label, s in sorted(runs.items()):
+            if base is None or label in (BASELINE, "local"):
+                continue
+            ax.plot([x["tokens"] / 1000 for x in s[:n]],
+                    [100 * (x["chunk_ppl"] / b["chunk_ppl"] - 1) for x, b in zip(s[:n], base[:n])],
+                    marker="o", ms=3, label=label, lw=1.8 if label == "h2o" else 1.0)
+        ax.axhline(0, color="k", lw=0.8, label=f"{BASELINE} (0)")
+        ax.set(title=f"{budget}-token cache, " + ("token by token" if chunk == 1 else f"chunks of {chunk}"),
+               xlabel="tokens streamed (k)", ylabel="window perplexity vs StreamingLLM (%)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle("SmolLM2-135M streaming Austen: perplexity of each 1k-token window", fontsize=10)
+    fig.tight_layout()
+    path = out / "study.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.streaming_study", description=__doc__.split("\n")[0])
+    p.add_argument("root", help="folder with the live window samples (searched recursively)")
+    p.add_argument("--out", default="analysis/streaming_study")
+    args = p.parse_args(argv)
+    data = load(Path(args.root))
+    if not data:
+        print(f"no live window samples under {args.root}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = table(data)
+    (out / "study.md").write_text(md)
+    print(md)
+    print(figure(data, out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

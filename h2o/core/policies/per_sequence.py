@@ -1,0 +1,42 @@
+"""PerSequence: one evicting policy per sequence of a batch, so that several policies stream one text in one
+forward (their weights are read once per step). Not registered by name: built from policies,
+``PerSequence([make_policy("h2o", budget=96), make_policy("streaming_llm", budget=96)])``.
+
+Each hook runs each policy on its sequence's slice of the state; the shared eviction step does the rest.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Counts, Policy, PolicyError
+
+
+class PerSequence(Policy):
+    def __init__(self, policies: list[Policy]):
+        if not policies or not all(p.evicts and not p.is_full for p in policies):
+            raise PolicyError("PerSequence: needs evicting policies with a budget (not full, not top-k)")
+        if len({str(p.budget) for p in policies}) != 1:
+            raise PolicyError(f"PerSequence: budgets {[p.budget for p in policies]} differ; give one budget")
+        self.policies = list(policies)
+        self.heavy, self.recent, self.budget = policies[0].heavy, policies[0].recent, policies[0].budget
+        self.needs_scores = any(p.needs_scores for p in policies)
+        self.name = "+".join(p.name for p in policies)
+
+    def counts(self, length: torch.Tensor) -> Counts:
+        parts = [p.counts(length[b:b + 1]) for b, p in enumerate(self.policies)]
+        return Counts(*(torch.cat([getattr(c, f) for c in parts]) for f in ("total", "heavy", "recent", "length")))
+
+    def priority(self, pos, acc, now, counts: Counts):
+        return torch.cat([p.priority(pos[b:b + 1], acc[b:b + 1], now[b:b + 1], slice_counts(counts, b))
+                          for b, p in enumerate(self.policies)])  # (B, H, S)
+
+    def accumulate(self, acc, probs, valid=None):
+        for b, p in enumerate(self.policies):  # in place on each sequence's view of acc
+            p.accumulate(acc[b:b + 1], probs[b:b + 1], None if valid is None else valid[b:b + 1])
+
+    def __repr__(self):
+        return f"PerSequence({self.policies})"
+
+
+def slice_counts(counts: Counts, b: int) -> Counts:
+    return Counts(counts.total[b:b + 1], counts.heavy[b:b + 1], counts.recent[b:b + 1], counts.length[b:b + 1])

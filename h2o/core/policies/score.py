@@ -1,0 +1,54 @@
+"""Score variants of the score-based policies (h2o, h2_only, strided_h2, fixed_h2): what makes a token "heavy".
+
+``score`` (a policy option):
+
+* ``sum`` (the paper's, default): the attention the token received, summed over every query since it arrived.
+  It only grows, so in an endless stream old tokens can outrank new ones whatever their current use.
+* ``mean``: that sum divided by the steps the token has been held, the arriving step included
+  (``now - pos + 1``): a token stays only while it keeps being attended to.
+* ``decay``: an exponentially decayed sum, ``score <- decay * score + p`` at each query (``decay`` in (0, 1),
+  default 0.99: a query ``1 / (1 - decay)`` = 100 steps back weighs ``1 / e``).
+
+Both paths call the same two hooks, so they stay equal token for token: :meth:`Policy.accumulate` (how a block of
+query rows adds to the accumulated state ``acc``; overridden here for ``decay``) and :meth:`Scored.score` (the
+heavy-hitter priority read from ``acc``; ``mean`` divides there, so it needs no extra state).
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Policy, PolicyError, bcast
+
+SCORES = ("sum", "mean", "decay")
+
+
+class Scored(Policy):
+    """Base of the score-based policies: the ``score`` and ``decay`` options and their two hooks."""
+
+    needs_scores = True
+
+    def set_score(self, score: str = "sum", decay: float = 0.99) -> None:
+        if score not in SCORES:
+            raise PolicyError(f"score={score!r}: allowed: {', '.join(SCORES)}")
+        if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay < 1.0:
+            raise PolicyError(f"decay={decay!r}: must be a number in (0, 1) (the factor per step)")
+        self.score_kind, self.decay = score, float(decay)
+
+    def score(self, pos: torch.Tensor, acc: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+        """(B, H, S) float64 heavy-hitter priority from ``acc`` (B, H, S), positions ``pos`` and ``now`` (B,)."""
+        if self.score_kind == "mean":
+            return acc.double() / (bcast(now) - pos + 1).clamp(min=1).double()
+        return acc.double()
+
+    def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        if self.score_kind != "decay":
+            return super().accumulate(acc, probs, valid)
+        B, _, r, _ = probs.shape
+        v = torch.ones(B, r, dtype=torch.float64, device=acc.device) if valid is None else valid.double()
+        after = v.flip(-1).cumsum(-1).flip(-1) - v  # (B, r) real rows after each row
+        acc.mul_(bcast(self.decay ** v.sum(-1)).to(acc.dtype))
+        acc += (probs * (self.decay ** after).to(probs.dtype)[:, None, :, None]).sum(-2)
+
+    def describe(self) -> dict:
+        out = {**super().describe(), "score": self.score_kind}
+        return {**out, "decay": self.decay} if self.score_kind == "decay" else out
