@@ -14,6 +14,7 @@ from typing import Callable
 from . import attention
 from .cache import EvictingCache
 from .policies import Policy, PolicyError
+from .quant import Quantizer
 
 MODES = ("simulated", "real")
 SEMANTICS = ("h2o", "reference")
@@ -30,13 +31,14 @@ class Attached:
     num_layers: int = 0
     cache: EvictingCache | None = None
     observer: Callable | None = field(default=None, repr=False)  # observer(layer_idx, probs (B, Hq, T, S))
+    quant: Quantizer | None = None  # KV quantization (h2o.core.quant), bound to the model
 
     def new_cache(self, ref_len: int | None = None) -> EvictingCache:
         """A fresh evicting cache for one generation (real mode). Budget ratios are taken of the prompt's
         length, or of ``ref_len`` if given (to feed a sequence of known length token by token)."""
         if self.mode != "real":
             raise PolicyError(f"mode={self.mode}: new_cache() is for mode='real'")
-        self.cache = EvictingCache(self.policy, self.num_layers, ref_len)
+        self.cache = EvictingCache(self.policy, self.num_layers, ref_len, self.quant)
         return self.cache
 
     def observe(self, module, probs):
@@ -51,7 +53,9 @@ def attention_modules(model):
 
 
 @contextmanager
-def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o", prompt_len: int = 0):
+def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o", prompt_len: int = 0,
+           quant: Quantizer | None = None):
+    """``quant`` (default: ``policy.quant``): keys and values as a quantized cache holds them, in both paths."""
     if mode not in MODES:
         raise PolicyError(f"mode={mode!r}: allowed: {', '.join(MODES)}")
     if semantics not in SEMANTICS:
@@ -61,7 +65,9 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     modules = attention_modules(model)
     if not modules:
         raise PolicyError(f"{type(model).__name__}: no attention module with layer_idx found")
-    state = Attached(policy, mode, semantics, prompt_len, num_layers=len(modules))
+    quant = quant if quant is not None else policy.quant
+    state = Attached(policy, mode, semantics, prompt_len, num_layers=len(modules),
+                     quant=quant.bind(model) if quant is not None else None)
     previous = model.config._attn_implementation
     model.set_attn_implementation(attention.NAME)
     for m in modules:

@@ -36,6 +36,8 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if state.mode == "simulated":
         if key.shape[-2] != q:
             raise RuntimeError("simulated mode scores whole sequences in one pass; for generation use mode='real'")
+        if state.quant is not None:  # attend to the values a quantized cache would hold
+            key, value = state.quant.fake_kv(key, value, module.layer_idx)
         out, probs = simulated_attention(state.policy, query, key, value, new_valid, scaling,
                                          prompt_len=state.prompt_len, semantics=state.semantics)
         check_finite(out, module, "the forward pass")
@@ -57,7 +59,7 @@ ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S)
 def real_attention(state, module, query, key, value, new_valid, scaling):
     """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D)."""
     layer = state.cache.layers[module.layer_idx]
-    if layer.keys is not key:
+    if not layer.serves(key):
         raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")
     policy = state.policy
     B, Hq, q, D = query.shape

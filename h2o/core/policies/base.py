@@ -67,6 +67,7 @@ class Policy:
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = True  # False: keeps the whole cache and restricts each query (top-k)
     needs_scores: ClassVar[bool] = False  # True: uses accumulated attention ``acc``
+    quant = None  # the KV quantizer the policy's cache stores with (h2o.core.quant; set by the run's `quant`)
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):
