@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1", help="batch sizes, comma-separated")
     p.add_argument("--policies", default="full,local,h2o")
     p.add_argument("--budget", default="0.2", help="budgets: ratios of the prompt or token counts, comma-separated")
+    p.add_argument("--quant", default="none", help="KV quantization of each policy variant, comma-separated: "
+                   "none, uniform8/4/3/2, kvquant4/3/2 (h2o.bench.quant)")
     p.add_argument("--baselines", default="sdpa,sliding", help=f"of {','.join(BASELINES)}, or 'none'")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                             prefill=args.prefill, prefill_chunk=args.prefill_chunk,
                             kv_limit="full" if args.kv_limit_mib == "full" else int(float(args.kv_limit_mib) * 2**20)
                             or None, max_batch_cap=args.max_batch_cap,
-                            seed=args.seed, model_name=args.model)
+                            seed=args.seed, model_name=args.model, quants=args.quant.split(","))
     write_records(records, args.json, args.runs, args.experiment)
     return 0
 

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import torch
 
+from ..policies import PolicyError
+
 BITS = (2, 3, 4, 8)
 KINDS = ("key", "value")
 
 
-class QuantError(ValueError):
+class QuantError(PolicyError):
     """Bad quantization input: the message is one line naming the value and what is allowed."""
 
 

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
 
 from .base import BITS
 from .kvquant import OUTLIER_FRACTION, KVQuant, variant
@@ -29,7 +30,8 @@ def collect(model, windows: torch.Tensor, batch_size: int = 4):
     keys, values = None, None
     for start in range(0, len(windows), batch_size):
         ids = windows[start:start + batch_size].to(model.device)
-        cache = model(ids, use_cache=True).past_key_values
+        cache = DynamicCache(config=model.config)
+        model(ids, cache=cache, use_cache=True)
         layers = [(layer.keys.float().cpu(), layer.values.float().cpu()) for layer in cache.layers]
         keys = [[] for _ in layers] if keys is None else keys
         values = [[] for _ in layers] if values is None else values
@@ -53,7 +55,10 @@ def kmeans_1d(u: torch.Tensor, k: int, iters: int = 100) -> torch.Tensor:
         assign = torch.searchsorted((c[1:] + c[:-1]) / 2, centers)
         w = torch.zeros(k, dtype=torch.float64).index_add_(0, assign, hist)
         s = torch.zeros(k, dtype=torch.float64).index_add_(0, assign, hist * centers)
-        c = torch.where(w > 0, s / w.clamp(min=1e-30), c)
+        new = torch.where(w > 0, s / w.clamp(min=1e-30), c)
+        if torch.equal(new, c):
+            break  # converged
+        c = new
     return c.sort().values.float()
 
 
