@@ -242,3 +242,18 @@ def test_run_folder_names_the_quantizer():
     assert none.path == expand(base, True).plans[0].path  # quant=none: the folder of old
     assert uniform.path.name == "quant=uniform4,group_size=16" and uniform.head()["quant"]["bits"] == 4
     assert uniform.path.parent == none.path
+
+
+def test_bench_measures_quantized_variants_beside_the_unquantized_cache():
+    """make bench's variants x quant: the KV bytes are the packed rows (36 bytes a 4-bit row of 64 channels)."""
+    from h2o.bench.throughput import benchmark
+
+    model = tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64)
+    recs = benchmark(model, ["full", "h2o"], [0.2], [64], [3], [1], [], repeats=1, warmup=0, prefill="shared",
+                     quants=("none", "uniform4"), verbose=False)
+    got = {(r["policy"], r.get("quant", "none")): r["metrics"] for r in recs}
+    held = {"full": 66, "h2o": 12}  # 64 prompt tokens + 2 decoded; h2o keeps 20% of 64
+    for (policy, quant), m in got.items():
+        row = 36 if quant == "uniform4" else 64 * 4  # fp32 tiny model
+        assert m["kv_bytes"] == 2 * 2 * 2 * held[policy] * row and m["decode_tok_s"] > 0
+    assert got[("h2o", "uniform4")]["vs_full"]["kv_bytes"] == pytest.approx(12 * 36 / (66 * 256))

@@ -240,7 +240,7 @@ def fork_cache(model, v: Variant, new_cache, snap: EvictingCache, logits1, batch
     for layer, s in zip(cache.layers, snap.layers):
         if v.kind == "policy":
             for name, value in vars(s).items():  # scalars (seen, n_new, ...) as the prefill left them
-                if name not in ("policy", "ref_len", "counts") + BATCH_STATE:
+                if name not in ("policy", "ref_len", "counts", "quant", "served") + BATCH_STATE:
                     setattr(layer, name, value)
             for name in BATCH_STATE:
                 setattr(layer, name, rep(getattr(s, name), 1))
