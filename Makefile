@@ -5,6 +5,8 @@ PIP ?= .venv/bin/pip
 EXP ?= default
 LAUNCHER ?= basic
 DRY ?=
+# WANDB=1: sweep, bench and stream mirror their records to wandb (offline unless WANDB_MODE=online)
+WANDB ?=
 
 .DEFAULT_GOAL := help
 
@@ -35,15 +37,18 @@ tables: install ## regenerate the paper's tables from runs/
 figures: install ## regenerate the figures from runs/
 	$(PY) -m analysis figures --runs runs --out analysis/out
 
+report: install ## analysis/out/REPORT.md: every paper number beside ours, with a verdict (any runs/, even empty)
+	$(PY) -m analysis report --runs runs --out analysis/out
+
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
-sweep: install ## run experiment EXP (default: the CPU SmolLM2 sweep) on LAUNCHER (basic|submitit_local|slurm), then tables and figures; DRY=1 only lists the jobs
+sweep: install ## run experiment EXP (default: the CPU SmolLM2 sweep) on LAUNCHER (basic|submitit_local|slurm), then tables, figures and the report; DRY=1 only lists the jobs
 ifneq ($(DRY),)
 	$(PY) -m h2o.pipeline.sweep experiment=$(EXP) $(ARGS)
 else
 	@mkdir -p runs && rm -f runs/.sweep-failed
-	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(ARGS) || touch runs/.sweep-failed
-	$(MAKE) --no-print-directory tables figures
+	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS) || touch runs/.sweep-failed
+	$(MAKE) --no-print-directory tables figures report
 	@if [ -e runs/.sweep-failed ]; then rm -f runs/.sweep-failed; echo "sweep: some jobs failed (listed above)"; exit 1; fi
 endif
 
@@ -62,7 +67,8 @@ bench: install ## throughput, latency and KV memory vs full and transformers' ca
 	@mkdir -p $(dir $(BENCH_OUT))
 	$(PY) -m h2o.bench --suite targets --model smollm2-135m --threads $(BENCH_THREADS) \
 		--long $(BENCH_LONG) --short $(BENCH_SHORT) --e2e $(BENCH_E2E) --sim $(BENCH_SIM) \
-		--gen $(BENCH_GEN) --repeats $(BENCH_REPEATS) --json $(BENCH_OUT)
+		--gen $(BENCH_GEN) --repeats $(BENCH_REPEATS) --json $(BENCH_OUT) $(if $(WANDB),--runs runs)
+	$(if $(WANDB),$(PY) -m h2o.pipeline.wandb_sync runs --experiment benchmark)
 
 STREAM_TOKENS ?= 20000
 STREAM_BUDGETS ?= 64,128,256
@@ -70,5 +76,9 @@ STREAM_CHUNK ?= 32
 stream: install ## streaming perplexity on Austen: h2o vs streaming_llm vs local (STREAM_* sizes)
 	$(PY) -m h2o.bench.streaming --text austen --tokens $(STREAM_TOKENS) --budgets $(STREAM_BUDGETS) \
 		--chunk $(STREAM_CHUNK) --threads $(BENCH_THREADS) --runs runs --progress 100
+	$(if $(WANDB),$(PY) -m h2o.pipeline.wandb_sync runs --experiment streaming --summary)
 
-.PHONY: help install test tables figures data model bench stream sweep
+wandb: install ## mirror EXP's records in runs/ to wandb (offline unless WANDB_MODE=online; idempotent) and log its summary run
+	$(PY) -m h2o.pipeline.wandb_sync runs --experiment $(EXP) --summary
+
+.PHONY: help install test tables figures report data model bench stream sweep wandb

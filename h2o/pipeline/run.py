@@ -7,7 +7,8 @@
 Order of work: compose and validate every job (bad values: one line, exit status 2, no model loaded); skip a
 run whose folder already has metrics.json; load the model (reused across the jobs of a sweep); attach the
 policy; run the task; write config.yaml, samples.jsonl, env.json, then metrics.json last (atomically); mirror
-to wandb if ``logger=wandb`` (its failures are printed, never raised). In a multirun a failing job is recorded in
+to wandb if ``logger=wandb`` (its failures are printed, never raised; after a multirun, the experiment's summary
+run, h2o.pipeline.wandb_summary). In a multirun a failing job is recorded in
 ``<sweep dir>/failures.jsonl`` and the sweep goes on; the failures are printed at the end (exit status 1).
 Every job's outcome goes to ``<sweep dir>/jobs.jsonl``.
 
@@ -172,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     hydra_main()
     if sweep_dir is None:
         return 0
+    if any(plan.cfg.logger.get("wandb") for plan in sweep.plans):
+        from h2o.pipeline.wandb_summary import after_sweep
+
+        after_sweep(sweep.plans)  # the experiment's summary run (tables, figures, Fig. 4 plots); never raises
     jobs = read_jsonl(sweep_dir / "jobs.jsonl")
     failures = read_jsonl(sweep_dir / "failures.jsonl")
     counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "busy", "failed")}

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h2o.assets.model_spec import ConfigError
-from h2o.pipeline.records import REPO
+from h2o.assets.paths import REPO
 from h2o.tasks.base import Result, TaskSpec, check, check_hub_data, positive_or_none
 
 METRICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")

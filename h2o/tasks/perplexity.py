@@ -20,9 +20,9 @@ TEXTS = ("austen", "moby_dick")
 
 
 def book(text: str) -> str:
-    from h2o.assets import data
+    from h2o.assets import fetch
 
-    return data.austen_text() if text == "austen" else data.moby_dick()
+    return fetch.austen_text() if text == "austen" else fetch.moby_dick()
 
 
 @dataclass
