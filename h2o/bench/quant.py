@@ -67,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     from h2o.assets.models import load_model
-    from h2o.assets.paths import cache_path
+    from h2o.assets.paths import cache_dir
     from h2o.core.policies import make_policy
     from h2o.tasks.perplexity import PerplexityTask
 
-    calibration = args.calibration or str(cache_path("kvquant", f"{args.model}.pt"))
+    calibration = args.calibration or str(cache_dir() / "kvquant" / f"{args.model}.pt")
     try:
         quants = {s: quant_of(s, calibration) for s in args.schemes.split(",")}
     except (ValueError, KeyError) as exc:

@@ -119,9 +119,9 @@ def build_quant(cfg: DictConfig, model: ModelSpec):
         return None
     calibration = node.get("calibration")
     if calibration and not Path(str(calibration)).expanduser().is_absolute():
-        from h2o.assets.paths import cache_path
+        from h2o.assets.paths import cache_dir
 
-        node = OmegaConf.merge(node, {"calibration": str(cache_path(str(calibration)))})
+        node = OmegaConf.merge(node, {"calibration": str(cache_dir() / str(calibration))})
     quant = build("quant", node)
     quant.check_geometry(*model.geometry())
     return quant
