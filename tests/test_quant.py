@@ -141,8 +141,8 @@ def test_attention_paths_hold_and_attend_to_the_same_values(gqa, calibrations, n
 
 
 # twelve model-level combinations: every architecture x three schemes, the policies dealt round-robin
-COMBOS = [(arch, scheme, POLICIES[i % len(POLICIES)])
-          for i, (arch, scheme) in enumerate((a, s) for a in TINY_ARCHS for s in ("uniform4-g8", "kvquant3", "uniform2"))]
+PAIRS = [(a, s) for a in TINY_ARCHS for s in ("uniform4-g8", "kvquant3", "uniform2")]
+COMBOS = [(arch, scheme, POLICIES[i % len(POLICIES)]) for i, (arch, scheme) in enumerate(PAIRS)]
 
 
 @pytest.mark.parametrize("arch,scheme,name", COMBOS)

@@ -105,8 +105,9 @@ def table(rows: list[dict]) -> str:
     for q in dict.fromkeys(r["quant"] for r in rows):
         cells = []
         for p, b in pols:
-            r = next(r for r in rows if (r["policy"], r["budget"], r["quant"]) == (p, b, q))
-            cells += [f"{r['ppl']:.2f}", f"{r['kv_bytes'] / 1024:,.0f} ({r['vs_fp16_full']:.3f})"]
+            r = next((r for r in rows if (r["policy"], r["budget"], r["quant"]) == (p, b, q)), None)
+            cells += ["—", "—"] if r is None else [f"{r['ppl']:.2f}",
+                                                   f"{r['kv_bytes'] / 1024:,.0f} ({r['vs_fp16_full']:.3f})"]
         out.append(f"| {q} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
