@@ -76,6 +76,7 @@ class Variant:
     attn: str = "sdpa"  # attention implementation of the unmodified model (baselines)
     obj: Policy | None = field(default=None, compare=False)  # a built policy (else make_policy(policy, budget))
     quant: str = "none"  # KV quantization of a policy variant: none, uniform4, kvquant3, ... (h2o.bench.quant)
+    calibration: str | None = field(default=None, compare=False)  # kvquant's calibration file
 
     @staticmethod
     def of(policy: Policy) -> "Variant":
@@ -84,7 +85,7 @@ class Variant:
     def build_quant(self):
         from h2o.bench.quant import quant_of
 
-        return quant_of(self.quant)
+        return quant_of(self.quant, self.calibration)
 
     def build(self) -> Policy:
         if self.obj is not None:
@@ -97,14 +98,15 @@ class Variant:
 
 
 def make_variants(policies: Iterable[str], budgets: Iterable[float | int],
-                  baselines: Iterable[str] = ("sdpa", "sliding"), quants: Iterable[str] = ("none",)) -> list[Variant]:
+                  baselines: Iterable[str] = ("sdpa", "sliding"), quants: Iterable[str] = ("none",),
+                  calibration: str | None = None) -> list[Variant]:
     """``full`` first, then each policy at each budget, each with every quantization (``none`` first), then the
     baselines (``sliding`` at each budget)."""
     policies, budgets, baselines, quants = list(policies), list(budgets), list(baselines), list(quants)
-    out = [Variant("policy", "full", quant=q) for q in quants] if "full" in policies else []
+    out = [Variant("policy", "full", quant=q, calibration=calibration) for q in quants] if "full" in policies else []
     for p in policies:
         if p != "full":
-            out += [Variant("policy", p, b, quant=q) for b in budgets for q in quants]
+            out += [Variant("policy", p, b, quant=q, calibration=calibration) for b in budgets for q in quants]
     for b in baselines:
         if b not in BASELINES:
             raise ValueError(f"baseline {b!r}: allowed: {', '.join(BASELINES)}")
@@ -306,7 +308,7 @@ def benchmark(model, policies=("full", "h2o"), budgets=(0.2,), prompt_lens=(512,
               prefill: str = "each", prefill_chunk: int = 0, kv_limit: int | None = None,
               max_batch_cap: int = 64, seed: int = 0, model_name: str | None = None,
               verbose: bool = True, out=None, variants: list[Variant] | None = None,
-              quants=("none",)) -> list[dict]:
+              quants=("none",), calibration: str | None = None) -> list[dict]:
     """Measure every variant at every setting; returns run records (``task_kind: "benchmark"``).
 
     Variants: ``make_variants(policies, budgets, baselines)``, or ``variants`` as given.
@@ -316,7 +318,7 @@ def benchmark(model, policies=("full", "h2o"), budgets=(0.2,), prompt_lens=(512,
     """
     if prefill not in ("each", "shared"):
         raise ValueError(f"prefill={prefill!r}: allowed: each, shared")
-    variants = variants or make_variants(policies, budgets, baselines, quants)
+    variants = variants or make_variants(policies, budgets, baselines, quants, calibration)
     device = next(model.parameters()).device
     vocab = model.config.get_text_config(decoder=True).vocab_size
     gen = torch.Generator().manual_seed(seed)
