@@ -42,15 +42,23 @@ report: install ## analysis/out/REPORT.md: every paper number beside ours, with 
 
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
-sweep: install ## run experiment EXP (default: the CPU SmolLM2 sweep) on LAUNCHER (basic|submitit_local|slurm), then tables, figures and the report; DRY=1 only lists the jobs
+sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report; slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
 ifneq ($(DRY),)
-	$(PY) -m h2o.pipeline.sweep experiment=$(EXP) $(ARGS)
+	$(PY) -m h2o.pipeline.launch experiment=$(EXP) --dry --list $(ARGS)
+else ifeq ($(LAUNCHER),slurm)
+	$(PY) -m h2o.pipeline.launch experiment=$(EXP) $(ARGS)
 else
 	@mkdir -p runs && rm -f runs/.sweep-failed
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS) || touch runs/.sweep-failed
 	$(MAKE) --no-print-directory tables figures report
 	@if [ -e runs/.sweep-failed ]; then rm -f runs/.sweep-failed; echo "sweep: some jobs failed (listed above)"; exit 1; fi
 endif
+
+status: install ## done / running / queued / failed / left of experiment EXP (runs/ and the Slurm scheduler)
+	$(PY) -m h2o.pipeline.status experiment=$(EXP) $(ARGS)
+
+prefetch: install ## download every model and data set of experiment EXP into the caches (login node, before a Slurm sweep)
+	$(PY) -m h2o.pipeline.prefetch experiment=$(EXP) $(ARGS)
 
 # Benchmarks (issue targets). Sizes: prompt,batch pairs. Estimated 10-15 min on 2 idle cores at these defaults
 # (measured: 33 min with BENCH_THREADS=1 beside four other jobs on 2 cores). On shared cores use BENCH_THREADS=1:
@@ -81,4 +89,4 @@ stream: install ## streaming perplexity on Austen: h2o vs streaming_llm vs local
 wandb: install ## mirror EXP's records in runs/ to wandb (offline unless WANDB_MODE=online; idempotent) and log its summary run
 	$(PY) -m h2o.pipeline.wandb_sync runs --experiment $(EXP) --summary
 
-.PHONY: help install test tables figures report data model bench stream sweep wandb
+.PHONY: help install test tables figures report data model bench stream sweep wandb status prefetch

@@ -8,10 +8,25 @@ written. With no finished run under ``--runs``, ``tables`` and ``figures`` print
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from analysis.records import load_runs
+
+
+def check_paths(runs: str, out: str) -> str | None:
+    """The rules of h2o.core.validate for this CLI (analysis imports nothing of h2o): ``--runs`` is a folder
+    or absent, ``--out`` a folder that exists or can be created. Returns the one-line error, or None."""
+    if Path(runs).exists() and not Path(runs).is_dir():
+        return f"--runs={runs!r}: a file, not a folder; expected the root of the run records"
+    probe = Path(out).absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        why = "is a file, not a folder" if not probe.is_dir() else "is not writable"
+        return f"--out={out!r}: {probe} {why}; expected a writable folder"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", default="runs", help="root of the run records (default: runs)")
     parser.add_argument("--out", default="analysis/out", help="output root (default: analysis/out)")
     args = parser.parse_args(argv)
+    bad = check_paths(args.runs, args.out)
+    if bad:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     df = load_runs(args.runs)
     if args.what == "report":
         from analysis.report import report

@@ -24,7 +24,8 @@ The contract (written by the runner, read here):
 from __future__ import annotations
 
 import json
-import warnings
+import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,24 +49,48 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def record_row(metrics_file: Path) -> dict:
-    """One flat dict from one ``metrics.json`` (plus ``path``: the run folder)."""
+    """One flat dict from one ``metrics.json`` (plus ``path``: the run folder). ValueError naming what is
+    wrong when the file is not a record (not an object, ``metrics`` not an object)."""
     rec = json.loads(Path(metrics_file).read_text())
-    metrics = rec.pop("metrics", None) or {}
+    if not isinstance(rec, dict):
+        raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
+    metrics = rec.pop("metrics", None)
+    if metrics is None:
+        metrics = {}
+    if not isinstance(metrics, dict):
+        raise ValueError(f'"metrics" must be an object, got {type(metrics).__name__}')
     row = _flatten(rec)
     for key, value in _flatten(metrics).items():
         row[f"metric_{key}" if key in row else key] = value
     row["path"] = str(Path(metrics_file).parent)
+    row["nonfinite_metrics"] = ",".join(k for k, v in _flatten(metrics).items()
+                                        if isinstance(v, float) and not math.isfinite(v)) or None
     return row
 
 
+def warn(message: str) -> None:
+    """One warning line on stderr (``warnings.warn`` prints two)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
 def load_runs(root: str | Path = "runs") -> pd.DataFrame:
-    """One row per finished run under ``root`` (any depth); empty frame if there is none."""
+    """One row per finished run under ``root`` (any depth); empty frame if there is none.
+
+    A malformed record is skipped with one warning line naming it; a record with a NaN or infinite metric is
+    kept, its metric set to NaN (so no mean includes it) and named in ``nonfinite_metrics``, with one warning."""
     rows = []
     for f in sorted(Path(root).rglob("metrics.json")) if Path(root).is_dir() else []:
         try:
-            rows.append(record_row(f))
+            row = record_row(f)
         except (OSError, ValueError) as err:  # a corrupt record should not hide the others
-            warnings.warn(f"skipping unreadable run record {f}: {err}")
+            warn(f"skipping malformed run record {f}: {' '.join(str(err).split())}")
+            continue
+        if row["nonfinite_metrics"]:
+            warn(f"non-finite metric(s) {row['nonfinite_metrics']} in {f}: shown as NaN, left out of every mean")
+            for key in row["nonfinite_metrics"].split(","):
+                name = f"metric_{key}" if f"metric_{key}" in row else key
+                row[name] = np.nan
+        rows.append(row)
     df = pd.DataFrame(rows)
     for col in BASE_COLUMNS:
         if col not in df.columns:

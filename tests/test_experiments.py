@@ -272,16 +272,16 @@ def test_killed_sweep_resumes_exactly_the_missing_runs(tmp_path):
 
 @pytest.mark.slow
 def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path):
-    # the reference mask rule exists for h2o only, and semantics is validated per job before anything runs:
-    # an unknown dataset file instead fails at run time (after validation) in one job only
-    args = ["-m", *TINY, "task=austen_ppl,bb_copa", "policy=local", f"runs_dir={tmp_path}/runs",
-            "task_overrides.austen_ppl.n_windows=100000"]
+    # every value is validated per job before anything runs; the in-context pool (train articles of 61-150 words
+    # once cut to doc_max_words=60: none) is known only once the data is read: that fails at run time, in one job
+    args = ["-m", *TINY, "task=bb_xsum,bb_copa", "policy=local", f"runs_dir={tmp_path}/runs",
+            "++task_overrides.bb_xsum.shot_min_words=61"]
     out = h2o_run(args, tmp_path)
-    assert out.returncode == 1
-    assert "FAILED job" in out.stderr and "fewer than" in out.stderr
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "FAILED job" in out.stderr and "only 0 train articles" in out.stderr
     assert [r["task"] for r in records(tmp_path / "runs").values()] == ["bb_copa"]
     fails = read_jsonl(next((tmp_path / "multirun").rglob("failures.jsonl")))
-    assert len(fails) == 1 and "task=austen_ppl" in fails[0]["overrides"] and fails[0]["traceback"]
+    assert len(fails) == 1 and "task=bb_xsum" in fails[0]["overrides"] and fails[0]["traceback"]
 
 
 # ------------------------------------------------------------------------------------------ lm-eval

@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -58,6 +59,34 @@ BAD = [
     ("unknown-logger", [*TINY, "logger=tensorboard"], ["logger=tensorboard", "allowed", "wandb"], {}),
     ("dtype-unknown", [*TINY, "model.dtype=fp8"], ["dtype='fp8'", "allowed", "bf16"], {}),
     ("multirun-one-bad-job", ["-m", *TINY, "seed=0,-3"], ["seed=-3"], {}),
+    # round two (issue 10): record identity, types, ranges, paths, bounded work
+    ("unknown-root-key", [*TINY, "+seeds=3"], ["seeds", "no such config key", "seed"], {}),
+    ("removed-key", [*TINY, "~policy.budget"], ["policy.budget", "missing"], {}),
+    ("experiment-name-space", [*TINY, "experiment_name='x y'"], ["experiment_name='x y'", "allowed"], {}),
+    ("experiment-name-slash", [*TINY, "experiment_name=x/y"], ["experiment_name='x/y'", "allowed"], {}),
+    ("experiment-name-dotdot", [*TINY, "experiment_name=.."], ["experiment_name='..'", "allowed"], {}),
+    ("runs-dir-empty", [*TINY, "runs_dir="], ["runs_dir=''", "folder"], {}),
+    ("hang-xsum-no-room-for-prompt", [*TINY, "task=bb_xsum", "task.shots=0", "task.max_new_tokens=5000"],
+     ["max_new_tokens=5000", "4096", "allowed: 1-2048"], {}),
+    ("xsum-shots-over-pool", [*TINY, "task=bb_xsum", "task.shots=1000"], ["shots=1000", "100 train", "0-100"], {}),
+    ("shots-bool", [*TINY, "task.shots=true"], ["task.shots=True", "an int"], {}),
+    ("threads-bool", ["model=tiny-llama", "threads=true"], ["threads=True", "positive int"], {}),
+    ("heavy-share-bool", [*TINY, "policy.heavy_share=true"], ["heavy_share=True", "[0, 1]"], {}),
+    ("heavy-share-text", [*TINY, "policy.heavy_share=abc"], ["heavy_share='abc'", "[0, 1]"], {}),
+    ("greedy-not-bool", [*TINY, "task=bb_xsum", "task.greedy=maybe"], ["task.greedy='maybe'", "true/false"], {}),
+    ("temperature-text", [*TINY, "task=bb_xsum", "task.temperature=abc"], ["task.temperature='abc'", "number"], {}),
+    ("add-bos-not-bool", [*TINY, "task.add_bos_token=maybe"], ["add_bos_token='maybe'", "true/false or null"], {}),
+    ("fail-fast-not-bool", [*TINY, "fail_fast=maybe"], ["fail_fast='maybe'", "true or false"], {}),
+    ("budget-huge", [*TINY, "policy.budget=99999999999999999999"], ["budget=99999999999999999999", "2**40"], {}),
+    ("n-windows-over-text", [*TINY, "task=austen_ppl", "task.n_windows=100000"], ["n_windows=100000", "allowed"], {}),
+    ("observations-layer", [*TINY, "task=observations", "task.layer=99"], ["task.layer=99", "2 layers", "0-1"], {}),
+    ("pretrained-missing", [*TINY, "model.pretrained=/nonexistent/ckpt"], ["pretrained='/nonexistent/ckpt'",
+                                                                           "no such folder", "allowed"], {}),
+    ("pretrained-not-checkpoint", [*TINY, "model.pretrained={tmp}/ro"], ["no config.json", "allowed"], {}),
+    ("device-map-unknown", [*TINY, "model.device_map=xyz"], ["device_map='xyz'", "allowed", "auto"], {}),
+    ("sweep-range-step-zero", ["-m", *TINY, "seed=range(0,1,0)"], ["range"], {}),
+    ("sweep-dir-is-a-file", ["-m", *TINY, "seed=0,1", "hydra.sweep.dir={tmp}/afile"], ["hydra.sweep.dir", "afile",
+                                                                                       "not a folder"], {}),
 ]
 
 
@@ -178,3 +207,274 @@ def test_misconfigured_wandb_never_fails_the_run(tmp_path, monkeypatch, capsys):
     rec = json.loads(found[0].read_text())
     assert rec["n_samples"] == len(read_jsonl(folder / "samples.jsonl")) == 1 and rec["metrics"]["ppl"] > 0
     assert "wandb mirror failed" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------- every other entry point (one table each)
+def no_load(monkeypatch):
+    """Loading a model is an error in these tests: bad input must fail first."""
+    import h2o.assets.models as models
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the bad input was reported")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+def one_line_exit_2(code, capsys, words):
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert err.startswith("error:") and len(err.splitlines()) == 1, err
+    assert all(w in err for w in words), (words, err)
+
+
+SWEEP_BAD = [
+    (["model=tiny-llama", "policy.budget=0.2,1.5"], ["budget=1.5", "(0, 1]"]),
+    (["model=tiny-llama", "+foo=1"], ["foo", "no such config key"]),
+    (["model=tiny-llama", "experiment_name=x:y"], ["experiment_name='x:y'", "allowed"]),
+]
+
+
+@pytest.mark.parametrize("args, words", SWEEP_BAD, ids=["budget", "unknown-key", "experiment-name"])
+def test_sweep_dry_run_bad_input(args, words, capsys, tmp_path, monkeypatch):
+    from h2o.pipeline.sweep import main
+
+    monkeypatch.chdir(tmp_path)
+    no_load(monkeypatch)
+    one_line_exit_2(main(args), capsys, words)
+
+
+BENCH_BAD = [
+    (["--budget", "abc"], ["--budget='abc'", "'abc' is not"]),
+    (["--repeats", "0"], ["--repeats=0", ">= 1"]),
+    (["--prompt", "0"], ["--prompt='0'", "an int >= 1"]),
+    (["--baselines", "foo"], ["--baselines", "'foo'", "sdpa"]),
+    (["--policies", "lru"], ["--policies", "'lru'", "h2o"]),
+    (["--repeats", "abc"], ["--repeats", "invalid int"]),
+    (["--model", "/nonexistent"], ["--model='/nonexistent'", "no such folder"]),
+    (["--json", "{tmp}/afile/out.jsonl"], ["--json", "afile", "not a folder"]),
+]
+
+
+@pytest.mark.parametrize("args, words", BENCH_BAD, ids=[" ".join(a[:1] + a[1:2]) for a, _ in BENCH_BAD])
+def test_bench_cli_bad_input(args, words, capsys, tmp_path, monkeypatch):
+    from h2o.bench.__main__ import main
+
+    (tmp_path / "afile").write_text("x")
+    no_load(monkeypatch)
+    code = main([a.replace("{tmp}", str(tmp_path)) for a in ["--model", "tiny:llama", *args]])
+    one_line_exit_2(code, capsys, words)
+
+
+STREAM_BAD = [
+    (["--budgets", "abc"], ["--budgets='abc'", "cache size in tokens"]),
+    (["--budgets", "0.2"], ["--budgets='0.2'", "cache size in tokens"]),
+    (["--policies", "lru"], ["--policies", "'lru'", "streaming_llm"]),
+    (["--chunk", "0"], ["--chunk=0", ">= 1"]),
+    (["--tokens", "-5"], ["--tokens=-5", ">= 1"]),
+    (["--text", "/nonexistent.txt"], ["--text='/nonexistent.txt'", "austen"]),
+    (["--policies", "streaming_llm", "--budgets", "3"], ["budget=3", "sinks"]),
+    (["--json", "{tmp}/afile/out.jsonl"], ["--json", "afile", "not a folder"]),
+    (["--runs", "{tmp}/runs", "--experiment", "../x"], ["--experiment='../x'", "allowed"]),
+]
+
+
+@pytest.mark.parametrize("args, words", STREAM_BAD, ids=[" ".join(a) for a, _ in STREAM_BAD])
+def test_streaming_cli_bad_input(args, words, capsys, tmp_path, monkeypatch):
+    from h2o.bench.streaming import main
+
+    (tmp_path / "afile").write_text("x")
+    no_load(monkeypatch)
+    code = main([a.replace("{tmp}", str(tmp_path)) for a in ["--model", "tiny:llama", *args]])
+    one_line_exit_2(code, capsys, words)
+
+
+LM_EVAL_BAD = [
+    ("pretrained=tiny:llama,policy=nope", ["policy='nope'", "allowed", "h2o"]),
+    ("pretrained=tiny:llama,policy=h2o,budget=abc", ["budget='abc'", "ratio"]),
+    ("pretrained=tiny:llama,policy=h2o,semantics=exact", ["semantics='exact'", "simulated"]),
+    ("pretrained=tiny:llama,policy=h2o,scoring=avg", ["scoring='avg'", "sum"]),
+    ("pretrained=/nonexistent,policy=h2o", ["pretrained='/nonexistent'", "no such folder"]),
+]
+
+
+@pytest.mark.parametrize("model_args, words", LM_EVAL_BAD, ids=[a.split(",")[-1] for a, _ in LM_EVAL_BAD])
+def test_lm_eval_cli_bad_input(model_args, words, capsys, tmp_path, monkeypatch):
+    from lm_eval.models.huggingface import HFLM
+
+    from h2o.tasks import lm_eval_cli
+
+    monkeypatch.setattr(HFLM, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+    monkeypatch.setattr("sys.argv", ["lm_eval_cli", "--model", "h2o", "--model_args", model_args, "--tasks",
+                                     "bb_copa", "--include_path", "tasks", "--output_path", str(tmp_path / "out")])
+    one_line_exit_2(lm_eval_cli.main(), capsys, words)
+
+
+def test_analysis_cli_bad_paths(capsys, tmp_path):
+    from analysis.__main__ import main
+
+    (tmp_path / "afile").write_text("x")
+    one_line_exit_2(main(["tables", "--runs", str(tmp_path), "--out", str(tmp_path / "afile")]), capsys,
+                    ["--out=", "afile", "not a folder"])
+    one_line_exit_2(main(["tables", "--runs", str(tmp_path / "afile")]), capsys, ["--runs=", "not a folder"])
+
+
+# --------------------------------------------------------------------------------------- record identity
+def plan_for(args: list[str], runs: Path):
+    from hydra import compose, initialize_config_dir
+
+    from h2o.pipeline.plan import prepare
+    from h2o.pipeline.records import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return prepare(compose(config_name="config", overrides=[*TINY, f"runs_dir={runs}", *args]))
+
+
+def test_record_identity_is_exact_and_a_differing_record_is_never_reused(tmp_path):
+    from omegaconf import OmegaConf
+
+    from h2o.assets.model_spec import ConfigError
+    from h2o.pipeline.records import fmt, write_json
+
+    assert fmt(0.2000001) != fmt(0.2) and fmt(0.19999999) != fmt(0.2) and fmt(0.2) == "0.2"
+    assert len({fmt("x_y"), fmt("x y"), fmt("x/y"), fmt("x:y")}) == 4 and "/" not in fmt("x/y")
+    assert fmt("..") not in ("..", ".") and not fmt("../x").startswith(".")
+    plan = plan_for(["policy.budget=0.2"], tmp_path)
+    assert plan.path != plan_for(["policy.budget=0.2000001"], tmp_path).path
+    assert plan_for(["model.name='x y'"], tmp_path).path != plan_for(["model.name=x_y"], tmp_path).path
+    plan.path.mkdir(parents=True)
+    (plan.path / "config.yaml").write_text(OmegaConf.to_yaml(plan.cfg, resolve=True))
+    write_json(plan.path / "metrics.json", {**plan.head(), "metrics": {}, "n_samples": 0, "wall_s": 0.0})  # complete
+    assert plan_for(["policy.budget=0.2"], tmp_path).path == plan.path  # its own config: reused (skipped)
+    stored = OmegaConf.load(plan.path / "config.yaml")
+    stored.policy.heavy_share = 0.25  # as if an older run with another split had left its record here
+    (plan.path / "config.yaml").write_text(OmegaConf.to_yaml(stored))
+    with pytest.raises(ConfigError, match="different config .*policy.heavy.*not reused"):
+        plan_for(["policy.budget=0.2"], tmp_path)
+
+
+# ------------------------------------------------------------------------------------------- bounded work
+def test_prompt_builder_always_terminates():
+    from h2o.assets.model_spec import ConfigError
+    from h2o.assets.tiny import byte_tokenizer
+    from h2o.tasks.summarization import SummarizationTask
+
+    task = SummarizationTask("bb_xsum", dataset="bb_xsum", shots=0, max_new_tokens=5000)
+    row = {"article": "word " * 300, "summary": "s"}
+    with pytest.raises(ConfigError, match="max_new_tokens=5000: even an empty article"):
+        task.prompt([], row, byte_tokenizer(), 4096 - 5000)
+    assert len(task.prompt([], row, byte_tokenizer(), 200)) <= 200  # cut from the left until it fits
+
+
+# ------------------------------------------------------------------------------------------- analysis
+def test_analysis_skips_malformed_records_and_flags_nan(tmp_path, capsys):
+    from analysis.__main__ import main
+    from analysis.records import load_runs
+
+    good = {"experiment": "x", "model": "m", "task": "copa", "task_kind": "multiple_choice", "policy": "h2o",
+            "budget": 0.2, "shots": 0, "semantics": "simulated", "seed": 0, "n_samples": 3, "metrics": {"acc": 0.5}}
+    for name, content in {"good": good, "list": [1, 2, 3], "int-metrics": {**good, "metrics": 5},
+                          "nan": {**good, "seed": 1, "metrics": {"acc": float("nan"), "acc_norm": 0.25}},
+                          "torn": None}.items():
+        (tmp_path / name).mkdir()
+        text = json.dumps(content) if content is not None else '{"experiment": "x", "metr'
+        (tmp_path / name / "metrics.json").write_text(text)
+    df = load_runs(tmp_path)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert sorted(Path(p).name for p in df.path) == ["good", "nan"]
+    assert len([w for w in warnings if w.startswith("warning: skipping malformed")]) == 3
+    assert any("list" in w for w in warnings) and any("int-metrics" in w and "metrics" in w for w in warnings)
+    nan = df[df.path.str.endswith("nan")].iloc[0]
+    assert nan.nonfinite_metrics == "acc" and np.isnan(nan.acc) and nan.acc_norm == 0.25
+    assert df.acc.mean() == 0.5  # the NaN run is not averaged in
+    assert main(["tables", "--runs", str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    assert list((tmp_path / "out" / "tables").glob("*.md"))
+
+
+# ------------------------------------------------------------------------------------------- API guards
+@pytest.fixture(scope="module")
+def tiny():
+    from h2o.assets.models import tiny_model
+    from h2o.assets.tiny import byte_tokenizer
+
+    return tiny_model("llama"), byte_tokenizer()
+
+
+def test_api_guards(tiny):
+    from h2o import PolicyError, attach, make_policy
+
+    model, _ = tiny
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    ref = model(ids).logits
+    policy = make_policy("h2o", budget=0.5)
+    with attach(model, policy):
+        with pytest.raises(PolicyError, match="attached already"):
+            with attach(model, policy):
+                pass
+    assert model.config._attn_implementation == "eager" and torch.equal(model(ids).logits, ref)  # restored
+    with pytest.raises(PolicyError, match="expected a Policy"):
+        with attach(model, "h2o"):
+            pass
+    with pytest.raises(PolicyError, match="prompt_len=-5"):
+        with attach(model, policy, prompt_len=-5):
+            pass
+    with pytest.raises(PolicyError, match="2\\*\\*40"):
+        make_policy("h2o", budget=10**30)
+    with pytest.raises(PolicyError, match="unknown"):
+        make_policy(3)
+    with torch.no_grad(), attach(model, policy, prompt_len=50):
+        with pytest.raises(ValueError, match="prompt_len=50: beyond the sequence of 12"):
+            model(ids)
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        with pytest.raises(ValueError, match="needs a cache"):
+            model(ids)
+        with pytest.raises(PolicyError, match="needs a cache"):
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+        cache = h.new_cache()
+        model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
+        with pytest.raises(PolicyError, match="single-use"):
+            model.generate(ids, cache=cache, max_new_tokens=2, do_sample=False)
+    assert "generate" not in vars(model)  # the class's own generate again
+
+
+# ------------------------------------------------------------------------------------------------ NaN/inf
+@pytest.mark.parametrize("mode", ["simulated", "real"])
+def test_non_finite_outside_attention_stops_before_sampling(tiny, mode):
+    """inf from the last MLP (not attention): both paths stop with the token named, generate before sampling."""
+    from h2o import attach, make_policy
+
+    model, _ = tiny
+    ids = torch.randint(3, 200, (1, 12), generator=torch.Generator().manual_seed(1))
+    mlp = model.model.layers[-1].mlp
+    hook = mlp.register_forward_hook(lambda m, i, out: out.index_fill(1, torch.tensor([min(7, out.shape[1] - 1)]),
+                                                                          float("inf")))
+    try:
+        with torch.no_grad(), attach(model, make_policy("h2o", budget=0.5), mode=mode) as h:
+            kw = {"cache": h.new_cache()} if mode == "real" else {}
+            with pytest.raises(FloatingPointError, match="outside attention.* at token 7 "):
+                model(ids, **kw)
+        if mode == "real":
+            with torch.no_grad(), attach(model, make_policy("h2o", budget=0.5), mode=mode) as h:
+                with pytest.raises(FloatingPointError, match="stopped before sampling"):
+                    model.generate(ids, cache=h.new_cache(), max_new_tokens=3, do_sample=True)
+    finally:
+        hook.remove()
+
+
+# ------------------------------------------------------------------------------------------ sweep folders
+def test_each_sweep_process_has_its_own_folder_and_summary(tmp_path, monkeypatch, capsys):
+    from h2o.pipeline.run import main
+
+    monkeypatch.chdir(tmp_path)
+    runs = f"runs_dir={tmp_path}/runs"
+    assert main(["-m", *TINY, *PPL, runs, "seed=0,1"]) == 0
+    assert main(["-m", *TINY, *PPL, runs, "seed=0,1"]) == 0  # same second or not: a folder of its own
+    folders = sorted((tmp_path / "multirun" / "adhoc").iterdir())
+    assert len(folders) == 2 and all(len(read_jsonl(f / "jobs.jsonl")) == 2 for f in folders)
+    # two sweeps forced into one folder: each summary counts only its own jobs; a failure is only its sweep's
+    shared = f"hydra.sweep.dir={tmp_path}/shared"
+    assert main(["-m", *TINY, runs, shared, "task=bb_xsum", "task.limit=1", "task.shots=50", "seed=3"]) == 1
+    capsys.readouterr()
+    assert main(["-m", *TINY, *PPL, runs, shared, "seed=0,1"]) == 0
+    err = capsys.readouterr().err
+    assert "0 done, 2 skipped, 0 busy, 0 failed" in err and "FAILED" not in err
+    assert len(read_jsonl(tmp_path / "shared" / "jobs.jsonl")) == 3

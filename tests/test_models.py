@@ -103,3 +103,49 @@ def test_smollm2_loads_offline_with_sane_perplexity(monkeypatch):
         loss = model(ids, labels=ids).loss
     ppl = loss.exp().item()
     assert 5 < ppl < 40, ppl  # 16.5 measured
+
+
+# ------------------------------------------------------------------------------ devices (issue 11)
+def test_gpu_config_never_falls_back_to_the_cpu(monkeypatch):
+    from h2o.assets.model_spec import ModelSpec
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(models, "_pretrained", lambda *a, **k: pytest.fail("loaded on the CPU"))
+    with pytest.raises(models.DeviceError, match="device_map='auto' asks for a GPU but torch sees none"):
+        models.load_model("facebook/opt-66b", "fp16", "auto")
+    spec = ModelSpec(name="opt-66b", pretrained="facebook/opt-66b", dtype="fp16", device_map="auto",
+                     resources={"gpus": 4, "mem_gb": 320})
+    with pytest.raises(models.DeviceError, match="model=opt-66b: a GPU config .* no CPU fallback"):
+        spec.load()
+    cpu = ModelSpec(name="t", pretrained="tiny:llama", dtype="fp32", resources={"gpus": 1})
+    with pytest.raises(models.DeviceError, match="model.resources.gpus=0"):
+        cpu.load()
+
+
+def test_auto_dtype_with_a_device_map_is_half_precision_on_gpu(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(models, "_pretrained", lambda name, **kw: seen.update(kw) or (_Stub(), _Stub()))
+    models.load_model("org/model", "auto", "auto")
+    assert seen["dtype"] == torch.bfloat16 and seen["device_map"] == "auto"
+
+
+class _Stub:
+    pad_token = "x"
+
+    def eval(self):
+        return self
+
+
+def test_scoring_forwards_build_no_kv_cache():
+    from h2o.core.policies import make_policy
+    from h2o.tasks.perplexity import PerplexityTask
+
+    model = models.tiny_model("llama")
+    calls = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(kwargs.get("use_cache")), with_kwargs=True)
+    task = PerplexityTask("p", window=32, n_windows=1)
+    task.windows = lambda tok: torch.arange(3, 35)[None]  # (1, 32) ids, no book needed
+    task.run(model, None, make_policy("h2o", budget=0.5), "simulated", 0)
+    assert calls == [False]

@@ -8,17 +8,18 @@
 """
 from __future__ import annotations
 
+import json
+import os
+import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from h2o.assets.models import _DTYPES, TINY_ARCHS, load_model
+from h2o.assets.models import _DTYPES, TINY_ARCHS, DeviceError, load_model, wants_cuda
+from h2o.core.validate import ConfigError, check
 
 DTYPES = ("auto", *_DTYPES)
 _LOADED: dict[tuple, tuple[Any, Any]] = {}  # one model at a time, reused across the jobs of a sweep
-
-
-class ConfigError(ValueError):
-    """A bad config value; the message is one line naming the value and what is allowed."""
 
 
 def resolve_tiny(pretrained: str) -> str:
@@ -36,37 +37,36 @@ class ModelSpec:
     pretrained: str
     dtype: str = "auto"
     device_map: Any = None
+    resources: dict | None = None  # per Slurm array task: gpus, mem_gb, cpus, load_min, s_per_mtok (RESOURCES)
 
     def __post_init__(self):
         if not self.name or not self.pretrained:
             raise ConfigError(f"model: name and pretrained are required (got {self.name!r}, {self.pretrained!r})")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype={self.dtype!r}: allowed: {', '.join(DTYPES)}")
-        if str(self.pretrained).startswith("tiny:") and self.pretrained[5:] not in TINY_ARCHS:
-            raise ConfigError(f"model.pretrained={self.pretrained!r}: allowed tiny:<arch> with arch in "
-                              f"{', '.join(TINY_ARCHS)}")
+        check_pretrained(self.pretrained)
         check_device(self.device_map)
+        check_resources(self.resources)
+
+    @property
+    def wants_gpu(self) -> bool:
+        """A GPU config: device_map ``auto`` or a CUDA device, or resources asking for GPUs."""
+        return wants_cuda(self.device_map) or bool((self.resources or {}).get("gpus"))
+
+    def config(self) -> dict:
+        """The checkpoint's config.json read without loading weights ({} if unknown: a hub id not cached)."""
+        return checkpoint_config(self.pretrained)
 
     def max_positions(self) -> int | None:
-        """The longest sequence the model takes (its config's max_position_embeddings / n_positions), read
-        without loading weights: the tiny models' constant, or a local folder's config.json; None if unknown."""
-        if str(self.pretrained).startswith("tiny:"):
-            from h2o.assets.tiny import MAX_POSITIONS
+        """The longest sequence the model takes (max_position_embeddings / n_positions), None if unknown."""
+        cfg = self.config()
+        return next((cfg[k] for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
+                     if isinstance(cfg.get(k), int)), None)
 
-            return MAX_POSITIONS
-        import json
-        from pathlib import Path
-
-        cfg = Path(str(self.pretrained)).expanduser() / "config.json"
-        if cfg.is_file():
-            try:
-                data = json.loads(cfg.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                return None
-            for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-                if isinstance(data.get(key), int):
-                    return data[key]
-        return None
+    def num_layers(self) -> int | None:
+        cfg = self.config()
+        return next((cfg[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if isinstance(cfg.get(k), int)),
+                    None)
 
     def geometry(self) -> tuple[int | None, bool | None, int | None]:
         """(head size, has rotary embeddings, layers) from the model's config, without loading weights
@@ -95,14 +95,104 @@ class ModelSpec:
 
     def load(self) -> tuple[Any, Any]:
         """(model, tokenizer), eval mode. Keeps the last loaded model for the next job of the sweep."""
+        import torch
+
+        if self.wants_gpu and not torch.cuda.is_available():
+            raise DeviceError(f"model={self.name}: a GPU config (device_map={self.device_map!r}, "
+                              f"gpus={(self.resources or {}).get('gpus')}) but torch sees no GPU (torch "
+                              f"{torch.__version__}, CUDA {torch.version.cuda}); no CPU fallback; to run on the CPU "
+                              f"set model.device_map=null model.resources.gpus=0")
         if self.key() not in _LOADED:
             release()
             _LOADED[self.key()] = load_model(resolve_tiny(self.pretrained), self.dtype, self.device_map)
         return _LOADED[self.key()]
 
 
+RESOURCES = {"gpus": int, "mem_gb": (int, float), "cpus": int, "load_min": (int, float), "s_per_mtok": (int, float)}
+
+
+def check_resources(resources: dict | None) -> None:
+    """ConfigError unless ``resources`` is null or a mapping of RESOURCES keys to numbers >= 0."""
+    if resources is None:
+        return
+    if not isinstance(resources, dict):
+        raise ConfigError(f"model.resources={resources!r}: expected a mapping with keys {', '.join(RESOURCES)}")
+    for key, value in resources.items():
+        if key not in RESOURCES:
+            raise ConfigError(f"model.resources.{key}: unknown; allowed: {', '.join(RESOURCES)}")
+        if isinstance(value, bool) or not isinstance(value, RESOURCES[key]) or value < 0:
+            raise ConfigError(f"model.resources.{key}={value!r}: expected a number >= 0")
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+DEVICE_MAPS = ("null", "auto", "balanced", "balanced_low_0", "sequential", "cpu", "cuda", "cuda:<n>", "<n>", "a dict")
+SMOLLM2 = ("smollm2-135m", "smollm2")
+ALLOWED_PRETRAINED = "a checkpoint folder (with config.json), a hub id owner/name, smollm2-135m or tiny:<arch>"
+
+
+def hub_cache_dir(repo_id: str) -> Path:
+    home = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")).expanduser()
+    hub = Path(os.environ.get("HF_HUB_CACHE", home / "hub")).expanduser()
+    return hub / f"models--{repo_id.replace('/', '--')}"
+
+
+def check_pretrained(pretrained: Any, key: str = "model.pretrained") -> None:
+    """ConfigError unless ``pretrained`` names a model that can be loaded: a tiny arch, SmolLM2, a local
+    checkpoint folder, or a hub id (in the local cache when HF_HUB_OFFLINE is set). Reads no weights."""
+    text = str(pretrained)
+    check(isinstance(pretrained, str) and text.strip() != "", f"{key}={pretrained!r}: allowed: {ALLOWED_PRETRAINED}")
+    if text.startswith("tiny:"):
+        check(text[5:] in TINY_ARCHS, f"{key}={text!r}: allowed tiny:<arch> with arch in {', '.join(TINY_ARCHS)}")
+        return
+    if text.lower() in SMOLLM2:
+        return
+    path = Path(text).expanduser()
+    if path.exists() or text.startswith((".", "/", "~")):
+        why = "no such folder" if not path.exists() else "not a checkpoint folder (no config.json)"
+        check(path.is_dir() and (path / "config.json").is_file(),
+              f"{key}={text!r}: {why}; allowed: {ALLOWED_PRETRAINED}")
+        return
+    check(bool(HUB_ID.fullmatch(text)), f"{key}={text!r}: neither a folder nor a hub id; allowed: {ALLOWED_PRETRAINED}")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    check(not offline or hub_cache_dir(text).is_dir(), f"{key}={text!r}: not in the Hugging Face cache and "
+                                                       f"HF_HUB_OFFLINE=1; allowed offline: smollm2-135m, tiny:<arch>, "
+                                                       f"a local folder or a cached hub id")
+
+
+def checkpoint_config(pretrained: str) -> dict:
+    """config.json of ``pretrained`` without loading weights: tiny archs, the cached SmolLM2, a local folder, a
+    hub id's cached snapshot; {} when it is not on this machine."""
+    text = str(pretrained)
+    if text.startswith("tiny:"):
+        from h2o.assets.models import tiny_config
+        from h2o.assets.tiny import MAX_POSITIONS
+
+        return {**tiny_config(text[5:]).to_dict(), "max_position_embeddings": MAX_POSITIONS}
+    if text.lower() in SMOLLM2:
+        from h2o.assets.models import _smollm2_dir
+
+        files = [_smollm2_dir() / "config.json"]
+    else:
+        files = [Path(text).expanduser() / "config.json", *sorted(hub_cache_dir(text).glob("snapshots/*/config.json"))]
+    for f in files:
+        if f.is_file():
+            try:
+                data = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            text_cfg = data.get("text_config") if isinstance(data.get("text_config"), dict) else {}
+            return {**text_cfg, **data}
+    return {}
+
+
 def check_device(device_map: Any) -> None:
-    """ConfigError when ``device_map`` asks for a CUDA device this machine does not have (cheap: no model)."""
+    """ConfigError when ``device_map`` is not one transformers takes, or asks for a CUDA device this machine
+    does not have (cheap: no model)."""
+    if not isinstance(device_map, dict):
+        ok = device_map is None or (isinstance(device_map, int) and not isinstance(device_map, bool)
+                                    and device_map >= 0) or (isinstance(device_map, str) and (
+            device_map in DEVICE_MAPS[1:7] or re.fullmatch(r"cuda:\d+", device_map) is not None))
+        check(ok, f"model.device_map={device_map!r}: allowed: {', '.join(DEVICE_MAPS)}")
     values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
     wanted = [str(v) for v in values if v is not None and (str(v).startswith("cuda") or isinstance(v, int))]
     if not wanted:

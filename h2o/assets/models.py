@@ -188,6 +188,17 @@ def _pretrained(name: str, **kwargs: Any) -> tuple[Any, Any]:
         raise _unavailable(name, str(exc).splitlines()[0]) from None
 
 
+class DeviceError(RuntimeError):
+    """A GPU config on a machine where torch sees no GPU: never a silent fall back to the CPU."""
+
+
+def wants_cuda(device_map: Any) -> bool:
+    """``auto``, ``cuda[:i]``, an int, or a dict mapping any module to one of those."""
+    values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    return any(v == "auto" or str(v).startswith("cuda") or (isinstance(v, int) and not isinstance(v, bool))
+               for v in values if v is not None)
+
+
 def load_model(
     name_or_path: str | os.PathLike,
     dtype: str | torch.dtype = "auto",
@@ -197,13 +208,18 @@ def load_model(
     """Load ``(model, tokenizer)`` for a causal LM, in eval mode.
 
     ``name_or_path``: ``"smollm2-135m"`` (offline default), a local checkpoint folder, or a hub id.
-    ``dtype``: ``"auto"`` (fp32 on CPU, bf16/fp16 on CUDA), a name such as ``"fp16"``, or a torch dtype.
+    ``dtype``: ``"auto"`` (fp32 on CPU, bf16/fp16 on CUDA, also with ``device_map="auto"``), a name such as
+    ``"fp16"``, or a torch dtype.
     ``device_map``: passed to ``from_pretrained``; with ``None`` the model goes to CUDA when available,
-    else stays on the CPU. A tokenizer without a pad token gets the EOS token as pad.
+    else stays on the CPU; ``auto`` or ``cuda[:i]`` without a visible GPU raises DeviceError (no CPU fallback). A tokenizer without a pad token gets the EOS token as pad.
     """
     name = str(name_or_path)
     path = str(smollm2_path()) if name.lower() in (SMOLLM2_NAME, "smollm2") else name
-    device = "cuda" if device_map is None and torch.cuda.is_available() else "cpu"
+    if wants_cuda(device_map) and not torch.cuda.is_available():
+        raise DeviceError(f"model {name!r}: device_map={device_map!r} asks for a GPU but torch sees none (torch "
+                          f"{torch.__version__}, built for CUDA {torch.version.cuda}; a driver older than the build "
+                          f"also shows as none); allowed on this machine: device_map=null or cpu")
+    device = "cuda" if wants_cuda(device_map) or (device_map is None and torch.cuda.is_available()) else "cpu"
     if isinstance(device_map, str) and device_map.startswith("cuda"):
         device = device_map
     kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype, device), "attn_implementation": attn_implementation}

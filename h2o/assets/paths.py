@@ -8,12 +8,15 @@ imported; the helpers below re-read the environment on every call, so a test (or
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from pathlib import Path
 from typing import Iterator
 
 REPO = Path(__file__).resolve().parents[2]  # the project root: conf/ and tasks/ live here
+# ... in a checkout; a wheel ships them inside the package as h2o/conf and h2o/lm_tasks (setup.py).
+_CHECKOUT = (REPO / "conf" / "config.yaml").is_file()
+CONF = REPO / "conf" if _CHECKOUT else REPO / "h2o" / "conf"
+TASKS = REPO / "tasks" if _CHECKOUT else REPO / "h2o" / "lm_tasks"
 
 
 def cache_dir() -> Path:
@@ -28,20 +31,17 @@ CACHE_DIR: Path = Path(os.environ.get("H2O_CACHE") or Path.home() / ".cache" / "
 
 @contextlib.contextmanager
 def cache_lock(name: str) -> Iterator[None]:
-    """Hold an exclusive lock ``<cache>/.locks/<name>.lock`` so two processes never fetch at once."""
-    lock_dir = cache_dir() / ".locks"
-    lock_dir.mkdir(exist_ok=True)
-    with open(lock_dir / f"{name}.lock", "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    """Hold an exclusive lock on ``<cache>/.locks/<name>/`` so two processes never fetch at once (flock, or an
+    O_EXCL lock file where flock does not work: h2o.assets.locks)."""
+    from h2o.assets.locks import folder_lock
+
+    with folder_lock(cache_dir() / ".locks" / name, wait=True):
+        yield
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (no half-written files)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    """Write ``text`` to ``path`` through a temporary file and a rename (no half-written files), fsync'd: the
+    file and its folder before and after the rename (h2o.assets.locks.durable_write)."""
+    from h2o.assets.locks import durable_write
+
+    durable_write(Path(path), text.encode("utf-8"))

@@ -1,15 +1,18 @@
 """``python -m h2o.bench``: the throughput benchmark's command line (``make bench`` runs ``--suite targets``)."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import torch
 
+from h2o.assets.model_spec import DTYPES, check_device, check_pretrained
 from h2o.bench.simulated import simulated_forward
 from h2o.bench.throughput import BASELINES, benchmark
+from h2o.core.policies import POLICIES, make_policy
+from h2o.core.validate import (ArgParser, budget_value, check, check_name, choice, guard, is_number, output_dir,
+                               output_file, positive_int, split_list)
 
 
 def ints(s: str) -> list[int]:
@@ -85,6 +88,7 @@ def suite_targets(model, args, out=None) -> list[dict]:
 
 def write_records(records: list[dict], path: str | None, runs: str | None, experiment: str) -> None:
     if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work (validate)
         with open(path, "w") as f:
             for r in records:
                 f.write(json.dumps({"experiment": experiment, **r}) + "\n")
@@ -98,8 +102,41 @@ def write_records(records: list[dict], path: str | None, runs: str | None, exper
             (d / "metrics.json").write_text(json.dumps({"experiment": experiment, **r}, indent=1))
 
 
+def validate(args) -> None:
+    """Every value checked before the model loads (h2o.core.validate): BadInput with one line otherwise."""
+    check_pretrained(args.model, "--model")
+    check(args.dtype in DTYPES, f"--dtype={args.dtype!r}: allowed: {', '.join(DTYPES)}")
+    check(args.device is None or args.device == "cpu" or args.device.startswith("cuda"),
+          f"--device={args.device!r}: allowed: cpu, cuda, cuda:<n>")
+    check_device(args.device)
+    for flag in ("prompt", "gen", "batch"):
+        split_list(f"--{flag}", getattr(args, flag), positive_int, "an int >= 1")
+    for flag in ("long", "short", "e2e"):
+        check(len(split_list(f"--{flag}", getattr(args, flag), positive_int, "an int >= 1")) == 2,
+              f"--{flag}={getattr(args, flag)!r}: expected prompt,batch (two ints >= 1)")
+    policies = choice("--policies", split_list("--policies", args.policies, str, "a policy name"), POLICIES)
+    for name in policies:
+        for b in split_list("--budget", args.budget, budget_value, "a ratio in (0, 1] or a token count"):
+            make_policy(name, budget=b)
+    if args.baselines not in ("", "none"):
+        choice("--baselines", args.baselines.split(","), BASELINES)
+    for flag, low in (("repeats", 1), ("warmup", 0), ("max_batch_cap", 1), ("sim", 1), ("threads", 0),
+                      ("prefill_chunk", 0), ("seed", 0)):
+        check(getattr(args, flag) >= low, f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= {low}")
+    if args.kv_limit_mib != "full":
+        mib = split_list("--kv-limit-mib", args.kv_limit_mib, float, "a number of MiB or 'full'")
+        check(len(mib) == 1 and is_number(mib[0]) and mib[0] >= 0,
+              f"--kv-limit-mib={args.kv_limit_mib!r}: expected one number of MiB >= 0 or 'full'")
+    if args.json:
+        output_file("--json", args.json)
+    if args.runs:
+        output_dir("--runs", args.runs)
+        check_name("--experiment", args.experiment)
+
+
+@guard
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m h2o.bench", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="python -m h2o.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompt", default="512", help="prompt lengths, comma-separated")
     p.add_argument("--gen", default="32", help="generation lengths, comma-separated (suite: one; make bench: 8)")
@@ -131,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch", type=int, default=1, help="suite: 1 = measure the largest batch at LONG")
     p.add_argument("--sim-only", action="store_true", help="only the simulated-mask forward (--prompt tokens)")
     args = p.parse_args(argv)
+    validate(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from h2o.assets.models import load_model

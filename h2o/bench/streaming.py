@@ -42,7 +42,6 @@ CLI: ``python -m h2o.bench.streaming --text austen --tokens 20000 --policies h2o
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -57,6 +56,9 @@ import torch.nn.functional as F
 from h2o.core.attach import attach
 from h2o.bench.measure import rss_bytes
 from h2o.core.policies import Policy, make_policy
+from h2o.assets.model_spec import check_pretrained
+from h2o.core.policies import POLICIES
+from h2o.core.validate import ArgParser, check_name, choice, guard, output_dir, output_file, positive_int, split_list
 from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
 
 POSITIONS = ("cache", "true")
@@ -335,8 +337,32 @@ def print_row(rec: dict, out=None) -> None:
           file=out or sys.stdout, flush=True)
 
 
+TEXTS = ("austen", "moby", "moby_dick", "pg19")
+
+
+def validate(args) -> list[int]:
+    """Every value checked before the model or the text loads (h2o.core.validate); returns the budgets."""
+    check_pretrained(args.model, "--model")
+    check(args.text in TEXTS or Path(args.text).is_file(), f"--text={args.text!r}: allowed: "
+                                                           f"{', '.join(TEXTS)} or an existing text file")
+    policies = choice("--policies", split_list("--policies", args.policies, str, "a policy name"), POLICIES)
+    budgets = split_list("--budgets", args.budgets, positive_int, "a cache size in tokens (an int >= 1)")
+    for name in policies:
+        for b in budgets:
+            make_policy(name, budget=b)  # e.g. streaming_llm: a budget below its sinks + 1
+    for flag, low in (("tokens", 1), ("chunk", 1), ("log_every", 0), ("progress", 0), ("threads", 0)):
+        check(getattr(args, flag) >= low, f"--{flag.replace('_', '-')}={getattr(args, flag)}: must be >= {low}")
+    if args.json:
+        output_file("--json", args.json)
+    if args.runs:
+        output_dir("--runs", args.runs)
+        check_name("--experiment", args.experiment)
+    return budgets
+
+
+@guard
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m h2o.bench.streaming", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="python -m h2o.bench.streaming", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default="austen", help="austen, moby, pg19 or a text file")
     p.add_argument("--tokens", type=int, default=20000, help="tokens to stream (up to 1M and more)")
@@ -351,14 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", default=None, help="also write run folders (metrics.json + samples.jsonl)")
     p.add_argument("--experiment", default="streaming")
     args = p.parse_args(argv)
+    budgets = validate(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     from h2o.assets.models import load_model
     model, tok = load_model(args.model)
-    results = run(model, tok, args.text, args.tokens, args.policies.split(","),
-                  [int(b) for b in args.budgets.split(",")], args.chunk, args.positions, args.log_every,
-                  args.progress, model_name=args.model)
+    results = run(model, tok, args.text, args.tokens, args.policies.split(","), budgets, args.chunk,
+                  args.positions, args.log_every, args.progress, model_name=args.model)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work (validate)
         with open(args.json, "w") as f:
             for rec, samples in results:
                 f.write(json.dumps({"experiment": args.experiment, **rec, "samples": samples}) + "\n")

@@ -4,12 +4,20 @@
         logits = model(input_ids).logits
     with attach(model, policy, mode="real") as h:                      # real: an evicting cache
         out = model.generate(input_ids, cache=h.new_cache(), max_new_tokens=64)
+
+Guards (one-line ``PolicyError``): the arguments' types; a model already attached (no nesting); a cache reused
+for a second ``generate`` (a cache is single-use: take ``h.new_cache()`` per generation); mode='real' without a
+cache. Non-finite values: each layer records on the device whether its attention output is finite (no host sync);
+one check per forward (= per decoding step), on the LM head's logits, stops the run before sampling with a
+``FloatingPointError`` naming the first bad layer and token (or "outside attention" when no layer was bad).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
+
+import torch
 
 from . import attention
 from .cache import EvictingCache
@@ -32,6 +40,7 @@ class Attached:
     cache: EvictingCache | None = None
     observer: Callable | None = field(default=None, repr=False)  # observer(layer_idx, probs (B, Hq, T, S))
     quant: Quantizer | None = None  # KV quantization (h2o.core.quant), bound to the model
+    nonfinite: torch.Tensor | None = field(default=None, repr=False)  # (num_layers,) bool, on the device
 
     def new_cache(self, ref_len: int | None = None) -> EvictingCache:
         """A fresh evicting cache for one generation (real mode). Budget ratios are taken of the prompt's
@@ -45,6 +54,31 @@ class Attached:
         if self.observer is not None:
             self.observer(module.layer_idx, probs)
 
+    def flag(self, layer_idx: int, out: torch.Tensor) -> None:
+        """Record whether layer ``layer_idx``'s attention output (B, q, Hq, D) has a non-finite value: a write
+        on the device, no host sync (checked once per forward by :meth:`check_logits`)."""
+        if self.nonfinite is None:
+            self.nonfinite = torch.zeros(self.num_layers, dtype=torch.bool, device=out.device)
+        self.nonfinite[layer_idx] = (~torch.isfinite(out).all()).to(self.nonfinite.device)
+
+    def check_logits(self, logits: torch.Tensor) -> None:
+        """logits (B, q, V): the one host sync per forward. FloatingPointError, before anything samples from
+        them, when the logits or any layer's attention output of this forward are non-finite."""
+        bad = ~torch.isfinite(logits).all()
+        if self.nonfinite is not None:
+            bad = bad | self.nonfinite.any().to(bad.device)
+        if bool(bad):
+            raise FloatingPointError(self.nonfinite_message(logits))
+
+    def nonfinite_message(self, logits: torch.Tensor) -> str:
+        rows = (~torch.isfinite(logits)).any(-1)  # (B, q)
+        offset = self.cache.layers[0].seen - logits.shape[1] if self.cache is not None else 0  # tokens before
+        token = f"token {offset + int(rows.any(0).nonzero()[0])}" if bool(rows.any()) else "a token (logits finite)"
+        layers = [] if self.nonfinite is None else self.nonfinite.nonzero().flatten().tolist()
+        where = f"attention output in layer {layers[0]}" if layers else "logits, produced outside attention (MLP, " \
+                                                                        "norm or LM head; no attention output was)"
+        return f"non-finite {where} at {token} ({self.mode} path): stopped before sampling"
+
 
 def attention_modules(model):
     """The modules that call the attention interface: they carry ``layer_idx`` and a config."""
@@ -52,10 +86,30 @@ def attention_modules(model):
             and type(m).__name__.endswith("Attention")]
 
 
+def single_use_generate(model, state: Attached):
+    """``model.generate`` that refuses a cache already used (it would continue the old sequence silently)."""
+    generate = model.generate
+
+    def guarded(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if state.mode == "real" and cache is None:
+            raise PolicyError("mode='real' needs a cache: model.generate(..., cache=h.new_cache())")
+        if isinstance(cache, EvictingCache) and cache.get_seq_length() > 0:
+            raise PolicyError(f"this EvictingCache already holds {cache.get_seq_length()} tokens: a cache is "
+                              f"single-use; take h.new_cache() for each generate call")
+        return generate(*args, **kwargs)
+
+    return guarded
+
+
 @contextmanager
 def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o", prompt_len: int = 0,
            quant: Quantizer | None = None):
     """``quant`` (default: ``policy.quant``): keys and values as a quantized cache holds them, in both paths."""
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"policy={policy!r}: expected a Policy, e.g. h2o.make_policy('h2o', budget=0.2)")
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 0:
+        raise PolicyError(f"prompt_len={prompt_len!r}: expected an int >= 0")
     if mode not in MODES:
         raise PolicyError(f"mode={mode!r}: allowed: {', '.join(MODES)}")
     if semantics not in SEMANTICS:
@@ -65,11 +119,17 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     modules = attention_modules(model)
     if not modules:
         raise PolicyError(f"{type(model).__name__}: no attention module with layer_idx found")
+    if model.config._attn_implementation == attention.NAME or any(hasattr(m, "h2o") for m in modules):
+        raise PolicyError(f"{type(model).__name__} is attached already: attach() does not nest; leave the outer "
+                          f"`with attach(...)` first")
     quant = quant if quant is not None else policy.quant
     state = Attached(policy, mode, semantics, prompt_len, num_layers=len(modules),
                      quant=quant.bind(model) if quant is not None else None)
     previous = model.config._attn_implementation
+    head = model.get_output_embeddings()
+    hook = head.register_forward_hook(lambda _m, _i, logits: state.check_logits(logits)) if head is not None else None
     model.set_attn_implementation(attention.NAME)
+    model.generate = single_use_generate(model, state)
     for m in modules:
         m.h2o = state
     try:
@@ -77,4 +137,7 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     finally:
         for m in modules:
             del m.h2o
+        del model.generate  # the class's own again
+        if hook is not None:
+            hook.remove()
         model.set_attn_implementation(previous)

@@ -12,6 +12,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .policies import PolicyError
 from .simulate import grouped, grouped_scores, grouped_values, masked_softmax, simulated_attention
 
 NAME = "h2o"
@@ -36,21 +37,16 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if state.mode == "simulated":
         if key.shape[-2] != q:
             raise RuntimeError("simulated mode scores whole sequences in one pass; for generation use mode='real'")
+        if state.prompt_len > q:
+            raise PolicyError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
         if state.quant is not None:  # attend to the values a quantized cache would hold
             key, value = state.quant.fake_kv(key, value, module.layer_idx)
         out, probs = simulated_attention(state.policy, query, key, value, new_valid, scaling,
                                          prompt_len=state.prompt_len, semantics=state.semantics)
-        check_finite(out, module, "the forward pass")
+        state.flag(module.layer_idx, out)
         state.observe(module, probs)
         return out.to(query.dtype), probs
     return real_attention(state, module, query, key, value, new_valid, scaling)
-
-
-def check_finite(out: torch.Tensor, module, where: str):
-    """NaN/inf guard (fp16 overflow, bad weights): a clear error naming the layer and step, not a crash later
-    in sampling. Pad rows are finite by construction (fully masked rows are uniform), so any non-finite is real."""
-    if not bool(torch.isfinite(out).all()):
-        raise FloatingPointError(f"non-finite attention output in layer {module.layer_idx} at {where}")
 
 
 ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S) fp32 scores
@@ -58,6 +54,8 @@ ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S)
 
 def real_attention(state, module, query, key, value, new_valid, scaling):
     """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D)."""
+    if state.cache is None:
+        raise PolicyError("mode='real' needs a cache: pass cache=h.new_cache() to the model")
     layer = state.cache.layers[module.layer_idx]
     if not layer.serves(key):
         raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")
@@ -86,7 +84,7 @@ def real_attention(state, module, query, key, value, new_valid, scaling):
     if q > 1 and policy.evicts and not policy.is_full:
         layer.cut()
     out = torch.cat(outs, -2).reshape(B, Hq, q, D).transpose(1, 2)
-    check_finite(out, module, f"token {int(layer.n_tok.max()) - 1}")
+    state.flag(module.layer_idx, out)  # NaN/inf guard: no host sync here; Attached.check_logits reads it per step
     return out.to(query.dtype), (probs.reshape(B, Hq, q, -1) if q <= ROWS else None)
 
 

@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from h2o.assets.model_spec import ConfigError, ModelSpec
 from h2o.core.policies import Policy, PolicyError
-from h2o.pipeline.records import run_dir
+from h2o.core.validate import check, check_types, is_int, output_dir
+from h2o.pipeline.records import check_name, check_reusable, group_defaults, identity, run_dir
 from h2o.tasks.base import TaskSpec
 
 REFERENCE_POLICIES = ("h2o", "h2_only")
@@ -35,6 +36,8 @@ def build(group: str, node: DictConfig) -> Any:
         factory = get_method(target)
     except Exception as exc:  # noqa: BLE001 - hydra raises several kinds
         raise ConfigError(f"{group}._target_={target!r}: cannot import ({exc})") from None
+    if isinstance(factory, type):
+        check_types(factory, options, group)
     try:
         return factory(**options)
     except (TypeError, PolicyError) as exc:  # make_policy turns the TypeError into a PolicyError
@@ -50,6 +53,42 @@ def build(group: str, node: DictConfig) -> Any:
             raise ConfigError(f"{group}.{unknown.group(1)}: no such option for {group}={options.get('name')}; "
                               f"allowed: {', '.join(allowed) or '(see conf/' + group + ')'}") from None
         raise ConfigError(f"{group}={options.get('name')}: {exc}") from None
+
+
+def check_keys(cfg: DictConfig) -> None:
+    """ConfigError for a root key conf/config.yaml does not have (``+seeds=3``), a root or group key that was
+    removed (``~policy.budget``), or a root value of the wrong type or range."""
+    root = group_defaults_root()
+    unknown = sorted(set(cfg) - set(root) - set(GROUPS))
+    check(not unknown, f"{unknown[0] if unknown else ''}: no such config key; allowed: {', '.join(sorted(root))} "
+                       f"and the groups {', '.join(GROUPS)}")
+    for key in [*root, *GROUPS]:
+        check(key in cfg, f"{key}: missing (removed?); it is required")
+    for group in ("model", "task", "policy"):
+        check(isinstance(cfg[group], DictConfig) and "name" in cfg[group], f"{group}: expected a config group")
+        missing = [k for k in group_defaults(group, str(cfg[group].name)) if k not in cfg[group]]
+        check(not missing, f"{group}.{missing[0] if missing else ''}: missing (removed?); every key of "
+                           f"conf/{group}/{cfg[group].name}.yaml is required")
+    check_name("experiment_name", cfg.experiment_name)
+    check(is_int(cfg.seed) and 0 <= cfg.seed < 2**32, f"seed={cfg.seed!r}: expected an int in [0, 2**32)")
+    threads = cfg.threads
+    check(threads is None or (is_int(threads) and threads >= 1),
+          f"threads={threads!r}: expected a positive int or null")
+    check(isinstance(cfg.fail_fast, bool), f"fail_fast={cfg.fail_fast!r}: expected true or false")
+    check(isinstance(cfg.semantics, str), f"semantics={cfg.semantics!r}: expected auto, simulated, reference or real")
+    runs_dir = cfg.runs_dir  # an interpolation: resolved once
+    check(isinstance(runs_dir, str) and runs_dir.strip() != "", f"runs_dir={runs_dir!r}: expected a folder path "
+                                                                 f"(not empty)")
+    check(cfg.task_overrides is None or isinstance(cfg.task_overrides, DictConfig),
+          f"task_overrides={cfg.task_overrides!r}: expected {{<task name>: {{key: value}}}}")
+
+
+GROUPS = ("model", "task", "policy", "logger")
+
+
+def group_defaults_root() -> dict:
+    """conf/config.yaml's own keys (less defaults and hydra)."""
+    return {k: v for k, v in group_defaults(".", "config").items() if k not in ("defaults", "hydra")}
 
 
 def with_task_overrides(cfg: DictConfig) -> DictConfig:
@@ -86,29 +125,29 @@ class Plan:
 
 
 def prepare(cfg: DictConfig) -> Plan:
-    """Validate everything cheap (policy, task, model, semantics, seed, threads) and name the run folder."""
-    cfg = with_task_overrides(cfg)
+    """Validate everything cheap (keys, policy, task, model, semantics, seed, threads, whether the task fits the
+    model, paths) and name the run folder; a finished record there must have this config."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        check_keys(cfg)
+        cfg = with_task_overrides(cfg)
+    except OmegaConfBaseException as exc:  # e.g. an interpolation to a removed key
+        raise ConfigError(" ".join(str(exc).split()[:40])) from None
     policy = build("policy", cfg.policy)
     task = build("task", cfg.task)
     model = build("model", cfg.model)
     policy.quant = build_quant(cfg, model)
     if not isinstance(task, TaskSpec):
         raise ConfigError(f"task={cfg.task.name}: _target_ must build an h2o.tasks.base.TaskSpec")
-    if not isinstance(cfg.seed, int) or isinstance(cfg.seed, bool) or not 0 <= cfg.seed < 2**32:
-        raise ConfigError(f"seed={cfg.seed!r}: expected an int in [0, 2**32)")
-    if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):
-        raise ConfigError(f"threads={cfg.threads!r}: expected a positive int or null")
     semantics = task.resolve_semantics(cfg.semantics)
     if semantics == "reference" and policy.name not in REFERENCE_POLICIES:
         raise ConfigError(f"semantics=reference: the paper code's mask rule exists for policy "
                           f"{' or '.join(REFERENCE_POLICIES)} only (got {policy.name})")
-    window = getattr(task, "window", None)
-    max_pos = model.max_positions()
-    if isinstance(window, int) and max_pos is not None and window > max_pos:
-        raise ConfigError(f"task.window={window}: longer than model {model.name}'s context of {max_pos} tokens; "
-                          f"allowed: 2-{max_pos}")
+    task.check_model(model)
     path = run_dir(cfg, policy, task.semantics[0])
     check_writable(path, cfg.runs_dir)
+    check_reusable(path, identity(cfg, policy, semantics))
     return Plan(cfg, model, task, policy, semantics, path)
 
 
@@ -129,15 +168,7 @@ def build_quant(cfg: DictConfig, model: ModelSpec):
 
 def check_writable(path: Path, runs_dir) -> None:
     """ConfigError unless ``path`` can be created: its nearest existing ancestor is a writable folder."""
-    import os
-
-    probe = Path(path)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ConfigError(f"runs_dir={runs_dir!r}: {probe} is a file, not a folder; expected a writable folder")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"runs_dir={runs_dir!r}: {probe} is not writable; expected a writable folder")
+    output_dir("runs_dir", path, shown=runs_dir)
 
 
 __all__ = ["Plan", "prepare", "build", "ConfigError", "PolicyError"]

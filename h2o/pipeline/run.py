@@ -20,21 +20,28 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
 import time
 import traceback
+import uuid
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from h2o.pipeline.plan import Plan, prepare
-from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl, write_json,
-                         write_jsonl)
+from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl,
+                                  slurm_job_id, write_json, write_jsonl)
 from h2o.assets.paths import atomic_write_text
+from h2o.core.validate import fail
 from h2o.pipeline.sweep import BAD_INPUT, expand, status
+from h2o.tasks.progress import recording, resumed
+
+PARTIAL = "partial"  # per-request results of an unfinished run (resume inside a run)
 
 CRASH_ENV = "H2O_TEST_CRASH_AT"
+SWEEP_ENV = "H2O_SWEEP_ID"  # set by main() for a multirun; every job row of the sweep carries it
 PASSTHROUGH = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc",
                "--version", "--resolve", "--package", "-p", "--run", "-r")
 _executed = 0  # runs executed (not skipped) by this process
@@ -74,16 +81,20 @@ def execute(plan: Plan) -> dict:
     atomic_write_text(plan.path / "config.yaml", OmegaConf.to_yaml(plan.cfg, resolve=True))
     _crash_hook(plan.path)
     model, tokenizer = plan.model.load()
-    result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.cfg.seed)
+    with recording(plan.path / PARTIAL):  # per-request results kept across a preemption (h2o.tasks.progress)
+        result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.cfg.seed)
     ended = time.time()
     files = result.info.pop("files", {})  # extra record files of a task (observations.json)
     record = {**plan.head(), "n_samples": result.n_samples, "metrics": result.metrics,
-              "wall_s": round(ended - started, 3), **result.info}
+              "wall_s": round(ended - started, 3), "batch_size": plan.cfg.task.get("batch_size"),
+              "device": str(getattr(model, "device", "")), "dtype": str(getattr(model, "dtype", "")).replace("torch.", ""),
+              "resumed_requests": resumed(), **result.info}
     for name, content in files.items():
         write_json(plan.path / name, content)
     write_jsonl(plan.path / "samples.jsonl", result.samples)
     write_json(plan.path / "env.json", env_info(started, ended))
     write_json(plan.path / "metrics.json", record)  # last: the run is finished once this exists
+    shutil.rmtree(plan.path / PARTIAL, ignore_errors=True)
     return record
 
 
@@ -95,19 +106,29 @@ def mirror(cfg: DictConfig, plan: Plan, record: dict) -> None:
 
 
 def run_job(cfg: DictConfig) -> str:
-    """One job: returns its outcome (done, skipped, busy, failed)."""
+    """One Hydra job: returns its outcome (done, skipped, busy, failed)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     sweep_dir = Path(hc.runtime.cwd) / hc.sweep.dir if multirun else None
-    entry = {"job": hc.job.get("num"), "overrides": list(hc.overrides.task)}
+    return attempt(cfg, sweep_dir, {"job": hc.job.get("num"), "overrides": list(hc.overrides.task),
+                                    "sweep_id": os.environ.get(SWEEP_ENV)})
+
+
+def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
+    """Run one composed config unless it is finished or held; returns its outcome (done, skipped, busy,
+    failed). ``sweep_dir`` None: a single run (bad input exits 2, errors raise); else a sweep's job, whose
+    outcome goes to ``<sweep_dir>/jobs.jsonl`` (and failures.jsonl). Also the body of a Slurm array task's
+    runs (h2o.pipeline.launch)."""
+    multirun = sweep_dir is not None
     t0 = time.time()
 
     def outcome(state: str, path=None, exc: BaseException | None = None) -> str:
         if sweep_dir is not None:
-            row = {**entry, "status": state, "run_dir": str(path) if path else None, "wall_s": round(time.time() - t0, 2)}
+            row = {**entry, "status": state, "run_dir": str(path) if path else None, "wall_s": round(time.time() - t0, 2),
+                   "slurm_job_id": slurm_job_id()}
             if exc is not None:
                 row.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
                 append_jsonl(sweep_dir / "failures.jsonl", row)
@@ -118,8 +139,7 @@ def run_job(cfg: DictConfig) -> str:
         plan = prepare(cfg)
     except BAD_INPUT as exc:
         if not multirun:
-            print(f"error: {exc}", file=sys.stderr)
-            sys.exit(2)
+            sys.exit(fail(exc))
         log(f"invalid job {entry['overrides']}: {exc}")
         return outcome("failed", exc=exc)
     if finished(plan.path):
@@ -133,6 +153,9 @@ def run_job(cfg: DictConfig) -> str:
         try:
             record = execute(plan)
         except Exception as exc:  # noqa: BLE001 - a failing job must not end the sweep
+            if not multirun and isinstance(exc, BAD_INPUT):  # found only once loaded: still one line
+                log(f"FAILED {plan.path} (left unfinished)")
+                sys.exit(fail(exc))
             if not multirun or cfg.fail_fast:
                 raise
             traceback.print_exc()
@@ -160,14 +183,16 @@ def main(argv: list[str] | None = None) -> int:
         try:
             sweep = expand(overrides, multirun)
         except BAD_INPUT as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return fail(exc)
         if multirun:
             states = status(sweep)
             log(f"{len(states)} jobs: {states.count('todo')} to run, {states.count('done')} finished already, "
                 f"{states.count('dup')} duplicates")
+            sweep_id = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
+            os.environ[SWEEP_ENV] = sweep_id  # each job row carries it: the summary counts this process's jobs
             if not any(a.startswith("hydra.sweep.dir=") for a in overrides):
-                argv.append(f"hydra.sweep.dir={sweep.sweep_dir}")  # pin the timestamp: we read it back below
+                # a folder of its own per sweep process, not only per second: <experiment>/<date_time>-<pid>-<rand>
+                argv.append(f"hydra.sweep.dir={sweep.sweep_dir}-{sweep_id}")
             sweep_dir = Path(next(a for a in argv if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
     sys.argv = [sys.argv[0], *argv]
     hydra_main()
@@ -177,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
         from h2o.pipeline.wandb_summary import after_sweep
 
         after_sweep(sweep.plans)  # the experiment's summary run (tables, figures, Fig. 4 plots); never raises
-    jobs = read_jsonl(sweep_dir / "jobs.jsonl")
-    failures = read_jsonl(sweep_dir / "failures.jsonl")
+    mine = lambda rows: [r for r in rows if r.get("sweep_id") == os.environ.get(SWEEP_ENV)]  # noqa: E731
+    jobs = mine(read_jsonl(sweep_dir / "jobs.jsonl"))
+    failures = mine(read_jsonl(sweep_dir / "failures.jsonl"))
     counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "busy", "failed")}
     log(f"sweep {sweep_dir}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     for f in failures:

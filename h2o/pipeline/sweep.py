@@ -15,12 +15,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.assets.model_spec import ConfigError
+from h2o.core.validate import BadInput, ConfigError, fail, output_dir
 from h2o.pipeline.plan import Plan, prepare
-from h2o.core.policies import PolicyError
 from h2o.pipeline.records import CONF, finished, runs_root
 
-BAD_INPUT = (ConfigError, PolicyError)
+BAD_INPUT = BadInput  # ConfigError, PolicyError
 
 
 @dataclass
@@ -150,8 +149,12 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
                     plans.append(prepare(compose(job)))
                 except BAD_INPUT as exc:
                     raise type(exc)(f"{exc}  [job: {' '.join(job)}]") from None
-        except (HydraException, OmegaConfBaseException) as exc:
+        except BAD_INPUT:
+            raise
+        except (HydraException, OmegaConfBaseException, ValueError, TypeError) as exc:  # range(0,1,0): ValueError
             raise ConfigError(one_line(exc)) from None
+    if multirun:
+        output_dir("hydra.sweep.dir", sweep_dir)
     return Sweep(jobs, plans, sweep_dir)
 
 
@@ -186,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         sweep = expand(overrides, multirun=True)
     except BAD_INPUT as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(exc)
     root = runs_root(sweep.plans[0].cfg) if sweep.plans else None
     print(describe(sweep, root))
     return 0

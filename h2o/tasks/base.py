@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from h2o.assets.model_spec import ConfigError
+from h2o.core.validate import ConfigError, check
 
 
 @dataclass
@@ -41,14 +41,12 @@ class TaskSpec:
                               f"auto, {', '.join(self.semantics)}")
         return requested
 
+    def check_model(self, model) -> None:
+        """ConfigError when this task cannot run on ``model`` (an h2o.assets.model_spec.ModelSpec), judged from
+        its config.json without loading (context length, layers); nothing to check by default."""
+
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:  # pragma: no cover - abstract
         raise NotImplementedError  # abstract
-
-
-def check(cond: bool, message: str) -> None:
-    """Raise ConfigError(message) unless ``cond``."""
-    if not cond:
-        raise ConfigError(message)
 
 
 def positive_or_none(name: str, value) -> None:

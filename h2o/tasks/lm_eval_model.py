@@ -132,21 +132,23 @@ class H2OLM(HFLM):
         lengths = self.true_lengths(inps) if attn_mask is None else attn_mask.sum(-1)
         self.stats["rows"] += inps.shape[0]
         self.stats["tokens"] += int(lengths.sum())
-        if self.passthrough or attn_mask is not None:
+        if attn_mask is not None:
             return super()._model_call(inps, attn_mask, labels)
         with torch.no_grad():
+            if self.passthrough:  # scoring forwards build no KV cache (use_cache=False): nothing reads it
+                return self.model(inps, use_cache=False).logits
             if self.semantics == "reference":  # the paper code's rule: one unpadded sequence at a time
                 out = None
                 for b, n in enumerate(lengths.tolist()):
                     with attach(self.model, self.policy, semantics="reference"):
-                        logits = self.model(inps[b:b + 1, :n]).logits  # (1, n, V)
+                        logits = self.model(inps[b:b + 1, :n], use_cache=False).logits  # (1, n, V)
                     if out is None:
                         out = logits.new_zeros(inps.shape[0], inps.shape[1], logits.shape[-1])
                     out[b, :n] = logits[0]
                 return out
             left, mask = to_left_padding(inps, lengths)  # (B, T) each
             with attach(self.model, self.policy):
-                logits = self.model(left, attention_mask=mask.long()).logits  # (B, T, V), left-padded
+                logits = self.model(left, attention_mask=mask.long(), use_cache=False).logits  # (B, T, V)
             return from_left_padding(logits, lengths)
 
     # ---------------------------------------------------------------------- generation (real cache)

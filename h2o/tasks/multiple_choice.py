@@ -13,16 +13,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h2o.assets.model_spec import ConfigError
-from h2o.assets.paths import REPO
+from h2o.assets.paths import REPO, TASKS
 from h2o.tasks.base import Result, TaskSpec, check, check_hub_data, positive_or_none
 
 METRICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
 
 
 def task_folder(include_path: str) -> Path:
-    """``include_path`` as given if it exists, else relative to the repository root."""
+    """``include_path`` as given if it exists, else relative to the repository root (``tasks``: the shipped task
+    YAMLs, also from a wheel)."""
     path = Path(include_path).expanduser()
-    return path if path.is_absolute() or path.exists() else REPO / path
+    if path.is_absolute() or path.exists():
+        return path
+    return TASKS if path == Path("tasks") else REPO / path
 
 
 def yaml_task_names(folder: Path) -> list[str]:
@@ -104,14 +107,16 @@ class LmEvalTask(TaskSpec):
         from lm_eval.tasks import TaskManager
 
         from h2o.tasks.lm_eval_model import H2OLM
+        from h2o.tasks.progress import lm_eval_cache
 
         lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, semantics=semantics, scoring=self.scoring,
                    batch_size=self.batch_size, add_bos_token=self.add_bos_token)
         tm = (TaskManager(include_path=str(task_folder(self.include_path)), include_defaults=False)
               if self.include_path else TaskManager())
-        out = simple_evaluate(model=lm, tasks=[self.lm_eval_task], num_fewshot=self.shots, limit=self.limit,
-                              task_manager=tm, log_samples=True, random_seed=seed, numpy_random_seed=seed,
-                              torch_random_seed=seed, fewshot_random_seed=seed)
+        with lm_eval_cache() as cache:  # per-request results appended as they come: a requeued run resumes
+            out = simple_evaluate(model=lm, tasks=[self.lm_eval_task], num_fewshot=self.shots, limit=self.limit,
+                                  task_manager=tm, log_samples=True, random_seed=seed, numpy_random_seed=seed,
+                                  torch_random_seed=seed, fewshot_random_seed=seed, use_cache=cache)
         res = out["results"][self.lm_eval_task]
         metrics = {m: float(res[f"{m},none"]) for m in METRICS if res.get(f"{m},none") not in (None, "N/A")}
         samples = [sample_row(s) for s in out["samples"][self.lm_eval_task]]

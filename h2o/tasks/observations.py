@@ -53,6 +53,13 @@ class ObservationsTask(PerplexityTask):
         check(0 < self.threshold < 1, f"task.threshold={self.threshold}: must be in (0, 1)")
         check(0 < self.mask_ratio < 1, f"task.mask_ratio={self.mask_ratio}: must be in (0, 1)")
 
+    def check_model(self, model) -> None:
+        super().check_model(model)
+        n = model.num_layers()
+        check(self.layer >= -1 and (n is None or self.layer < n),
+              f"task.layer={self.layer}: model {model.name} has {n} layers; allowed: -1 (the middle one) or "
+              f"0-{(n or 1) - 1}")
+
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
         from tqdm import tqdm
 
@@ -69,7 +76,7 @@ class ObservationsTask(PerplexityTask):
             probs = {}
             with torch.no_grad(), attach(model, make_policy("full")) as h:
                 h.observer = lambda i, p: probs.__setitem__(i, p[0].float())  # (Hq, T, T)
-                logits = model(ids).logits
+                logits = model(ids, use_cache=False).logits
             correct["full"] += self.hits(logits, ids)
             for i, p in probs.items():
                 causal = torch.ones_like(p[0], dtype=torch.bool).tril()
@@ -113,5 +120,5 @@ class ObservationsTask(PerplexityTask):
             modules = [m for m in model.modules() if getattr(m, "h2o", None) is h]
             for m in modules:  # each layer hides its own tokens
                 m.h2o = type(h)(Hide(hidden[m.layer_idx]), h.mode, h.semantics, h.prompt_len, h.num_layers)
-            logits = model(ids).logits
+            logits = model(ids, use_cache=False).logits
         return self.hits(logits, ids)

@@ -45,6 +45,21 @@ class PerplexityTask(TaskSpec):
         check(self.window >= 2, f"task.window={self.window}: must be >= 2")
         check(self.shots == 0, f"task.shots={self.shots}: perplexity takes no in-context examples (0)")
 
+    def check_model(self, model) -> None:
+        max_pos = model.max_positions()
+        check(max_pos is None or self.window <= max_pos,
+              f"task.window={self.window}: longer than model {model.name}'s context of {max_pos} tokens; "
+              f"allowed: 2-{max_pos}")
+        from h2o.assets.paths import cache_dir
+
+        need = ((self.n_windows - 1) * self.stride + 1) * self.window  # tokens; a token is at least one byte
+        path = cache_dir() / "books" / f"{self.text}.txt"
+        size = path.stat().st_size if path.is_file() else None
+        most = (size // self.window - 1) // self.stride + 1 if size else 0
+        check(size is None or need <= size,
+              f"task.n_windows={self.n_windows}: {self.n_windows} windows of {self.window} tokens (stride "
+              f"{self.stride}) need {need} tokens; the text {self.text} has at most {size}; allowed: 1-{most}")
+
     def windows(self, tokenizer) -> torch.Tensor:
         """(n_windows, window) token ids."""
         need_chars = (self.n_windows - 1) * self.stride * self.window * 8 + self.window * 8  # ~4 chars a token
@@ -59,20 +74,28 @@ class PerplexityTask(TaskSpec):
 
         from h2o.core.attach import attach
 
+        from h2o.tasks.progress import RequestLog
+
         wins = self.windows(tokenizer).to(model.device)  # (N, W)
         bs = 1 if semantics == "reference" else self.batch_size
         samples = []
+        log = RequestLog.open("windows")  # windows scored before an interruption (None outside a recorded run)
         for start in tqdm(range(0, len(wins), bs), desc=f"{self.name} {policy.name}", file=sys.stderr):
+            if log is not None and all(w in log for w in range(start, min(start + bs, len(wins)))):
+                samples.extend(log[w] for w in range(start, min(start + bs, len(wins))))
+                continue
             ids = wins[start:start + bs]  # (b, W)
             with attach(model, policy, semantics="reference" if semantics == "reference" else "h2o"), \
                     torch.no_grad():
-                logits = model(ids).logits.float()  # (b, W, V)
+                logits = model(ids, use_cache=False).logits.float()  # (b, W, V)
             nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
                                                     reduction="none").sum(-1)  # (b,)
             for j, v in enumerate(nll.tolist()):
                 n = self.window - 1
                 samples.append({"window": start + j, "start_token": (start + j) * self.stride * self.window,
                                 "nll": v, "n_tokens": n, "ppl": math.exp(v / n)})
+                if log is not None:
+                    log[start + j] = samples[-1]
         total = sum(s["nll"] for s in samples)
         count = sum(s["n_tokens"] for s in samples)
         return Result({"ppl": math.exp(total / count), "nll_per_token": total / count}, samples,

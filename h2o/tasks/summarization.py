@@ -111,6 +111,19 @@ class SummarizationTask(TaskSpec):
         if hub_path is not None:
             check_hub_data(self.name, hub_path, (hub_path, hub_path.split("/")[-1]))
 
+    def check_model(self, model) -> None:
+        if self.dataset == "bb_xsum":  # the in-context pool is a subset of the converted train split
+            from h2o.tasks.multiple_choice import offline_train_rows
+
+            n = offline_train_rows("bb_xsum")
+            check(n is None or self.shots <= n, f"task.shots={self.shots}: bb_xsum has {n} train articles (the "
+                                                f"in-context pool is those of {self.shot_min_words}-"
+                                                f"{self.shot_max_words} words); allowed: 0-{n}")
+        max_pos = model.max_positions()
+        check(max_pos is None or self.max_new_tokens <= max_pos // 2,
+              f"task.max_new_tokens={self.max_new_tokens}: leaves too little of model {model.name}'s context of "
+              f"{max_pos} tokens for the prompt; allowed: 1-{(max_pos or 0) // 2}")
+
     # ------------------------------------------------------------------------------- prompts
     def examples(self) -> tuple[list[dict], list[dict]]:
         """(in-context examples, test instances), both fixed by ``subset_seed``."""
@@ -138,6 +151,8 @@ class SummarizationTask(TaskSpec):
                 context.pop(0)
             else:
                 words = article.split()
+                check(bool(words), f"task.max_new_tokens={self.max_new_tokens}: even an empty article's prompt "
+                                   f"does not fit in {max_tokens} tokens; lower task.max_new_tokens")
                 article = " ".join(words[len(words) // 10 + 1:])
 
     # ----------------------------------------------------------------------------- generation
@@ -146,23 +161,35 @@ class SummarizationTask(TaskSpec):
         from tqdm import tqdm
 
         from h2o.core.attach import attach
+        from h2o.tasks.progress import RequestLog
 
         shots, test = self.examples()
         max_pos = getattr(model.config, "max_position_embeddings", None) or 2048
+        check(self.max_new_tokens < max_pos, f"task.max_new_tokens={self.max_new_tokens}: no room for a prompt "
+                                             f"in the model's context of {max_pos} tokens")
         prompts = [self.prompt(shots, r, tokenizer, max_pos - self.max_new_tokens) for r in test]
         scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
         torch.manual_seed(seed)
         samples, kv_bytes = [], []
+        log = RequestLog.open(f"batches{self.batch_size}") if self.greedy else None  # resume (greedy: same output)
         for start in tqdm(range(0, len(prompts), self.batch_size), desc=f"{self.name} {policy.name}",
                           file=sys.stderr):
+            if log is not None and start in log:
+                kv_bytes.append(log[start]["kv"])
+                samples.extend(log[start]["samples"])
+                continue
             batch = prompts[start:start + self.batch_size]
             gens, nbytes, lens = self.generate(model, tokenizer, policy, batch, attach)
             kv_bytes.append(nbytes / len(batch))
+            done = []
             for row, prompt, gen, n in zip(test[start:start + self.batch_size], batch, gens, lens):
                 ref = clean(row["summary"])
                 scores = scorer.score(ref, gen)
-                samples.append({"doc_id": row["id"], "prompt": prompt, "generation": gen, "reference": ref,
-                                "prompt_tokens": n, **{k: v.fmeasure for k, v in scores.items()}})
+                done.append({"doc_id": row["id"], "prompt": prompt, "generation": gen, "reference": ref,
+                             "prompt_tokens": n, **{k: v.fmeasure for k, v in scores.items()}})
+            samples.extend(done)
+            if log is not None:
+                log[start] = {"kv": kv_bytes[-1], "samples": done}
         metrics = {k: sum(s[k] for s in samples) / len(samples) for k in ("rouge1", "rouge2", "rougeL")}
         info = {"mean_prompt_tokens": round(sum(s["prompt_tokens"] for s in samples) / len(samples), 1),
                 "kv_bytes_per_seq": round(sum(kv_bytes) / len(kv_bytes)), "shots_used": len(shots)}

@@ -12,7 +12,7 @@ POLICIES = sorted(Policy.registry)
 
 def make_policy(name: str, **options) -> Policy:
     """Build a policy by name; a bad name or option fails at once with one line."""
-    if name not in Policy.registry:
+    if not isinstance(name, str) or name not in Policy.registry:
         raise PolicyError(f"policy={name!r}: unknown; allowed: {', '.join(POLICIES)}")
     cls = Policy.registry[name]
     try:

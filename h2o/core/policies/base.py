@@ -25,11 +25,13 @@ from typing import ClassVar
 
 import torch
 
+from ..validate import MAX_TOKENS, BadInput
+
 BudgetPart = float | int
 TIER = float(2**40)  # priority tiers: tier * TIER + position, exact in float64 (positions < 2**40)
 
 
-class PolicyError(ValueError):
+class PolicyError(BadInput):
     """Bad policy input: the message is one line naming the value and what is allowed."""
 
 
@@ -39,8 +41,8 @@ def check_part(name: str, value) -> BudgetPart:
         raise PolicyError(f"{name}={value!r}: expected a ratio in (0, 1] or a token count (int >= 1)")
     if isinstance(value, float) and not 0.0 <= value <= 1.0:
         raise PolicyError(f"{name}={value}: a ratio must be in (0, 1]; use an int for an absolute token count")
-    if isinstance(value, int) and value < 0:
-        raise PolicyError(f"{name}={value}: a token count must be >= 0")
+    if isinstance(value, int) and not 0 <= value <= MAX_TOKENS:
+        raise PolicyError(f"{name}={value}: a token count must be in [0, 2**40]")
     return value
 
 
@@ -83,8 +85,9 @@ class Policy:
             budget = check_part("budget", budget)
             if budget == 0:
                 raise PolicyError("budget=0: a budget must be > 0 (ratio in (0, 1] or token count >= 1)")
-            if not 0.0 <= heavy_share <= 1.0:
-                raise PolicyError(f"heavy_share={heavy_share}: must be in [0, 1]")
+            if isinstance(heavy_share, bool) or not isinstance(heavy_share, (int, float)) \
+                    or not 0.0 <= heavy_share <= 1.0:
+                raise PolicyError(f"heavy_share={heavy_share!r}: expected a number in [0, 1]")
             if isinstance(budget, float):
                 heavy, recent = budget * heavy_share, budget - budget * heavy_share
             else:
