@@ -124,7 +124,7 @@ def test_attention_paths_hold_and_attend_to_the_same_values(gqa, calibrations, n
     T, policy = 30, make_policy(name, budget=0.3)
     q = torch.randn(2, 4, T, 16, generator=G(3))
     k, v = torch.randn(2, 2, T, 16, generator=G(4)) * 2, torch.randn(2, 2, T, 16, generator=G(5))
-    sim, _ = h2o_attention(Module(Attached(policy, quant=quant)), q, k, v, None)
+    sim, _ = h2o_attention(Module(Attached(policy, num_layers=1, quant=quant)), q, k, v, None)
     state = Attached(policy, "real", num_layers=1, quant=quant)
     layer = state.new_cache(ref_len=T).layers[0]
     outs = []

@@ -83,7 +83,7 @@ def check_keys(cfg: DictConfig) -> None:
           f"task_overrides={cfg.task_overrides!r}: expected {{<task name>: {{key: value}}}}")
 
 
-GROUPS = ("model", "task", "policy", "logger")
+GROUPS = ("model", "task", "policy", "logger", "quant")
 
 
 def group_defaults_root() -> dict:
