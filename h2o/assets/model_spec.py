@@ -68,6 +68,28 @@ class ModelSpec:
         return next((cfg[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if isinstance(cfg.get(k), int)),
                     None)
 
+    def geometry(self) -> tuple[int | None, bool | None, int | None]:
+        """(head size, has rotary embeddings, layers) from the model's config, without loading weights
+        (the tiny models, a local folder, SmolLM2 once cached, a hub id in the local cache); Nones if unknown."""
+        config = None
+        try:
+            if str(self.pretrained).startswith("tiny:"):
+                from h2o.assets.models import tiny_config
+
+                config = tiny_config(self.pretrained[5:])
+            else:
+                from transformers import AutoConfig
+
+                from h2o.assets.models import SMOLLM2_NAME, _smollm2_dir
+
+                path = _smollm2_dir() if self.pretrained == SMOLLM2_NAME else self.pretrained
+                config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError):
+            return None, None, None
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = any(hasattr(config, k) for k in ("rope_theta", "rope_parameters", "rotary_pct", "rope_scaling"))
+        return head_dim, rotary, config.num_hidden_layers
+
     def key(self) -> tuple:
         return (self.pretrained, self.dtype, str(self.device_map))
 

@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1", help="batch sizes, comma-separated")
     p.add_argument("--policies", default="full,local,h2o")
     p.add_argument("--budget", default="0.2", help="budgets: ratios of the prompt or token counts, comma-separated")
+    p.add_argument("--quant", default="none", help="KV quantization of each policy variant, comma-separated: "
+                   "none, uniform8/4/3/2, kvquant4/3/2 (h2o.bench.quant)")
     p.add_argument("--baselines", default="sdpa,sliding", help=f"of {','.join(BASELINES)}, or 'none'")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from h2o.assets.models import load_model
+    from h2o.assets.paths import cache_dir
     device_map = args.device if args.device else None
     model, _ = load_model(args.model, dtype=args.dtype, device_map=device_map)
     if args.suite == "targets":
@@ -186,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                             prefill=args.prefill, prefill_chunk=args.prefill_chunk,
                             kv_limit="full" if args.kv_limit_mib == "full" else int(float(args.kv_limit_mib) * 2**20)
                             or None, max_batch_cap=args.max_batch_cap,
-                            seed=args.seed, model_name=args.model)
+                            seed=args.seed, model_name=args.model, quants=args.quant.split(","),
+                            calibration=str(cache_dir() / "kvquant" / f"{args.model}.pt"))
     write_records(records, args.json, args.runs, args.experiment)
     return 0
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 import sys
 
 
-def variant_label(policy: str, budget: float | int) -> str:
-    """``h2o 0.2``, ``streaming-llm 64``; ``full`` and the unmodified baselines without a budget."""
+def variant_label(policy: str, budget: float | int, quant: str = "none") -> str:
+    """``h2o 0.2``, ``streaming-llm 64``, ``h2o 0.2 +uniform4``; ``full`` and the unmodified baselines without a
+    budget."""
     b = "" if policy in ("full", "hf_sdpa", "hf_eager") else f" {budget:g}"
-    return policy.replace("_", "-") + b
+    return policy.replace("_", "-") + b + ("" if quant == "none" else f" +{quant}")
 
 
 RATIO_METRICS = ("throughput_tok_s", "decode_tok_s", "decode_tok_cpu_s", "latency_s", "kv_bytes_max",
@@ -45,7 +46,7 @@ def print_table(recs: list[dict], out=None, title: str | None = None) -> None:
     for r in recs:
         m = r["metrics"]
         vf, vs = m.get("vs_full", {}), m.get("vs_sdpa", {})
-        label = variant_label(r["policy"], r["budget"])
+        label = variant_label(r["policy"], r["budget"], r.get("quant", "none"))
         rows.append([label, str(r["batch_size"]), fmt_cell(m["prefill_s"], ".2f"), fmt_cell(m["throughput_tok_s"], ".2f"),
                      fmt_cell(vf.get("throughput_tok_s"), ".2f"), fmt_cell(m["decode_tok_s"], ".2f"),
                      fmt_cell(vf.get("decode_tok_s"), ".2f"), fmt_cell(vs.get("decode_tok_s"), ".2f"),

@@ -75,10 +75,17 @@ class Variant:
     budget: float | int = 1.0
     attn: str = "sdpa"  # attention implementation of the unmodified model (baselines)
     obj: Policy | None = field(default=None, compare=False)  # a built policy (else make_policy(policy, budget))
+    quant: str = "none"  # KV quantization of a policy variant: none, uniform4, kvquant3, ... (h2o.bench.quant)
+    calibration: str | None = field(default=None, compare=False)  # kvquant's calibration file
 
     @staticmethod
     def of(policy: Policy) -> "Variant":
         return Variant("policy", policy.name, policy.budget, obj=policy)
+
+    def build_quant(self):
+        from h2o.bench.quant import quant_of
+
+        return quant_of(self.quant, self.calibration)
 
     def build(self) -> Policy:
         if self.obj is not None:
@@ -87,17 +94,19 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return variant_label(self.policy, self.budget)
+        return variant_label(self.policy, self.budget, self.quant)
 
 
 def make_variants(policies: Iterable[str], budgets: Iterable[float | int],
-                  baselines: Iterable[str] = ("sdpa", "sliding")) -> list[Variant]:
-    """``full`` first, then each policy at each budget, then the baselines (``sliding`` at each budget)."""
-    policies, budgets, baselines = list(policies), list(budgets), list(baselines)
-    out = [Variant("policy", "full")] if "full" in policies else []
+                  baselines: Iterable[str] = ("sdpa", "sliding"), quants: Iterable[str] = ("none",),
+                  calibration: str | None = None) -> list[Variant]:
+    """``full`` first, then each policy at each budget, each with every quantization (``none`` first), then the
+    baselines (``sliding`` at each budget)."""
+    policies, budgets, baselines, quants = list(policies), list(budgets), list(baselines), list(quants)
+    out = [Variant("policy", "full", quant=q, calibration=calibration) for q in quants] if "full" in policies else []
     for p in policies:
         if p != "full":
-            out += [Variant("policy", p, b) for b in budgets]
+            out += [Variant("policy", p, b, quant=q, calibration=calibration) for b in budgets for q in quants]
     for b in baselines:
         if b not in BASELINES:
             raise ValueError(f"baseline {b!r}: allowed: {', '.join(BASELINES)}")
@@ -117,7 +126,7 @@ def budget_tokens(budget: float | int, prompt_len: int) -> int:
 def variant_context(model, v: Variant):
     """Puts the model in the variant's attention mode; yields ``new_cache(ref_len)``."""
     if v.kind == "policy":
-        with attach(model, v.build(), mode="real") as h:
+        with attach(model, v.build(), mode="real", quant=v.build_quant()) as h:
             yield lambda ref_len=None: h.new_cache(ref_len=ref_len)
         return
     previous = model.config._attn_implementation
@@ -232,11 +241,14 @@ def fork_cache(model, v: Variant, new_cache, snap: EvictingCache, logits1, batch
     for layer, s in zip(cache.layers, snap.layers):
         if v.kind == "policy":
             for name, value in vars(s).items():  # scalars (seen, n_new, ...) as the prefill left them
-                if name not in ("policy", "ref_len", "counts") + BATCH_STATE:
+                if name not in ("policy", "ref_len", "counts", "quant", "served") + BATCH_STATE:
                     setattr(layer, name, value)
             for name in BATCH_STATE:
                 setattr(layer, name, rep(getattr(s, name), 1))
-            layer.adopt()
+            if layer.quant is not None:  # the prompt's keys and values as the quantized cache stores them
+                layer.kv_dtype = s.keys.dtype
+                layer.keys, layer.values = layer.quant.pack_kv(s.keys, s.values, layer.layer_idx, 0)
+            layer.adopt()  # host counts and budget from the copied state
             if layer.policy.evicts and not layer.policy.is_full:
                 layer.cut()  # what real_attention does at the end of a prefill (chunk)
             if batch > 1:
@@ -280,6 +292,7 @@ def summarize_runs(v: Variant, runs: list[RunResult], prompt_len: int, gen_len: 
         "prefill_s_runs": [r.prefill_s for r in runs],
     }
     return {"task_kind": "benchmark", "task": "synthetic", "semantics": "real", "policy": v.policy,
+            **({"quant": v.quant} if v.quant != "none" else {}),
             "budget": float(v.budget) if isinstance(v.budget, float) else v.budget,
             "prompt_len": prompt_len, "gen_len": gen_len, "batch_size": batch, "n_samples": len(runs),
             "prefill_mode": "shared" if shared else "each", "attn_implementation": v.attn if v.kind != "policy"
@@ -291,7 +304,8 @@ def benchmark(model, policies=("full", "h2o"), budgets=(0.2,), prompt_lens=(512,
               batch_sizes=(1,), baselines=("sdpa", "sliding"), repeats: int = 3, warmup: int = 1,
               prefill: str = "each", prefill_chunk: int = 0, kv_limit: int | None = None,
               max_batch_cap: int = 64, seed: int = 0, model_name: str | None = None,
-              verbose: bool = True, out=None, variants: list[Variant] | None = None) -> list[dict]:
+              verbose: bool = True, out=None, variants: list[Variant] | None = None,
+              quants=("none",), calibration: str | None = None) -> list[dict]:
     """Measure every variant at every setting; returns run records (``task_kind: "benchmark"``).
 
     Variants: ``make_variants(policies, budgets, baselines)``, or ``variants`` as given.
@@ -301,7 +315,7 @@ def benchmark(model, policies=("full", "h2o"), budgets=(0.2,), prompt_lens=(512,
     """
     if prefill not in ("each", "shared"):
         raise ValueError(f"prefill={prefill!r}: allowed: each, shared")
-    variants = variants or make_variants(policies, budgets, baselines)
+    variants = variants or make_variants(policies, budgets, baselines, quants, calibration)
     device = next(model.parameters()).device
     vocab = model.config.get_text_config(decoder=True).vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -332,10 +346,10 @@ def benchmark(model, policies=("full", "h2o"), budgets=(0.2,), prompt_lens=(512,
             if kv_limit == "full":  # what the full cache held at this prompt length and the largest batch
                 limit = max(r["metrics"]["kv_bytes_max"] for r in records
                             if r["policy"] == "full" and r["prompt_len"] == T and r["batch_size"] == max(batch_sizes))
-            last = {(r["policy"], r["budget"]): r for r in records if r["prompt_len"] == T and
+            last = {(r["policy"], r["budget"], r.get("quant", "none")): r for r in records if r["prompt_len"] == T and
                     r["gen_len"] == max(gen_lens) and r["batch_size"] == max(batch_sizes)}
-            per_seq = {v: last[(v.policy, v.budget)]["metrics"]["kv_bytes_max"] // max(batch_sizes)
-                       for v in variants if (v.policy, v.budget) in last}
+            per_seq = {v: last[(v.policy, v.budget, v.quant)]["metrics"]["kv_bytes_max"] // max(batch_sizes)
+                       for v in variants if (v.policy, v.budget, v.quant) in last}
             recs = largest_batch(model, variants, snap, logits1, prompt, max(gen_lens), limit, min(repeats, 2),
                                  warmup, max_batch_cap, verbose, per_seq)
             for r in recs:

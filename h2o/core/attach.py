@@ -22,6 +22,7 @@ import torch
 from . import attention
 from .cache import EvictingCache
 from .policies import Policy, PolicyError
+from .quant import Quantizer
 
 MODES = ("simulated", "real")
 SEMANTICS = ("h2o", "reference")
@@ -38,6 +39,7 @@ class Attached:
     num_layers: int = 0
     cache: EvictingCache | None = None
     observer: Callable | None = field(default=None, repr=False)  # observer(layer_idx, probs (B, Hq, T, S))
+    quant: Quantizer | None = None  # KV quantization (h2o.core.quant), bound to the model
     nonfinite: torch.Tensor | None = field(default=None, repr=False)  # (num_layers,) fp32 max |output|: NaN/inf = bad
     memo: tuple = field(default=(), repr=False)  # (attention mask, valid, static mask) of the current forward
 
@@ -46,7 +48,7 @@ class Attached:
         length, or of ``ref_len`` if given (to feed a sequence of known length token by token)."""
         if self.mode != "real":
             raise PolicyError(f"mode={self.mode}: new_cache() is for mode='real'")
-        self.cache = EvictingCache(self.policy, self.num_layers, ref_len)
+        self.cache = EvictingCache(self.policy, self.num_layers, ref_len, self.quant)
         return self.cache
 
     def per_forward(self, attention_mask, query, build: Callable):
@@ -113,7 +115,9 @@ def single_use_generate(model, state: Attached):
 
 
 @contextmanager
-def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o", prompt_len: int = 0):
+def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o", prompt_len: int = 0,
+           quant: Quantizer | None = None):
+    """``quant`` (default: ``policy.quant``): keys and values as a quantized cache holds them, in both paths."""
     if not isinstance(policy, Policy):
         raise PolicyError(f"policy={policy!r}: expected a Policy, e.g. h2o.make_policy('h2o', budget=0.2)")
     if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 0:
@@ -130,7 +134,9 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     if model.config._attn_implementation == attention.NAME or any(hasattr(m, "h2o") for m in modules):
         raise PolicyError(f"{type(model).__name__} is attached already: attach() does not nest; leave the outer "
                           f"`with attach(...)` first")
-    state = Attached(policy, mode, semantics, prompt_len, num_layers=len(modules))
+    quant = quant if quant is not None else policy.quant
+    state = Attached(policy, mode, semantics, prompt_len, num_layers=len(modules),
+                     quant=quant.bind(model) if quant is not None else None)
     previous = model.config._attn_implementation
     head = model.get_output_embeddings()
     hook = head.register_forward_hook(lambda _m, _i, logits: state.check_logits(logits)) if head is not None else None

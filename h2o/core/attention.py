@@ -42,6 +42,8 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
         q = query.shape[-2]
         if state.prompt_len > q:
             raise PolicyError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
+        if state.quant is not None:  # attend to the values a quantized cache would hold
+            key, value = state.quant.fake_kv(key, value, module.layer_idx)
         valid, static = state.per_forward(attention_mask, query, lambda v: static_mask(state.policy, v,
                                                                                         state.prompt_len))
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
@@ -68,7 +70,7 @@ def real_attention(state, module, query, key, value, attention_mask, scaling):
     if state.cache is None:
         raise PolicyError("mode='real' needs a cache: pass cache=h.new_cache() to the model")
     layer = state.cache.layers[module.layer_idx]
-    if layer.keys is not key:
+    if not layer.serves(key):
         raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")
     policy = state.policy
     B, Hq, q, D = query.shape

@@ -17,6 +17,8 @@ token (never a pad), as in ``generate``.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -25,9 +27,11 @@ from .simulate import serial
 
 
 class EvictingLayer(DynamicLayer):
-    def __init__(self, policy: Policy, ref_len: int | None = None):
+    def __init__(self, policy: Policy, ref_len: int | None = None, quant=None, layer_idx: int = 0):
         super().__init__()
         self.policy = policy
+        self.quant, self.layer_idx = quant, layer_idx  # quant: slots hold packed rows (h2o.core.quant)
+        self.served = None  # quant: weak reference to the last keys handed out by update
         self.ref_len = ref_len  # reference length of the budget; default: the prefill's tokens
         self.pos = self.acc = self.n_tok = None
         self.counts: Counts | None = None
@@ -43,12 +47,27 @@ class EvictingLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         """key/value_states (B, Hkv, q, D). Returns the stored (B, Hkv, S, D) tensors."""
         q = key_states.shape[-2]
+        if self.quant is not None:  # quant: store packed rows (B, Hkv, q, P) uint8 instead of the tensors
+            self.kv_dtype = key_states.dtype
+            key_states, value_states = self.quant.pack_kv(key_states, value_states, self.layer_idx, self.seen)
         if self.keys is None or q > 1 or not self.policy.evicts or self.policy.is_full:
             self.append(key_states, value_states)
         else:
             self.decode_in_place(key_states, value_states)
         self.seen += q
-        return self.keys, self.values
+        return self.read()
+
+    def read(self):
+        """The (B, Hkv, S, D) keys and values attention uses: as held, or decoded from packed rows (quant)."""
+        if self.quant is None:
+            return self.keys, self.values
+        keys, values = self.quant.unpack_kv(self.keys, self.values, self.layer_idx, self.kv_dtype)
+        self.served = weakref.ref(keys)
+        return keys, values
+
+    def serves(self, key) -> bool:
+        """Whether ``key`` is what this layer's last update returned (the model was given this cache)."""
+        return key is self.keys or (self.served is not None and self.served() is key)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -96,9 +115,8 @@ class EvictingLayer(DynamicLayer):
             with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
                 prio = self.policy.priority(self.pos, self.acc, self.n_tok, self.counts)
                 slot = select_slot(prio, self.pos, None if every else self.pos >= 0, self.room)  # (B, H, 1)
-            idx = slot[..., None].expand_as(key_states)  # (B, H, 1, D)
-            self.keys.scatter_(-2, idx, key_states)
-            self.values.scatter_(-2, idx, value_states)
+            self.keys.scatter_(-2, slot[..., None].expand_as(key_states), key_states)  # (B, H, 1, D or row bytes)
+            self.values.scatter_(-2, slot[..., None].expand_as(value_states), value_states)
             self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand_as(slot))
             self.acc.scatter_(-1, slot, 0.0)
             self.host_held = [h + r for h, r in zip(self.host_held, room)]
@@ -147,21 +165,22 @@ class EvictingLayer(DynamicLayer):
         order = order.sort(-1).values
         self.pos = torch.where(keep.gather(-1, order), self.pos.gather(-1, order), -1)
         self.acc = self.acc.gather(-1, order)
-        idx = order[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys, self.values = self.keys.gather(-2, idx), self.values.gather(-2, idx)
+        idx = order[..., None]
+        self.keys = self.keys.gather(-2, idx.expand(-1, -1, -1, self.keys.shape[-1]))
+        self.values = self.values.gather(-2, idx.expand(-1, -1, -1, self.values.shape[-1]))
 
     def nbytes(self) -> int:
-        """Bytes of the keys and values held."""
+        """Bytes of the keys and values held (quant: the packed rows: codes, scales, outliers, indices)."""
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
 class EvictingCache(Cache):
     """One :class:`EvictingLayer` per decoder layer. Use through :func:`h2o.core.attach` (mode="real")."""
 
-    def __init__(self, policy: Policy, num_layers: int, ref_len: int | None = None):
-        super().__init__(layers=[EvictingLayer(policy, ref_len) for _ in range(num_layers)])
-        self.policy = policy
+    def __init__(self, policy: Policy, num_layers: int, ref_len: int | None = None, quant=None):
+        super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i) for i in range(num_layers)])
+        self.policy, self.quant = policy, quant
 
     def nbytes(self) -> int:
-        """Bytes of keys and values held by all layers."""
-        return sum(layer.nbytes() for layer in self.layers)
+        """Bytes of keys and values held by all layers (quant: plus its offline constants, once)."""
+        return sum(layer.nbytes() for layer in self.layers) + (self.quant.const_bytes() if self.quant else 0)

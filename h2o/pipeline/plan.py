@@ -83,7 +83,7 @@ def check_keys(cfg: DictConfig) -> None:
           f"task_overrides={cfg.task_overrides!r}: expected {{<task name>: {{key: value}}}}")
 
 
-GROUPS = ("model", "task", "policy", "logger")
+GROUPS = ("model", "task", "policy", "logger", "quant")
 
 
 def group_defaults_root() -> dict:
@@ -120,6 +120,7 @@ class Plan:
                 "limit": self.cfg.task.get("limit"),
                 "policy_options": {k: v for k, v in OmegaConf.to_container(self.cfg.policy, resolve=True).items()
                                    if k not in ("_target_", "name")},
+                **({"quant": self.policy.quant.describe()} if self.policy.quant is not None else {}),
                 **extra}
 
 
@@ -136,6 +137,7 @@ def prepare(cfg: DictConfig) -> Plan:
     policy = build("policy", cfg.policy)
     task = build("task", cfg.task)
     model = build("model", cfg.model)
+    policy.quant = build_quant(cfg, model)
     if not isinstance(task, TaskSpec):
         raise ConfigError(f"task={cfg.task.name}: _target_ must build an h2o.tasks.base.TaskSpec")
     semantics = task.resolve_semantics(cfg.semantics)
@@ -147,6 +149,21 @@ def prepare(cfg: DictConfig) -> Plan:
     check_writable(path, cfg.runs_dir)
     check_reusable(path, identity(cfg, policy, semantics))
     return Plan(cfg, model, task, policy, semantics, path)
+
+
+def build_quant(cfg: DictConfig, model: ModelSpec):
+    """The run's KV quantizer (None for quant=none), checked against the model's shape read without loading."""
+    node = cfg.get("quant")
+    if node is None or node.name == "none":
+        return None
+    calibration = node.get("calibration")
+    if calibration and not Path(str(calibration)).expanduser().is_absolute():
+        from h2o.assets.paths import cache_dir
+
+        node = OmegaConf.merge(node, {"calibration": str(cache_dir() / str(calibration))})
+    quant = build("quant", node)
+    quant.check_geometry(*model.geometry())
+    return quant
 
 
 def check_writable(path: Path, runs_dir) -> None:

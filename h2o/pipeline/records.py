@@ -88,6 +88,12 @@ def extras(cfg, default_semantics: str) -> list[str]:
                 continue
             if key not in base or base[key] != node[key]:
                 out.append(f"{key}={fmt(node[key])}")
+    quant = cfg.get("quant")
+    if quant is not None and quant.name != "none":  # quant=<name><bits>, then its other non-default options
+        base = group_defaults("quant", quant.name)
+        out.append(f"quant={fmt(quant.name)}{fmt(quant.get('bits', ''))}")
+        out += [f"{k}={fmt(quant[k])}" for k in sorted(quant)
+                if k not in (*IGNORED, "bits", "calibration") and (k not in base or base[k] != quant[k])]
     if cfg.seed != 0:
         out.append(f"seed={fmt(cfg.seed)}")
     if cfg.semantics not in ("auto", default_semantics):

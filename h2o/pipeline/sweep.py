@@ -46,7 +46,7 @@ class Composer:
     tests/test_experiments.py checks the result equals Hydra's compose for jobs of every experiment.
     """
 
-    LEAVES = ("model", "task", "policy", "logger")
+    LEAVES = ("model", "task", "policy", "logger", "quant")
 
     def __init__(self):
         from hydra.core.override_parser.overrides_parser import OverridesParser

@@ -104,7 +104,7 @@ class H2OLM(HFLM):
     @property
     def passthrough(self) -> bool:
         """True when the policy drops nothing: the model runs unmodified."""
-        return self.policy.is_full and self.semantics == "simulated"
+        return self.policy.is_full and self.policy.quant is None and self.semantics == "simulated"
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -175,7 +175,7 @@ class H2OLM(HFLM):
     # ---------------------------------------------------------------------- generation (real cache)
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         """context (B, T) left-padded (attention_mask in generation_kwargs) -> (B, T + new) token ids."""
-        if self.policy.is_full:
+        if self.policy.is_full and self.policy.quant is None:
             return super()._model_generate(context, max_length, stop, **generation_kwargs)
         with attach(self.model, self.policy, mode="real") as h:
             return super()._model_generate(context, max_length, stop, cache=h.new_cache(), **generation_kwargs)

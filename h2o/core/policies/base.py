@@ -79,6 +79,7 @@ class Policy:
     # tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
     # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop)
     position_only: ClassVar[bool] = False
+    quant = None  # the KV quantizer the policy's cache stores with (h2o.core.quant; set by the run's `quant`)
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):

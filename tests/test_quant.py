@@ -1,0 +1,258 @@
+"""Quantized KV cache: the formats against naive re-implementations, both paths equal under every policy and
+scheme, memory counted from the rows, bad input up front. Tiny models; the calibration is fitted on random tokens."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from h2o import POLICIES, attach, make_policy
+from h2o.assets.models import TINY_ARCHS, tiny_model
+from h2o.core.attach import Attached
+from h2o.core.attention import h2o_attention
+from h2o.core.quant import KVQuant, QuantError, Uniform, make_quant
+from h2o.core.quant.base import pack_bits, unpack_bits
+from h2o.core.quant.calibrate import fit, kmeans_1d
+from h2o.core.quant.rope import rotary_inv_freq, rotate
+
+G = lambda seed: torch.Generator().manual_seed(seed)  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def gqa():
+    return tiny_model("llama_gqa")
+
+
+@pytest.fixture(scope="module")
+def calibrations():
+    """{arch: calibration dict} fitted on random tokens (3 bits only: fast)."""
+    return {a: fit(tiny_model(a), torch.randint(3, 256, (2, 64), generator=G(5)), bits=(3,)) for a in TINY_ARCHS}
+
+
+def schemes(arch: str, cal: dict) -> dict:
+    rotary = arch != "opt"
+    return {"uniform2": Uniform(2, 16), "uniform4-g8": Uniform(4, 8), "uniform8": Uniform(8, 16),
+            "kvquant3": KVQuant(3, pre_rope=rotary, calibration=cal),
+            "kvquant2-plain": KVQuant(2, per_channel_keys=False, pre_rope=False, nonuniform=False, outliers=False)}
+
+
+# ----------------------------------------------------------------------------------------- formats
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_bit_packing_round_trips(bits):
+    codes = torch.randint(0, 2 ** bits, (3, 5, 16), generator=G(bits))
+    packed = pack_bits(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 5, 16 * bits // 8)
+    assert torch.equal(unpack_bits(packed, bits, 16), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_uniform_is_flexgen_min_max(bits):
+    """Against a naive FlexGen-style loop: per group of 16, codes round((x - min) / step), step = range / (2^b-1)."""
+    x = torch.randn(2, 3, 5, 32, generator=G(0)) * 3
+    q = Uniform(bits, 16)
+    rows = q.pack(x, "key", 0, 0)
+    assert rows.shape[-1] == q.row_bytes("key", 32) == 32 * bits // 8 + 2 * 4
+    out = q.unpack(rows, "key", 0, torch.float32)
+    levels = 2 ** bits - 1
+    for b, h, t, g in [(0, 0, 0, 0), (1, 2, 4, 1), (0, 1, 3, 1)]:
+        v = x[b, h, t, g * 16:(g + 1) * 16]
+        m, s = v.min().half().float(), ((v.max() - v.min()) / levels).half().float()
+        ref = [min(max(round(float((e - m) / s)), 0), levels) * s + m for e in v]
+        assert torch.allclose(out[b, h, t, g * 16:(g + 1) * 16], torch.stack(ref), atol=1e-6)
+    step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / levels
+    assert ((out - x).abs() <= step * 0.5 + 2e-3 * x.abs().amax()).all()  # half a step (+ fp16 scale rounding)
+
+
+def test_kvquant_outliers_kept_and_range_of_the_rest():
+    x = torch.randn(1, 2, 4, 64, generator=G(1))
+    x[0, 1, 2, 17] = 40.0  # one spike
+    q = KVQuant(4, per_channel_keys=False, pre_rope=False, nonuniform=False)
+    q.head_dim = 64
+    out = q.unpack(q.pack(x, "value", 0, 0), "value", 0, torch.float32)
+    assert out[0, 1, 2, 17] == 40.0  # exact (fp16-representable)
+    rest = torch.cat([x[0, 1, 2, :17], x[0, 1, 2, 18:]])
+    assert (out[0, 1, 2, :17] - x[0, 1, 2, :17]).abs().max() <= (rest.max() - rest.min()) / 15 / 2 + 1e-3
+    no = KVQuant(4, per_channel_keys=False, pre_rope=False, nonuniform=False, outliers=False)
+    no.head_dim = 64
+    worse = no.unpack(no.pack(x, "value", 0, 0), "value", 0, torch.float32)
+    assert (worse - x)[0, 1, 2].abs().mean() > 3 * (out - x)[0, 1, 2].abs().mean()
+    assert q.row_bytes("value", 64) == 32 + 4 + 3 and no.row_bytes("value", 64) == 32 + 4
+
+
+def test_pre_rope_undoes_the_models_rotation(gqa):
+    """rotate(., -p) of the keys the model caches equals its keys before RoPE (k_proj output)."""
+    ids = torch.randint(3, 256, (1, 12), generator=G(2))
+    captured = {}
+    attn = gqa.model.layers[0].self_attn
+    hook = attn.k_proj.register_forward_hook(lambda m, i, o: captured.setdefault("k", o))
+    with torch.no_grad():
+        cache = gqa(ids, use_cache=True).past_key_values
+    hook.remove()
+    pre = captured["k"].view(1, 12, 2, 16).transpose(1, 2)
+    back = rotate(cache.layers[0].keys, torch.arange(12), rotary_inv_freq(gqa), -1)
+    assert torch.allclose(back, pre, atol=1e-5) and not torch.allclose(cache.layers[0].keys, pre, atol=1e-2)
+
+
+def test_kmeans_finds_clusters_and_codebooks_are_fitted(calibrations):
+    u = torch.cat([torch.full((100,), -0.5), torch.full((300,), 0.25), torch.full((50,), 0.9)])
+    assert torch.allclose(kmeans_1d(u, 3), torch.tensor([-0.5, 0.25, 0.9]), atol=1e-3)
+    cal = calibrations["llama"]
+    cb = cal["codebooks"]["key/ch-pre-out/3"]  # (layers, 8) sorted in [-1, 1], not the even grid
+    assert cb.shape == (2, 8) and (cb.diff(dim=-1) > 0).all() and cb.abs().max() <= 1
+    assert not torch.allclose(cb[0], torch.linspace(-1, 1, 8), atol=0.02)
+    assert cal["ranges"]["pre"]["qhi"].shape == (2, 4, 16)
+
+
+# ------------------------------------------------------------------------- both paths, same values
+class Module:
+    """What h2o_attention reads from an attention module."""
+
+    def __init__(self, state):
+        self.h2o, self.layer_idx = state, 0
+
+
+SCHEME_IDS = ["uniform2", "uniform4-g8", "kvquant3", "kvquant2-plain"]
+
+
+@pytest.mark.parametrize("scheme", SCHEME_IDS)
+@pytest.mark.parametrize("name", POLICIES)
+def test_attention_paths_hold_and_attend_to_the_same_values(gqa, calibrations, name, scheme):
+    """Identical keys/values fed to both paths (GQA, 2 KV heads): the evicting cache's rows decode to exactly the
+    values the simulated mask attends to, and the outputs agree token by token."""
+    quant = schemes("llama_gqa", calibrations["llama_gqa"])[scheme].bind(gqa)
+    T, policy = 30, make_policy(name, budget=0.3)
+    q = torch.randn(2, 4, T, 16, generator=G(3))
+    k, v = torch.randn(2, 2, T, 16, generator=G(4)) * 2, torch.randn(2, 2, T, 16, generator=G(5))
+    sim, _ = h2o_attention(Module(Attached(policy, num_layers=1, quant=quant)), q, k, v, None)
+    state = Attached(policy, "real", num_layers=1, quant=quant)
+    layer = state.new_cache(ref_len=T).layers[0]
+    outs = []
+    for t in range(T):
+        keys, values = layer.update(k[..., t:t + 1, :], v[..., t:t + 1, :])
+        outs.append(h2o_attention(Module(state), q[..., t:t + 1, :], keys, values, None)[0])
+    assert torch.allclose(torch.cat(outs, 1), sim, atol=1e-5)
+    fk, fv = quant.fake_kv(k, v, 0)
+    held = layer.pos >= 0  # (B, H, S); decode what the cache holds and compare at the same positions
+    dk, dv = quant.unpack_kv(layer.keys, layer.values, 0, torch.float32)
+    idx = layer.pos.clamp(min=0)[..., None].expand_as(dk)
+    assert torch.equal(dk[held], fk.gather(-2, idx)[held]) and torch.equal(dv[held], fv.gather(-2, idx)[held])
+    assert not torch.allclose(fk, k, atol=1e-3)  # quantization changed the values: not vacuous
+
+
+# twelve model-level combinations: every architecture x three schemes, the policies dealt round-robin
+PAIRS = [(a, s) for a in TINY_ARCHS for s in ("uniform4-g8", "kvquant3", "uniform2")]
+COMBOS = [(arch, scheme, POLICIES[i % len(POLICIES)]) for i, (arch, scheme) in enumerate(PAIRS)]
+
+
+@pytest.mark.parametrize("arch,scheme,name", COMBOS)
+def test_model_paths_agree_under_quantization(calibrations, arch, scheme, name):
+    """Whole tiny models, token by token vs one pass. The two paths compute each key in a differently shaped
+    forward (1e-7 apart); a value that lands on a rounding boundary may take the next code in one path, so logits
+    agree to quantization noise, far below what quantization itself changes."""
+    model = tiny_model(arch)
+    quant = schemes(arch, calibrations[arch])[scheme]
+    ids = torch.randint(0, 128, (1, 40), generator=G(1))
+    policy = make_policy(name, budget=0.2)
+    with torch.no_grad():
+        with attach(model, policy, quant=quant):
+            sim = model(ids).logits
+        with attach(model, policy):
+            unquantized = model(ids).logits
+        with attach(model, policy, mode="real", quant=quant) as h:
+            cache = h.new_cache(ref_len=40)
+            real = torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(40)], 1)
+    gap, effect = (real - sim).abs(), (sim - unquantized).abs()
+    assert gap.mean() < 0.01 * effect.mean() and gap.max() < 0.1 * effect.max(), (gap.max(), effect.max())
+    assert effect.mean() > 1e-2
+    rows = quant.row_bytes("key", 16) + quant.row_bytes("value", 16)
+    held = sum(int((layer.pos >= 0).sum()) for layer in cache.layers)
+    assert cache.nbytes() == held * rows + quant.const_bytes()
+
+
+def test_quant_none_changes_nothing(gqa):
+    assert make_quant("none") is None
+    ids = torch.randint(0, 128, (1, 20), generator=G(6))
+    policy = make_policy("h2o", budget=0.3)
+    with torch.no_grad(), attach(gqa, policy, quant=None):
+        a = gqa(ids).logits
+    with torch.no_grad(), attach(gqa, policy):
+        b = gqa(ids).logits
+    assert torch.equal(a, b)
+
+
+def test_h2o_20_percent_at_4_bits_holds_a_eighteenth_of_the_fp16_cache():
+    """Head size 64 (SmolLM2's), group 64: a 4-bit row is 32 code bytes + fp16 min and step = 36 of fp16's 128."""
+    model = tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64)
+    ids = torch.randint(3, 256, (1, 200), generator=G(7))
+    with torch.no_grad():
+        with attach(model, make_policy("full"), mode="real") as h:
+            full = h.new_cache()
+            model(ids, cache=full)
+        with attach(model, make_policy("h2o", budget=0.2), mode="real", quant=Uniform(4, 64)) as h:
+            small = h.new_cache()
+            model(ids, cache=small)
+    fp16_full = full.nbytes() // 2  # the tiny model is fp32: the same cache in fp16
+    assert small.nbytes() == 2 * 2 * 2 * 40 * 36  # layers x (K, V) x heads x 40 tokens x 36 bytes
+    assert small.nbytes() / fp16_full == pytest.approx(0.2 * 36 / 128)  # 1/17.8
+
+
+# -------------------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(name="uniform", bits=5), "quant.bits=5: allowed: 2, 3, 4, 8"),
+    (dict(name="kvquant", bits=1, per_channel_keys=False, nonuniform=False), "quant.bits=1"),
+    (dict(name="uniform", group_size=0), "quant.group_size=0"),
+    (dict(name="kvquant", calibration="/nowhere/x.pt"), "quant.calibration='/nowhere/x.pt': no such file"),
+    (dict(name="kvquant", pre_rope="yes", nonuniform=False, per_channel_keys=False), "quant.pre_rope='yes'"),
+    (dict(name="int4"), "quant='int4': unknown; allowed: none, uniform, kvquant"),
+])
+def test_bad_quant_options_fail_with_one_line(kwargs, needle):
+    with pytest.raises(QuantError) as e:
+        make_quant(**kwargs)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["quant=uniform", "quant.bits=6"], "quant.bits=6: allowed"),
+    (["quant=uniform", "quant.group_size=12"], "quant.group_size=12: does not divide the model's head size 16"),
+    (["model=tiny-opt", "quant=kvquant", "quant.per_channel_keys=false", "quant.nonuniform=false"],
+     "quant.pre_rope=true: the model has no rotary embeddings"),
+    (["quant=kvquant", "quant.calibration=/nowhere/cal.pt"], "quant.calibration='/nowhere/cal.pt': no such file"),
+    (["quant=uniform", "+quant.foo=1"], "quant.foo: no such option for quant=uniform; allowed: name, bits, group_size"),
+])
+def test_bad_quant_config_exit_2_before_loading(args, needle, capsys, tmp_path, monkeypatch):
+    from h2o.assets import model_spec
+    from h2o.pipeline.run import main
+
+    monkeypatch.chdir(tmp_path)
+    model_spec._LOADED.clear()
+    assert main(["model=tiny-llama", "task=austen_ppl", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and len(err.splitlines()) == 1 and needle in err, err
+    assert not model_spec._LOADED and not (tmp_path / "runs").exists()
+
+
+def test_run_folder_names_the_quantizer():
+    from h2o.pipeline.sweep import expand
+
+    base = ["model=tiny-llama", "task=austen_ppl"]
+    none, = expand([*base, "quant=none"], True).plans
+    uniform, = expand([*base, "quant=uniform", "quant.group_size=16"], True).plans
+    assert none.path.name == "0.2" and none.policy.quant is None and "quant" not in none.head()
+    assert none.path == expand(base, True).plans[0].path  # quant=none: the folder of old
+    assert uniform.path.name == "quant=uniform4,group_size=16" and uniform.head()["quant"]["bits"] == 4
+    assert uniform.path.parent == none.path
+
+
+def test_bench_measures_quantized_variants_beside_the_unquantized_cache():
+    """make bench's variants x quant: the KV bytes are the packed rows (36 bytes a 4-bit row of 64 channels)."""
+    from h2o.bench.throughput import benchmark
+
+    model = tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64)
+    recs = benchmark(model, ["full", "h2o"], [0.2], [64], [3], [1], [], repeats=1, warmup=0, prefill="shared",
+                     quants=("none", "uniform4"), verbose=False)
+    got = {(r["policy"], r.get("quant", "none")): r["metrics"] for r in recs}
+    held = {"full": 66, "h2o": 12}  # 64 prompt tokens + 2 decoded; h2o keeps 20% of 64
+    for (policy, quant), m in got.items():
+        row = 36 if quant == "uniform4" else 64 * 4  # fp32 tiny model
+        assert m["kv_bytes"] == 2 * 2 * 2 * held[policy] * row and m["decode_tok_s"] > 0
+    assert got[("h2o", "uniform4")]["vs_full"]["kv_bytes"] == pytest.approx(12 * 36 / (66 * 256))
