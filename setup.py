@@ -15,5 +15,5 @@ def data(folder: str) -> list[str]:
 setup(
     packages=[*find_packages(include=["h2o", "h2o.*", "analysis", "analysis.*"]), "h2o.conf", "h2o.lm_tasks"],
     package_dir={"h2o.conf": "conf", "h2o.lm_tasks": "tasks"},
-    package_data={"h2o.conf": data("conf"), "h2o.lm_tasks": data("tasks")},
+    package_data={"h2o.conf": data("conf"), "h2o.lm_tasks": data("tasks"), "analysis": ["paper_results.csv"]},
 )

@@ -162,10 +162,12 @@ def _stop_fake_tasks(tmp_path):
 
 def test_wheel_ships_configs_and_task_yamls_and_runs(tmp_path):
     """A built wheel (no checkout on the path) finds conf/ and tasks/ and runs a tiny model end to end."""
+    src = tmp_path / "src"  # a copy of the project's files: no build/ or stale egg-info of the checkout used
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", ".venv", "runs", "multirun", "outputs", "wandb",
+                                                             "build", "*.egg-info", "__pycache__", ".pytest_cache"))
     wheel = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                            str(tmp_path / "dist"), str(REPO)], capture_output=True, text=True, cwd=tmp_path)
+                            str(tmp_path / "dist"), str(src)], capture_output=True, text=True, cwd=tmp_path)
     assert wheel.returncode == 0, wheel.stderr[-2000:]
-    shutil.rmtree(REPO / "build", ignore_errors=True)
     (whl,) = (tmp_path / "dist").glob("h2o_harness-*.whl")
     names = zipfile.ZipFile(whl).namelist()
     assert {"h2o/conf/config.yaml", "h2o/conf/cluster.yaml", "h2o/conf/model/opt-66b.yaml", "h2o/lm_tasks/bb_copa.yaml",
