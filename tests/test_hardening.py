@@ -187,7 +187,8 @@ def test_record_names_its_provenance(two_runs):
         assert rec["semantics"] in ("simulated", "real") and rec["seed"] == 7
         assert rec["semantics"] == ("real" if rec["task_kind"] == "summarization" else "simulated")
         assert rec["policy"] == "h2o" and rec["budget"] == 0.5 and {"heavy", "recent"} <= rec.keys()
-        assert rec["policy_options"] == {"budget": 0.5, "heavy": None, "recent": None, "heavy_share": 0.5}
+        assert rec["policy_options"] == {"budget": 0.5, "heavy": None, "recent": None, "heavy_share": 0.5,
+                                         "score": "sum", "decay": 0.99}
 
 
 def test_misconfigured_wandb_never_fails_the_run(tmp_path, monkeypatch, capsys):

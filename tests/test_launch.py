@@ -47,8 +47,8 @@ def task_state(root: Path, task: str) -> dict:
         return {}
 
 
-def test_table1_dry_run_lists_arrays_with_resources(capsys):
-    assert launch.main(["experiment=table1", "task=copa,mathqa", "--dry"]) == 0  # two of its six tasks (time)
+def test_fig4_dry_run_lists_arrays_with_resources(capsys):
+    assert launch.main(["experiment=fig4", "task=copa,mathqa", "--dry"]) == 0  # two of its six tasks (time)
     out = capsys.readouterr().out.splitlines()
     # 7 models x 2 tasks x (full, local, h2o) x 7 budgets: full once per model x task, budget 1.0 served by full
     assert out[0] == ("294 jobs: 182 to run, 0 finished already, 84 duplicates, "

@@ -115,8 +115,11 @@ class EvictingLayer(DynamicLayer):
             with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
                 prio = self.policy.priority(self.pos, self.acc, self.n_tok, self.counts)
                 slot = select_slot(prio, self.pos, None if every else self.pos >= 0, self.room)  # (B, H, 1)
-            self.keys.scatter_(-2, slot[..., None].expand_as(key_states), key_states)  # (B, H, 1, D or row bytes)
-            self.values.scatter_(-2, slot[..., None].expand_as(value_states), value_states)
+            idx = slot[..., None].expand_as(key_states)  # (B, H, 1, D or row bytes)
+            self.keys.scatter_(-2, idx, key_states)
+            if value_states.shape != key_states.shape:  # quantized rows of keys and values can differ in width
+                idx = slot[..., None].expand_as(value_states)
+            self.values.scatter_(-2, idx, value_states)
             self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand_as(slot))
             self.acc.scatter_(-1, slot, 0.0)
             self.host_held = [h + r for h, r in zip(self.host_held, room)]

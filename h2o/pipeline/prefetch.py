@@ -103,20 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     models = {p.model.name: p.model for p in sweep.plans}
     tasks = {p.task.name: p.task for p in sweep.plans}
     missing = 0
-    for name, spec in models.items():
-        why = missing_model(spec)
-        if check:
-            missing += why is not None
-            print(f"model {name}: {why or 'cached'}")
-        else:
-            print(f"model {name}: {fetch_model(spec)}", flush=True)
-    for name, task in tasks.items():
-        why = missing_data(task)
-        if check:
-            missing += why is not None
-            print(f"task {name}: {why or 'cached (or fetched by the task itself)'}")
-        else:
-            print(f"task {name}: {fetch_data(task)}", flush=True)
+    for kind, items, why_missing, fetch, cached in (
+            ("model", models, missing_model, fetch_model, "cached"),
+            ("task", tasks, missing_data, fetch_data, "cached (or fetched by the task itself)")):
+        for name, spec in items.items():
+            if check:
+                why = why_missing(spec)
+                missing += why is not None
+                print(f"{kind} {name}: {why or cached}")
+            else:
+                print(f"{kind} {name}: {fetch(spec)}", flush=True)
     return 1 if missing else 0
 
 

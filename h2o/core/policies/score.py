@@ -35,10 +35,11 @@ class Scored(Policy):
         self.score_kind, self.decay = score, float(decay)
 
     def score(self, pos: torch.Tensor, acc: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
-        """(B, H, S) float64 heavy-hitter priority from ``acc`` (B, H, S), positions ``pos`` and ``now`` (B,)."""
+        """(B, H, S) heavy-hitter priority in acc's dtype (fp32) from ``acc`` (B, H, S), positions ``pos`` and
+        ``now`` (B,). ``sum`` and ``decay`` read ``acc`` as it is (decay is applied as rows accumulate)."""
         if self.score_kind == "mean":
-            return acc.double() / (bcast(now) - pos + 1).clamp(min=1).double()
-        return acc.double()
+            return acc / (bcast(now) - pos + 1).clamp(min=1).to(acc.dtype)
+        return acc
 
     def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         if self.score_kind != "decay":
