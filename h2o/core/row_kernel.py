@@ -70,7 +70,9 @@ def use_kernel(policy: Policy, device: torch.device) -> bool:
         raise ValueError(f"H2O_ROW_KERNEL={choice!r}: allowed: {', '.join(CHOICES)}")
     if choice == "torch" or not supports(policy):
         if choice == "triton":
-            raise ValueError(f"H2O_ROW_KERNEL=triton: the kernel implements h2o and h2_only with score=sum, not {policy!r}")
+            score = getattr(policy, "score_kind", None)
+            raise ValueError(f"H2O_ROW_KERNEL=triton: the kernel implements h2o and h2_only with score=sum, "
+                             f"not {policy.name} (score={score})")
         return False
     if choice == "triton":
         if triton is None:
