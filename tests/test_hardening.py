@@ -260,6 +260,11 @@ BENCH_BAD = [
 def test_bench_cli_bad_input(args, words, capsys, tmp_path, monkeypatch):
     from h2o.bench.__main__ import main
 
+    cli_bad_input(main, args, words, capsys, tmp_path, monkeypatch)
+
+
+def cli_bad_input(main, args, words, capsys, tmp_path, monkeypatch):
+    """``main(--model tiny:llama *args)`` ({tmp}: tmp_path, which holds a file ``afile``) exits 2 in one line."""
     (tmp_path / "afile").write_text("x")
     no_load(monkeypatch)
     code = main([a.replace("{tmp}", str(tmp_path)) for a in ["--model", "tiny:llama", *args]])
@@ -283,10 +288,7 @@ STREAM_BAD = [
 def test_streaming_cli_bad_input(args, words, capsys, tmp_path, monkeypatch):
     from h2o.bench.streaming import main
 
-    (tmp_path / "afile").write_text("x")
-    no_load(monkeypatch)
-    code = main([a.replace("{tmp}", str(tmp_path)) for a in ["--model", "tiny:llama", *args]])
-    one_line_exit_2(code, capsys, words)
+    cli_bad_input(main, args, words, capsys, tmp_path, monkeypatch)
 
 
 LM_EVAL_BAD = [
