@@ -125,12 +125,6 @@ def output_file(flag: str, path: str | os.PathLike) -> Path:
     return p
 
 
-def input_file(flag: str, path: str | os.PathLike) -> Path:
-    p = Path(path).expanduser()
-    check(p.is_file(), f"{flag}={str(path)!r}: no such file")
-    return p
-
-
 # ------------------------------------------------------------------------------------- command lines
 def split_list(flag: str, text: str, parse: Callable[[str], Any], what: str) -> list:
     """``"a,b"`` -> ``[parse("a"), parse("b")]``; a bad or missing item -> ConfigError naming it and ``what``."""
