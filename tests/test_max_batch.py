@@ -1,0 +1,68 @@
+"""The largest-batch search (doubling, then bisection) against a fake run that runs out of memory above a threshold,
+and the CPU estimate on the tiny model."""
+import math
+
+import pytest
+import torch
+
+from h2o.bench.max_batch import cpu_estimate, largest_batch_under_cap, search_largest
+from h2o.bench.throughput import Variant
+
+
+def fake(threshold, calls):
+    """A run that fits up to ``threshold`` sequences and raises CUDA's out-of-memory error above."""
+    def try_batch(b):
+        calls.append(b)
+        if b > threshold:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory at batch {b}")
+        return True
+    return try_batch
+
+
+@pytest.mark.parametrize("threshold", [1, 2, 3, 5, 8, 17, 100, 511, 1000])
+def test_search_finds_the_exact_threshold(threshold):
+    calls = []
+    best, trials = search_largest(fake(threshold, calls), cap=1024)
+    assert best == threshold
+    assert [b for b, _ in trials] == calls and all(ok == (b <= threshold) for b, ok in trials)
+    assert len(calls) <= 2 * math.ceil(math.log2(threshold + 1)) + 1  # doubling + bisection, no linear scan
+
+
+def test_search_sequence_and_edges():
+    calls = []
+    assert search_largest(fake(5, calls), cap=64)[0] == 5
+    assert calls == [1, 2, 4, 8, 6, 5]  # doubling to the first failure, then bisection between 4 and 8
+    assert search_largest(fake(0, []), cap=64)[0] == 0  # batch 1 does not fit
+    calls = []
+    assert search_largest(fake(10**6, calls), cap=48)[0] == 48 and calls == [1, 2, 4, 8, 16, 32, 48]
+    assert search_largest(lambda b: b <= 6, cap=64)[0] == 6  # a plain False works as well as the error
+
+
+def test_search_lets_other_errors_through():
+    def broken(b):
+        raise RuntimeError("not an OOM")
+    with pytest.raises(RuntimeError, match="not an OOM"):
+        search_largest(broken)
+
+
+def test_cpu_estimate_formula():
+    est = cpu_estimate(limit=10_000, start=1_000, growth={1: 600, 3: 1_400}, kv_per_seq=100)
+    assert est["bytes_per_seq"] == 400 and est["fixed_bytes"] == 200
+    assert est["largest_batch"] == (10_000 - 1_000 - 200) // 400  # 22
+    # a slope below the KV bytes of one sequence (noise) is raised to them
+    assert cpu_estimate(10_000, 1_000, {1: 500, 2: 500}, 300)["bytes_per_seq"] == 300
+
+
+def test_largest_batch_on_cpu_is_an_estimate():
+    from h2o.assets.models import tiny_model
+    model = tiny_model("llama_gqa")
+    recs = largest_batch_under_cap(model, [Variant("policy", "full"), Variant("policy", "h2o", 0.2)], 40, 3,
+                                   fraction=0.01)
+    full, h2o = (r["metrics"] for r in recs)
+    assert all(r["max_batch_method"] == "estimate" for r in recs)
+    assert h2o["kv_bytes_per_seq"] < full["kv_bytes_per_seq"]
+    for m in (full, h2o):
+        assert m["kv_only_batch"] == m["limit_bytes"] // m["kv_bytes_per_seq"]
+        assert m["largest_batch"] == max(0, (m["limit_bytes"] - m["rss_start_bytes"] - m["fixed_bytes"])
+                                         // m["bytes_per_seq"])
+        assert m["bytes_per_seq"] >= m["kv_bytes_per_seq"]
