@@ -14,6 +14,10 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     assert all(r["syncs_per_step"] == 1 for r in rec["launches"]["decode"])
     assert set(rec["speed"]["decode_vs_sdpa"]) == {"h2o", "local"}
     assert rec["speed"]["sdpa_dynamic_s_per_step"] > 0
+    mb = rec["max_batch"]  # on the CPU an estimate, labelled so; full and h2o side by side with the KV-only figure
+    assert mb["method"] == "estimate" and set(mb["policies"]) == {"full 1", "h2o 0.2"}
+    full, h2o = mb["policies"]["full 1"], mb["policies"]["h2o 0.2"]
+    assert h2o["kv_bytes_per_seq"] < full["kv_bytes_per_seq"] and full["kv_only_batch"] >= full["largest_batch"] >= 1
 
 
 def test_gpu_check_without_cuda_fails_in_one_line(tmp_path, capsys):

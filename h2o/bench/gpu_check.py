@@ -5,7 +5,10 @@
 2. launches: aten ops of a simulated forward vs eager, ops and host syncs per decoding step vs sdpa + DynamicCache
    (:mod:`h2o.bench.launches`);
 3. speed: decode time per step (CUDA events) of h2o / local vs sdpa + DynamicCache, and the simulated forward vs
-   eager, on SmolLM2 (if cached; else the tiny LLaMA, said so in the record).
+   eager, on SmolLM2 (if cached; else the tiny LLaMA, said so in the record);
+4. max_batch: the largest batch of full and h2o 20% (512-token prompts, 16 tokens generated) within 10% of the GPU's
+   memory, found by running under ``torch.cuda.set_per_process_memory_fraction`` (h2o.bench.max_batch; on the CPU
+   an estimate, so labelled), beside the KV-only figure.
 
     python -m h2o.bench.gpu_check --json runs/gpu_check.json          # needs CUDA; ~5 min on one GPU
     python -m h2o.bench.gpu_check --device cpu --quick --json out.json  # the same checks, small, on the CPU
@@ -98,18 +101,34 @@ def decode_time(model, ids, steps: int, device: str, policy=None) -> float:
     return t.seconds / steps
 
 
-def speed(device: str, prompt: int, steps: int, sim_tokens: int, smollm2: bool = True) -> dict:
+def load(device: str, smollm2: bool = True):
+    """(SmolLM2 if cached, else the tiny LLaMA; the record's model name, which says why)."""
     from h2o.assets.models import ModelUnavailableError, load_model, tiny_model
-    from h2o.bench.simulated import simulated_forward
-    from h2o.core.policies import make_policy
 
     try:
         if not smollm2:
             raise ModelUnavailableError("--quick")
-        model = load_model("smollm2-135m", dtype="auto", device_map=device)[0]
-        name = "smollm2-135m"
+        return load_model("smollm2-135m", dtype="auto", device_map=device)[0], "smollm2-135m"
     except (ModelUnavailableError, OSError) as e:
-        model, name = tiny_model("llama").to(device), f"tiny-llama (smollm2 not used: {e})"
+        return tiny_model("llama").to(device), f"tiny-llama (smollm2 not used: {e})"
+
+
+def max_batch(model, name: str, prompt: int, gen: int, fraction: float) -> dict:
+    """Largest batch of full and h2o 20% within ``fraction`` of the GPU's memory, found by running under
+    ``torch.cuda.set_per_process_memory_fraction`` (the CPU: an estimate), beside the KV-only figure."""
+    from h2o.bench.max_batch import largest_batch_under_cap
+    from h2o.bench.throughput import Variant
+
+    recs = largest_batch_under_cap(model, [Variant("policy", "full"), Variant("policy", "h2o", 0.2)], prompt, gen,
+                                   fraction)
+    return {"model": name, "prompt": prompt, "gen": gen, "method": recs[0]["max_batch_method"],
+            "policies": {f"{r['policy']} {r['budget']:g}": r["metrics"] for r in recs}}
+
+
+def speed(model, name: str, device: str, prompt: int, steps: int, sim_tokens: int) -> dict:
+    from h2o.bench.simulated import simulated_forward
+    from h2o.core.policies import make_policy
+
     vocab = model.config.vocab_size
     ids = torch.randint(100, vocab, (1, prompt), generator=torch.Generator().manual_seed(0)).to(device)
     base = decode_time(model, ids, steps, device)
@@ -142,8 +161,10 @@ def main(argv=None) -> int:
     eq = equivalence(args.device, dtypes, L, P, POLICIES[:2] if args.quick else POLICIES)
     record = {"device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
               "torch": torch.__version__, "equivalence": eq, "equivalence_ok": all(r["ok"] for r in eq),
-              "launches": launches(args.device),
-              "speed": speed(args.device, *((32, 4, 64, False) if args.quick else (1024, 64, 1024, True)))}
+              "launches": launches(args.device)}
+    model, name = load(args.device, smollm2=not args.quick)
+    record["speed"] = speed(model, name, args.device, *((32, 4, 64) if args.quick else (1024, 64, 1024)))
+    record["max_batch"] = max_batch(model, name, *((32, 4, 0.1) if args.quick else (512, 16, 0.1)))
     record["seconds"] = time.perf_counter() - t0
     record["ok"] = record["equivalence_ok"] and record["launches"]["ok"]
     out.parent.mkdir(parents=True, exist_ok=True)
