@@ -60,23 +60,23 @@ status: install ## done / running / queued / failed / left of experiment EXP (ru
 prefetch: install ## download every model and data set of experiment EXP into the caches (login node, before a Slurm sweep)
 	$(PY) -m h2o.pipeline.prefetch experiment=$(EXP) $(ARGS)
 
-# Benchmarks (issue targets). Sizes: prompt,batch pairs. Estimated 10-15 min on 2 idle cores at these defaults
-# (measured: 33 min with BENCH_THREADS=1 beside four other jobs on 2 cores). On shared cores use BENCH_THREADS=1:
-# two threads per process then wait on each other at every small op (decoding measured 5-10x slower).
+# Benchmarks: issue 12's targets as one run of experiment=bench (h2o/bench/targets.py), recorded under
+# runs/bench/ like every run (a finished record is not measured again: move it away or set ARGS=experiment_name=...).
+# Sizes: prompt,batch pairs. Estimated 15-30 min on 2 idle cores at these defaults (measured: 33 min with
+# BENCH_THREADS=1 beside four other jobs on 2 cores). On shared cores use BENCH_THREADS=1: two threads per process
+# then wait on each other at every small op (decoding measured 5-10x slower).
 BENCH_THREADS ?= 2
 BENCH_LONG ?= 4096,8
 BENCH_SHORT ?= 2048,1
 BENCH_E2E ?= 512,2
 BENCH_SIM ?= 1024
+BENCH_MEMORY ?= 1024,8
 BENCH_GEN ?= 8
 BENCH_REPEATS ?= 3
-BENCH_OUT ?= runs/bench.jsonl
-bench: install ## throughput, latency and KV memory vs full and transformers' caches (BENCH_* sizes)
-	@mkdir -p $(dir $(BENCH_OUT))
-	$(PY) -m h2o.bench --suite targets --model smollm2-135m --threads $(BENCH_THREADS) \
-		--long $(BENCH_LONG) --short $(BENCH_SHORT) --e2e $(BENCH_E2E) --sim $(BENCH_SIM) \
-		--gen $(BENCH_GEN) --repeats $(BENCH_REPEATS) --json $(BENCH_OUT) $(if $(WANDB),--runs runs)
-	$(if $(WANDB),$(PY) -m h2o.pipeline.wandb_sync runs --experiment benchmark)
+bench: install ## issue 12's targets: decode throughput, KV bytes, largest batch (memory cap on CUDA, estimate on the CPU), simulated forward vs full and transformers' caches (BENCH_* sizes)
+	$(PY) -m h2o.pipeline.run experiment=bench threads=$(BENCH_THREADS) 'task.long=[$(BENCH_LONG)]' \
+		'task.short=[$(BENCH_SHORT)]' 'task.e2e=[$(BENCH_E2E)]' task.sim=$(BENCH_SIM) 'task.memory=[$(BENCH_MEMORY)]' \
+		task.gen_len=$(BENCH_GEN) task.repeats=$(BENCH_REPEATS) $(if $(WANDB),logger=wandb) $(ARGS)
 
 STREAM_TOKENS ?= 20000
 STREAM_BUDGETS ?= 96,192,384

@@ -244,23 +244,6 @@ def test_flatness():
     assert f["rss_growth"] == 0.0 and f["time_per_token_growth"] == 0.0
 
 
-def test_suite_targets_runs_end_to_end(model, capsys):
-    """``make bench``'s code path on the tiny model at tiny sizes: every part runs and the targets are checked."""
-    from argparse import Namespace
-
-    from h2o.bench.__main__ import check_targets, suite_targets
-    args = Namespace(long="40,3", short="32,1", e2e="24,2", sim=24, gen=3, repeats=1, warmup=0, seed=0,
-                     model="tiny", prefill_chunk=16, max_batch=1, max_batch_cap=6)
-    recs = suite_targets(model, args)
-    out = capsys.readouterr().out
-    assert "== targets" in out and "simulated forward 24 h2o/eager (CPU time)" in out
-    res = check_targets(recs, (40, 3), (32, 1))
-    assert res["kv_bytes_prefill 40x3 h2o/full"][0] == pytest.approx(budget_tokens(0.2, 40) / 40)
-    assert res["kv_bytes_max 40x3 h2o/full"][2]  # met: 8 kept of 40 + 2 decoded
-    assert any("kv_limit_bytes" in r for r in recs)
-    assert {r["prefill_mode"] for r in recs if r["semantics"] == "real"} == {"shared", "each"}
-
-
 @pytest.mark.parametrize("prompt_len, budget, chunk", [(300, 0.2, 0), (200, 0.2, 0), (0, 260, 16)])
 def test_real_prefill_rows_beyond_one_block(model, prompt_len, budget, chunk):
     """Prefills of more than a block of rows (a 300-token prompt), or a chunk on a cache of >= 256 slots

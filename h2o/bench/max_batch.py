@@ -133,7 +133,7 @@ def largest_batch_under_cap(model, variants: list[Variant], prompt_len: int, gen
                    "kv_bytes_per_seq": kv, "kv_only_batch": limit // kv if kv else None}
         if gpus:
             def try_batch(b):
-                gc.collect()
+                gc.collect(1)
                 torch.cuda.empty_cache()
                 run_batch(model, v, prompt_len, gen_len, b, seed, prefill_chunk)
                 return True

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from h2o.bench.throughput import BASELINES, Variant, benchmark, make_variants
+from h2o.core.validate import is_int
 from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
 
 
@@ -45,3 +46,69 @@ class BenchmarkTask(TaskSpec):
         mine = recs[0] if policy.name == "full" else recs[1]
         info = {k: mine[k] for k in ("prompt_len", "gen_len", "batch_size", "prefill_mode", "attn_implementation")}
         return Result(mine["metrics"], recs, {**info, "repeats": self.repeats})
+
+
+def pair(key: str, value, what: str = "prompt, batch") -> None:
+    """ConfigError unless ``value`` is two ints >= 1."""
+    check(isinstance(value, (list, tuple)) and len(value) == 2 and all(is_int(x) and x >= 1 for x in value),
+          f"task.{key}={value!r}: expected [{what}] (two ints >= 1)")
+
+
+@dataclass
+class TargetsTask(TaskSpec):
+    """``conf/task/bench_targets.yaml``: issue 12's targets in one run (``make bench``; :mod:`h2o.bench.targets`).
+
+    The run's policy is measured against full, the ``compare`` policies and transformers' caches at every part;
+    metrics: each target's measured ratio; ``targets``: {name: {value, target, met}}; samples: every variant's
+    record."""
+
+    name: str
+    long: list = field(default_factory=lambda: [4096, 8])
+    short: list = field(default_factory=lambda: [2048, 1])
+    e2e: list = field(default_factory=lambda: [512, 2])
+    sim: int = 1024
+    memory: list = field(default_factory=lambda: [1024, 8])
+    memory_fraction: float = 0.5
+    gen_len: int = 8
+    repeats: int = 3
+    warmup: int = 1
+    prefill_chunk: int = 0
+    kv_limit: bool = True
+    max_batch_cap: int = 64
+    compare: list = field(default_factory=lambda: ["local"])
+    compare_e2e: list = field(default_factory=lambda: ["local", "streaming_llm"])
+    shots: int = 0
+
+    kind = "benchmark_targets"
+    semantics = ("real",)
+
+    def __post_init__(self):
+        from h2o.core.policies import POLICIES
+
+        for key in ("long", "short", "e2e"):
+            pair(key, getattr(self, key))
+        pair("memory", self.memory, "prompt, generated tokens")
+        for key in ("sim", "gen_len", "repeats", "max_batch_cap"):
+            check(is_int(getattr(self, key)) and getattr(self, key) >= 1,
+                  f"task.{key}={getattr(self, key)!r}: expected an int >= 1")
+        for key in ("warmup", "prefill_chunk"):
+            check(is_int(getattr(self, key)) and getattr(self, key) >= 0,
+                  f"task.{key}={getattr(self, key)!r}: expected an int >= 0")
+        check(0 < self.memory_fraction <= 1, f"task.memory_fraction={self.memory_fraction!r}: expected a number in (0, 1]")
+        for key in ("compare", "compare_e2e"):
+            bad = [p for p in getattr(self, key) if p not in POLICIES or p == "full"]
+            check(not bad, f"task.{key}={list(getattr(self, key))}: {bad[0] if bad else ''!r} is not an evicting "
+                           f"policy; allowed: {', '.join(p for p in POLICIES if p != 'full')}")
+        check(self.shots == 0, f"task.shots={self.shots}: a benchmark takes no in-context examples (0)")
+
+    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+        from h2o.bench.targets import check_targets, run_targets
+
+        check(not policy.is_full, "experiment=bench: policy=full is the reference; choose an evicting policy")
+        name = getattr(model.config, "_name_or_path", None)
+        recs = run_targets(model, self, policy, seed, model_name=name)
+        res = check_targets(recs, self.long, self.short, policy.name, policy.budget)
+        targets = {k: {"value": x, "target": t, "met": ok} for k, (x, t, ok) in res.items()}
+        met = [ok for _, _, ok in res.values() if ok is not None]
+        return Result({k: x for k, (x, _, _) in res.items()}, recs,
+                      {"targets": targets, "targets_met": f"{sum(met)}/{len(met)}"})
