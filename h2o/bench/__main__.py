@@ -27,7 +27,7 @@ def budgets_arg(s: str) -> list[float | int]:
 
 
 def write_rows(records: list[dict], path: str | None) -> None:
-    """The measured rows as JSON lines (exploration: run records come from ``h2o-run experiment=bench|bench_tables``)."""
+    """The measured rows as JSON lines (exploration; run records: ``h2o-run experiment=bench|bench_tables``)."""
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work (validate)
         with open(path, "w") as f:

@@ -94,7 +94,8 @@ class TargetsTask(TaskSpec):
         for key in ("warmup", "prefill_chunk"):
             check(is_int(getattr(self, key)) and getattr(self, key) >= 0,
                   f"task.{key}={getattr(self, key)!r}: expected an int >= 0")
-        check(0 < self.memory_fraction <= 1, f"task.memory_fraction={self.memory_fraction!r}: expected a number in (0, 1]")
+        check(0 < self.memory_fraction <= 1,
+              f"task.memory_fraction={self.memory_fraction!r}: expected a number in (0, 1]")
         for key in ("compare", "compare_e2e"):
             bad = [p for p in getattr(self, key) if p not in POLICIES or p == "full"]
             check(not bad, f"task.{key}={list(getattr(self, key))}: {bad[0] if bad else ''!r} is not an evicting "
