@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from h2o.bench.targets import TARGETS, meets
-from h2o.bench.throughput import budget_tokens
+from h2o.bench.variants import budget_tokens
 from h2o.pipeline.run import main
 from h2o.pipeline.sweep import expand
 
@@ -59,7 +59,7 @@ def test_make_bench_writes_the_experiments_record(tmp_path, monkeypatch, capsys)
 
 def test_targets_live_in_one_place():
     assert TARGETS == {"decode_long": (">=", 2.0), "decode_short": (">=", 1.15), "kv_bytes": ("<=", 0.21),
-                       "simulated": ("<=", 2.0)}
+                       "simulated": ("<=", 2.0), "simulated_ops": ("<=", 1.5), "syncs_per_step": ("<=", 1)}
     assert meets("decode_long", 2.0) and not meets("decode_short", 1.1) and not meets("kv_bytes", 0.22)
 
 

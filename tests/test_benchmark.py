@@ -7,8 +7,8 @@ import torch
 from h2o import attach, make_policy
 from h2o.bench.measure import kv_bytes
 from h2o.bench.simulated import simulated_forward
-from h2o.bench.throughput import (Variant, benchmark, budget_tokens, fork_cache, make_variants, run_once, shared_prefill,
-                                  variant_context)
+from h2o.bench.throughput import benchmark, fork_cache, run_once, shared_prefill
+from h2o.bench.variants import Variant, budget_tokens, make_variants, variant_context
 from h2o.assets.models import tiny_model
 from h2o.bench.streaming import CachePositions, KeyShifter, flatness, stream
 

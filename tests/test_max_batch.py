@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from h2o.bench.max_batch import cpu_estimate, largest_batch_under_cap, search_largest
-from h2o.bench.throughput import Variant
+from h2o.bench.variants import Variant
 
 
 def fake(threshold, calls):

@@ -12,7 +12,8 @@ import torch
 
 from h2o.assets.model_spec import DTYPES, check_device, check_pretrained
 from h2o.bench.simulated import simulated_forward
-from h2o.bench.throughput import BASELINES, benchmark
+from h2o.bench.throughput import benchmark
+from h2o.bench.variants import BASELINES
 from h2o.core.policies import POLICIES, make_policy
 from h2o.core.validate import (ArgParser, budget_value, check, choice, guard, is_number,
                                output_file, positive_int, split_list)

@@ -25,7 +25,8 @@ from typing import Callable
 import torch
 
 from h2o.bench.measure import gpu_devices
-from h2o.bench.throughput import Variant, run_once, variant_context
+from h2o.bench.throughput import run_once
+from h2o.bench.variants import Variant, variant_context
 
 OOM = (torch.OutOfMemoryError,)  # torch.cuda.OutOfMemoryError is the same class
 

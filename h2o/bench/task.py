@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from h2o.bench.throughput import BASELINES, Variant, benchmark, make_variants
+from h2o.bench.throughput import benchmark
+from h2o.bench.variants import BASELINES, Variant, make_variants
 from h2o.core.validate import is_int
 from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
 
