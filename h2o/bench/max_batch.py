@@ -11,8 +11,9 @@ count, which the KV-only figure (limit // KV bytes of one sequence) ignores. Bot
   last batch that ran and the first that did not. The fraction is set back to 1.0 afterwards, also on error.
 * CPU (``method: "estimate"``): no allocator can be capped. The peak resident-memory growth of a run
   (:class:`h2o.bench.measure.PeakRSS`, above the resident memory at its start, which holds the weights) is measured
-  at two batch sizes ``b1 < b2``: its slope is the bytes one more sequence costs (never taken below the KV bytes of
-  one sequence, measured from the cache), its intercept the scratch that does not grow with the batch, so
+  at two batch sizes ``b1 < b2``, memory freed by earlier runs handed back to the system before each (glibc
+  ``malloc_trim``): its slope is the bytes one more sequence costs (never taken below the KV bytes of one
+  sequence, measured from the cache), its intercept the scratch that does not grow with the batch, so
   ``largest = floor((limit - resident at start - intercept) / slope)``. An estimate, labelled so in the record.
 """
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from h2o.bench.measure import gpu_devices
+from h2o.bench.measure import gpu_devices, release_freed
 from h2o.bench.throughput import run_once
 from h2o.bench.variants import Variant, variant_context
 
@@ -146,6 +147,7 @@ def largest_batch_under_cap(model, variants: list[Variant], prompt_len: int, gen
         else:
             growth, start = {}, None
             for b in batches:
+                release_freed()  # else memory the allocator kept from the last run hides part of this one's growth
                 r = run_batch(model, v, prompt_len, gen_len, b, seed, prefill_chunk)
                 growth[b] = r.peak_rss - r.rss_start
                 start = r.rss_start if start is None else min(start, r.rss_start)

@@ -47,6 +47,21 @@ def _reset_hwm() -> bool:
         return False
 
 
+def release_freed() -> bool:
+    """Hand memory freed by earlier runs back to the system (glibc ``malloc_trim``), so that the next run's resident
+    growth counts what it needs rather than what the allocator kept; False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+    import gc
+
+    gc.collect(1)
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
 class PeakRSS:
     """Context manager: ``.peak`` = the process's peak resident memory inside it, ``.start`` = at its start.
 

@@ -98,8 +98,10 @@ class TargetsTask(TaskSpec):
         check(0 < self.memory_fraction <= 1,
               f"task.memory_fraction={self.memory_fraction!r}: expected a number in (0, 1]")
         for key in ("compare", "compare_e2e"):
-            bad = [p for p in getattr(self, key) if p not in POLICIES or p == "full"]
-            check(not bad, f"task.{key}={list(getattr(self, key))}: {bad[0] if bad else ''!r} is not an evicting "
+            value = getattr(self, key)
+            check(isinstance(value, (list, tuple)), f"task.{key}={value!r}: expected a list of policy names")
+            bad = [p for p in value if p not in POLICIES or p == "full"]
+            check(not bad, f"task.{key}={list(value)}: {bad[0] if bad else ''!r} is not an evicting "
                            f"policy; allowed: {', '.join(p for p in POLICIES if p != 'full')}")
         check(self.shots == 0, f"task.shots={self.shots}: a benchmark takes no in-context examples (0)")
 
