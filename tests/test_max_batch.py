@@ -66,3 +66,37 @@ def test_largest_batch_on_cpu_is_an_estimate():
         assert m["largest_batch"] == max(0, (m["limit_bytes"] - m["rss_start_bytes"] - m["fixed_bytes"])
                                          // m["bytes_per_seq"])
         assert m["bytes_per_seq"] >= m["kv_bytes_per_seq"]
+
+
+def test_cuda_path_with_a_fake_gpu(monkeypatch):
+    """The CUDA branch on the CPU: a fake GPU of 1000 bytes whose runs fail above 37 sequences; the cap is set for
+    the search and set back to 1.0 afterwards (also when the search raises)."""
+    from types import SimpleNamespace
+
+    import h2o.bench.max_batch as mb
+    calls, runs = [], []
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(mb, "gpu_devices", lambda model: [gpu])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=1000))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def run_batch(model, v, P, G, b, seed=0, prefill_chunk=0):
+        runs.append(b)
+        if b > 37:
+            raise torch.cuda.OutOfMemoryError("fake")
+        return SimpleNamespace(kv_max=10 * b)
+
+    monkeypatch.setattr(mb, "run_batch", run_batch)
+    model = SimpleNamespace(parameters=lambda: iter([torch.zeros(5)]), buffers=lambda: iter([]))
+    [rec] = largest_batch_under_cap(model, [Variant("policy", "full")], 16, 2, fraction=0.5, cap=1024)
+    m = rec["metrics"]
+    assert rec["max_batch_method"] == "measured" and m["largest_batch"] == 37 and rec["batch_size"] == 37
+    assert m["limit_bytes"] == 500 and m["kv_only_batch"] == 50 and not m["capped"]
+    assert runs[:1] == [1] and [b for b, _ in m["trials"]] == runs[1:]
+    assert calls == [(0.5, gpu), (1.0, gpu)]
+    calls.clear()
+    monkeypatch.setattr(mb, "search_largest", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        largest_batch_under_cap(model, [Variant("policy", "full")], 16, 2, fraction=0.25)
+    assert calls == [(0.25, gpu), (1.0, gpu)]
