@@ -76,7 +76,7 @@ def memory_cap(devices, fraction: float):
     finally:
         for d in devices:
             torch.cuda.set_per_process_memory_fraction(1.0, d)
-        gc.collect()
+        gc.collect(1)
         torch.cuda.empty_cache()
 
 
