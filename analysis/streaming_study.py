@@ -3,7 +3,8 @@
 ``python -m analysis.streaming_study runs/streaming_study --out analysis/streaming_study`` reads the window samples
 written live by ``python -m h2o.bench.streaming --live DIR`` (``DIR/<label>_<budget>_c<chunk>.jsonl``, one JSON
 sample per window: ``tokens``, ``chunk_ppl`` = the window's perplexity, ``ppl`` = everything so far) from every
-folder under the root, and writes ``study.png`` (one panel per feeding x budget, each policy relative to StreamingLLM) and ``study.md`` (the table).
+folder under the root, and writes ``study.png`` (one panel per feeding x budget, each policy relative to StreamingLLM) and ``study.md`` (the table;
+past 10 windows also the mean relative window perplexity per block of 10 windows).
 Curves are compared over the windows every run of a panel has finished (a study cut short stays fair); every window is shown up to 12 of them.
 """
 from __future__ import annotations
@@ -62,6 +63,23 @@ def behind_from(h2o: list[dict], base: list[dict], span: int = 3) -> int | None:
     return None if start is None else h2o[start]["tokens"]
 
 
+def relative(s: list[dict], base: list[dict]) -> list[float]:
+    """Each window's perplexity relative to the baseline's in the same window, in percent (< 0: better)."""
+    return [100 * (x["chunk_ppl"] / b["chunk_ppl"] - 1) for x, b in zip(s, base)]
+
+
+def blocks(s: list[dict], base: list[dict], size: int = 10) -> list[tuple[int, int, float, int, int]]:
+    """Per block of ``size`` windows: (first token, last token, mean relative window perplexity in percent,
+    windows ahead of the baseline, windows in the block). The windows of one stream are not independent samples
+    (the cache carries over), so this is a description of the curve, not a test."""
+    rel, out = relative(s, base), []
+    for i in range(0, len(rel), size):
+        r = rel[i:i + size]
+        first = s[i - 1]["tokens"] if i else 0
+        out.append((first, s[i + len(r) - 1]["tokens"], sum(r) / len(r), sum(x < 0 for x in r), len(r)))
+    return out
+
+
 def table(data) -> str:
     lines = []
     for (chunk, budget), runs in sorted(data.items()):
@@ -82,6 +100,9 @@ def table(data) -> str:
                 lines.append(f"\n{label} vs {BASELINE}: lower window perplexity in {ahead} of {n} windows; "
                              + (f"behind (3-window mean) from {b} tokens to the end" if b is not None
                                 else "never behind to the end (3-window mean)"))
+                if n > 10:
+                    lines.append("; ".join(f"{lo // 1000}-{hi // 1000}k: {m:+.1f}% ({k}/{w} ahead)"
+                                           for lo, hi, m, k, w in blocks(runs[label][:n], runs[BASELINE][:n])))
         lines.append("")
     return "\n".join(lines)
 
@@ -98,9 +119,13 @@ def figure(data, out: Path) -> Path:
         for label, s in sorted(runs.items()):
             if base is None or label in (BASELINE, "local"):
                 continue
-            ax.plot([x["tokens"] / 1000 for x in s[:n]],
-                    [100 * (x["chunk_ppl"] / b["chunk_ppl"] - 1) for x, b in zip(s[:n], base[:n])],
-                    marker="o", ms=3, label=label, lw=1.8 if label == "h2o" else 1.0)
+            x, rel = [w["tokens"] / 1000 for w in s[:n]], relative(s[:n], base[:n])
+            if n <= 12:
+                ax.plot(x, rel, marker="o", ms=3, label=label, lw=1.8 if label == "h2o" else 1.0)
+            else:  # long streams: the windows faint, a 5-window running mean on top
+                line, = ax.plot(x, rel, lw=0.5, alpha=0.35)
+                ax.plot(x, [sum(rel[max(0, i - 4):i + 1]) / len(rel[max(0, i - 4):i + 1]) for i in range(n)],
+                        color=line.get_color(), lw=1.8 if label == "h2o" else 1.0, label=f"{label} (5-window mean)")
         ax.axhline(0, color="k", lw=0.8, label=f"{BASELINE} (0)")
         ax.set(title=f"{budget}-token cache, " + ("token by token" if chunk == 1 else f"chunks of {chunk}"),
                xlabel="tokens streamed (k)", ylabel="window perplexity vs StreamingLLM (%)")
