@@ -3,8 +3,9 @@
 The book (Jane Austen's six novels, or Moby-Dick; h2o.assets.data) is tokenized once without special tokens and cut
 into consecutive windows of ``window`` tokens; windows ``0, stride, 2*stride, ...`` (``n_windows`` of them) are
 scored, ``batch_size`` at a time (``auto``: sized to the free GPU memory, h2o.tasks.batching), each in one forward
-pass inside ``attach(model, policy)``: token i of a window is predicted from what the policy holds at step i (budget = ratio of the window). Every token after the first
-of each window is predicted; ``ppl = exp(total NLL / predicted tokens)``. Its 95% interval treats the windows as
+pass inside ``attach(model, policy)``: token i of a window is predicted from what the policy holds at step i
+(budget = ratio of the window). Every token after the first of each window is predicted;
+``ppl = exp(total NLL / predicted tokens)``. Its 95% interval treats the windows as
 the sample (they have equal lengths): ``exp(nll_per_token +- 1.96 * nll_per_token_stderr)``, the standard error
 of the windows' mean NLL per token.
 """

@@ -25,11 +25,12 @@ the prompt's end, the instruction included). Tokenized without BOS (``add_bos_to
 ``add_special_tokens=False``); ``true``/``null`` are lm-eval's meanings (see h2o.tasks.multiple_choice).
 
 Generation: left-padded batches of ``batch_size`` prompts (``auto``: sized to the free GPU memory on the longest
-prompt generating all ``max_new_tokens``, before the seed is set; h2o.tasks.batching), ``attach(model, policy, mode="real")`` with a fresh
-cache per batch (budget = ratio of each prompt's length, fixed at prefill; eviction runs during decoding),
-sampling at ``temperature`` (``greedy`` for argmax) after ``torch.manual_seed(seed)``, stop at ``stop``
-(``###``) or after ``max_new_tokens``; ``equal_length`` removes the stop and forces exactly
-``max_new_tokens`` (the Self-BLEU protocol). ROUGE-1/2/L F1 with rouge-score (stemmed, as HELM).
+prompt generating all ``max_new_tokens``, before the seed is set; h2o.tasks.batching),
+``attach(model, policy, mode="real")`` with a fresh cache per batch (budget = ratio of each prompt's length, fixed
+at prefill; eviction runs during decoding), sampling at ``temperature`` (``greedy`` for argmax) after
+``torch.manual_seed(seed)``, stop at ``stop`` (``###``) or after ``max_new_tokens``; ``equal_length`` removes
+the stop and forces exactly ``max_new_tokens`` (the Self-BLEU protocol). ROUGE-1/2/L F1 with rouge-score
+(stemmed, as HELM).
 """
 from __future__ import annotations
 
