@@ -100,14 +100,15 @@ def fits(step: Callable[[int], Any], size: int, mem) -> bool:
     """Whether ``step(size)`` runs without running out of memory (the memory is released either way)."""
     try:
         step(size)
-        return True
     except Exception as exc:  # noqa: BLE001 - only out-of-memory is an answer; anything else is raised
         if not is_oom(exc):
             raise
-        return False
-    finally:
-        gc.collect()
+        del exc
+        gc.collect()  # the traceback's frames may still hold the failed batch's tensors
         mem.empty_cache()
+        return False
+    mem.empty_cache()
+    return True
 
 
 def from_free_memory(step: Callable[[int], Any], devices: list, cap: int, mem) -> Sizing:
@@ -119,7 +120,6 @@ def from_free_memory(step: Callable[[int], Any], devices: list, cap: int, mem) -
         mem.reset_peak_memory_stats(d)
     step(1)  # an out-of-memory error here: even one sequence does not fit; the run fails with it
     per = {d: max(mem.max_memory_allocated(d) - base[d], 1) for d in devices}
-    gc.collect()
     mem.empty_cache()
     free = {d: mem.mem_get_info(d)[0] + mem.memory_reserved(d) - mem.memory_allocated(d) for d in devices}
     tight = min(devices, key=lambda d: free[d] / per[d])
