@@ -207,3 +207,17 @@ def test_wandb_is_optional_and_its_failure_loses_nothing(tmp_path, monkeypatch, 
         "sys.modules); the run record is intact", "error: wandb is not installed; `pip install wandb` to mirror records"]
     assert sorted(p.name for p in folder.iterdir()) == ["metrics.json", "samples.jsonl"]
     assert not (root / ".wandb").exists()
+
+
+def test_sync_imports_no_torch(tmp_path):
+    """``import h2o`` is lazy (PEP 562): the sync command line runs where torch cannot be imported."""
+    import subprocess
+
+    from no_torch import blocker
+
+    code = blocker() + (f"from h2o.pipeline.wandb_sync import main\nsys.exit(main([{str(tmp_path)!r}, '--mode', "
+                        "'disabled']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "0 logged, 0 unchanged, 0 failed" in out.stdout

@@ -8,7 +8,11 @@ every setting that differs from its group file's default (``limit=40``, ``sinks=
 spelled without loss (:func:`fmt`: floats by their shortest exact text, so 0.2000001 is not 0.2; text outside
 ``[A-Za-z0-9_.+-]`` gets a short hash); ``experiment_name`` must be in that set, and the folder stays inside
 ``runs_dir``. A finished record is reused only for its own normalised config (:func:`identity`, read back from
-its config.yaml): :func:`check_reusable` refuses any other.
+its config.yaml): :func:`check_reusable` refuses any other. Protocol settings (``scoring``, ``add_bos_token``) follow
+the same rule: in the folder only where they differ from the default, always in the identity. So after a default
+changes, an older record in the same folder blocks the new protocol (one line naming the difference) until it is
+moved; spelling them in every folder would rename every existing record's folder (finished sweeps rerun whole)
+for a case that only a change of default causes.
 
 Files (contract read by analysis/): ``config.yaml`` (resolved Hydra config), ``samples.jsonl``, ``env.json``,
 then ``metrics.json`` LAST and atomically (tmp file + ``os.replace``): a folder without it is unfinished and

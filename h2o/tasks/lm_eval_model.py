@@ -21,6 +21,9 @@ input), moves the pads to the left with the matching attention mask (the simulat
 its right-padded layout starts evicting too late for the shorter rows, reported to the core), and moves
 the logits back: budgets stay per sequence, pads are never attended, and results are identical for any
 batch size (tested). A row that matches no known input (only lm-eval's batch-size probe) is taken whole.
+``batch_size=auto`` / ``auto:N``: lm-eval's scheduler asks :meth:`H2OLM._detect_batch_size`, which sizes the batch
+by h2o.tasks.batching (free GPU memory and a measured per-sequence cost, checked, halved on out-of-memory; a
+fixed default on the CPU) instead of lm-eval's halving from 64; each sizing is kept in ``sizings``.
 
 Scoring: ``scoring=sum`` is lm-eval's (summed log-likelihood for ``acc``, byte-normalised for ``acc_norm``);
 ``scoring=mean`` divides each continuation's log-likelihood by its number of tokens (the paper code's rule),
@@ -38,12 +41,14 @@ lm-eval 0.4.13 has no plugin hook for out-of-tree models (its registry is filled
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from h2o.core.attach import attach
 from h2o.core.policies import make_policy
 from h2o.core.policies import Policy, PolicyError
+from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 
 SEMANTICS = ("simulated", "reference")
 SCORING = ("sum", "mean")
@@ -91,6 +96,7 @@ class H2OLM(HFLM):
             raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
         if scoring not in SCORING:
             raise PolicyError(f"scoring={scoring!r}: allowed: {', '.join(SCORING)}")
+        check_batch_size(from_text(kwargs.get("batch_size", 1)), "batch_size", schedule=True)
         kwargs.setdefault("add_bos_token", False)  # the paper code's protocol (see the module docstring)
         if kwargs.get("device") in (None, "cuda") and not torch.cuda.is_available():
             kwargs["device"] = "cpu"
@@ -100,6 +106,7 @@ class H2OLM(HFLM):
         self.cont_tokens: dict[tuple[str, str], int] = {}  # (context, continuation) -> continuation tokens
         self._per_token = False
         self.stats = {"rows": 0, "tokens": 0, "unmatched_rows": 0}
+        self.sizings: list[Sizing] = []  # batch sizes chosen for batch_size=auto (h2o.tasks.batching)
 
     @property
     def passthrough(self) -> bool:
@@ -134,6 +141,23 @@ class H2OLM(HFLM):
             else:
                 self.cont_tokens[key] = len(self._encode_pair(context, continuation)[1])
         return self.cont_tokens[key]
+
+    def _detect_batch_size(self, requests=None, pos: int = 0) -> int:
+        """lm-eval's hook for ``batch_size=auto``: the batch for the requests from ``pos`` on (sorted longest
+        first), probed with rows of the longest one's length; the probe's rows are not counted in ``stats``."""
+        length = (len((requests[pos][1] + requests[pos][2])[-(self.max_length + 1):][:-1]) if requests
+                  else self.max_length)
+
+        def step(b: int) -> None:
+            ids = torch.ones((b, length), dtype=torch.long, device=self.device)  # (b, L), as lm-eval probes
+            F.log_softmax(self._model_call(ids), dim=-1, dtype=self.softmax_dtype)  # (b, L, V), as scored
+
+        stats = dict(self.stats)
+        sizing = choose("auto", self.model, step, len(requests) - pos if requests else self.max_batch_size,
+                        self.max_batch_size)
+        self.stats = stats
+        self.sizings.append(sizing)
+        return sizing.size
 
     def true_lengths(self, inps: torch.Tensor) -> torch.Tensor:
         """(B, T) right-padded input ids -> (B,) true length of each row (see the module docstring)."""

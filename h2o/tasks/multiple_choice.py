@@ -23,6 +23,7 @@ from pathlib import Path
 from h2o.assets.model_spec import ConfigError
 from h2o.assets.paths import REPO, TASKS
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none, stderr
+from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 
 METRICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
 HEADLINE = {"mean": "acc_mean", "sum": "acc"}  # scoring -> the accuracy it names
@@ -85,7 +86,7 @@ class LmEvalTask(TaskSpec):
     include_path: str | None = None
     shots: int = 5
     limit: int | None = None
-    batch_size: int = 1
+    batch_size: BatchSize = 1  # or auto, auto:N (lm-eval's spelling; sized by h2o.tasks.batching)
     scoring: str = "mean"
     add_bos_token: bool | None = False
 
@@ -95,7 +96,7 @@ class LmEvalTask(TaskSpec):
     def __post_init__(self):
         check(isinstance(self.shots, int) and self.shots >= 0, f"task.shots={self.shots!r}: expected an int >= 0")
         positive_or_none("task.limit", self.limit)
-        positive_or_none("task.batch_size", self.batch_size)
+        check_batch_size(self.batch_size, schedule=True)
         check(self.scoring in HEADLINE, f"task.scoring={self.scoring!r}: allowed: {', '.join(HEADLINE)}")
         check(self.add_bos_token in (None, True, False),
               f"task.add_bos_token={self.add_bos_token!r}: allowed: true, false, null (the tokenizer's default)")
@@ -133,7 +134,9 @@ class LmEvalTask(TaskSpec):
         samples = [sample_row(s, lm.n_cont_tokens) for s in out["samples"][self.lm_eval_task]]
         metrics.update(mean_accuracy(samples))
         info = {"mean_seq_len": round(lm.stats["tokens"] / max(lm.stats["rows"], 1), 1),
-                "headline": HEADLINE[self.scoring], "lm_eval_task": self.lm_eval_task}
+                "headline": HEADLINE[self.scoring], "lm_eval_task": self.lm_eval_task,
+                **record(self.batch_size, lm.sizings if isinstance(self.batch_size, str) else
+                         [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
         return Result(metrics, samples, info)
 
     def add_bos(self, tokenizer) -> bool:

@@ -22,6 +22,7 @@ import torch
 from h2o.tasks.perplexity import PerplexityTask
 from h2o.core.policies import Policy
 from h2o.tasks.base import Result, check
+from h2o.tasks.batching import Sizing, record
 
 
 class Hide(Policy):
@@ -90,7 +91,8 @@ class ObservationsTask(PerplexityTask):
                         "accumulated_attention_source": f"layer {layer}, pooled over heads and windows",
                         "heavy_masked": acc}
         metrics = {f"acc_{k}": v for k, v in acc.items()} | {"mean_sparsity": float(sparsity.mean())}
-        return Result(metrics, [], {"files": {"observations.json": observations}})
+        one = Sizing(1, "one_at_a_time", "observations score one window at a time")
+        return Result(metrics, [], {"files": {"observations.json": observations}, **record(self.batch_size, [one])})
 
     def layer_sparsity(self, p: torch.Tensor) -> torch.Tensor:
         """p (Hq, T, T) -> 0-dim tensor on p's device: the fraction of causal probabilities below threshold x max."""

@@ -2,9 +2,10 @@
 
 The book (Jane Austen's six novels, or Moby-Dick; h2o.assets.data) is tokenized once without special tokens and cut
 into consecutive windows of ``window`` tokens; windows ``0, stride, 2*stride, ...`` (``n_windows`` of them) are
-scored, ``batch_size`` at a time, each in one forward pass inside ``attach(model, policy)``: token i of a window
-is predicted from what the policy holds at step i (budget = ratio of the window). Every token after the first
-of each window is predicted; ``ppl = exp(total NLL / predicted tokens)``. Its 95% interval treats the windows as
+scored, ``batch_size`` at a time (``auto``: sized to the free GPU memory, h2o.tasks.batching), each in one forward
+pass inside ``attach(model, policy)``: token i of a window is predicted from what the policy holds at step i
+(budget = ratio of the window). Every token after the first of each window is predicted;
+``ppl = exp(total NLL / predicted tokens)``. Its 95% interval treats the windows as
 the sample (they have equal lengths): ``exp(nll_per_token +- 1.96 * nll_per_token_stderr)``, the standard error
 of the windows' mean NLL per token.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from h2o.tasks.base import Result, TaskSpec, check, positive_or_none, stderr
+from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, choose, record
 
 TEXTS = ("austen", "moby_dick")
 
@@ -34,7 +36,7 @@ class PerplexityTask(TaskSpec):
     window: int = 512
     n_windows: int = 16
     stride: int = 1
-    batch_size: int = 1
+    batch_size: BatchSize = 1  # or auto (h2o.tasks.batching)
     shots: int = 0
 
     kind = "perplexity"
@@ -42,8 +44,9 @@ class PerplexityTask(TaskSpec):
 
     def __post_init__(self):
         check(self.text in TEXTS, f"task.text={self.text!r}: allowed: {', '.join(TEXTS)}")
-        for key in ("window", "n_windows", "stride", "batch_size"):
+        for key in ("window", "n_windows", "stride"):
             positive_or_none(f"task.{key}", getattr(self, key))
+        check_batch_size(self.batch_size)
         check(self.window >= 2, f"task.window={self.window}: must be >= 2")
         check(self.shots == 0, f"task.shots={self.shots}: perplexity takes no in-context examples (0)")
 
@@ -71,27 +74,37 @@ class PerplexityTask(TaskSpec):
                                                      f"n_windows x stride x window needs")
         return torch.stack([ids[s:s + self.window] for s in starts])
 
+    def nll(self, model, policy, semantics: str, ids: torch.Tensor) -> torch.Tensor:
+        """(b, W) windows -> (b,) summed NLL of every token after the first, each window under the policy."""
+        from h2o.core.attach import attach
+
+        with attach(model, policy, semantics="reference" if semantics == "reference" else "h2o"), torch.no_grad():
+            logits = model(ids, use_cache=False).logits.float()  # (b, W, V)
+        return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
+                                                 reduction="none").sum(-1)  # (b,)
+
+    def sizing(self, model, policy, semantics: str, wins: torch.Tensor) -> Sizing:
+        """The batch size (reference semantics: one window at a time, the paper code's rule)."""
+        if semantics == "reference":
+            return Sizing(1, "one_at_a_time", "semantics=reference scores one unpadded sequence at a time")
+        return choose(self.batch_size, model, lambda b: self.nll(model, policy, semantics, wins[:1].repeat(b, 1)),
+                      len(wins))
+
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
         from tqdm import tqdm
-
-        from h2o.core.attach import attach
 
         from h2o.tasks.progress import RequestLog
 
         wins = self.windows(tokenizer).to(model.device)  # (N, W)
-        bs = 1 if semantics == "reference" else self.batch_size
+        sizing = self.sizing(model, policy, semantics, wins)
+        bs = sizing.size
         samples = []
         log = RequestLog.open("windows")  # windows scored before an interruption (None outside a recorded run)
         for start in tqdm(range(0, len(wins), bs), desc=f"{self.name} {policy.name}", file=sys.stderr):
             if log is not None and all(w in log for w in range(start, min(start + bs, len(wins)))):
                 samples.extend(log[w] for w in range(start, min(start + bs, len(wins))))
                 continue
-            ids = wins[start:start + bs]  # (b, W)
-            with attach(model, policy, semantics="reference" if semantics == "reference" else "h2o"), \
-                    torch.no_grad():
-                logits = model(ids, use_cache=False).logits.float()  # (b, W, V)
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
-                                                    reduction="none").sum(-1)  # (b,)
+            nll = self.nll(model, policy, semantics, wins[start:start + bs])  # (b,)
             for j, v in enumerate(nll.tolist()):
                 n = self.window - 1
                 samples.append({"window": start + j, "start_token": (start + j) * self.stride * self.window,
@@ -103,4 +116,5 @@ class PerplexityTask(TaskSpec):
         nll, se = total / count, stderr([s["nll"] / s["n_tokens"] for s in samples])
         metrics = {"ppl": math.exp(nll), "nll_per_token": nll, "nll_per_token_stderr": se,
                    "ppl_ci95_low": math.exp(nll - 1.96 * se), "ppl_ci95_high": math.exp(nll + 1.96 * se)}
-        return Result(metrics, samples, {"window": self.window, "tokens_scored": count})
+        return Result(metrics, samples, {"window": self.window, "tokens_scored": count,
+                                         **record(self.batch_size, [sizing])})

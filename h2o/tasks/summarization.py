@@ -24,11 +24,13 @@ in-context block is dropped first, as HELM does; with none left the article is c
 the prompt's end, the instruction included). Tokenized without BOS (``add_bos_token=false``, the paper code's
 ``add_special_tokens=False``); ``true``/``null`` are lm-eval's meanings (see h2o.tasks.multiple_choice).
 
-Generation: left-padded batches of ``batch_size`` prompts, ``attach(model, policy, mode="real")`` with a fresh
-cache per batch (budget = ratio of each prompt's length, fixed at prefill; eviction runs during decoding),
-sampling at ``temperature`` (``greedy`` for argmax) after ``torch.manual_seed(seed)``, stop at ``stop``
-(``###``) or after ``max_new_tokens``; ``equal_length`` removes the stop and forces exactly
-``max_new_tokens`` (the Self-BLEU protocol). ROUGE-1/2/L F1 with rouge-score (stemmed, as HELM).
+Generation: left-padded batches of ``batch_size`` prompts (``auto``: sized to the free GPU memory on the longest
+prompt generating all ``max_new_tokens``, before the seed is set; h2o.tasks.batching),
+``attach(model, policy, mode="real")`` with a fresh cache per batch (budget = ratio of each prompt's length, fixed
+at prefill; eviction runs during decoding), sampling at ``temperature`` (``greedy`` for argmax) after
+``torch.manual_seed(seed)``, stop at ``stop`` (``###``) or after ``max_new_tokens``; ``equal_length`` removes
+the stop and forces exactly ``max_new_tokens`` (the Self-BLEU protocol). ROUGE-1/2/L F1 with rouge-score
+(stemmed, as HELM).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ import torch
 from transformers import StoppingCriteria
 
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none, stderr
+from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, choose, record
 
 DATASETS = {  # name -> (hub path, config, article field, summary field); bb_xsum is offline (h2o.assets.data)
     "xsum": ("EdinburghNLP/xsum", None, "document", "summary"),
@@ -100,7 +103,7 @@ class SummarizationTask(TaskSpec):
     shot_max_words: int = 150
     subset_seed: int = 0
     equal_length: bool = False
-    batch_size: int = 1
+    batch_size: BatchSize = 1  # or auto (h2o.tasks.batching); sampled outputs depend on it, greedy ones do not
     add_bos_token: bool | None = False
 
     kind = "summarization"
@@ -109,8 +112,9 @@ class SummarizationTask(TaskSpec):
     def __post_init__(self):
         check(self.dataset in DATASETS, f"task.dataset={self.dataset!r}: allowed: {', '.join(DATASETS)}")
         check(isinstance(self.shots, int) and self.shots >= 0, f"task.shots={self.shots!r}: expected an int >= 0")
-        for key in ("limit", "batch_size", "max_new_tokens", "doc_max_words", "sentences"):
+        for key in ("limit", "max_new_tokens", "doc_max_words", "sentences"):
             positive_or_none(f"task.{key}", getattr(self, key))
+        check_batch_size(self.batch_size)
         check(self.greedy or float(self.temperature) > 0, f"task.temperature={self.temperature}: must be > 0 "
                                                           "when sampling (or set task.greedy=true)")
         check(self.add_bos_token in (None, True, False),
@@ -184,20 +188,21 @@ class SummarizationTask(TaskSpec):
                                              f"in the model's context of {max_pos} tokens")
         prompts = [self.prompt(shots, r, tokenizer, max_pos - self.max_new_tokens) for r in test]
         scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+        sizing = self.sizing(model, tokenizer, policy, prompts)  # before the seed: probing draws no sample
+        bs = sizing.size
         torch.manual_seed(seed)
         samples, kv_bytes = [], []
-        log = RequestLog.open(f"batches{self.batch_size}") if self.greedy else None  # resume (greedy: same output)
-        for start in tqdm(range(0, len(prompts), self.batch_size), desc=f"{self.name} {policy.name}",
-                          file=sys.stderr):
+        log = RequestLog.open(f"batches{bs}") if self.greedy else None  # resume (greedy: same output)
+        for start in tqdm(range(0, len(prompts), bs), desc=f"{self.name} {policy.name}", file=sys.stderr):
             if log is not None and start in log:
                 kv_bytes.append(log[start]["kv"])
                 samples.extend(log[start]["samples"])
                 continue
-            batch = prompts[start:start + self.batch_size]
+            batch = prompts[start:start + bs]
             gens, nbytes, lens = self.generate(model, tokenizer, policy, batch, attach)
             kv_bytes.append(nbytes / len(batch))
             done = []
-            for row, prompt, gen, n in zip(test[start:start + self.batch_size], batch, gens, lens):
+            for row, prompt, gen, n in zip(test[start:start + bs], batch, gens, lens):
                 ref = clean(row["summary"])
                 scores = scorer.score(ref, gen)
                 done.append({"doc_id": row["id"], "prompt": prompt, "generation": gen, "reference": ref,
@@ -209,11 +214,24 @@ class SummarizationTask(TaskSpec):
         for k in ("rouge1", "rouge2", "rougeL"):
             metrics.update({k: sum(s[k] for s in samples) / len(samples), f"{k}_stderr": stderr([s[k] for s in samples])})
         info = {"mean_prompt_tokens": round(sum(s["prompt_tokens"] for s in samples) / len(samples), 1),
-                "kv_bytes_per_seq": round(sum(kv_bytes) / len(kv_bytes)), "shots_used": len(shots)}
+                "kv_bytes_per_seq": round(sum(kv_bytes) / len(kv_bytes)), "shots_used": len(shots),
+                **record(self.batch_size, [sizing])}
         return Result(metrics, samples, info)
 
-    def generate(self, model, tokenizer, policy, prompts: list[str], attach) -> tuple[list[str], int, list[int]]:
-        """Left-padded batch generation -> (texts cut at the stop, KV bytes held at the end, prompt lengths)."""
+    def sizing(self, model, tokenizer, policy, prompts: list[str]) -> Sizing:
+        """The batch size; ``auto`` probes with copies of the longest prompt generating all max_new_tokens."""
+        if self.batch_size != "auto":
+            return choose(self.batch_size, model, None, len(prompts))
+        from h2o.core.attach import attach
+
+        longest = max(prompts, key=lambda t: len(tokenizer(t, **self.encode_kwargs()).input_ids))
+        return choose("auto", model, lambda b: self.generate(model, tokenizer, policy, [longest] * b, attach, True),
+                      len(prompts))
+
+    def generate(self, model, tokenizer, policy, prompts: list[str], attach,
+                 full_length: bool = False) -> tuple[list[str], int, list[int]]:
+        """Left-padded batch generation -> (texts cut at the stop, KV bytes held at the end, prompt lengths);
+        ``full_length``: no stop, exactly max_new_tokens (the batch-size probe's worst case)."""
         tokenizer.padding_side = "left"
         enc = tokenizer(prompts, return_tensors="pt", padding=True, **self.encode_kwargs()).to(model.device)  # (B, P)
         P = enc.input_ids.shape[1]
@@ -221,7 +239,7 @@ class SummarizationTask(TaskSpec):
                   pad_token_id=tokenizer.pad_token_id)
         if not self.greedy:
             kw.update(temperature=float(self.temperature), top_p=1.0, top_k=0)
-        if self.equal_length:
+        if self.equal_length or full_length:
             kw["min_new_tokens"] = self.max_new_tokens
         elif self.stop:
             kw["stopping_criteria"] = [StopOnText(tokenizer, self.stop, P)]
