@@ -32,7 +32,7 @@ def test_decode_makes_no_host_sync_per_layer(llama, name):
     """Per decoding step: one host sync (the guard's flag, once per step) whatever the layers; ops near sdpa's."""
     counts = decode_counts(llama, make_policy(name, budget=0.2), ids(64), steps=3)
     assert counts["sdpa_syncs_per_step"] == 0 and counts["syncs_per_step"] == 1, counts
-    assert counts["ratio"] <= 1.35, counts  # sdpa + DynamicCache: one fused attention op per layer
+    assert counts["ratio"] <= 1.15, counts  # sdpa + DynamicCache: one fused attention op per layer (measured 1.13)
 
 
 def test_decode_syncs_do_not_grow_with_layers():

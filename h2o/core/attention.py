@@ -97,15 +97,15 @@ def real_attention(state, module, query, key, value, attention_mask, scaling):
         probs = masked_softmax(logits, allowed)  # (B, Hkv, G, r, S)
         if q > 1:  # pad query rows add nothing
             rows = valid[:, None, None, r:r + ROWS, None]
-            policy.accumulate(layer.acc, (probs * rows).sum(2), valid[:, r:r + ROWS])  # (B, Hkv, r, S) rows
+            policy.accumulate(layer.acc, probs * rows, valid[:, r:r + ROWS])
         elif policy.needs_scores:  # a decoding token is never a pad
-            policy.accumulate(layer.acc, probs.sum(2))
+            policy.accumulate(layer.acc, probs)
         outs.append(grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value))
     if q > 1 and policy.evicts and not policy.is_full:
         layer.cut()
-    out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).reshape(B, Hq, q, D).transpose(1, 2)
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).view(B, Hq, q, D).transpose(1, 2)
     state.flag(module.layer_idx, out)  # NaN/inf guard: no host sync here; Attached.check_logits reads it per step
-    return out, (probs.reshape(B, Hq, q, -1) if q <= ROWS else None)
+    return out, (probs.view(B, Hq, q, -1) if q <= ROWS else None)
 
 
 AttentionInterface.register(NAME, h2o_attention)

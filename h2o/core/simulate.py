@@ -17,6 +17,7 @@ import torch
 
 from . import row_kernel
 from .policies import Policy, keep_top, select_slot
+from .policies.base import const
 from .policies.h2o import H2O, reference_mask
 
 
@@ -51,18 +52,23 @@ def grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
     return query.view(B, n_kv, Hq // n_kv, T, D)
 
 
+def shaped(x: torch.Tensor, *shape: int) -> torch.Tensor:
+    """``x.reshape(shape)`` in one op where ``x`` is contiguous (reshape dispatches a view under it: two)."""
+    return x.view(shape) if x.is_contiguous() else x.reshape(shape)
+
+
 def grouped_scores(q: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """q (B, Hkv, G, r, D) @ key (B, Hkv, S, D)^T -> (B, Hkv, G, r, S), the group folded into the rows (one read of K)."""
     B, Hkv, G, r, D = q.shape
     S = key.shape[-2]
-    return torch.bmm(q.reshape(B * Hkv, G * r, D), key.reshape(B * Hkv, S, D).transpose(1, 2)).view(B, Hkv, G, r, S)
+    return torch.bmm(shaped(q, B * Hkv, G * r, D), shaped(key, B * Hkv, S, D).transpose(1, 2)).view(B, Hkv, G, r, S)
 
 
 def grouped_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """probs (B, Hkv, G, r, S) @ value (B, Hkv, S, D) -> (B, Hkv, G, r, D), one read of V."""
     B, Hkv, G, r, S = probs.shape
     D = value.shape[-1]
-    return torch.bmm(probs.reshape(B * Hkv, G * r, S), value.reshape(B * Hkv, S, D)).view(B, Hkv, G, r, D)
+    return torch.bmm(shaped(probs, B * Hkv, G * r, S), shaped(value, B * Hkv, S, D)).view(B, Hkv, G, r, D)
 
 
 def scores(q: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -72,7 +78,7 @@ def scores(q: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
     be inf in fp16 (LLaMA and GPT-NeoX scale after the product)."""
     if q.dtype != torch.float32:
         q, key = q.float(), key.float()
-    return grouped_scores(q * scaling, key)
+    return grouped_scores(q * const(scaling, torch.float32, q.device), key)
 
 
 def causal_valid(valid: torch.Tensor) -> torch.Tensor:
@@ -146,7 +152,7 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int) -> t
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
     probs = masked_softmax(logits[..., :start, :], allowed[..., :start, :]) * valid[:, None, None, :start, None]
     acc = probs.new_zeros(B, Hkv, T)  # (B, Hkv, T) accumulated attention
-    policy.accumulate(acc, probs.sum(2), valid[:, :start])
+    policy.accumulate(acc, probs, valid[:, :start])
     if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
         now = keep[:, 0].sum(-1) - 1
         keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
@@ -192,7 +198,6 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start):
                                   keep[:, :, None, None, :], counts)[..., 0, :]  # (B, Hkv, G, T)
         out[..., i, :] = row
         if policy.needs_scores:
-            p = masked_softmax(logits[..., i, :], row)  # (B, Hkv, G, T)
-            p = p.sum(2)[:, :, None, :]  # (B, Hkv, 1, T)
-            policy.accumulate(acc, p * tok[:, None, None, None] if padded else p, tok[:, None] if padded else None)
+            p = masked_softmax(logits[..., i:i + 1, :], row[..., None, :])  # (B, Hkv, G, 1, T)
+            policy.accumulate(acc, p * tok.view(-1, 1, 1, 1, 1) if padded else p, tok[:, None] if padded else None)
 
