@@ -8,7 +8,8 @@ evicting cache's layer). Scores are computed and accumulated in fp32, q scaled b
 
 No host sync per layer: the non-finite guard is a device flag per layer (``Attached.flag``), read once per forward
 (on the logits, ``Attached.check_logits``); the evicting cache keeps its token counts on the host. A mask that does not depend on the scores (full,
-position-only policies) is built once per forward and shared by the layers.
+position-only policies), or the row plan of a score-based one (where the row loop starts), is built once per
+forward and shared by the layers.
 """
 from __future__ import annotations
 
