@@ -183,7 +183,7 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
     if row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
-        row_kernel.h2o_rows(logits, valid, pos, counts, keep, acc, out, start)
+        row_kernel.score_rows(policy, logits, valid, pos, counts, keep, acc, out, start)
         return out
     with serial(logits.device):
         row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded)
