@@ -43,7 +43,7 @@ class Attached:
     quant: Quantizer | None = None  # KV quantization (h2o.core.quant), bound to the model
     peaks: list = field(default_factory=list, repr=False)  # (layer, max |output|) of this forward, device scalars
     worst: torch.Tensor | None = field(default=None, repr=False)  # their running maximum: NaN/inf = a layer was bad
-    memo: tuple = field(default=(), repr=False)  # (attention mask, valid, static mask) of the current forward
+    memo: tuple = field(default=(), repr=False)  # (attention mask, valid, forward plan) of the current forward
 
     def new_cache(self, ref_len: int | None = None) -> EvictingCache:
         """A fresh evicting cache for one generation (real mode). Budget ratios are taken of the prompt's

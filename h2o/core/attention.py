@@ -18,7 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .policies import PolicyError
-from .simulate import grouped, grouped_values, masked_softmax, scores, simulated_attention, static_mask
+from .simulate import grouped, grouped_values, masked_softmax, scores, simulated_attention, forward_plan
 
 NAME = "h2o"
 
@@ -45,10 +45,10 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
             raise PolicyError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
         if state.quant is not None:  # attend to the values a quantized cache would hold
             key, value = state.quant.fake_kv(key, value, module.layer_idx)
-        valid, static = state.per_forward(attention_mask, query, lambda v: static_mask(state.policy, v,
-                                                                                        state.prompt_len))
+        valid, plan = state.per_forward(attention_mask, query, lambda v: forward_plan(state.policy, v,
+                                                                                      state.prompt_len))
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
-                                         prompt_len=state.prompt_len, semantics=state.semantics, static=static)
+                                         prompt_len=state.prompt_len, semantics=state.semantics, plan=plan)
         state.flag(module.layer_idx, out)
         state.observe(module, probs)
         return out, probs

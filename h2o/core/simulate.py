@@ -87,7 +87,8 @@ def causal_valid(valid: torch.Tensor) -> torch.Tensor:
     return (idx[None, :] <= idx[:, None]) & valid[:, None, None, None, :]
 
 
-def static_mask(policy: Policy, valid: torch.Tensor, prompt_len: int = 0) -> tuple[torch.Tensor | None, tuple | None]:
+def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0
+                 ) -> tuple[torch.Tensor | None, tuple[int, bool] | None]:
     """What every layer of a forward shares, built once per forward by the attention function: (the mask of a
     policy that does not read the scores (full, position-only), (B, 1, 1, T, T), else None; the row plan of a
     score-based one (:func:`row_plan`), else None)."""
@@ -122,11 +123,11 @@ def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int,
 
 
 def simulated_attention(policy: Policy, query, key, value, valid, scaling: float,
-                        prompt_len: int = 0, semantics: str = "h2o", static: tuple | None = None):
+                        prompt_len: int = 0, semantics: str = "h2o", plan: tuple | None = None):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T).
 
-    ``static``: what :func:`static_mask` built for this forward (None: built here)."""
-    mask, rows = static if static is not None else (None, None)
+    ``plan``: what :func:`forward_plan` built for this forward (None: built here)."""
+    mask, rows = plan if plan is not None else (None, None)
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]
     logits = scores(grouped(query, Hkv), key, scaling)  # (B, Hkv, G, T, T)
