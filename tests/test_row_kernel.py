@@ -1,10 +1,11 @@
-"""The Triton row kernel (h2o, h2_only, strided_h2, fixed_h2; score sum, mean, decay) against the torch row loop (its reference); without a GPU it runs under
+"""The Triton row kernels (h2o, h2_only, strided_h2, fixed_h2 with score sum, mean, decay; topk_h2) against the torch row loop (its reference); without a GPU it runs under
 TRITON_INTERPRET=1 (tests/conftest.py), on CUDA tensors where there is one."""
 import pytest
 import torch
 
 from h2o import make_policy
 from h2o.core import row_kernel, simulate
+from h2o.core.policies.per_sequence import PerSequence
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -20,6 +21,7 @@ KERNEL_POLICIES = ["h2o", "h2_only", "strided_h2", "fixed_h2"]
 
 CASES = [(name, score, *[(0.3, 0), (7, 6)][(i + j) % 2])  # each policy and score, a ratio budget or a token
          for i, name in enumerate(KERNEL_POLICIES) for j, score in enumerate(["sum", "mean", "decay"])]  # + prompt
+CASES += [("topk_h2", None, 0.3, 0), ("topk_h2", None, 7, 6)]  # topk_h2 has no score option
 
 
 @pytest.mark.parametrize("name,score,budget,prompt_len", CASES)
@@ -29,10 +31,11 @@ def test_kernel_equals_the_torch_loop(monkeypatch, name, score, budget, prompt_l
     assert row_kernel.triton is not None, "triton is pinned in the test extra"
     T = 28
     logits = torch.randn(3, 2, 2, T, T, generator=torch.Generator().manual_seed(1)).to(DEVICE) * 3
+    logits[..., 5] = logits[..., 6]  # tied logits: the earlier key first
     valid = torch.ones(3, T, dtype=torch.bool, device=DEVICE)
     valid[1, :4] = False  # left padding
     valid[2, T - 6:] = False  # right padding
-    policy = make_policy(name, budget=budget, score=score, decay=0.8)
+    policy = make_policy(name, budget=budget, **({"score": score, "decay": 0.8} if score else {}))
     assert row_kernel.supports(policy)
     loop = masks(policy, logits, valid, prompt_len, "torch", monkeypatch)
     kernel = masks(policy, logits, valid, prompt_len, "triton", monkeypatch)
@@ -58,8 +61,8 @@ def test_kernel_flag_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="H2O_ROW_KERNEL='cuda': allowed: auto, triton, torch"):
         row_kernel.use_kernel(make_policy("h2o"), torch.device("cpu"))
     monkeypatch.setenv("H2O_ROW_KERNEL", "triton")
-    with pytest.raises(ValueError, match="not topk_h2"):
-        row_kernel.use_kernel(make_policy("topk_h2"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="not h2o\\+local"):
+        row_kernel.use_kernel(PerSequence([make_policy("h2o", budget=0.2), make_policy("local", budget=0.2)]), torch.device("cpu"))
     monkeypatch.setenv("H2O_ROW_KERNEL", "auto")
     assert not row_kernel.use_kernel(make_policy("h2o"), torch.device("cpu"))  # the CPU keeps the torch loop
 

@@ -1,7 +1,8 @@
 """The simulated path's row recurrence of the evicting score-based policies as one Triton kernel per layer (CUDA).
 
 Served: h2o, h2_only (heavy hitters + a recent window), strided_h2, fixed_h2 (heavy hitters + the Sparse Transformer
-pattern of the budget's recent part), each with ``score=sum|mean|decay`` (:mod:`h2o.core.policies.score`).
+pattern of the budget's recent part), each with ``score=sum|mean|decay`` (:mod:`h2o.core.policies.score`), and
+topk_h2.
 One program per (sequence, KV head) walks the rows in registers: when the budget is full, drop the held token of
 lowest score among those the policy does not protect (the oldest on ties, as
 :func:`h2o.core.policies.select_slot`), add the row's token, write the row's mask, add the row's softmax (summed
@@ -12,8 +13,10 @@ Protected tokens (priority ``inf``): h2o's recent window; for strided_h2 / fixed
 highest pattern priority (:class:`h2o.core.policies.combine.WithHeavy`), i.e. by tier (2: the pattern's window or
 current block, 1: grid or summary tokens, 0: others), newest first within a tier, found with suffix counts.
 
-topk_h2 stays on the torch loop: each row and query head sees a top-k of its own logits (a sort per row and
-head, with the loop's tie order), which this kernel does not implement.
+topk_h2 (restricting: the whole cache is kept) has its own kernel: per row, the heavy hitters are the top
+``heavy`` keys by score, then each query head takes its keys of highest logit up to the budget; a top-k is found by
+bisection on the values' int32 image (33 counts over the row), ties in column order as
+:func:`h2o.core.policies.topk.top_rank`.
 
 Choice: ``H2O_ROW_KERNEL=auto`` (default: Triton on CUDA for the policies above, else the torch loop), ``triton``,
 ``torch``.
@@ -30,6 +33,7 @@ from .policies.fixed import Fixed, pattern
 from .policies.h2o import H2O
 from .policies.score import SCORES
 from .policies.strided import Strided, stride_of
+from .policies.topk_h2 import TopKH2
 
 CHOICES = ("auto", "triton", "torch")
 PATTERNS = {None: 0, Strided: 1, Fixed: 2}  # the protected set: h2o's recent window, strided, fixed
@@ -103,6 +107,52 @@ if triton is not None:
                 acc += total * tok.to(tl.float32)
         tl.store(acc_ptr + bh * T + cols, acc, mask=inb)
 
+    @triton.jit
+    def top(x, allowed, k, cols):
+        """The ``k`` allowed columns of highest fp32 ``x``, earlier first on ties (:func:`top_rank`): the k-th
+        value found by bisection on its order-preserving int32 image, then the ties taken in column order."""
+        bits = (x + 0.0).to(tl.int32, bitcast=True).to(tl.int64)  # + 0.0: -0.0 becomes 0.0, a tie as in torch
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotonic in x as a signed integer
+        key = tl.where(allowed, key, -(1 << 40))
+        lo = (-(1 << 31)) + 0 * k  # largest t with count(key >= t) >= k, when there is one
+        hi = (1 << 31) - 1 + 0 * k
+        for _ in range(33):
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum((key >= mid).to(tl.int64), 0) >= k
+            lo = tl.where(enough & (lo < hi), mid, lo)
+            hi = tl.where(enough | (lo >= hi), hi, mid - 1)
+        above = key > lo
+        tie = (key == lo).to(tl.int64)
+        return above | ((tie != 0) & (tl.cumsum(tie, 0) <= k - tl.sum(above.to(tl.int64), 0)))
+
+    @triton.jit
+    def topk_rows_kernel(logits_ptr, keep_ptr, acc_ptr, out_ptr, valid_ptr, par_ptr, H, T, G, start,
+                         s_b, s_h, s_g, s_r, BLOCK: tl.constexpr):
+        """topk_h2: the whole cache is kept; each row and query head sees the ``heavy`` keys of highest score,
+        then its keys of highest logit up to ``total``."""
+        bh = tl.program_id(0)
+        b, h = bh // H, bh % H
+        cols = tl.arange(0, BLOCK)
+        inb = cols < T
+        keep = tl.load(keep_ptr + bh * T + cols, mask=inb, other=0) != 0
+        acc = tl.load(acc_ptr + bh * T + cols, mask=inb, other=0.0)
+        total_k = tl.load(par_ptr + b * 2).to(tl.int64)
+        heavy_k = tl.load(par_ptr + b * 2 + 1).to(tl.int64)
+        for i in range(start, T):
+            tok = tl.load(valid_ptr + b * T + i) != 0
+            keep = (keep & (cols != i)) | ((cols == i) & tok)
+            hitters = top(acc, keep, heavy_k, cols)
+            total = tl.zeros((BLOCK,), dtype=tl.float32)
+            for g in range(G):
+                x = tl.load(logits_ptr + b * s_b + h * s_h + g * s_g + i * s_r + cols, mask=inb, other=0.0)
+                row = top(tl.where(hitters, float("inf"), x), keep, total_k, cols)
+                tl.store(out_ptr + ((bh * G + g) * T + i) * T + cols, row.to(tl.int8), mask=inb)
+                x = tl.where(inb, tl.where(row, x, -3.4028234663852886e38), float("-inf"))
+                e = tl.exp(x - tl.max(x, 0))
+                total += e / tl.sum(e, 0)
+            acc += total * tok.to(tl.float32)
+        tl.store(acc_ptr + bh * T + cols, acc, mask=inb)
+
 
 def pattern_of(policy: Policy):
     """The pattern class whose protected set the kernel computes (None: h2o's recent window), or False."""
@@ -117,7 +167,9 @@ def pattern_of(policy: Policy):
 
 
 def supports(policy: Policy) -> bool:
-    """h2o, h2_only, strided_h2, fixed_h2 with any score (not subclasses that change the priority)."""
+    """h2o, h2_only, strided_h2, fixed_h2 with any score (not subclasses that change the priority), topk_h2."""
+    if type(policy) is TopKH2:
+        return True
     return pattern_of(policy) is not False and getattr(policy, "score_kind", None) in SCORES
 
 
@@ -127,8 +179,8 @@ def use_kernel(policy: Policy, device: torch.device) -> bool:
         raise ValueError(f"H2O_ROW_KERNEL={choice!r}: allowed: {', '.join(CHOICES)}")
     if choice == "torch" or not supports(policy):
         if choice == "triton":
-            raise ValueError(f"H2O_ROW_KERNEL=triton: the kernel implements h2o, h2_only, strided_h2 and fixed_h2, "
-                             f"not {policy.name}")
+            raise ValueError(f"H2O_ROW_KERNEL=triton: the kernel implements h2o, h2_only, strided_h2, fixed_h2 "
+                             f"and topk_h2, not {policy.name}")
         return False
     if choice == "triton":
         if triton is None:
@@ -158,6 +210,16 @@ def score_rows(policy: Policy, logits, valid, pos, counts, keep, acc, out, start
     if start >= T:
         return
     logits = logits.contiguous()
+    if type(policy) is TopKH2:  # out (B, Hkv, G, T, T): a row per query head
+        rows = torch.zeros(B, H, G, T, T, dtype=torch.int8, device=logits.device)
+        acc_c = acc.contiguous()
+        par = torch.stack([counts.total, counts.heavy], -1).contiguous()  # (B, 2)
+        topk_rows_kernel[(B * H,)](logits, keep.to(torch.int8).contiguous(), acc_c, rows,
+                                   valid.to(torch.int8).contiguous(), par, H, T, G, start, *logits.stride()[:4],
+                                   BLOCK=triton.next_power_of_2(T))
+        out[..., start:, :] = rows[..., start:, :].bool()
+        acc.copy_(acc_c)
+        return
     before = valid.long().cumsum(-1) - valid.long()
     room = ((before < counts.total[:, None]) | ~valid).to(torch.int8).contiguous()  # (B, T)
     rows = torch.zeros(B, H, T, T, dtype=torch.int8, device=logits.device)
