@@ -141,16 +141,16 @@ def test_score_variants_forget_a_past_heavy_hitter():
 def test_decay_accumulates_a_block_as_row_by_row():
     """One call over a block of rows (a prefill) equals one call per row (decoding), pad rows skipped."""
     pol = make_policy("strided_h2", budget=8, score="decay", decay=0.7)
-    probs = torch.rand(2, 3, 5, 9, generator=torch.Generator().manual_seed(0))
+    probs = torch.rand(2, 3, 1, 5, 9, generator=torch.Generator().manual_seed(0))  # (B, H, G, r, S)
     valid = torch.tensor([[True] * 5, [False, False, True, True, True]])
-    probs = probs * valid[:, None, :, None]
+    probs = probs * valid[:, None, None, :, None]
     init = torch.rand(2, 3, 9, generator=torch.Generator().manual_seed(1))
     block, rows = init.clone(), init.clone()
     pol.accumulate(block, probs, valid)
     for r in range(5):
-        pol.accumulate(rows, probs[:, :, r:r + 1], valid[:, r:r + 1])
+        pol.accumulate(rows, probs[..., r:r + 1, :], valid[:, r:r + 1])
     torch.testing.assert_close(block, rows)
-    expected = init[1] * 0.7 ** 3 + probs[1, :, 2] * 0.7 ** 2 + probs[1, :, 3] * 0.7 + probs[1, :, 4]
+    expected = init[1] * 0.7 ** 3 + probs[1, :, 0, 2] * 0.7 ** 2 + probs[1, :, 0, 3] * 0.7 + probs[1, :, 0, 4]
     torch.testing.assert_close(block[1], expected)  # the two pad rows do not decay
 
 

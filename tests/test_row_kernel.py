@@ -1,10 +1,11 @@
-"""The Triton row kernel (h2o, h2_only) against the torch row loop (its reference); without a GPU it runs under
+"""The Triton row kernels (h2o, h2_only, strided_h2, fixed_h2 with score sum, mean, decay; topk_h2) against the torch row loop (its reference); without a GPU it runs under
 TRITON_INTERPRET=1 (tests/conftest.py), on CUDA tensors where there is one."""
 import pytest
 import torch
 
 from h2o import make_policy
 from h2o.core import row_kernel, simulate
+from h2o.core.policies.per_sequence import PerSequence
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -15,18 +16,44 @@ def masks(policy, logits, valid, prompt_len, choice, monkeypatch):
     return simulate.policy_allowed(policy, logits, allowed, valid, prompt_len)
 
 
-@pytest.mark.parametrize("name,budget,prompt_len", [("h2o", 0.3, 0), ("h2o", 5, 7), ("h2_only", 0.25, 0)])
-def test_kernel_equals_the_torch_loop(monkeypatch, name, budget, prompt_len):
+KERNEL_POLICIES = ["h2o", "h2_only", "strided_h2", "fixed_h2"]
+
+
+CASES = [(name, score, *[(0.3, 0), (7, 6)][(i + j) % 2])  # each policy and score, a ratio budget or a token
+         for i, name in enumerate(KERNEL_POLICIES) for j, score in enumerate(["sum", "mean", "decay"])]  # + prompt
+CASES += [("topk_h2", None, 0.3, 0), ("topk_h2", None, 7, 6)]  # topk_h2 has no score option
+
+
+@pytest.mark.parametrize("name,score,budget,prompt_len", CASES)
+def test_kernel_equals_the_torch_loop(monkeypatch, name, score, budget, prompt_len):
+    """Every policy and score the kernel serves (ratio budget, or token budget after a prompt), left and right
+    padding: the same mask row for row."""
     assert row_kernel.triton is not None, "triton is pinned in the test extra"
-    T = 20
-    logits = torch.randn(2, 2, 2, T, T, generator=torch.Generator().manual_seed(1)).to(DEVICE) * 3
-    valid = torch.ones(2, T, dtype=torch.bool, device=DEVICE)
+    T = 28
+    logits = torch.randn(3, 2, 2, T, T, generator=torch.Generator().manual_seed(1)).to(DEVICE) * 3
+    logits[..., 5] = logits[..., 6]  # tied logits: the earlier key first
+    valid = torch.ones(3, T, dtype=torch.bool, device=DEVICE)
     valid[1, :4] = False  # left padding
-    policy = make_policy(name, budget=budget)
+    valid[2, T - 6:] = False  # right padding
+    policy = make_policy(name, budget=budget, **({"score": score, "decay": 0.8} if score else {}))
+    assert row_kernel.supports(policy)
     loop = masks(policy, logits, valid, prompt_len, "torch", monkeypatch)
     kernel = masks(policy, logits, valid, prompt_len, "triton", monkeypatch)
-    assert torch.equal(loop, kernel)
+    assert torch.equal(loop, kernel), (loop != kernel).nonzero()[:5]
     assert not torch.equal(loop, simulate.causal_valid(valid).expand_as(loop))  # something was evicted
+
+
+def test_kernel_follows_the_score():
+    """The score variants change which tokens the kernel keeps (the parameter is read)."""
+    T = 28
+    logits = torch.randn(1, 1, 1, T, T, generator=torch.Generator().manual_seed(2)).to(DEVICE) * 3
+    valid = torch.ones(1, T, dtype=torch.bool, device=DEVICE)
+    kept = {}
+    for score in ("sum", "mean", "decay"):
+        policy = make_policy("h2o", budget=0.3, score=score, decay=0.5)
+        with pytest.MonkeyPatch.context() as mp:
+            kept[score] = masks(policy, logits, valid, 0, "triton", mp)
+    assert not torch.equal(kept["sum"], kept["mean"]) and not torch.equal(kept["sum"], kept["decay"])
 
 
 def test_kernel_flag_is_checked(monkeypatch):
@@ -34,8 +61,8 @@ def test_kernel_flag_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="H2O_ROW_KERNEL='cuda': allowed: auto, triton, torch"):
         row_kernel.use_kernel(make_policy("h2o"), torch.device("cpu"))
     monkeypatch.setenv("H2O_ROW_KERNEL", "triton")
-    with pytest.raises(ValueError, match="not strided_h2"):
-        row_kernel.use_kernel(make_policy("strided_h2"), torch.device("cpu"))
+    with pytest.raises(ValueError, match="not h2o\\+local"):
+        row_kernel.use_kernel(PerSequence([make_policy("h2o", budget=0.2), make_policy("local", budget=0.2)]), torch.device("cpu"))
     monkeypatch.setenv("H2O_ROW_KERNEL", "auto")
     assert not row_kernel.use_kernel(make_policy("h2o"), torch.device("cpu"))  # the CPU keeps the torch loop
 

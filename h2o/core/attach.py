@@ -13,6 +13,7 @@ one check per forward (= per decoding step), on the LM head's logits, stops the 
 """
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -40,8 +41,9 @@ class Attached:
     cache: EvictingCache | None = None
     observer: Callable | None = field(default=None, repr=False)  # observer(layer_idx, probs (B, Hq, T, S))
     quant: Quantizer | None = None  # KV quantization (h2o.core.quant), bound to the model
-    nonfinite: torch.Tensor | None = field(default=None, repr=False)  # (num_layers,) fp32 max |output|: NaN/inf = bad
-    memo: tuple = field(default=(), repr=False)  # (attention mask, valid, static mask) of the current forward
+    peaks: list = field(default_factory=list, repr=False)  # (layer, max |output|) of this forward, device scalars
+    worst: torch.Tensor | None = field(default=None, repr=False)  # their running maximum: NaN/inf = a layer was bad
+    memo: tuple = field(default=(), repr=False)  # (attention mask, valid, forward plan) of the current forward
 
     def new_cache(self, ref_len: int | None = None) -> EvictingCache:
         """A fresh evicting cache for one generation (real mode). Budget ratios are taken of the prompt's
@@ -66,30 +68,38 @@ class Attached:
             self.observer(module.layer_idx, probs)
 
     def flag(self, layer_idx: int, out: torch.Tensor) -> None:
-        """Record whether layer ``layer_idx``'s attention output (B, q, Hq, D) has a non-finite value: a write
-        on the device, no host sync (checked once per forward by :meth:`check_logits`)."""
-        if self.nonfinite is None:
-            self.nonfinite = torch.zeros(self.num_layers, device=out.device)
-        peak = out.abs().amax()  # NaN and inf propagate: two ops per layer (issue 12: launches per decoding step)
-        self.nonfinite[layer_idx] = peak if peak.device == self.nonfinite.device else peak.to(self.nonfinite.device)
+        """Record layer ``layer_idx``'s largest |attention output| (B, q, Hq, D): NaN and inf propagate into it and
+        into the forward's running maximum; no host sync (read once per forward by :meth:`check_logits`)."""
+        peak = torch.linalg.vector_norm(out, float("inf"))  # max |x|, one op
+        if layer_idx == 0 or self.worst is None:  # a new forward
+            self.peaks, self.worst = [], peak
+        else:
+            self.worst = torch.maximum(self.worst, on(peak, self.worst.device))
+        self.peaks.append((layer_idx, peak))
 
     def check_logits(self, logits: torch.Tensor) -> None:
         """logits (B, q, V): the one host sync per forward. FloatingPointError, before anything samples from
         them, when the logits or any layer's attention output of this forward are non-finite."""
-        bad = ~torch.isfinite(logits).all()
-        if self.nonfinite is not None:
-            bad = bad | (~torch.isfinite(self.nonfinite)).any().to(bad.device)
-        if bool(bad):
-            raise FloatingPointError(self.nonfinite_message(logits))
+        worst = torch.linalg.vector_norm(logits, float("inf"))
+        if self.worst is not None:
+            worst = torch.maximum(worst, on(self.worst, worst.device))
+        peaks, self.peaks, self.worst = self.peaks, [], None
+        if not math.isfinite(worst.item()):
+            raise FloatingPointError(self.nonfinite_message(logits, peaks))
 
-    def nonfinite_message(self, logits: torch.Tensor) -> str:
+    def nonfinite_message(self, logits: torch.Tensor, peaks: list) -> str:
         rows = (~torch.isfinite(logits)).any(-1)  # (B, q)
         offset = self.cache.layers[0].seen - logits.shape[1] if self.cache is not None else 0  # tokens before
         token = f"token {offset + int(rows.any(0).nonzero()[0])}" if bool(rows.any()) else "a token (logits finite)"
-        layers = [] if self.nonfinite is None else (~torch.isfinite(self.nonfinite)).nonzero().flatten().tolist()
+        layers = [i for i, peak in peaks if not math.isfinite(peak.item())]
         where = f"attention output in layer {layers[0]}" if layers else "logits, produced outside attention (MLP, " \
                                                                         "norm or LM head; no attention output was)"
         return f"non-finite {where} at {token} ({self.mode} path): stopped before sampling"
+
+
+def on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``x`` on ``device`` (a model split over devices); no op when it is there already."""
+    return x if x.device == device else x.to(device)
 
 
 def attention_modules(model):

@@ -8,7 +8,8 @@ evicting cache's layer). Scores are computed and accumulated in fp32, q scaled b
 
 No host sync per layer: the non-finite guard is a device flag per layer (``Attached.flag``), read once per forward
 (on the logits, ``Attached.check_logits``); the evicting cache keeps its token counts on the host. A mask that does not depend on the scores (full,
-position-only policies) is built once per forward and shared by the layers.
+position-only policies), or the row plan of a score-based one (where the row loop starts), is built once per
+forward and shared by the layers.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .policies import PolicyError
-from .simulate import grouped, grouped_values, masked_softmax, scores, simulated_attention, static_mask
+from .simulate import grouped, grouped_values, masked_softmax, scores, simulated_attention, forward_plan
 
 NAME = "h2o"
 
@@ -44,10 +45,10 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
             raise PolicyError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
         if state.quant is not None:  # attend to the values a quantized cache would hold
             key, value = state.quant.fake_kv(key, value, module.layer_idx)
-        valid, static = state.per_forward(attention_mask, query, lambda v: static_mask(state.policy, v,
-                                                                                        state.prompt_len))
+        valid, plan = state.per_forward(attention_mask, query, lambda v: forward_plan(state.policy, v,
+                                                                                      state.prompt_len))
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
-                                         prompt_len=state.prompt_len, semantics=state.semantics, static=static)
+                                         prompt_len=state.prompt_len, semantics=state.semantics, plan=plan)
         state.flag(module.layer_idx, out)
         state.observe(module, probs)
         return out, probs
@@ -97,15 +98,15 @@ def real_attention(state, module, query, key, value, attention_mask, scaling):
         probs = masked_softmax(logits, allowed)  # (B, Hkv, G, r, S)
         if q > 1:  # pad query rows add nothing
             rows = valid[:, None, None, r:r + ROWS, None]
-            policy.accumulate(layer.acc, (probs * rows).sum(2), valid[:, r:r + ROWS])  # (B, Hkv, r, S) rows
+            policy.accumulate(layer.acc, probs * rows, valid[:, r:r + ROWS])
         elif policy.needs_scores:  # a decoding token is never a pad
-            policy.accumulate(layer.acc, probs.sum(2))
+            policy.accumulate(layer.acc, probs)
         outs.append(grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value))
     if q > 1 and policy.evicts and not policy.is_full:
         layer.cut()
-    out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).reshape(B, Hq, q, D).transpose(1, 2)
+    out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).view(B, Hq, q, D).transpose(1, 2)
     state.flag(module.layer_idx, out)  # NaN/inf guard: no host sync here; Attached.check_logits reads it per step
-    return out, (probs.reshape(B, Hq, q, -1) if q <= ROWS else None)
+    return out, (probs.view(B, Hq, q, -1) if q <= ROWS else None)
 
 
 AttentionInterface.register(NAME, h2o_attention)

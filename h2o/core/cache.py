@@ -115,12 +115,16 @@ class EvictingLayer(DynamicLayer):
             with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
                 prio = self.policy.priority(self.pos, self.acc, self.n_tok, self.counts)
                 slot = select_slot(prio, self.pos, None if every else self.pos >= 0, self.room)  # (B, H, 1)
-            idx = slot[..., None].expand_as(key_states)  # (B, H, 1, D or row bytes)
+            slot4 = slot.view(*slot.shape, 1)
+            idx = slot4.expand(key_states.shape)  # (B, H, 1, D or row bytes)
             self.keys.scatter_(-2, idx, key_states)
             if value_states.shape != key_states.shape:  # quantized rows of keys and values can differ in width
-                idx = slot[..., None].expand_as(value_states)
+                idx = slot4.expand(value_states.shape)
             self.values.scatter_(-2, idx, value_states)
-            self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand_as(slot))
+            if len(set(self.host_tok)) == 1:  # one position for the whole batch: a scalar, no index tensor
+                self.pos.scatter_(-1, slot, self.host_tok[0])
+            else:
+                self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand(slot.shape))
             self.acc.scatter_(-1, slot, 0.0)
             self.host_held = [h + r for h, r in zip(self.host_held, room)]
         self.n_tok += 1

@@ -1,12 +1,25 @@
-"""The simulated path's row recurrence of h2o / h2_only as one Triton kernel per layer (CUDA).
+"""The simulated path's row recurrence of the evicting score-based policies as one Triton kernel per layer (CUDA).
 
-One program per (sequence, KV head) walks the rows in registers: evict the lowest-priority held token (the H2O
-priority: accumulated attention, the recent window protected; the oldest on ties, as
+Served: h2o, h2_only (heavy hitters + a recent window), strided_h2, fixed_h2 (heavy hitters + the Sparse Transformer
+pattern of the budget's recent part), each with ``score=sum|mean|decay`` (:mod:`h2o.core.policies.score`), and
+topk_h2.
+One program per (sequence, KV head) walks the rows in registers: when the budget is full, drop the held token of
+lowest score among those the policy does not protect (the oldest on ties, as
 :func:`h2o.core.policies.select_slot`), add the row's token, write the row's mask, add the row's softmax (summed
 over the group's query heads) to the scores. The torch loop (:func:`h2o.core.simulate.row_loop`) stays the CPU path
-and the reference; tests run this kernel under ``TRITON_INTERPRET=1`` against it.
+and the reference; tests run this kernel under ``TRITON_INTERPRET=1`` against it for every policy and score.
 
-Choice: ``H2O_ROW_KERNEL=auto`` (default: Triton on CUDA for h2o/h2_only, else the torch loop), ``triton``, ``torch``.
+Protected tokens (priority ``inf``): h2o's recent window; for strided_h2 / fixed_h2 the ``keep`` held tokens of
+highest pattern priority (:class:`h2o.core.policies.combine.WithHeavy`), i.e. by tier (2: the pattern's window or
+current block, 1: grid or summary tokens, 0: others), newest first within a tier, found with suffix counts.
+
+topk_h2 (restricting: the whole cache is kept) has its own kernel: per row, the heavy hitters are the top
+``heavy`` keys by score, then each query head takes its keys of highest logit up to the budget; a top-k is found by
+bisection on the values' int32 image (33 counts over the row), ties in column order as
+:func:`h2o.core.policies.topk.top_rank`.
+
+Choice: ``H2O_ROW_KERNEL=auto`` (default: Triton on CUDA for the policies above, else the torch loop), ``triton``,
+``torch``.
 """
 from __future__ import annotations
 
@@ -14,10 +27,16 @@ import os
 
 import torch
 
-from .policies import Policy
+from .policies import Counts, Policy
+from .policies.combine import WithHeavy
+from .policies.fixed import Fixed, pattern
 from .policies.h2o import H2O
+from .policies.score import SCORES
+from .policies.strided import Strided, stride_of
+from .policies.topk_h2 import TopKH2
 
 CHOICES = ("auto", "triton", "torch")
+PATTERNS = {None: 0, Strided: 1, Fixed: 2}  # the protected set: h2o's recent window, strided, fixed
 
 try:
     import triton
@@ -27,8 +46,14 @@ except ImportError:  # the torch loop serves
 
 if triton is not None:
     @triton.jit
-    def h2o_rows_kernel(logits_ptr, keep_ptr, acc_ptr, out_ptr, pos_ptr, valid_ptr, room_ptr, recent_ptr,
-                        H, T, G, start, s_b, s_h, s_g, s_r, BLOCK: tl.constexpr):
+    def suffix(x):
+        """Per column: how many of ``x`` (int32 0/1) are at or after it."""
+        return tl.sum(x, 0) - tl.cumsum(x, 0) + x
+
+    @triton.jit
+    def score_rows_kernel(logits_ptr, keep_ptr, acc_ptr, out_ptr, pos_ptr, valid_ptr, room_ptr, par_ptr,
+                          H, T, G, start, decay, s_b, s_h, s_g, s_r,
+                          BLOCK: tl.constexpr, SCORE: tl.constexpr, PATTERN: tl.constexpr):
         bh = tl.program_id(0)
         b, h = bh // H, bh % H
         cols = tl.arange(0, BLOCK)
@@ -36,12 +61,34 @@ if triton is not None:
         keep = tl.load(keep_ptr + bh * T + cols, mask=inb, other=0) != 0
         acc = tl.load(acc_ptr + bh * T + cols, mask=inb, other=0.0)
         pos = tl.load(pos_ptr + b * T + cols, mask=inb, other=-1)
-        recent = tl.load(recent_ptr + b)
+        recent = tl.load(par_ptr + b * 4)  # h2o: the window; pattern: its window (strided) or block size (fixed)
+        size = tl.load(par_ptr + b * 4 + 1)  # strided: the grid's stride; fixed: summary tokens per block
+        grid_on = tl.load(par_ptr + b * 4 + 2)  # strided: the grid holds tokens (heavy part > 0)
+        n_keep = tl.load(par_ptr + b * 4 + 3)  # pattern: held tokens it protects while a token arrives
         for i in range(start, T):
             tok = tl.load(valid_ptr + b * T + i) != 0
-            if tl.load(room_ptr + b * T + i) == 0:  # full: drop the held token of lowest priority, oldest on ties
+            if tl.load(room_ptr + b * T + i) == 0:  # full: drop the lowest unprotected held token, oldest on ties
                 now = tl.load(pos_ptr + b * T + i)
-                key = tl.where(keep & (pos <= now - recent), acc, float("inf"))
+                if PATTERN == 0:
+                    protected = pos > now - recent
+                else:
+                    if PATTERN == 1:
+                        win = pos > now - recent
+                        special = ((pos % size) == 0) & (grid_on != 0)
+                    else:
+                        win = (pos // recent) == (now // recent)
+                        special = (pos % recent) >= recent - size
+                    t2 = (keep & win).to(tl.int32)
+                    t1 = (keep & special & ~win).to(tl.int32)
+                    t0 = (keep & ~special & ~win).to(tl.int32)
+                    left1 = tl.maximum(n_keep - tl.sum(t2, 0), 0)
+                    left0 = tl.maximum(left1 - tl.sum(t1, 0), 0)
+                    protected = (((t2 != 0) & (suffix(t2) <= n_keep)) | ((t1 != 0) & (suffix(t1) <= left1))
+                                 | ((t0 != 0) & (suffix(t0) <= left0)))
+                score = acc
+                if SCORE == 1:  # mean: per step held, the arriving step included
+                    score = acc / tl.maximum(now - pos + 1, 1).to(tl.float32)
+                key = tl.where(keep & ~protected, score, float("inf"))
                 low = tl.min(key, 0)
                 victim = tl.min(tl.where(keep & (key == low), cols, BLOCK), 0)
                 victim = tl.where(low < float("inf"), victim, BLOCK)  # nothing evictable: nothing dropped
@@ -54,14 +101,76 @@ if triton is not None:
                 x = tl.where(inb, tl.where(keep, x, -3.4028234663852886e38), float("-inf"))
                 e = tl.exp(x - tl.max(x, 0))
                 total += e / tl.sum(e, 0)
+            if SCORE == 2:  # decay: a pad row neither decays nor adds
+                acc = tl.where(tok, acc * decay + total, acc)
+            else:
+                acc += total * tok.to(tl.float32)
+        tl.store(acc_ptr + bh * T + cols, acc, mask=inb)
+
+    @triton.jit
+    def top(x, allowed, k, cols):
+        """The ``k`` allowed columns of highest fp32 ``x``, earlier first on ties (:func:`top_rank`): the k-th
+        value found by bisection on its order-preserving int32 image, then the ties taken in column order."""
+        bits = (x + 0.0).to(tl.int32, bitcast=True).to(tl.int64)  # + 0.0: -0.0 becomes 0.0, a tie as in torch
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotonic in x as a signed integer
+        key = tl.where(allowed, key, -(1 << 40))
+        lo = (-(1 << 31)) + 0 * k  # largest t with count(key >= t) >= k, when there is one
+        hi = (1 << 31) - 1 + 0 * k
+        for _ in range(33):
+            mid = lo + (hi - lo + 1) // 2
+            enough = tl.sum((key >= mid).to(tl.int64), 0) >= k
+            lo = tl.where(enough & (lo < hi), mid, lo)
+            hi = tl.where(enough | (lo >= hi), hi, mid - 1)
+        above = key > lo
+        tie = (key == lo).to(tl.int64)
+        return above | ((tie != 0) & (tl.cumsum(tie, 0) <= k - tl.sum(above.to(tl.int64), 0)))
+
+    @triton.jit
+    def topk_rows_kernel(logits_ptr, keep_ptr, acc_ptr, out_ptr, valid_ptr, par_ptr, H, T, G, start,
+                         s_b, s_h, s_g, s_r, BLOCK: tl.constexpr):
+        """topk_h2: the whole cache is kept; each row and query head sees the ``heavy`` keys of highest score,
+        then its keys of highest logit up to ``total``."""
+        bh = tl.program_id(0)
+        b, h = bh // H, bh % H
+        cols = tl.arange(0, BLOCK)
+        inb = cols < T
+        keep = tl.load(keep_ptr + bh * T + cols, mask=inb, other=0) != 0
+        acc = tl.load(acc_ptr + bh * T + cols, mask=inb, other=0.0)
+        total_k = tl.load(par_ptr + b * 2).to(tl.int64)
+        heavy_k = tl.load(par_ptr + b * 2 + 1).to(tl.int64)
+        for i in range(start, T):
+            tok = tl.load(valid_ptr + b * T + i) != 0
+            keep = (keep & (cols != i)) | ((cols == i) & tok)
+            hitters = top(acc, keep, heavy_k, cols)
+            total = tl.zeros((BLOCK,), dtype=tl.float32)
+            for g in range(G):
+                x = tl.load(logits_ptr + b * s_b + h * s_h + g * s_g + i * s_r + cols, mask=inb, other=0.0)
+                row = top(tl.where(hitters, float("inf"), x), keep, total_k, cols)
+                tl.store(out_ptr + ((bh * G + g) * T + i) * T + cols, row.to(tl.int8), mask=inb)
+                x = tl.where(inb, tl.where(row, x, -3.4028234663852886e38), float("-inf"))
+                e = tl.exp(x - tl.max(x, 0))
+                total += e / tl.sum(e, 0)
             acc += total * tok.to(tl.float32)
         tl.store(acc_ptr + bh * T + cols, acc, mask=inb)
 
 
+def pattern_of(policy: Policy):
+    """The pattern class whose protected set the kernel computes (None: h2o's recent window), or False."""
+    if isinstance(policy, H2O) and type(policy).priority is H2O.priority:
+        return None
+    if isinstance(policy, WithHeavy) and type(policy).priority is WithHeavy.priority:
+        if policy.base is None:  # no recent part: nothing protected, as h2o's empty window
+            return None
+        if type(policy.base) in (Strided, Fixed):
+            return type(policy.base)
+    return False
+
+
 def supports(policy: Policy) -> bool:
-    """The kernel implements the H2O priority with the paper's summed score only (h2o, h2_only; score=sum)."""
-    return (isinstance(policy, H2O) and type(policy).priority is H2O.priority
-            and getattr(policy, "score_kind", "sum") == "sum")
+    """h2o, h2_only, strided_h2, fixed_h2 with any score (not subclasses that change the priority), topk_h2."""
+    if type(policy) is TopKH2:
+        return True
+    return pattern_of(policy) is not False and getattr(policy, "score_kind", None) in SCORES
 
 
 def use_kernel(policy: Policy, device: torch.device) -> bool:
@@ -70,9 +179,8 @@ def use_kernel(policy: Policy, device: torch.device) -> bool:
         raise ValueError(f"H2O_ROW_KERNEL={choice!r}: allowed: {', '.join(CHOICES)}")
     if choice == "torch" or not supports(policy):
         if choice == "triton":
-            score = getattr(policy, "score_kind", None)
-            raise ValueError(f"H2O_ROW_KERNEL=triton: the kernel implements h2o and h2_only with score=sum, "
-                             f"not {policy.name} (score={score})")
+            raise ValueError(f"H2O_ROW_KERNEL=triton: the kernel implements h2o, h2_only, strided_h2, fixed_h2 "
+                             f"and topk_h2, not {policy.name}")
         return False
     if choice == "triton":
         if triton is None:
@@ -81,19 +189,45 @@ def use_kernel(policy: Policy, device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-def h2o_rows(logits, valid, pos, counts, keep, acc, out, start: int) -> None:
+def parameters(policy: Policy, counts: Counts) -> torch.Tensor:
+    """(B, 4) int64 per sequence: window or block, stride or summaries, grid on, protected count (see the kernel)."""
+    kind = pattern_of(policy)
+    zero = torch.zeros_like(counts.total)
+    if kind is None:
+        return torch.stack([counts.recent, zero, zero, zero], -1)
+    base = policy.base.counts(counts.length)
+    n_keep = (base.total.clamp(max=counts.recent) - 1).clamp(min=0)  # the arriving token is not held yet
+    if kind is Strided:
+        return torch.stack([base.recent, stride_of(base), (base.heavy > 0).long(), n_keep], -1)
+    block, c = pattern(base)
+    return torch.stack([block, torch.minimum(c, block), zero, n_keep], -1)
+
+
+def score_rows(policy: Policy, logits, valid, pos, counts, keep, acc, out, start: int) -> None:
     """In place, rows start..T-1: ``out`` (B, Hkv, 1, T, T) bool rows, ``acc`` (B, Hkv, T) fp32 scores, ``keep``
     (B, Hkv, T) bool the state after row start-1. logits (B, Hkv, G, T, T) fp32, valid/pos (B, T)."""
     B, H, G, T, _ = logits.shape
     if start >= T:
         return
     logits = logits.contiguous()
+    if type(policy) is TopKH2:  # out (B, Hkv, G, T, T): a row per query head
+        rows = torch.zeros(B, H, G, T, T, dtype=torch.int8, device=logits.device)
+        acc_c = acc.contiguous()
+        par = torch.stack([counts.total, counts.heavy], -1).contiguous()  # (B, 2)
+        topk_rows_kernel[(B * H,)](logits, keep.to(torch.int8).contiguous(), acc_c, rows,
+                                   valid.to(torch.int8).contiguous(), par, H, T, G, start, *logits.stride()[:4],
+                                   BLOCK=triton.next_power_of_2(T))
+        out[..., start:, :] = rows[..., start:, :].bool()
+        acc.copy_(acc_c)
+        return
     before = valid.long().cumsum(-1) - valid.long()
     room = ((before < counts.total[:, None]) | ~valid).to(torch.int8).contiguous()  # (B, T)
     rows = torch.zeros(B, H, T, T, dtype=torch.int8, device=logits.device)
     acc_c = acc.contiguous()
-    h2o_rows_kernel[(B * H,)](logits, keep.to(torch.int8).contiguous(), acc_c, rows, pos.contiguous(),
-                              valid.to(torch.int8).contiguous(), room, counts.recent.contiguous(),
-                              H, T, G, start, *logits.stride()[:4], BLOCK=triton.next_power_of_2(T))
+    score = SCORES.index(policy.score_kind)
+    score_rows_kernel[(B * H,)](logits, keep.to(torch.int8).contiguous(), acc_c, rows, pos.contiguous(),
+                                valid.to(torch.int8).contiguous(), room, parameters(policy, counts).contiguous(),
+                                H, T, G, start, float(policy.decay), *logits.stride()[:4],
+                                BLOCK=triton.next_power_of_2(T), SCORE=score, PATTERN=PATTERNS[pattern_of(policy)])
     out[:, :, 0, start:] = rows[:, :, start:].bool()
     acc.copy_(acc_c)

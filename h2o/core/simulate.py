@@ -17,6 +17,7 @@ import torch
 
 from . import row_kernel
 from .policies import Policy, keep_top, select_slot
+from .policies.base import const
 from .policies.h2o import H2O, reference_mask
 
 
@@ -51,18 +52,23 @@ def grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
     return query.view(B, n_kv, Hq // n_kv, T, D)
 
 
+def shaped(x: torch.Tensor, *shape: int) -> torch.Tensor:
+    """``x.reshape(shape)`` in one op where ``x`` is contiguous (reshape dispatches a view under it: two)."""
+    return x.view(shape) if x.is_contiguous() else x.reshape(shape)
+
+
 def grouped_scores(q: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """q (B, Hkv, G, r, D) @ key (B, Hkv, S, D)^T -> (B, Hkv, G, r, S), the group folded into the rows (one read of K)."""
     B, Hkv, G, r, D = q.shape
     S = key.shape[-2]
-    return torch.bmm(q.reshape(B * Hkv, G * r, D), key.reshape(B * Hkv, S, D).transpose(1, 2)).view(B, Hkv, G, r, S)
+    return torch.bmm(shaped(q, B * Hkv, G * r, D), shaped(key, B * Hkv, S, D).transpose(1, 2)).view(B, Hkv, G, r, S)
 
 
 def grouped_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """probs (B, Hkv, G, r, S) @ value (B, Hkv, S, D) -> (B, Hkv, G, r, D), one read of V."""
     B, Hkv, G, r, S = probs.shape
     D = value.shape[-1]
-    return torch.bmm(probs.reshape(B * Hkv, G * r, S), value.reshape(B * Hkv, S, D)).view(B, Hkv, G, r, D)
+    return torch.bmm(shaped(probs, B * Hkv, G * r, S), shaped(value, B * Hkv, S, D)).view(B, Hkv, G, r, D)
 
 
 def scores(q: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -72,7 +78,7 @@ def scores(q: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
     be inf in fp16 (LLaMA and GPT-NeoX scale after the product)."""
     if q.dtype != torch.float32:
         q, key = q.float(), key.float()
-    return grouped_scores(q * scaling, key)
+    return grouped_scores(q * const(scaling, torch.float32, q.device), key)
 
 
 def causal_valid(valid: torch.Tensor) -> torch.Tensor:
@@ -81,32 +87,58 @@ def causal_valid(valid: torch.Tensor) -> torch.Tensor:
     return (idx[None, :] <= idx[:, None]) & valid[:, None, None, None, :]
 
 
-def static_mask(policy: Policy, valid: torch.Tensor, prompt_len: int = 0) -> torch.Tensor | None:
-    """The mask of a policy that does not read the scores (full, position-only), (B, 1, 1, T, T); else None.
-    The same in every layer: the attention function builds it once per forward."""
+def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0
+                 ) -> tuple[torch.Tensor | None, tuple[int, bool] | None]:
+    """What every layer of a forward shares, built once per forward by the attention function: (the mask of a
+    policy that does not read the scores (full, position-only), (B, 1, 1, T, T), else None; the row plan of a
+    score-based one (:func:`row_plan`), else None)."""
     if policy.is_full:
-        return causal_valid(valid)
+        return causal_valid(valid), None
     if policy.position_only:
-        return policy_allowed(policy, None, causal_valid(valid) if prompt_len else None, valid, prompt_len)
-    return None
+        return policy_allowed(policy, None, causal_valid(valid) if prompt_len else None, valid, prompt_len), None
+    return None, row_plan(policy, valid, prompt_len)
+
+
+def reference_length(valid: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """(B,) the length budget ratios are taken of: the prompt's tokens, or the sequence's without a prompt."""
+    return valid[:, :prompt_len].sum(-1) if prompt_len else valid.sum(-1)
+
+
+def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int, bool]:
+    """(first row the row recurrence walks, whether a walked row can be a pad), on the host.
+
+    The Triton kernel walks every row from the prompt on (below a budget a row evicts nothing; the kernel reads
+    that per row on the device): no host read. The torch loop starts at the first row where a sequence's budget
+    is full (the rows before it are done at once) and skips the pad weighting where no walked row is a pad: one
+    host read per forward (free on the CPU), shared by the layers."""
+    T = valid.shape[1]
+    if not policy.evicts or row_kernel.use_kernel(policy, valid.device):
+        return min(prompt_len, T), True
+    counts = policy.counts(reference_length(valid, prompt_len))
+    filled = (valid.long().cumsum(-1) <= counts.total[:, None]).sum(-1)  # (B,) columns before a full cache
+    start = filled.min().clamp(min=prompt_len, max=T)
+    padded = (~valid & (torch.arange(T, device=valid.device) >= start)).any()
+    code = int(start * 2 + padded)  # the one read: both at once
+    return code // 2, bool(code % 2)
 
 
 def simulated_attention(policy: Policy, query, key, value, valid, scaling: float,
-                        prompt_len: int = 0, semantics: str = "h2o", static: torch.Tensor | None = None):
+                        prompt_len: int = 0, semantics: str = "h2o", plan: tuple | None = None):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T).
 
-    ``static``: the mask from :func:`static_mask` when the policy does not read the scores."""
+    ``plan``: what :func:`forward_plan` built for this forward (None: built here)."""
+    mask, rows = plan if plan is not None else (None, None)
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]
     logits = scores(grouped(query, Hkv), key, scaling)  # (B, Hkv, G, T, T)
-    if static is not None and semantics == "h2o":
-        allowed = static
+    if mask is not None and semantics == "h2o":
+        allowed = mask
     else:
         allowed = causal_valid(valid)  # (B, 1, 1, T, T)
         if semantics == "reference":
             allowed = allowed & reference_allowed(policy, logits, allowed, valid)
         elif not policy.is_full:
-            allowed = policy_allowed(policy, logits, allowed, valid, prompt_len)
+            allowed = policy_allowed(policy, logits, allowed, valid, prompt_len, rows)
     probs = masked_softmax(logits, allowed)  # (B, Hkv, G, T, T)
     out = grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
     return out.reshape(B, Hq, T, D).transpose(1, 2), probs.reshape(B, Hq, T, T)
@@ -122,41 +154,40 @@ def reference_allowed(policy: Policy, logits, allowed, valid):
     return reference_mask(causal_logits, heavy, recent)
 
 
-def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int) -> torch.Tensor:
-    """(B, Hkv, G|1, T, T) bool mask of what each row sees under ``policy`` (logits unused if position-only)."""
+def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None
+                   ) -> torch.Tensor:
+    """(B, Hkv, G|1, T, T) bool mask of what each row sees under ``policy`` (logits unused if position-only).
+    ``rows``: the forward's :func:`row_plan` (None: made here)."""
     T = valid.shape[1]
-    ref_len = valid[:, :prompt_len].sum(-1) if prompt_len else valid.sum(-1)
-    counts = policy.counts(ref_len)
+    counts = policy.counts(reference_length(valid, prompt_len))
     if policy.position_only:
-        rows = closed_form(policy, valid, counts, max(prompt_len - 1, 0))  # (B, 1, 1, T, T)
+        held = closed_form(policy, valid, counts, max(prompt_len - 1, 0))  # (B, 1, 1, T, T)
         if not prompt_len:
-            return rows
-        return torch.where(torch.arange(T, device=valid.device)[:, None] < prompt_len, allowed, rows)
+            return held
+        return torch.where(torch.arange(T, device=valid.device)[:, None] < prompt_len, allowed, held)
     B, Hkv, G, T, _ = logits.shape
     pos = positions(valid)  # (B, T)
     if not policy.evicts and not policy.needs_scores:  # top-k: a pure function of each row's logits
-        rows = (torch.arange(T, device=logits.device) >= prompt_len)[:, None]  # (T, 1) decoding rows
-        return torch.where(rows, policy.restrict(logits, None, allowed, counts), allowed)
+        decoding = (torch.arange(T, device=logits.device) >= prompt_len)[:, None]  # (T, 1)
+        return torch.where(decoding, policy.restrict(logits, None, allowed, counts), allowed)
 
-    # rows < start need no eviction: the prompt, and the steps before any sequence's budget is full
-    filled = (valid.long().cumsum(-1) <= counts.total[:, None]).sum(-1)  # (B,) columns before a full cache
-    start = prompt_len if not policy.evicts else max(prompt_len, int(filled.min()))
-    start = min(start, T)
+    # rows < start need no eviction: the prompt, and (torch loop) the steps before any sequence's budget is full
+    start, padded = rows if rows is not None else row_plan(policy, valid, prompt_len)
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
     probs = masked_softmax(logits[..., :start, :], allowed[..., :start, :]) * valid[:, None, None, :start, None]
     acc = probs.new_zeros(B, Hkv, T)  # (B, Hkv, T) accumulated attention
-    policy.accumulate(acc, probs.sum(2), valid[:, :start])
+    policy.accumulate(acc, probs, valid[:, :start])
     if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
         now = keep[:, 0].sum(-1) - 1
         keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
     if row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
-        row_kernel.h2o_rows(logits, valid, pos, counts, keep, acc, out, start)
+        row_kernel.score_rows(policy, logits, valid, pos, counts, keep, acc, out, start)
         return out
     with serial(logits.device):
-        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start)
+        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded)
     return out
 
 
@@ -171,12 +202,12 @@ def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int) -> torc
     return (held | itself)[:, None, None]
 
 
-def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start):
-    """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention."""
+def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded=True):
+    """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention.
+    ``padded`` False: no row from ``start`` on is a pad (their weighting is skipped)."""
     T = logits.shape[-1]
     before = valid.long().cumsum(-1) - valid.long()  # (B, T) tokens before each column; the cache holds min(., K)
     rooms = (before < counts.total[:, None]) | ~valid  # (B, T) below budget (or a pad: nothing to evict)
-    padded = not bool(valid[:, start:].all())
     for i in range(start, T):
         tok = valid[:, i]  # (B,)
         if policy.evicts:
@@ -192,7 +223,6 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start):
                                   keep[:, :, None, None, :], counts)[..., 0, :]  # (B, Hkv, G, T)
         out[..., i, :] = row
         if policy.needs_scores:
-            p = masked_softmax(logits[..., i, :], row)  # (B, Hkv, G, T)
-            p = p.sum(2)[:, :, None, :]  # (B, Hkv, 1, T)
-            policy.accumulate(acc, p * tok[:, None, None, None] if padded else p, tok[:, None] if padded else None)
+            p = masked_softmax(logits[..., i:i + 1, :], row[..., None, :])  # (B, Hkv, G, 1, T)
+            policy.accumulate(acc, p * tok.view(-1, 1, 1, 1, 1) if padded else p, tok[:, None] if padded else None)
 

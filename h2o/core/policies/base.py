@@ -21,6 +21,7 @@ in generation; ``n = floor(r * L)`` as in the paper) or an absolute token count 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import ClassVar
 
 import torch
@@ -152,10 +153,10 @@ class Policy:
         return out[0] if len(out) == 1 else torch.cat(out, 1)
 
     def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Add query rows to the accumulated attention, in place: acc (B, H, S), probs (B, H, r, S) summed over
-        the query heads of each KV head, rows in order, pad rows zeroed; valid (B, r) bool real rows (None: all).
-        Both paths call this; score variants override it (:mod:`.score`)."""
-        acc += probs.sum(-2)
+        """Add query rows to the accumulated attention, in place: acc (B, H, S), probs (B, H, G, r, S) of the G
+        query heads of each KV head, rows in order, pad rows zeroed; valid (B, r) bool real rows (None: all).
+        One sum over heads and rows. Both paths call this; score variants override it (:mod:`.score`)."""
+        acc += probs.sum((2, 3))
 
     # ---------------------------------------------------- restricting policies
     def restrict(self, logits: torch.Tensor, acc: torch.Tensor, allowed: torch.Tensor,
@@ -175,8 +176,16 @@ class Policy:
 
 # ---------------------------------------------------------------- shared helpers
 def bcast(x: torch.Tensor) -> torch.Tensor:
-    """(B,) -> (B, 1, 1) to broadcast against (B, H, S)."""
-    return x[:, None, None]
+    """(B,) -> (B, 1, 1) to broadcast against (B, H, S) (one view; indexing with None takes two ops)."""
+    return x.view(-1, 1, 1)
+
+
+@cache
+def const(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-dim tensor of ``value``, made once per dtype and device. A Python scalar given to ``torch.where`` or an
+    arithmetic op is wrapped into a tensor on the host at every call (up to 4 more aten ops each, per layer and
+    decoding step); this one is not."""
+    return torch.tensor(value, dtype=dtype, device=device)
 
 
 def recent_window(pos: torch.Tensor, now: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
@@ -195,10 +204,10 @@ def select_slot(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | Non
     """
     key = prio
     if valid is not None:
-        inf = float("inf")
+        inf = const(float("inf"), prio.dtype, prio.device)
         key = torch.where(valid, prio, torch.where(bcast(room), -inf, inf))
     tie = key == key.amin(-1, keepdim=True)
-    oldest = torch.where(tie, pos, torch.iinfo(torch.int64).max)
+    oldest = torch.where(tie, pos, const(torch.iinfo(torch.int64).max, torch.int64, pos.device))
     return oldest.argmin(-1, keepdim=True)
 
 

@@ -10,7 +10,7 @@ grouped-query attention. 20% budget = 10% heavy + 10% recent by default. ``score
 """
 import torch
 
-from .base import Counts, recent_window
+from .base import Counts, const, recent_window
 from .score import Scored
 
 
@@ -23,7 +23,8 @@ class H2O(Scored):
 
     def priority(self, pos, acc, now, counts: Counts):
         window = recent_window(pos, now, counts.recent)
-        return self.score(pos, acc, now).masked_fill(window, float("inf"))  # (B, H, S) fp32
+        score = self.score(pos, acc, now)
+        return torch.where(window, const(float("inf"), score.dtype, score.device), score)  # (B, H, S) fp32
 
 
 def reference_mask(logits: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:

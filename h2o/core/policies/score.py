@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Policy, PolicyError, bcast
+from .base import Policy, PolicyError, bcast, const
 
 SCORES = ("sum", "mean", "decay")
 
@@ -44,11 +44,15 @@ class Scored(Policy):
     def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         if self.score_kind != "decay":
             return super().accumulate(acc, probs, valid)
-        B, _, r, _ = probs.shape
+        B, _, _, r, _ = probs.shape  # (B, H, G, r, S)
+        if valid is None and r == 1:  # a decoding step: the same arithmetic in two ops
+            acc.mul_(const(self.decay, acc.dtype, acc.device))
+            acc += probs.sum((2, 3))
+            return
         v = torch.ones(B, r, dtype=torch.float64, device=acc.device) if valid is None else valid.double()
         after = v.flip(-1).cumsum(-1).flip(-1) - v  # (B, r) real rows after each row
         acc.mul_(bcast(self.decay ** v.sum(-1)).to(acc.dtype))
-        acc += (probs * (self.decay ** after).to(probs.dtype)[:, None, :, None]).sum(-2)
+        acc += (probs * (self.decay ** after).to(probs.dtype)[:, None, None, :, None]).sum((2, 3))
 
     def describe(self) -> dict:
         out = {**super().describe(), "score": self.score_kind}
