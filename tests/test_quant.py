@@ -133,7 +133,7 @@ def test_attention_paths_hold_and_attend_to_the_same_values(gqa, calibrations, n
     assert torch.allclose(torch.cat(outs, 1), sim, atol=1e-5)
     fk, fv = quant.fake_kv(k, v, 0)
     held = layer.pos >= 0  # (B, H, S); decode what the cache holds and compare at the same positions
-    dk, dv = quant.unpack_kv(layer.keys, layer.values, 0, torch.float32)
+    dk, dv = layer.read()
     idx = layer.pos.clamp(min=0)[..., None].expand_as(dk)
     assert torch.equal(dk[held], fk.gather(-2, idx)[held]) and torch.equal(dv[held], fv.gather(-2, idx)[held])
     assert not torch.allclose(fk, k, atol=1e-3)  # quantization changed the values: not vacuous
@@ -166,7 +166,63 @@ def test_model_paths_agree_under_quantization(calibrations, arch, scheme, name):
     assert effect.mean() > 1e-2
     rows = quant.row_bytes("key", 16) + quant.row_bytes("value", 16)
     held = sum(int((layer.pos >= 0).sum()) for layer in cache.layers)
-    assert cache.nbytes() == held * rows + quant.const_bytes()
+    sink = quant.sink * len(cache.layers) * cache.layers[0].keys.shape[1] * 2 * 16 * 4  # fp32 key and value
+    assert cache.nbytes() == held * rows + sink + quant.const_bytes()
+
+
+def test_kvquant_sink_keeps_the_first_token_exact(gqa, calibrations):
+    """sink=true: column 0's key and value as computed in both paths, even where the offline per-channel ranges
+    clip it (a sink-like key 30x out of range); the other tokens as without it. sink=false: the sink is clipped."""
+    cal = calibrations["llama_gqa"]
+    on, off = (KVQuant(3, calibration=cal, sink=s).bind(gqa) for s in (True, False))
+    k, v = torch.randn(1, 2, 12, 16, generator=G(8)), torch.randn(1, 2, 12, 16, generator=G(9))
+    k[..., 0, :] *= 30
+    (ok, ov), (fk, fv) = on.fake_kv(k, v, 0), off.fake_kv(k, v, 0)
+    assert torch.equal(ok[..., 0, :], k[..., 0, :]) and torch.equal(ov[..., 0, :], v[..., 0, :])
+    assert torch.equal(ok[..., 1:, :], fk[..., 1:, :]) and torch.equal(ov[..., 1:, :], fv[..., 1:, :])
+    assert (fk[..., 0, :] - k[..., 0, :]).norm() > 0.5 * k[..., 0, :].norm()  # clipped without the sink
+    policy = make_policy("h2o", budget=0.5)
+    state = Attached(policy, "real", num_layers=1, quant=on)
+    layer = state.new_cache().layers[0]
+    keys, values = layer.update(k, v)  # the prefill: slot 0 is column 0 before positions are registered
+    assert torch.equal(keys[..., 0, :], k[..., 0, :]) and torch.equal(keys[..., 1:, :], fk[..., 1:, :])
+    q = torch.randn(1, 4, 12, 16, generator=G(10))
+    h2o_attention(Module(state), q, keys, values, None)  # registers positions and cuts to the budget
+    dk, dv = layer.read()
+    assert (layer.pos[..., 0] == 0).all()  # h2o keeps a token this large, in slot 0 (slots in position order)
+    assert torch.equal(dk[..., 0, :], k[..., 0, :]) and torch.equal(dv[..., 0, :], v[..., 0, :])
+    assert torch.equal(dk[..., 1:, :], fk.gather(-2, layer.pos[..., 1:, None].expand(-1, -1, -1, 16)))
+    assert layer.nbytes() == layer.keys.nbytes + layer.values.nbytes + 2 * 2 * 16 * 4
+
+
+def test_left_padded_sink_is_the_pad_and_no_real_token_is_replaced(gqa, calibrations):
+    """Column 0 a pad: the first real token (position 0) keeps its quantized values in the real path."""
+    quant = KVQuant(3, calibration=calibrations["llama_gqa"]).bind(gqa)
+    k, v = torch.randn(1, 2, 6, 16, generator=G(11)), torch.randn(1, 2, 6, 16, generator=G(12))
+    state = Attached(make_policy("full"), "real", num_layers=1, quant=quant)
+    layer = state.new_cache().layers[0]
+    keys, values = layer.update(k, v)
+    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
+    mask[..., 0] = False  # column 0 is a pad
+    h2o_attention(Module(state), torch.randn(1, 4, 6, 16, generator=G(13)), keys, values, mask)
+    dk, _ = layer.read()
+    fk, _ = quant.fake_kv(k, v, 0)
+    assert layer.pos[0, 0, 1] == 0 and torch.equal(dk[..., 1:, :], fk[..., 1:, :])
+
+
+def test_bench_counts_the_bytes_the_cache_holds(calibrations):
+    """h2o.bench.quant's memory column equals EvictingCache.nbytes after a prefill (rows, sink, constants)."""
+    from h2o.bench.quant import kv_bytes_after_prefill
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 50), generator=G(14))
+    for quant in (Uniform(4, 16), KVQuant(3, calibration=calibrations["llama"]),
+                  KVQuant(3, calibration=calibrations["llama"], sink=False)):
+        for policy in (make_policy("full"), make_policy("h2o", budget=0.2)):
+            with torch.no_grad(), attach(model, policy, mode="real", quant=quant) as h:
+                cache = h.new_cache()
+                model(ids, cache=cache)
+            assert kv_bytes_after_prefill(model, policy, quant, 50)[0] == cache.nbytes()
 
 
 def test_quant_none_changes_nothing(gqa):
@@ -256,3 +312,18 @@ def test_bench_measures_quantized_variants_beside_the_unquantized_cache():
         row = 36 if quant == "uniform4" else 64 * 4  # fp32 tiny model
         assert m["kv_bytes"] == 2 * 2 * 2 * held[policy] * row and m["decode_tok_s"] > 0
     assert got[("h2o", "uniform4")]["vs_full"]["kv_bytes"] == pytest.approx(12 * 36 / (66 * 256))
+
+
+def test_bench_shared_prefill_forks_the_sink(tmp_path):
+    """make bench's shared prefill (a forked full snapshot, batch 2) gives kvquant's cache its sink: the bytes are
+    the rows + the sink's fp32 key and value per layer and KV head, per sequence + the constants once."""
+    from h2o.bench.throughput import benchmark
+
+    model = tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64)
+    cal = fit(model, torch.randint(3, 256, (2, 64), generator=G(15)), bits=(3,))
+    torch.save(cal, tmp_path / "cal.pt")
+    quant = KVQuant(3, calibration=cal)
+    recs = benchmark(model, ["h2o"], [0.2], [64], [3], [2], [], repeats=1, warmup=0, prefill="shared",
+                     quants=("kvquant3",), calibration=str(tmp_path / "cal.pt"), verbose=False)
+    rows = quant.row_bytes("key", 64) + quant.row_bytes("value", 64)
+    assert recs[0]["metrics"]["kv_bytes"] == 2 * 2 * (2 * 12 * rows + 2 * 64 * 4 * 2) + quant.const_bytes()

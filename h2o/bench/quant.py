@@ -6,7 +6,8 @@ Perplexity: ``austen_ppl``'s windows (``--window`` tokens, every 50th window of 
 ``--windows``), each scored in one forward under the simulated mask with the quantizer attached: every query
 attends to the dequantized values the cache would hold (budget = ratio of the window).
 Memory: bytes the evicting cache holds after prefilling one window: held slots x the row bytes of keys and
-values (codes, scales / zero points, outliers and indices, pre-RoPE columns) + the quantizer's per-model constants
+values (codes, scales / zero points, outliers and indices, pre-RoPE columns) + kvquant's sink token (its key and
+value in the model's dtype, per layer and KV head) + the quantizer's per-model constants
 (tests/test_quant.py checks this count against ``EvictingCache.nbytes``), and beside it the fp16 cache of the
 full policy at the same length (``vs_fp16_full``).
 """
@@ -39,7 +40,8 @@ def kv_bytes_after_prefill(model, policy, quant, length: int) -> tuple[int, int]
     H, D, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     held = length if policy.is_full else int(policy.counts(torch.tensor([length])).total[0])
     row = 2 * D * 2 if quant is None else quant.row_bytes("key", D) + quant.row_bytes("value", D)
-    return L * H * held * row + (quant.const_bytes() if quant else 0), L * H * length * 2 * D * 2
+    sink = L * H * 2 * D * model.dtype.itemsize if quant is not None and quant.sink else 0  # column 0 as computed
+    return L * H * held * row + sink + (quant.const_bytes() if quant else 0), L * H * length * 2 * D * 2
 
 
 def perplexity(model, windows, policy, quant, batch_size: int) -> float:

@@ -32,6 +32,8 @@ class EvictingLayer(DynamicLayer):
         self.policy = policy
         self.quant, self.layer_idx = quant, layer_idx  # quant: slots hold packed rows (h2o.core.quant)
         self.served = None  # quant: weak reference to the last keys handed out by update
+        self.sink = None  # quant.sink: column 0's (key, value) as computed (B, Hkv, 1, D); sink_real (B,) not a pad
+        self.sink_real = None
         self.ref_len = ref_len  # reference length of the budget; default: the prefill's tokens
         self.pos = self.acc = self.n_tok = None
         self.counts: Counts | None = None
@@ -49,6 +51,8 @@ class EvictingLayer(DynamicLayer):
         q = key_states.shape[-2]
         if self.quant is not None:  # quant: store packed rows (B, Hkv, q, P) uint8 instead of the tensors
             self.kv_dtype = key_states.dtype
+            if self.quant.sink and self.seen == 0:
+                self.sink = (key_states[..., :1, :].clone(), value_states[..., :1, :].clone())
             key_states, value_states = self.quant.pack_kv(key_states, value_states, self.layer_idx, self.seen)
         if self.keys is None or q > 1 or not self.policy.evicts or self.policy.is_full:
             self.append(key_states, value_states)
@@ -62,6 +66,10 @@ class EvictingLayer(DynamicLayer):
         if self.quant is None:
             return self.keys, self.values
         keys, values = self.quant.unpack_kv(self.keys, self.values, self.layer_idx, self.kv_dtype)
+        if self.sink is not None:  # column 0: slot 0 in the first forward (positions not yet set), then position 0
+            at = (torch.arange(keys.shape[-2], device=keys.device) == 0).expand(self.pos.shape) \
+                if self.sink_real is None else (self.pos == 0) & self.sink_real[:, None, None]
+            keys, values = self.quant.put_sink(keys, values, self.sink, at)
         self.served = weakref.ref(keys)
         return keys, values
 
@@ -137,6 +145,7 @@ class EvictingLayer(DynamicLayer):
         self.host_tok = [n + k for n, k in zip(self.host_tok or [0] * len(new), new)]
         self.host_held = [h + k for h, k in zip(self.host_held or [0] * len(new), new)]
         if self.counts is None:
+            self.sink_real = valid_new[:, 0] if self.sink is not None else None
             self.fix_budget()
 
     def fix_budget(self):
@@ -173,8 +182,9 @@ class EvictingLayer(DynamicLayer):
         self.values = self.values.gather(-2, idx.expand(-1, -1, -1, self.values.shape[-1]))
 
     def nbytes(self) -> int:
-        """Bytes of the keys and values held (quant: the packed rows: codes, scales, outliers, indices)."""
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        """Bytes of the keys and values held (quant: the packed rows: codes, scales, outliers, indices; the sink)."""
+        sink = 0 if self.sink is None else self.sink[0].nbytes + self.sink[1].nbytes
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes + sink
 
 
 class EvictingCache(Cache):

@@ -68,6 +68,7 @@ class Quantizer:
 
     name = ""
     bits = 16
+    sink = False  # keep column 0 (the attention sink) exact: see :meth:`fake_kv` and :meth:`put_sink`
 
     def bind(self, model) -> "Quantizer":
         """Check the quantizer against a loaded model (head size, rotary) and read what it needs; returns self."""
@@ -100,9 +101,21 @@ class Quantizer:
         return self.unpack(keys, "key", layer, dtype), self.unpack(values, "value", layer, dtype)
 
     def fake_kv(self, keys, values, layer: int):
-        """The simulated path: (B, Hkv, T, D) keys/values from column 0 -> the values the cache would hold."""
+        """The simulated path: (B, Hkv, T, D) keys/values from column 0 -> the values the cache would hold
+        (``sink``: column 0 as computed, the rest decoded)."""
         rows = self.pack_kv(keys, values, layer, 0)
-        return self.unpack_kv(*rows, layer, keys.dtype)
+        fk, fv = self.unpack_kv(*rows, layer, keys.dtype)
+        if self.sink:
+            fk = torch.cat([keys[..., :1, :], fk[..., 1:, :]], -2)
+            fv = torch.cat([values[..., :1, :], fv[..., 1:, :]], -2)
+        return fk, fv
+
+    @staticmethod
+    def put_sink(keys, values, sink: tuple, at: torch.Tensor):
+        """The real path (``sink``): decoded (B, Hkv, S, D) keys/values with the slots ``at`` (B, Hkv, S) bool
+        replaced by column 0's key and value as computed, ``sink`` = ((B, Hkv, 1, D), (B, Hkv, 1, D))."""
+        at = at[..., None]
+        return torch.where(at, sink[0], keys), torch.where(at, sink[1], values)
 
     def describe(self) -> dict:
         return {"quant": self.name, "bits": self.bits}
