@@ -184,10 +184,9 @@ def test_kvquant_sink_keeps_the_first_token_exact(gqa, calibrations):
     policy = make_policy("h2o", budget=0.5)
     state = Attached(policy, "real", num_layers=1, quant=on)
     layer = state.new_cache().layers[0]
-    keys, values = layer.update(k, v)  # the prefill: slot 0 is column 0 before positions are registered
-    assert torch.equal(keys[..., 0, :], k[..., 0, :]) and torch.equal(keys[..., 1:, :], fk[..., 1:, :])
+    keys, values = layer.update(k, v)
     q = torch.randn(1, 4, 12, 16, generator=G(10))
-    h2o_attention(Module(state), q, keys, values, None)  # registers positions and cuts to the budget
+    h2o_attention(Module(state), q, keys, values, None)  # registers positions, keeps the sink, cuts to the budget
     dk, dv = layer.read()
     assert (layer.pos[..., 0] == 0).all()  # h2o keeps a token this large, in slot 0 (slots in position order)
     assert torch.equal(dk[..., 0, :], k[..., 0, :]) and torch.equal(dv[..., 0, :], v[..., 0, :])
@@ -195,19 +194,27 @@ def test_kvquant_sink_keeps_the_first_token_exact(gqa, calibrations):
     assert layer.nbytes() == layer.keys.nbytes + layer.values.nbytes + 2 * 2 * 16 * 4
 
 
-def test_left_padded_sink_is_the_pad_and_no_real_token_is_replaced(gqa, calibrations):
-    """Column 0 a pad: the first real token (position 0) keeps its quantized values in the real path."""
+def test_left_padded_sink_is_the_first_real_token_in_both_paths(gqa, calibrations):
+    """Two left-padded sequences (1 and 3 pads): the first real token is kept as computed, the pads and the other
+    tokens decoded; the real cache's slots equal the simulated values and the outputs agree."""
     quant = KVQuant(3, calibration=calibrations["llama_gqa"]).bind(gqa)
-    k, v = torch.randn(1, 2, 6, 16, generator=G(11)), torch.randn(1, 2, 6, 16, generator=G(12))
-    state = Attached(make_policy("full"), "real", num_layers=1, quant=quant)
+    k, v = torch.randn(2, 2, 8, 16, generator=G(11)) * 3, torch.randn(2, 2, 8, 16, generator=G(12))
+    valid = torch.arange(8) >= torch.tensor([[1], [3]])  # (B, T)
+    mask = valid[:, None, None, :] & torch.ones(8, 8, dtype=torch.bool).tril()  # (B, 1, T, T) causal + padding
+    fk, fv = quant.fake_kv(k, v, 0, valid)
+    for b, first in ((0, 1), (1, 3)):
+        assert torch.equal(fk[b, :, first], k[b, :, first]) and torch.equal(fv[b, :, first], v[b, :, first])
+        assert not torch.allclose(fk[b, :, :first], k[b, :, :first], atol=1e-3)  # the pads: decoded
+    q = torch.randn(2, 4, 8, 16, generator=G(13))
+    policy = make_policy("full")
+    sim, _ = h2o_attention(Module(Attached(policy, num_layers=1, quant=quant)), q, k, v, mask)
+    state = Attached(policy, "real", num_layers=1, quant=quant)
     layer = state.new_cache().layers[0]
     keys, values = layer.update(k, v)
-    mask = torch.ones(1, 1, 6, 6, dtype=torch.bool)
-    mask[..., 0] = False  # column 0 is a pad
-    h2o_attention(Module(state), torch.randn(1, 4, 6, 16, generator=G(13)), keys, values, mask)
-    dk, _ = layer.read()
-    fk, _ = quant.fake_kv(k, v, 0)
-    assert layer.pos[0, 0, 1] == 0 and torch.equal(dk[..., 1:, :], fk[..., 1:, :])
+    real, _ = h2o_attention(Module(state), q, keys, values, mask)
+    dk, dv = layer.read()
+    assert torch.equal(dk[valid[:, None].expand(-1, 2, -1)], fk[valid[:, None].expand(-1, 2, -1)])
+    assert torch.allclose(real[valid], sim[valid], atol=1e-6)
 
 
 def test_bench_counts_the_bytes_the_cache_holds(calibrations):

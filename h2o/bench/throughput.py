@@ -248,7 +248,7 @@ def fork_cache(model, v: Variant, new_cache, snap: EvictingCache, logits1, batch
             if layer.quant is not None:  # the prompt's keys and values as the quantized cache stores them
                 layer.kv_dtype = s.keys.dtype
                 layer.keys, layer.values = layer.quant.pack_kv(s.keys, s.values, layer.layer_idx, 0)
-                if layer.quant.sink:  # column 0 kept as computed (slot 0 of the full snapshot)
+                if layer.quant.sink:  # position 0 kept as computed (slot 0 of the snapshot: one unpadded prompt)
                     layer.sink = (s.keys[..., :1, :].clone(), s.values[..., :1, :].clone())
                     layer.sink_real = s.pos[:, 0, 0] == 0
             layer.adopt()  # host counts and budget from the copied state

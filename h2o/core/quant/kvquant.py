@@ -12,11 +12,11 @@
   exactly in fp16 with a uint8 index; the range is that of the other entries. Keys per channel: the entries
   furthest outside the calibrated range (the range then spans the channel's 0.5-99.5% quantiles); per token:
   the entries of largest magnitude.
-* ``sink``: the first token (column 0 of the sequence, the attention sink) keeps its key and value as the model
-  computes them (its dtype), as in KVQuant's later version (attention-sink-aware quantization): per-channel
-  ranges fitted offline clip the sink's key (relative error 0.98 on SmolLM2). The evicting cache holds that
-  token's two vectors once per layer beside the rows (counted in ``nbytes``); with left padding column 0 is a pad,
-  and no real token is kept exact (both paths alike).
+* ``sink``: each sequence's first real token (position 0, the attention sink; after left padding, the first
+  non-pad column) keeps its key and value as the model computes them (its dtype), as in KVQuant's later version
+  (attention-sink-aware quantization): per-channel ranges fitted offline clip the sink's key (relative error 0.98
+  on SmolLM2). The evicting cache holds that token's two vectors per layer and sequence beside the rows (counted
+  in ``nbytes``, whether or not the policy still holds the token) and reads them into its slot while held.
 
 A vector is normalised to ``u = (x - mid) / half`` in [-1, 1], each entry coded as its nearest codebook point,
 and read back as ``mid + half * codebook[code]`` with the outliers put back.
