@@ -334,3 +334,32 @@ def test_bench_shared_prefill_forks_the_sink(tmp_path):
                      quants=("kvquant3",), calibration=str(tmp_path / "cal.pt"), verbose=False)
     rows = quant.row_bytes("key", 64) + quant.row_bytes("value", 64)
     assert recs[0]["metrics"]["kv_bytes"] == 2 * 2 * (2 * 12 * rows + 2 * 64 * 4 * 2) + quant.const_bytes()
+
+
+def test_lm_eval_model_args_set_the_quantizer(tmp_path):
+    """``--model_args quant=kvquant,quant_bits=3,...``: the lm-eval model scores under the quantizer; a batch of
+    differently long (left-padded) requests equals a hand computation of each request under attach(quant=...)."""
+    from lm_eval.api.instance import Instance
+
+    from h2o.assets.model_spec import ModelSpec
+    from h2o.tasks.lm_eval_model import H2OLM
+
+    model, tok = ModelSpec("tiny-llama", "tiny:llama").load()
+    torch.save(fit(model, torch.randint(3, 256, (2, 64), generator=G(16)), bits=(3,)), tmp_path / "cal.pt")
+    args = dict(pretrained=model, tokenizer=tok, policy="h2o", budget=0.3, batch_size=3, add_bos_token=False)
+    lm = H2OLM(**args, quant="kvquant", quant_bits=3, quant_calibration=str(tmp_path / "cal.pt"))
+    assert lm.policy.quant.describe() == {"quant": "kvquant", "bits": 3, "per_channel_keys": True, "pre_rope": True,
+                                          "nonuniform": True, "outliers": True, "sink": True}
+    reqs = [("A question:", " one answer"), ("Q:", " a longer second answer here"), ("Why?", " no")]
+    got = [ll for ll, _ in lm.loglikelihood([Instance("loglikelihood", {}, r, 0) for r in reqs])]
+    plain = [ll for ll, _ in H2OLM(**args).loglikelihood([Instance("loglikelihood", {}, r, 0) for r in reqs])]
+    quant = KVQuant(3, calibration=str(tmp_path / "cal.pt"))
+    for (ctx, cont), ll, ll_plain in zip(reqs, got, plain):
+        c, n = tok.encode(ctx, add_special_tokens=False), tok.encode(cont, add_special_tokens=False)
+        ids = torch.tensor([c + n])
+        with torch.no_grad(), attach(model, make_policy("h2o", budget=0.3), quant=quant):
+            logp = model(ids[:, :-1]).logits.log_softmax(-1)[0, -len(n):]
+        assert ll == pytest.approx(float(logp.gather(-1, torch.tensor(n)[:, None]).sum()), abs=1e-3)
+        assert abs(ll - ll_plain) > 1e-3  # quantization changed the score: not vacuous
+    uniform = H2OLM(**args, quant="uniform", quant_bits=4, quant_group_size=16).policy.quant
+    assert (uniform.bits, uniform.group_size) == (4, 16)
