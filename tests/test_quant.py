@@ -363,3 +363,25 @@ def test_lm_eval_model_args_set_the_quantizer(tmp_path):
         assert abs(ll - ll_plain) > 1e-3  # quantization changed the score: not vacuous
     uniform = H2OLM(**args, quant="uniform", quant_bits=4, quant_group_size=16).policy.quant
     assert (uniform.bits, uniform.group_size) == (4, 16)
+
+
+def test_decoded_perplexity_matches_one_pass_and_transformers_quantized_cache_runs():
+    """h2o.bench.quant's token-by-token rows: our evicting cache fed token by token gives the one-pass perplexity
+    (unquantized: equal; uniform4: to quantization noise); transformers' QuantizedCache (hqq) at 8 bits is the
+    unquantized perplexity, at 2 bits it is not, and its bytes are the packed codes + scales + residual."""
+    from h2o.bench.quant import decoded_ppl, hf_cache, ours_cache, perplexity
+
+    model = tiny_model("llama")
+    windows = torch.randint(3, 256, (2, 40), generator=G(17))
+    full = make_policy("full")
+    for quant in (None, Uniform(4, 16)):
+        one_pass = perplexity(model, windows, full, quant, 2)
+        fed, step_s, held = decoded_ppl(model, windows, ours_cache(model, full, quant))
+        assert fed == pytest.approx(one_pass, rel=1e-4 if quant is None else 1e-2) and step_s > 0
+    plain = perplexity(model, windows, full, None, 2)
+    hq8, _, bytes8 = decoded_ppl(model, windows, hf_cache(model, "hqq", 8, residual=8, group=16))
+    hq2, _, bytes2 = decoded_ppl(model, windows, hf_cache(model, "hqq", 2, residual=8, group=16))
+    assert hq8 == pytest.approx(plain, rel=1e-2) and abs(hq2 - plain) > 5 * abs(hq8 - plain)
+    cfg = model.config
+    fp32 = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 40 * 16 * 4  # 40 tokens held, fp32
+    assert bytes2 < bytes8 < fp32

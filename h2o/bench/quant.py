@@ -57,16 +57,79 @@ def perplexity(model, windows, policy, quant, batch_size: int) -> float:
     return math.exp(nll / count)
 
 
+def hf_cache_bytes(cache) -> int:
+    """Bytes a transformers ``QuantizedCache`` (hqq) holds: packed codes, scales and zero points, residual keys and
+    values in the model's dtype."""
+    total = 0
+    for layer in cache.layers:
+        for packed, meta in (layer._quantized_keys, layer._quantized_values):
+            total += packed.nbytes + meta["scale"].nbytes + meta["zero"].nbytes
+        total += layer.keys.nbytes + layer.values.nbytes
+    return total
+
+
+def decoded_ppl(model, windows, cache_of) -> tuple[float, float, int]:
+    """Each window fed token by token through ``cache_of(window_len)`` (a fresh cache; a context manager may
+    wrap the forwards, see :func:`hf_cache`) -> (perplexity, decode seconds per token, bytes held at the end of
+    the last window, all of it fed)."""
+    nll, count, seconds = 0.0, 0, 0.0
+    for ids in windows:
+        with cache_of(len(ids)) as (cache, nbytes):
+            t0 = time.perf_counter()
+            for t in range(len(ids)):  # the last token too: the cache then holds the window, as in the table
+                with torch.no_grad():
+                    logits = model(ids[None, t:t + 1], cache=cache, use_cache=True).logits[0, -1].float()
+                nll -= float(logits.log_softmax(-1)[ids[t + 1]]) if t + 1 < len(ids) else 0.0
+            seconds += time.perf_counter() - t0
+            held = nbytes(cache)
+        count += len(ids) - 1
+    return math.exp(nll / count), seconds / count, held
+
+
+def hf_cache(model, backend: str, bits: int, residual: int, group: int = 64):
+    """cache_of for transformers' QuantizedCache: groups of ``group`` channels of each token's vector (axis 1,
+    FlexGen's grouping, as ``uniform``), the last up to ``residual`` tokens kept in the model's dtype until they
+    are flushed into the quantized part (transformers re-quantizes the whole cache at each flush)."""
+    from contextlib import contextmanager
+
+    from transformers import QuantizedCache
+
+    @contextmanager
+    def make(length):
+        yield QuantizedCache(backend, model.config, nbits=bits, axis_key=1, axis_value=1, q_group_size=group,
+                             residual_length=residual), hf_cache_bytes
+    return make
+
+
+def ours_cache(model, policy, quant):
+    """cache_of for the harness's evicting cache (real path) with ``quant``."""
+    from contextlib import contextmanager
+
+    from h2o.core.attach import attach
+
+    @contextmanager
+    def make(length):
+        with attach(model, policy, mode="real", quant=quant) as h:
+            yield h.new_cache(ref_len=length), lambda c: c.nbytes()
+    return make
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m h2o.bench.quant", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--budget", type=float, default=0.2)
-    p.add_argument("--schemes", default=",".join(SCHEMES))
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="simulated one-pass rows ('' for none)")
     p.add_argument("--calibration", default=None, help="kvquant file (default: <cache>/kvquant/<model>.pt)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--json", default=None)
+    p.add_argument("--hf", default="", help="transformers QuantizedCache rows, e.g. hqq4,hqq2 (full budget, fed "
+                   "token by token beside ours: --decoded; needs the backend installed)")
+    p.add_argument("--decoded", default="", help="our schemes fed token by token through the evicting cache "
+                   "(full budget), for decode time beside --hf, e.g. none,uniform4")
+    p.add_argument("--hf-windows", type=int, default=1, help="windows fed token by token (--hf, --decoded)")
+    p.add_argument("--residual", type=int, default=128, help="QuantizedCache's residual_length (its default)")
     args = p.parse_args(argv)
     from h2o.assets.models import load_model
     from h2o.assets.paths import cache_dir
@@ -75,26 +138,43 @@ def main(argv: list[str] | None = None) -> int:
 
     calibration = args.calibration or str(cache_dir() / "kvquant" / f"{args.model}.pt")
     try:
-        quants = {s: quant_of(s, calibration) for s in args.schemes.split(",")}
+        quants = {s: quant_of(s, calibration) for s in filter(None, args.schemes.split(","))}
     except (ValueError, KeyError) as exc:
         print(f"error: --schemes={args.schemes}: {exc}", file=sys.stderr)
         return 2
     model, tok = load_model(args.model)
     windows = PerplexityTask("austen_ppl", window=args.window, n_windows=args.windows, stride=50).windows(tok)
     rows = []
-    for pol in (make_policy("full"), make_policy("h2o", budget=args.budget)):
+
+    def emit(row):
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    _, fp16 = kv_bytes_after_prefill(model, make_policy("full"), None, args.window)
+    base = {"model": args.model, "windows": len(windows), "tokens_scored": len(windows) * (args.window - 1)}
+    for pol in (make_policy("full"), make_policy("h2o", budget=args.budget)) if quants else ():
         for label, quant in quants.items():
             t0 = time.time()
             ppl = perplexity(model, windows, pol, quant, args.batch_size)
-            held, fp16 = kv_bytes_after_prefill(model, pol, quant.bind(model) if quant else None, args.window)
-            row = {"model": args.model, "policy": pol.name, "budget": pol.budget, "quant": label, "ppl": ppl,
-                   "kv_bytes": held, "fp16_full_bytes": fp16, "vs_fp16_full": held / fp16, "windows": len(windows),
-                   "tokens_scored": len(windows) * (args.window - 1), "seconds": round(time.time() - t0, 1)}
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            held, _ = kv_bytes_after_prefill(model, pol, quant.bind(model) if quant else None, args.window)
+            emit({**base, "policy": pol.name, "budget": pol.budget, "quant": label, "ppl": ppl, "kv_bytes": held,
+                  "fp16_full_bytes": fp16, "vs_fp16_full": held / fp16, "seconds": round(time.time() - t0, 1)})
+    fed = windows[:args.hf_windows]
+    makers = {f"{s} (decoded)": ours_cache(model, make_policy("full"), quant_of(s, calibration))
+              for s in filter(None, args.decoded.split(","))}
+    for s in filter(None, args.hf.split(",")):
+        backend, bits = s.rstrip("0123456789"), int(s[len(s.rstrip("0123456789")):])
+        makers[f"hf-{s} r{args.residual}"] = hf_cache(model, backend, bits, args.residual)
+    for label, make in makers.items():
+        t0 = time.time()
+        ppl, step_s, held = decoded_ppl(model, fed, make)
+        emit({**base, "windows": len(fed), "tokens_scored": len(fed) * (args.window - 1), "policy": "full",
+              "budget": 1.0, "quant": label, "ppl": ppl, "kv_bytes": held, "fp16_full_bytes": fp16,
+              "vs_fp16_full": held / fp16, "decode_ms_per_token": round(1000 * step_s, 2),
+              "seconds": round(time.time() - t0, 1)})
     print(table(rows))
     return 0
 
