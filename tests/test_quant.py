@@ -385,3 +385,19 @@ def test_decoded_perplexity_matches_one_pass_and_transformers_quantized_cache_ru
     cfg = model.config
     fp32 = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 40 * 16 * 4  # 40 tokens held, fp32
     assert bytes2 < bytes8 < fp32
+
+
+def test_long_context_scores_the_last_tokens_only(capsys):
+    """--long: one pass over the whole context, the perplexity of its last ``scored`` tokens only."""
+    from h2o.bench.quant import main, perplexity
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 60), generator=G(18))
+    policy, quant = make_policy("h2o", budget=0.2), Uniform(4, 16)
+    with torch.no_grad(), attach(model, policy, quant=quant):
+        logp = model(ids).logits[0, -11:-1].log_softmax(-1)
+    want = float((-logp.gather(-1, ids[0, -10:, None])).mean().exp())
+    assert perplexity(model, ids, policy, quant, 1, scored=10) == pytest.approx(want, rel=1e-5)
+    assert perplexity(model, ids, policy, quant, 1) != pytest.approx(want, rel=1e-3)
+    assert main(["--long", "100", "--long-scored", "100"]) == 2
+    assert "--long-scored=100: allowed 1-99" in capsys.readouterr().err

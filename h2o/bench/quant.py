@@ -1,6 +1,8 @@
 """``python -m h2o.bench.quant``: Austen perplexity and KV memory for {full, h2o} x {none, uniform, kvquant}.
 
     python -m h2o.bench.quant --model smollm2-135m --windows 4 --json quant.jsonl
+    python -m h2o.bench.quant --long 2048 --long-scored 512 --schemes none,uniform4,kvquant4   # Emma, one context
+    python -m h2o.bench.quant --schemes '' --hf hqq4,hqq2 --decoded none,uniform4 --hf-windows 1
 
 Perplexity: ``austen_ppl``'s windows (``--window`` tokens, every 50th window of the six novels, the first
 ``--windows``), each scored in one forward under the simulated mask with the quantizer attached: every query
@@ -10,6 +12,11 @@ values (codes, scales / zero points, outliers and indices, pre-RoPE columns) + k
 value in the model's dtype, per layer and KV head) + the quantizer's per-model constants
 (tests/test_quant.py checks this count against ``EvictingCache.nbytes``), and beside it the fp16 cache of the
 full policy at the same length (``vs_fp16_full``).
+Long context (``--long``): the first ``--long`` tokens of *Emma* as one context (within SmolLM2's 8,192), scored
+on its last ``--long-scored`` tokens in one pass (h2o's budget a ratio of the context).
+Token by token (``--hf``, ``--decoded``, full budget): the first ``--hf-windows`` windows fed one token at a time
+through transformers' ``QuantizedCache`` (it never evicts; its prefill returns unquantized keys, so it is only
+comparable token by token) or through our evicting cache: perplexity, decode ms per token, bytes held at the end.
 """
 from __future__ import annotations
 
@@ -44,17 +51,31 @@ def kv_bytes_after_prefill(model, policy, quant, length: int) -> tuple[int, int]
     return L * H * held * row + sink + (quant.const_bytes() if quant else 0), L * H * length * 2 * D * 2
 
 
-def perplexity(model, windows, policy, quant, batch_size: int) -> float:
+def perplexity(model, windows, policy, quant, batch_size: int, scored: int | None = None) -> float:
+    """Perplexity of ``windows`` (N, W) in one simulated pass each; ``scored``: only the last ``scored`` tokens
+    of each window are predicted (the long-context protocol), default all W - 1."""
     from h2o.core.attach import attach
 
     nll, count = 0.0, 0
+    k = windows.shape[1] - 1 if scored is None else scored
     for s in range(0, len(windows), batch_size):
         ids = windows[s:s + batch_size]
         with torch.no_grad(), attach(model, policy, quant=quant):
-            logits = model(ids).logits.float()
-        nll += float(torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="sum"))
-        count += ids[:, 1:].numel()
+            logits = model(ids).logits[:, -k - 1:-1].float()  # (b, k, V)
+        nll += float(torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, -k:], reduction="sum"))
+        count += ids[:, -k:].numel()
     return math.exp(nll / count)
+
+
+def emma_context(tokenizer, tokens: int) -> torch.Tensor:
+    """(1, tokens) ids: the opening of Jane Austen's *Emma* (the long-context protocol's one context)."""
+    from h2o.assets.fetch import austen_novels
+
+    ids = tokenizer(austen_novels()["Emma"][:tokens * 8], add_special_tokens=False,
+                    return_tensors="pt").input_ids[0]
+    if len(ids) < tokens:
+        raise SystemExit(f"error: --long={tokens}: Emma's opening has only {len(ids)} tokens")
+    return ids[None, :tokens]
 
 
 def hf_cache_bytes(cache) -> int:
@@ -130,7 +151,13 @@ def main(argv: list[str] | None = None) -> int:
                    "(full budget), for decode time beside --hf, e.g. none,uniform4")
     p.add_argument("--hf-windows", type=int, default=1, help="windows fed token by token (--hf, --decoded)")
     p.add_argument("--residual", type=int, default=128, help="QuantizedCache's residual_length (its default)")
+    p.add_argument("--long", type=int, default=0, help="long context instead of the windows: the first LONG "
+                   "tokens of Emma in one pass (budget = ratio of LONG), the last --long-scored predicted")
+    p.add_argument("--long-scored", type=int, default=512)
     args = p.parse_args(argv)
+    if args.long and not 1 <= args.long_scored < args.long:
+        print(f"error: --long-scored={args.long_scored}: allowed 1-{args.long - 1} (below --long)", file=sys.stderr)
+        return 2
     from h2o.assets.models import load_model
     from h2o.assets.paths import cache_dir
     from h2o.core.policies import make_policy
@@ -143,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --schemes={args.schemes}: {exc}", file=sys.stderr)
         return 2
     model, tok = load_model(args.model)
-    windows = PerplexityTask("austen_ppl", window=args.window, n_windows=args.windows, stride=50).windows(tok)
+    if args.long:
+        windows, args.window, scored = emma_context(tok, args.long), args.long, args.long_scored
+    else:
+        windows = PerplexityTask("austen_ppl", window=args.window, n_windows=args.windows, stride=50).windows(tok)
+        scored = args.window - 1
     rows = []
 
     def emit(row):
@@ -154,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(row) + "\n")
 
     _, fp16 = kv_bytes_after_prefill(model, make_policy("full"), None, args.window)
-    base = {"model": args.model, "windows": len(windows), "tokens_scored": len(windows) * (args.window - 1)}
+    base = {"model": args.model, "windows": len(windows), "tokens_scored": len(windows) * scored,
+            **({"text": "emma", "context": args.long} if args.long else {})}
     for pol in (make_policy("full"), make_policy("h2o", budget=args.budget)) if quants else ():
         for label, quant in quants.items():
             t0 = time.time()
-            ppl = perplexity(model, windows, pol, quant, args.batch_size)
+            ppl = perplexity(model, windows, pol, quant, args.batch_size, scored)
             held, _ = kv_bytes_after_prefill(model, pol, quant.bind(model) if quant else None, args.window)
             emit({**base, "policy": pol.name, "budget": pol.budget, "quant": label, "ppl": ppl, "kv_bytes": held,
                   "fp16_full_bytes": fp16, "vs_fp16_full": held / fp16, "seconds": round(time.time() - t0, 1)})
