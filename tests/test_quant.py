@@ -401,3 +401,23 @@ def test_long_context_scores_the_last_tokens_only(capsys):
     assert perplexity(model, ids, policy, quant, 1) != pytest.approx(want, rel=1e-3)
     assert main(["--long", "100", "--long-scored", "100"]) == 2
     assert "--long-scored=100: allowed 1-99" in capsys.readouterr().err
+
+
+def test_streaming_refuses_a_quantized_cache(capsys, tmp_path, monkeypatch):
+    """The streaming key shifter rotates stored keys: quant with the streaming task is one line, exit 2, before
+    loading; the Streamer itself refuses a policy with quant set."""
+    from h2o.assets import model_spec
+    from h2o.bench.streaming import Streamer
+    from h2o.pipeline.run import main
+
+    monkeypatch.chdir(tmp_path)
+    model_spec._LOADED.clear()
+    assert main(["model=tiny-llama", "task=bench_streaming", "policy.budget=16", "quant=uniform",
+                 "quant.group_size=16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: quant=uniform4: the streaming task's cache is not quantized") and "\n" not in err
+    assert not model_spec._LOADED and not (tmp_path / "runs").exists()
+    policy = make_policy("h2o", budget=16)
+    policy.quant = Uniform(4, 16)
+    with pytest.raises(ValueError, match="quant set"):
+        Streamer(tiny_model("llama"), torch.randint(3, 256, (1, 40)), [policy])
