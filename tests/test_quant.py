@@ -376,11 +376,11 @@ def test_decoded_perplexity_matches_one_pass_and_transformers_quantized_cache_ru
     full = make_policy("full")
     for quant in (None, Uniform(4, 16)):
         one_pass = perplexity(model, windows, full, quant, 2)
-        fed, step_s, held = decoded_ppl(model, windows, ours_cache(model, full, quant))
-        assert fed == pytest.approx(one_pass, rel=1e-4 if quant is None else 1e-2) and step_s > 0
+        fed, step_s, cpu_s, held = decoded_ppl(model, windows, ours_cache(model, full, quant))
+        assert fed == pytest.approx(one_pass, rel=1e-4 if quant is None else 1e-2) and step_s > 0 and cpu_s > 0
     plain = perplexity(model, windows, full, None, 2)
-    hq8, _, bytes8 = decoded_ppl(model, windows, hf_cache(model, "hqq", 8, residual=8, group=16))
-    hq2, _, bytes2 = decoded_ppl(model, windows, hf_cache(model, "hqq", 2, residual=8, group=16))
+    hq8, _, _, bytes8 = decoded_ppl(model, windows, hf_cache(model, "hqq", 8, residual=8, group=16))
+    hq2, _, _, bytes2 = decoded_ppl(model, windows, hf_cache(model, "hqq", 2, residual=8, group=16))
     assert hq8 == pytest.approx(plain, rel=1e-2) and abs(hq2 - plain) > 5 * abs(hq8 - plain)
     cfg = model.config
     fp32 = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 40 * 16 * 4  # 40 tokens held, fp32

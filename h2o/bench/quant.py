@@ -89,22 +89,22 @@ def hf_cache_bytes(cache) -> int:
     return total
 
 
-def decoded_ppl(model, windows, cache_of) -> tuple[float, float, int]:
+def decoded_ppl(model, windows, cache_of) -> tuple[float, float, float, int]:
     """Each window fed token by token through ``cache_of(window_len)`` (a fresh cache; a context manager may
-    wrap the forwards, see :func:`hf_cache`) -> (perplexity, decode seconds per token, bytes held at the end of
-    the last window, all of it fed)."""
-    nll, count, seconds = 0.0, 0, 0.0
+    wrap the forwards, see :func:`hf_cache`) -> (perplexity, decode seconds per token (wall, this process's CPU),
+    bytes held at the end of the last window, all of it fed)."""
+    nll, count, seconds, cpu = 0.0, 0, 0.0, 0.0
     for ids in windows:
         with cache_of(len(ids)) as (cache, nbytes):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for t in range(len(ids)):  # the last token too: the cache then holds the window, as in the table
                 with torch.no_grad():
                     logits = model(ids[None, t:t + 1], cache=cache, use_cache=True).logits[0, -1].float()
                 nll -= float(logits.log_softmax(-1)[ids[t + 1]]) if t + 1 < len(ids) else 0.0
-            seconds += time.perf_counter() - t0
+            seconds, cpu = seconds + time.perf_counter() - t0, cpu + time.process_time() - c0
             held = nbytes(cache)
-        count += len(ids) - 1
-    return math.exp(nll / count), seconds / count, held
+        count += len(ids)
+    return math.exp(nll / (count - len(windows))), seconds / count, cpu / count, held
 
 
 def hf_cache(model, backend: str, bits: int, residual: int, group: int = 64):
@@ -202,10 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         makers[f"hf-{s} r{args.residual}"] = hf_cache(model, backend, bits, args.residual)
     for label, make in makers.items():
         t0 = time.time()
-        ppl, step_s, held = decoded_ppl(model, fed, make)
+        ppl, step_s, cpu_s, held = decoded_ppl(model, fed, make)
         emit({**base, "windows": len(fed), "tokens_scored": len(fed) * (args.window - 1), "policy": "full",
               "budget": 1.0, "quant": label, "ppl": ppl, "kv_bytes": held, "fp16_full_bytes": fp16,
               "vs_fp16_full": held / fp16, "decode_ms_per_token": round(1000 * step_s, 2),
+              "decode_cpu_ms_per_token": round(1000 * cpu_s, 2),
               "seconds": round(time.time() - t0, 1)})
     print(table(rows))
     return 0
