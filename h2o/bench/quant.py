@@ -107,17 +107,20 @@ def decoded_ppl(model, windows, cache_of) -> tuple[float, float, float, int]:
     return math.exp(nll / (count - len(windows))), seconds / count, cpu / count, held
 
 
-def hf_cache(model, backend: str, bits: int, residual: int, group: int = 64):
-    """cache_of for transformers' QuantizedCache: groups of ``group`` channels of each token's vector (axis 1,
-    FlexGen's grouping, as ``uniform``), the last up to ``residual`` tokens kept in the model's dtype until they
-    are flushed into the quantized part (transformers re-quantizes the whole cache at each flush)."""
+def hf_cache(model, backend: str, bits: int, residual: int, group: int = 64, axis: int = 0):
+    """cache_of for transformers' QuantizedCache at its defaults: ``axis`` 0 (hqq cuts the flattened (B, H, T, D)
+    tensor into ``group`` rows and scales each column: strided groups), the last up to ``residual`` tokens kept in
+    the model's dtype until they are flushed into the quantized part (the whole cache re-quantized at each flush).
+    Axis 1 (groups of ``group`` channels of each vector, as ``uniform``) fails on SmolLM2 in hqq 0.2.8.post1: its
+    4-bit codes pack two rows a byte, and 3 KV heads x 1 token give an odd number of groups (dequantize: "The size
+    of tensor a (4) must match the size of tensor b (3)")."""
     from contextlib import contextmanager
 
     from transformers import QuantizedCache
 
     @contextmanager
     def make(length):
-        yield QuantizedCache(backend, model.config, nbits=bits, axis_key=1, axis_value=1, q_group_size=group,
+        yield QuantizedCache(backend, model.config, nbits=bits, axis_key=axis, axis_value=axis, q_group_size=group,
                              residual_length=residual), hf_cache_bytes
     return make
 
