@@ -297,6 +297,14 @@ LM_EVAL_BAD = [
     ("pretrained=tiny:llama,policy=h2o,semantics=exact", ["semantics='exact'", "simulated"]),
     ("pretrained=tiny:llama,policy=h2o,scoring=avg", ["scoring='avg'", "sum"]),
     ("pretrained=/nonexistent,policy=h2o", ["pretrained='/nonexistent'", "no such folder"]),
+    ("pretrained=tiny:llama,quant=int4", ["quant='int4'", "allowed: none, uniform, kvquant"]),
+    ("pretrained=tiny:llama,quant=uniform,quant_bits=5", ["quant.bits=5", "2, 3, 4, 8"]),
+    ("pretrained=tiny:llama,quant=uniform,quant_group_size=12", ["group_size=12", "head size 16"]),
+    ("pretrained=tiny:llama,quant=uniform,quant_foo=1", ["quant_foo", "allowed: quant_bits, quant_group_size"]),
+    ("pretrained=tiny:llama,quant_bits=4", ["quant_bits", "quant=none takes no options"]),
+    ("pretrained=tiny:opt,quant=kvquant,quant_per_channel_keys=false,quant_nonuniform=false",
+     ["quant.pre_rope=true", "no rotary"]),
+    ("pretrained=tiny:llama,quant=kvquant,quant_calibration=/nowhere.pt", ["'/nowhere.pt': no such file"]),
 ]
 
 

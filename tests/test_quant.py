@@ -133,7 +133,7 @@ def test_attention_paths_hold_and_attend_to_the_same_values(gqa, calibrations, n
     assert torch.allclose(torch.cat(outs, 1), sim, atol=1e-5)
     fk, fv = quant.fake_kv(k, v, 0)
     held = layer.pos >= 0  # (B, H, S); decode what the cache holds and compare at the same positions
-    dk, dv = quant.unpack_kv(layer.keys, layer.values, 0, torch.float32)
+    dk, dv = layer.read()
     idx = layer.pos.clamp(min=0)[..., None].expand_as(dk)
     assert torch.equal(dk[held], fk.gather(-2, idx)[held]) and torch.equal(dv[held], fv.gather(-2, idx)[held])
     assert not torch.allclose(fk, k, atol=1e-3)  # quantization changed the values: not vacuous
@@ -166,7 +166,70 @@ def test_model_paths_agree_under_quantization(calibrations, arch, scheme, name):
     assert effect.mean() > 1e-2
     rows = quant.row_bytes("key", 16) + quant.row_bytes("value", 16)
     held = sum(int((layer.pos >= 0).sum()) for layer in cache.layers)
-    assert cache.nbytes() == held * rows + quant.const_bytes()
+    sink = quant.sink * len(cache.layers) * cache.layers[0].keys.shape[1] * 2 * 16 * 4  # fp32 key and value
+    assert cache.nbytes() == held * rows + sink + quant.const_bytes()
+
+
+def test_kvquant_sink_keeps_the_first_token_exact(gqa, calibrations):
+    """sink=true: column 0's key and value as computed in both paths, even where the offline per-channel ranges
+    clip it (a sink-like key 30x out of range); the other tokens as without it. sink=false: the sink is clipped."""
+    cal = calibrations["llama_gqa"]
+    on, off = (KVQuant(3, calibration=cal, sink=s).bind(gqa) for s in (True, False))
+    k, v = torch.randn(1, 2, 12, 16, generator=G(8)), torch.randn(1, 2, 12, 16, generator=G(9))
+    k[..., 0, :] *= 30
+    (ok, ov), (fk, fv) = on.fake_kv(k, v, 0), off.fake_kv(k, v, 0)
+    assert torch.equal(ok[..., 0, :], k[..., 0, :]) and torch.equal(ov[..., 0, :], v[..., 0, :])
+    assert torch.equal(ok[..., 1:, :], fk[..., 1:, :]) and torch.equal(ov[..., 1:, :], fv[..., 1:, :])
+    assert (fk[..., 0, :] - k[..., 0, :]).norm() > 0.5 * k[..., 0, :].norm()  # clipped without the sink
+    policy = make_policy("h2o", budget=0.5)
+    state = Attached(policy, "real", num_layers=1, quant=on)
+    layer = state.new_cache().layers[0]
+    keys, values = layer.update(k, v)
+    q = torch.randn(1, 4, 12, 16, generator=G(10))
+    h2o_attention(Module(state), q, keys, values, None)  # registers positions, keeps the sink, cuts to the budget
+    dk, dv = layer.read()
+    assert (layer.pos[..., 0] == 0).all()  # h2o keeps a token this large, in slot 0 (slots in position order)
+    assert torch.equal(dk[..., 0, :], k[..., 0, :]) and torch.equal(dv[..., 0, :], v[..., 0, :])
+    assert torch.equal(dk[..., 1:, :], fk.gather(-2, layer.pos[..., 1:, None].expand(-1, -1, -1, 16)))
+    assert layer.nbytes() == layer.keys.nbytes + layer.values.nbytes + 2 * 2 * 16 * 4
+
+
+def test_left_padded_sink_is_the_first_real_token_in_both_paths(gqa, calibrations):
+    """Two left-padded sequences (1 and 3 pads): the first real token is kept as computed, the pads and the other
+    tokens decoded; the real cache's slots equal the simulated values and the outputs agree."""
+    quant = KVQuant(3, calibration=calibrations["llama_gqa"]).bind(gqa)
+    k, v = torch.randn(2, 2, 8, 16, generator=G(11)) * 3, torch.randn(2, 2, 8, 16, generator=G(12))
+    valid = torch.arange(8) >= torch.tensor([[1], [3]])  # (B, T)
+    mask = valid[:, None, None, :] & torch.ones(8, 8, dtype=torch.bool).tril()  # (B, 1, T, T) causal + padding
+    fk, fv = quant.fake_kv(k, v, 0, valid)
+    for b, first in ((0, 1), (1, 3)):
+        assert torch.equal(fk[b, :, first], k[b, :, first]) and torch.equal(fv[b, :, first], v[b, :, first])
+        assert not torch.allclose(fk[b, :, :first], k[b, :, :first], atol=1e-3)  # the pads: decoded
+    q = torch.randn(2, 4, 8, 16, generator=G(13))
+    policy = make_policy("full")
+    sim, _ = h2o_attention(Module(Attached(policy, num_layers=1, quant=quant)), q, k, v, mask)
+    state = Attached(policy, "real", num_layers=1, quant=quant)
+    layer = state.new_cache().layers[0]
+    keys, values = layer.update(k, v)
+    real, _ = h2o_attention(Module(state), q, keys, values, mask)
+    dk, dv = layer.read()
+    assert torch.equal(dk[valid[:, None].expand(-1, 2, -1)], fk[valid[:, None].expand(-1, 2, -1)])
+    assert torch.allclose(real[valid], sim[valid], atol=1e-6)
+
+
+def test_bench_counts_the_bytes_the_cache_holds(calibrations):
+    """h2o.bench.quant's memory column equals EvictingCache.nbytes after a prefill (rows, sink, constants)."""
+    from h2o.bench.quant import kv_bytes_after_prefill
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 50), generator=G(14))
+    for quant in (Uniform(4, 16), KVQuant(3, calibration=calibrations["llama"]),
+                  KVQuant(3, calibration=calibrations["llama"], sink=False)):
+        for policy in (make_policy("full"), make_policy("h2o", budget=0.2)):
+            with torch.no_grad(), attach(model, policy, mode="real", quant=quant) as h:
+                cache = h.new_cache()
+                model(ids, cache=cache)
+            assert kv_bytes_after_prefill(model, policy, quant, 50)[0] == cache.nbytes()
 
 
 def test_quant_none_changes_nothing(gqa):
@@ -256,3 +319,105 @@ def test_bench_measures_quantized_variants_beside_the_unquantized_cache():
         row = 36 if quant == "uniform4" else 64 * 4  # fp32 tiny model
         assert m["kv_bytes"] == 2 * 2 * 2 * held[policy] * row and m["decode_tok_s"] > 0
     assert got[("h2o", "uniform4")]["vs_full"]["kv_bytes"] == pytest.approx(12 * 36 / (66 * 256))
+
+
+def test_bench_shared_prefill_forks_the_sink(tmp_path):
+    """make bench's shared prefill (a forked full snapshot, batch 2) gives kvquant's cache its sink: the bytes are
+    the rows + the sink's fp32 key and value per layer and KV head, per sequence + the constants once."""
+    from h2o.bench.throughput import benchmark
+
+    model = tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=64)
+    cal = fit(model, torch.randint(3, 256, (2, 64), generator=G(15)), bits=(3,))
+    torch.save(cal, tmp_path / "cal.pt")
+    quant = KVQuant(3, calibration=cal)
+    recs = benchmark(model, ["h2o"], [0.2], [64], [3], [2], [], repeats=1, warmup=0, prefill="shared",
+                     quants=("kvquant3",), calibration=str(tmp_path / "cal.pt"), verbose=False)
+    rows = quant.row_bytes("key", 64) + quant.row_bytes("value", 64)
+    assert recs[0]["metrics"]["kv_bytes"] == 2 * 2 * (2 * 12 * rows + 2 * 64 * 4 * 2) + quant.const_bytes()
+
+
+def test_lm_eval_model_args_set_the_quantizer(tmp_path):
+    """``--model_args quant=kvquant,quant_bits=3,...``: the lm-eval model scores under the quantizer; a batch of
+    differently long (left-padded) requests equals a hand computation of each request under attach(quant=...)."""
+    from lm_eval.api.instance import Instance
+
+    from h2o.assets.model_spec import ModelSpec
+    from h2o.tasks.lm_eval_model import H2OLM
+
+    model, tok = ModelSpec("tiny-llama", "tiny:llama").load()
+    torch.save(fit(model, torch.randint(3, 256, (2, 64), generator=G(16)), bits=(3,)), tmp_path / "cal.pt")
+    args = dict(pretrained=model, tokenizer=tok, policy="h2o", budget=0.3, batch_size=3, add_bos_token=False)
+    lm = H2OLM(**args, quant="kvquant", quant_bits=3, quant_calibration=str(tmp_path / "cal.pt"))
+    assert lm.policy.quant.describe() == {"quant": "kvquant", "bits": 3, "per_channel_keys": True, "pre_rope": True,
+                                          "nonuniform": True, "outliers": True, "sink": True}
+    reqs = [("A question:", " one answer"), ("Q:", " a longer second answer here"), ("Why?", " no")]
+    got = [ll for ll, _ in lm.loglikelihood([Instance("loglikelihood", {}, r, 0) for r in reqs])]
+    plain = [ll for ll, _ in H2OLM(**args).loglikelihood([Instance("loglikelihood", {}, r, 0) for r in reqs])]
+    quant = KVQuant(3, calibration=str(tmp_path / "cal.pt"))
+    for (ctx, cont), ll, ll_plain in zip(reqs, got, plain):
+        c, n = tok.encode(ctx, add_special_tokens=False), tok.encode(cont, add_special_tokens=False)
+        ids = torch.tensor([c + n])
+        with torch.no_grad(), attach(model, make_policy("h2o", budget=0.3), quant=quant):
+            logp = model(ids[:, :-1]).logits.log_softmax(-1)[0, -len(n):]
+        assert ll == pytest.approx(float(logp.gather(-1, torch.tensor(n)[:, None]).sum()), abs=1e-3)
+        assert abs(ll - ll_plain) > 1e-3  # quantization changed the score: not vacuous
+    uniform = H2OLM(**args, quant="uniform", quant_bits=4, quant_group_size=16).policy.quant
+    assert (uniform.bits, uniform.group_size) == (4, 16)
+
+
+def test_decoded_perplexity_matches_one_pass_and_transformers_quantized_cache_runs():
+    """h2o.bench.quant's token-by-token rows: our evicting cache fed token by token gives the one-pass perplexity
+    (unquantized: equal; uniform4: to quantization noise); transformers' QuantizedCache (hqq) at 8 bits is the
+    unquantized perplexity, at 2 bits it is not, and its bytes are the packed codes + scales + residual."""
+    from h2o.bench.quant import decoded_ppl, hf_cache, ours_cache, perplexity
+
+    model = tiny_model("llama")
+    windows = torch.randint(3, 256, (2, 40), generator=G(17))
+    full = make_policy("full")
+    for quant in (None, Uniform(4, 16)):
+        one_pass = perplexity(model, windows, full, quant, 2)
+        fed, step_s, cpu_s, held = decoded_ppl(model, windows, ours_cache(model, full, quant))
+        assert fed == pytest.approx(one_pass, rel=1e-4 if quant is None else 1e-2) and step_s > 0 and cpu_s > 0
+    plain = perplexity(model, windows, full, None, 2)
+    hq8, _, _, bytes8 = decoded_ppl(model, windows, hf_cache(model, "hqq", 8, residual=8, group=16))
+    hq2, _, _, bytes2 = decoded_ppl(model, windows, hf_cache(model, "hqq", 2, residual=8, group=16))
+    assert hq8 == pytest.approx(plain, rel=1e-2) and abs(hq2 - plain) > 5 * abs(hq8 - plain)
+    cfg = model.config
+    fp32 = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * 40 * 16 * 4  # 40 tokens held, fp32
+    assert bytes2 < bytes8 < fp32
+
+
+def test_long_context_scores_the_last_tokens_only(capsys):
+    """--long: one pass over the whole context, the perplexity of its last ``scored`` tokens only."""
+    from h2o.bench.quant import main, perplexity
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 256, (1, 60), generator=G(18))
+    policy, quant = make_policy("h2o", budget=0.2), Uniform(4, 16)
+    with torch.no_grad(), attach(model, policy, quant=quant):
+        logp = model(ids).logits[0, -11:-1].log_softmax(-1)
+    want = float((-logp.gather(-1, ids[0, -10:, None])).mean().exp())
+    assert perplexity(model, ids, policy, quant, 1, scored=10) == pytest.approx(want, rel=1e-5)
+    assert perplexity(model, ids, policy, quant, 1) != pytest.approx(want, rel=1e-3)
+    assert main(["--long", "100", "--long-scored", "100"]) == 2
+    assert "--long-scored=100: allowed 1-99" in capsys.readouterr().err
+
+
+def test_streaming_refuses_a_quantized_cache(capsys, tmp_path, monkeypatch):
+    """The streaming key shifter rotates stored keys: quant with the streaming task is one line, exit 2, before
+    loading; the Streamer itself refuses a policy with quant set."""
+    from h2o.assets import model_spec
+    from h2o.bench.streaming import Streamer
+    from h2o.pipeline.run import main
+
+    monkeypatch.chdir(tmp_path)
+    model_spec._LOADED.clear()
+    assert main(["model=tiny-llama", "task=bench_streaming", "policy.budget=16", "quant=uniform",
+                 "quant.group_size=16"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: quant=uniform4: the streaming task's cache is not quantized") and "\n" not in err
+    assert not model_spec._LOADED and not (tmp_path / "runs").exists()
+    policy = make_policy("h2o", budget=16)
+    policy.quant = Uniform(4, 16)
+    with pytest.raises(ValueError, match="quant set"):
+        Streamer(tiny_model("llama"), torch.randint(3, 256, (1, 40)), [policy])

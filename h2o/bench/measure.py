@@ -96,12 +96,15 @@ class PeakRSS:
 def kv_bytes(cache: Cache) -> tuple[int, int]:
     """(bytes of key/value storage held by ``cache``, bytes of the evicting cache's per-slot state).
 
-    Storage bytes: a key tensor that is a view of a larger buffer counts the whole buffer (it keeps it alive)."""
+    Storage bytes: a key tensor that is a view of a larger buffer counts the whole buffer (it keeps it alive);
+    a quantized cache adds the sink it keeps as computed and its quantizer's per-model constants (once)."""
     seen: set[int] = set()
-    kv = meta = 0
+    quant = getattr(cache, "quant", None)
+    kv, meta = (quant.const_bytes() if quant is not None else 0), 0
     for layer in cache.layers:
-        for name, is_meta in (("keys", False), ("values", False), ("pos", True), ("acc", True)):
-            t = getattr(layer, name, None)
+        fields = [(getattr(layer, name, None), is_meta) for name, is_meta in
+                  (("keys", False), ("values", False), ("pos", True), ("acc", True))]
+        for t, is_meta in fields + [(t, False) for t in getattr(layer, "sink", None) or ()]:
             if not isinstance(t, torch.Tensor) or t.numel() == 0:
                 continue
             st = t.untyped_storage()

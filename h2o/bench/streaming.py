@@ -208,6 +208,8 @@ class Streamer:
         self.model, self.chunk, self.positions = model, chunk, positions
         self.device = next(model.parameters()).device
         self.pols = [build_policy(spec, budget, heavy_share) for spec in specs]
+        if any(p.quant is not None for p in self.pols):  # CachePositions rotates stored keys, not packed rows
+            raise ValueError("streaming: a policy with quant set; the streamed cache is not quantized (allowed: none)")
         self.B = len(self.pols)
         self.ids = ids.to(self.device).expand(self.B, -1)
         self.pol = self.pols[0] if self.B == 1 else PerSequence(self.pols)

@@ -166,12 +166,17 @@ def fork_cache(model, v: Variant, new_cache, snap: EvictingCache, logits1, batch
             if layer.quant is not None:  # the prompt's keys and values as the quantized cache stores them
                 layer.kv_dtype = s.keys.dtype
                 layer.keys, layer.values = layer.quant.pack_kv(s.keys, s.values, layer.layer_idx, 0)
+                if layer.quant.sink:  # position 0 kept as computed (slot 0 of the snapshot: one unpadded prompt)
+                    layer.sink = (s.keys[..., :1, :].clone(), s.values[..., :1, :].clone())
+                    layer.sink_real = s.pos[:, 0, 0] == 0
             layer.adopt()  # host counts and budget from the copied state
             if layer.policy.evicts and not layer.policy.is_full:
                 layer.cut()  # what real_attention does at the end of a prefill (chunk)
             if batch > 1:
                 for name in BATCH_STATE:
                     setattr(layer, name, rep(getattr(layer, name), batch))
+                if layer.sink is not None:
+                    layer.sink, layer.sink_real = tuple(rep(t, batch) for t in layer.sink), rep(layer.sink_real, batch)
                 layer.adopt()
         else:  # transformers' layers take the prompt's keys and values through their own update()
             layer.update(rep(s.keys, batch), rep(s.values, batch))

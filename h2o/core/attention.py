@@ -43,10 +43,10 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
         q = query.shape[-2]
         if state.prompt_len > q:
             raise PolicyError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
-        if state.quant is not None:  # attend to the values a quantized cache would hold
-            key, value = state.quant.fake_kv(key, value, module.layer_idx)
         valid, plan = state.per_forward(attention_mask, query, lambda v: forward_plan(state.policy, v,
                                                                                       state.prompt_len))
+        if state.quant is not None:  # attend to the values a quantized cache would hold
+            key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
                                          prompt_len=state.prompt_len, semantics=state.semantics, plan=plan)
         state.flag(module.layer_idx, out)
@@ -78,6 +78,8 @@ def real_attention(state, module, query, key, value, attention_mask, scaling):
     valid = new_valid(attention_mask, query) if layer.n_new or q > 1 else None  # (B, q); decoding: all valid
     if layer.n_new:
         layer.register_new(valid[:, -layer.n_new:])
+    if layer.fresh is not None:  # quant.sink, the first forward: its first real token kept as computed
+        key, value = layer.capture_sink(key, value, valid)
     S = key.shape[-2]
     every = all(h == S for h in layer.host_held)  # every slot holds a token (no empty or pad slot)
     held = None if every and q == 1 else (layer.pos >= 0).view(B, -1, 1, 1, S)  # (B, Hkv, 1, 1, S)

@@ -32,6 +32,9 @@ class EvictingLayer(DynamicLayer):
         self.policy = policy
         self.quant, self.layer_idx = quant, layer_idx  # quant: slots hold packed rows (h2o.core.quant)
         self.served = None  # quant: weak reference to the last keys handed out by update
+        # quant.sink: the first real token's (key, value) as computed (B, Hkv, 1, D), sink_real (B,) whether the
+        # sequence has one; fresh: the first forward's keys and values until its pads are known (capture_sink)
+        self.sink = self.sink_real = self.fresh = None
         self.ref_len = ref_len  # reference length of the budget; default: the prefill's tokens
         self.pos = self.acc = self.n_tok = None
         self.counts: Counts | None = None
@@ -49,6 +52,8 @@ class EvictingLayer(DynamicLayer):
         q = key_states.shape[-2]
         if self.quant is not None:  # quant: store packed rows (B, Hkv, q, P) uint8 instead of the tensors
             self.kv_dtype = key_states.dtype
+            if self.quant.sink and self.seen == 0:
+                self.fresh = (key_states, value_states)
             key_states, value_states = self.quant.pack_kv(key_states, value_states, self.layer_idx, self.seen)
         if self.keys is None or q > 1 or not self.policy.evicts or self.policy.is_full:
             self.append(key_states, value_states)
@@ -62,6 +67,8 @@ class EvictingLayer(DynamicLayer):
         if self.quant is None:
             return self.keys, self.values
         keys, values = self.quant.unpack_kv(self.keys, self.values, self.layer_idx, self.kv_dtype)
+        if self.sink is not None:  # the slot holding position 0 (if still held) reads the sink as computed
+            keys, values = self.quant.put_sink(keys, values, self.sink, (self.pos == 0) & self.sink_real[:, None, None])
         self.served = weakref.ref(keys)
         return keys, values
 
@@ -143,6 +150,16 @@ class EvictingLayer(DynamicLayer):
         if self.counts is None:
             self.fix_budget()
 
+    def capture_sink(self, keys, values, valid: torch.Tensor):
+        """The first forward (quant.sink), positions registered: keep each sequence's first real token (valid
+        (B, q) bool, the non-pad columns) as computed and put it into the keys/values (B, Hkv, S, D) read."""
+        k, v = self.fresh
+        first = valid.long().argmax(-1)[:, None, None, None]  # (B, 1, 1, 1) column of position 0
+        self.sink = (k.gather(-2, first.expand(-1, *k.shape[1:2], 1, k.shape[-1])),
+                     v.gather(-2, first.expand(-1, *v.shape[1:2], 1, v.shape[-1])))
+        self.sink_real, self.fresh = valid.any(-1), None
+        return self.quant.put_sink(keys, values, self.sink, (self.pos == 0) & self.sink_real[:, None, None])
+
     def fix_budget(self):
         """The budget per sequence (on the host, then copied once) from the tokens seen, or ``ref_len``."""
         ref = self.host_tok if self.ref_len is None else [self.ref_len] * len(self.host_tok)
@@ -177,8 +194,9 @@ class EvictingLayer(DynamicLayer):
         self.values = self.values.gather(-2, idx.expand(-1, -1, -1, self.values.shape[-1]))
 
     def nbytes(self) -> int:
-        """Bytes of the keys and values held (quant: the packed rows: codes, scales, outliers, indices)."""
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        """Bytes of the keys and values held (quant: the packed rows: codes, scales, outliers, indices; the sink)."""
+        sink = 0 if self.sink is None else self.sink[0].nbytes + self.sink[1].nbytes
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes + sink
 
 
 class EvictingCache(Cache):

@@ -6,7 +6,8 @@
 lm-eval 0.4.13 fills its model registry only by importing modules (no entry-point group is read), so
 ``lm_eval --model h2o`` cannot find an out-of-tree model; this wrapper imports :mod:`h2o.tasks.lm_eval_model`
 (which registers ``h2o``) and hands every argument to lm-eval's CLI unchanged. For ``--model h2o`` the model
-arguments (pretrained, policy and its options, semantics, scoring), ``--batch_size``, ``--include_path`` and
+arguments (pretrained, policy and its options, semantics, scoring, quant and its ``quant_*`` options, checked
+against the head size and rotary embeddings in the model's config), ``--batch_size``, ``--include_path`` and
 ``--output_path`` are checked first (h2o.core.validate): a bad one is one line and exit status 2, before any
 model loads.
 """
@@ -24,8 +25,9 @@ def validate(args) -> None:
     from h2o.assets.model_spec import check_pretrained
     from h2o.core.policies import make_policy
     from h2o.core.validate import check, output_dir
+    from h2o.assets.model_spec import ModelSpec
     from h2o.tasks.batching import check_batch_size, from_text
-    from h2o.tasks.lm_eval_model import SCORING, SEMANTICS
+    from h2o.tasks.lm_eval_model import QUANT_PREFIX, SCORING, SEMANTICS, make_lm_quant
 
     if getattr(args, "include_path", None):
         check(Path(args.include_path).is_dir(), f"--include_path={args.include_path!r}: no such folder")
@@ -41,6 +43,11 @@ def validate(args) -> None:
     check(options.get("scoring", "sum") in SCORING,
           f"--model_args scoring={options.get('scoring')!r}: allowed: {', '.join(SCORING)}")
     check_batch_size(from_text(getattr(args, "batch_size", 1)), "--batch_size", schedule=True)
+    pretrained = options.get("pretrained", "smollm2-135m")
+    quant = make_lm_quant(options.get("quant", "none"), {k: v for k, v in options.items()
+                                                         if k.startswith(QUANT_PREFIX)}, pretrained)
+    if quant is not None:
+        quant.check_geometry(*ModelSpec(str(pretrained), str(pretrained)).geometry())
 
 
 def main() -> int:

@@ -4,7 +4,11 @@
         --model_args pretrained=smollm2-135m,policy=h2o,heavy=0.1,recent=0.1 --tasks bb_copa --include_path tasks
 
 model_args beyond HFLM's: ``policy`` (a name of h2o.POLICIES, default full), ``budget`` | ``heavy`` + ``recent``,
-``heavy_share``, ``sinks`` (streaming_llm), ``semantics`` (simulated | reference), ``scoring`` (sum | mean).
+``heavy_share``, ``sinks`` (streaming_llm), ``semantics`` (simulated | reference), ``scoring`` (sum | mean),
+``quant`` (none | uniform | kvquant, h2o.core.quant) with its options spelled ``quant_<option>``:
+``quant=uniform,quant_bits=4,quant_group_size=64`` or ``quant=kvquant,quant_bits=3,quant_sink=false``
+(kvquant's ``quant_calibration`` defaults to ``<cache>/kvquant/<pretrained>.pt``, fitted by
+``python -m h2o.bench.calibrate --model <pretrained>``); both paths attend to the values the quantized cache holds.
 ``pretrained`` also takes ``smollm2-135m`` and ``tiny:<arch>``. Integers are token counts, floats ratios.
 
 Only the model call changes:
@@ -52,6 +56,30 @@ from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 
 SEMANTICS = ("simulated", "reference")
 SCORING = ("sum", "mean")
+QUANT_PREFIX = "quant_"
+
+
+def make_lm_quant(quant: str = "none", options: dict | None = None, pretrained=None):
+    """``--model_args quant=<scheme>,quant_<option>=<value>,...`` -> the quantizer (None for ``none``); a bad
+    scheme, option or value is a one-line QuantError. ``options``: the ``quant_*`` arguments (prefix kept)."""
+    import inspect
+
+    from h2o.assets.paths import cache_dir
+    from h2o.core.quant import SCHEMES, QuantError, make_quant
+
+    opts = {k[len(QUANT_PREFIX):]: v for k, v in (options or {}).items()}
+    if quant == "none" and opts:
+        raise QuantError(f"--model_args {', '.join(options)}: quant=none takes no options; "
+                         f"allowed: quant={', quant='.join(s for s in SCHEMES if s != 'none')} with its options")
+    if quant in SCHEMES and SCHEMES[quant] is not None:
+        allowed = [n for n in inspect.signature(SCHEMES[quant]).parameters]
+        bad = next((k for k in opts if k not in allowed), None)
+        if bad is not None:
+            raise QuantError(f"--model_args {QUANT_PREFIX}{bad}: no such option for quant={quant}; allowed: "
+                             f"{', '.join(QUANT_PREFIX + n for n in allowed)}")
+    if quant == "kvquant" and "calibration" not in opts and isinstance(pretrained, str):
+        opts["calibration"] = str(cache_dir() / "kvquant" / f"{pretrained.replace(':', '-')}.pt")
+    return make_quant(quant, **opts)
 
 
 def resolve_pretrained(pretrained):
@@ -87,11 +115,13 @@ def from_left_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
 class H2OLM(HFLM):
     def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", budget=None, heavy=None,
                  recent=None, heavy_share=None, sinks=None, semantics: str = "simulated", scoring: str = "sum",
-                 **kwargs):
+                 quant: str = "none", **kwargs):
         if isinstance(policy, str):
             options = {k: v for k, v in dict(budget=budget, heavy=heavy, recent=recent, heavy_share=heavy_share,
                                              sinks=sinks).items() if v is not None}
             policy = make_policy(policy, **options)
+        quantizer = make_lm_quant(quant, {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)},
+                                  pretrained)
         if semantics not in SEMANTICS:
             raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
         if scoring not in SCORING:
@@ -101,6 +131,8 @@ class H2OLM(HFLM):
         if kwargs.get("device") in (None, "cuda") and not torch.cuda.is_available():
             kwargs["device"] = "cpu"
         super().__init__(pretrained=resolve_pretrained(pretrained), **kwargs)
+        if quantizer is not None:
+            policy.quant = quantizer.bind(self.model)  # checks the head size and rotary embeddings
         self.policy, self.semantics, self.scoring = policy, semantics, scoring
         self._known: set[tuple[int, ...]] = set()
         self.cont_tokens: dict[tuple[str, str], int] = {}  # (context, continuation) -> continuation tokens

@@ -68,6 +68,7 @@ class Quantizer:
 
     name = ""
     bits = 16
+    sink = False  # keep each sequence's first token (the attention sink) as computed: :meth:`fake_kv`, the cache
 
     def bind(self, model) -> "Quantizer":
         """Check the quantizer against a loaded model (head size, rotary) and read what it needs; returns self."""
@@ -99,10 +100,28 @@ class Quantizer:
     def unpack_kv(self, keys, values, layer: int, dtype: torch.dtype):
         return self.unpack(keys, "key", layer, dtype), self.unpack(values, "value", layer, dtype)
 
-    def fake_kv(self, keys, values, layer: int):
-        """The simulated path: (B, Hkv, T, D) keys/values from column 0 -> the values the cache would hold."""
+    def fake_kv(self, keys, values, layer: int, valid: torch.Tensor | None = None):
+        """The simulated path: (B, Hkv, T, D) keys/values from column 0 -> the values the cache would hold
+        (``sink``: each sequence's first real token as computed, the rest decoded; valid (B, T) bool: the
+        non-pad columns, None: all)."""
         rows = self.pack_kv(keys, values, layer, 0)
-        return self.unpack_kv(*rows, layer, keys.dtype)
+        fk, fv = self.unpack_kv(*rows, layer, keys.dtype)
+        if self.sink:
+            T = keys.shape[-2]
+            first = torch.zeros(keys.shape[0], 1, dtype=torch.long, device=keys.device) if valid is None \
+                else valid.long().argmax(-1, keepdim=True)  # (B, 1)
+            at = torch.arange(T, device=keys.device) == first  # (B, T)
+            if valid is not None:
+                at &= valid
+            fk, fv = self.put_sink(fk, fv, (keys, values), at[:, None, :])
+        return fk, fv
+
+    @staticmethod
+    def put_sink(keys, values, sink: tuple, at: torch.Tensor):
+        """Decoded (B, Hkv, S, D) keys/values with the slots ``at`` (B, Hkv or 1, S) bool replaced by the sink's
+        key and value as computed, ``sink`` = ((B, Hkv, 1 or S, D), (B, Hkv, 1 or S, D))."""
+        at = at[..., None]
+        return torch.where(at, sink[0], keys), torch.where(at, sink[1], values)
 
     def describe(self) -> dict:
         return {"quant": self.name, "bits": self.bits}

@@ -12,6 +12,11 @@
   exactly in fp16 with a uint8 index; the range is that of the other entries. Keys per channel: the entries
   furthest outside the calibrated range (the range then spans the channel's 0.5-99.5% quantiles); per token:
   the entries of largest magnitude.
+* ``sink``: each sequence's first real token (position 0, the attention sink; after left padding, the first
+  non-pad column) keeps its key and value as the model computes them (its dtype), as in KVQuant's later version
+  (attention-sink-aware quantization): per-channel ranges fitted offline clip the sink's key (relative error 0.98
+  on SmolLM2). The evicting cache holds that token's two vectors per layer and sequence beside the rows (counted
+  in ``nbytes``, whether or not the policy still holds the token) and reads them into its slot while held.
 
 A vector is normalised to ``u = (x - mid) / half`` in [-1, 1], each entry coded as its nearest codebook point,
 and read back as ``mid + half * codebook[code]`` with the outliers put back.
@@ -49,12 +54,14 @@ class KVQuant(Quantizer):
     name = "kvquant"
 
     def __init__(self, bits: int = 4, per_channel_keys: bool = True, pre_rope: bool = True,
-                 nonuniform: bool = True, outliers: bool = True, calibration: str | dict | None = None):
+                 nonuniform: bool = True, outliers: bool = True, calibration: str | dict | None = None,
+                 sink: bool = True):
         self.bits = check_bits(bits)
         self.per_channel_keys = flag("per_channel_keys", per_channel_keys)
         self.pre_rope = flag("pre_rope", pre_rope)
         self.nonuniform = flag("nonuniform", nonuniform)
         self.outliers = flag("outliers", outliers)
+        self.sink = flag("sink", sink)
         self.cal = self.load(calibration) if self.needs_calibration else None
         self.head_dim = self.cal["head_dim"] if self.cal else None
         self.inv_freq = None
@@ -187,4 +194,4 @@ class KVQuant(Quantizer):
 
     def describe(self):
         return {**super().describe(), "per_channel_keys": self.per_channel_keys, "pre_rope": self.pre_rope,
-                "nonuniform": self.nonuniform, "outliers": self.outliers}
+                "nonuniform": self.nonuniform, "outliers": self.outliers, "sink": self.sink}
