@@ -146,6 +146,7 @@ def test_bad_values_exit_2_with_one_line_before_any_load(args, words, capsys, tm
     from h2o.pipeline.run import main
 
     monkeypatch.chdir(tmp_path)
+    models_spec._LOADED.clear()  # earlier in-process runs keep their model for the next job
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and len(err.splitlines()) == 1 and all(w in err for w in words), err
