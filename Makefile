@@ -17,7 +17,7 @@ help: ## list the targets
 	python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0          # CPU wheel here, CUDA build on a GPU node: same pin
-	$(PIP) install -q -e '.[test]'
+	DISABLE_CUDA=1 $(PIP) install -q -e '.[test]'  # DISABLE_CUDA: hqq's sdist (test extra) would try to build CUDA kernels
 	touch $@
 
 install: .venv/installed ## create .venv and install the package with its pinned stack
