@@ -112,7 +112,7 @@ def test_benchmark_records(model, prefill):
             assert m["throughput_tok_s"] == pytest.approx(r["batch_size"] * r["gen_len"] / m["latency_s"])
         else:
             assert m["throughput_tok_s"] is None and m["latency_s"] is None
-    full, h2o = main[0]["metrics"], main[1]["metrics"]
+    h2o = main[1]["metrics"]
     assert h2o["vs_full"]["kv_bytes_prefill"] == pytest.approx(budget_tokens(0.2, 48) / 48)
     limited = {r["policy"]: r for r in recs if "kv_limit_bytes" in r}
     if prefill == "shared":
