@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from h2o.bench.measure import gpu_devices, release_freed
+from h2o.bench.measure import gpu_devices, proc_kib_field, release_freed
 from h2o.bench.throughput import run_once
 from h2o.bench.variants import Variant, variant_context
 
@@ -82,13 +82,9 @@ def memory_cap(devices, fraction: float):
 
 def machine_bytes() -> int:
     """Physical memory of the machine (``MemTotal``; the page count elsewhere)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    total = proc_kib_field("/proc/meminfo", "MemTotal")
+    if total is not None:
+        return total
     import os
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 

@@ -25,16 +25,22 @@ def rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _hwm_bytes() -> int | None:
-    """Peak resident memory since the last reset (Linux ``VmHWM``), or None."""
+def proc_kib_field(path: str, key: str) -> int | None:
+    """Bytes of a ``key: N kB`` line of a /proc file (``VmHWM`` in /proc/self/status, ``MemTotal`` in
+    /proc/meminfo), or None where the file or line is missing."""
     try:
-        with open("/proc/self/status") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
+
+
+def _hwm_bytes() -> int | None:
+    """Peak resident memory since the last reset (Linux ``VmHWM``), or None."""
+    return proc_kib_field("/proc/self/status", "VmHWM")
 
 
 def _reset_hwm() -> bool:
