@@ -11,6 +11,8 @@ import time
 import torch
 from transformers.cache_utils import Cache
 
+from h2o.tasks.batching import cuda_devices
+
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -130,10 +132,7 @@ def sync(device) -> None:
 
 
 # ------------------------------------------------------------------------------------------- GPUs
-def gpu_devices(model) -> list[torch.device]:
-    """Every CUDA device holding a parameter or buffer of ``model`` (a model split by ``device_map``)."""
-    found = {t.device for t in list(model.parameters()) + list(model.buffers()) if t.device.type == "cuda"}
-    return sorted(found, key=lambda d: d.index or 0)
+gpu_devices = cuda_devices  # every CUDA device the model spans (h2o.tasks.batching, which sizes batches by them)
 
 
 def reset_gpu_peaks(devices) -> None:

@@ -67,8 +67,9 @@ def record(requested: Any, sizings: list[Sizing]) -> dict:
 
 
 def cuda_devices(model) -> list:
-    """The CUDA devices holding the model's parameters (several with a device_map), in order."""
-    return sorted({p.device for p in model.parameters() if p.device.type == "cuda"}, key=str)
+    """Every CUDA device holding a parameter or buffer of ``model`` (several with a device_map), by index."""
+    found = {t.device for t in list(model.parameters()) + list(model.buffers()) if t.device.type == "cuda"}
+    return sorted(found, key=lambda d: d.index or 0)
 
 
 def choose(requested: Any, model, step: Callable[[int], Any], n_items: int, max_batch: int = MAX_BATCH,
