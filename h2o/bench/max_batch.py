@@ -28,8 +28,8 @@ import torch
 from h2o.bench.measure import gpu_devices, proc_kib_field, release_freed
 from h2o.bench.throughput import run_once
 from h2o.bench.variants import Variant, variant_context
+from h2o.tasks.batching import is_oom
 
-OOM = (torch.OutOfMemoryError,)  # torch.cuda.OutOfMemoryError is the same class
 
 
 def search_largest(try_batch: Callable[[int], bool], cap: int = 1024) -> tuple[int, list[tuple[int, bool]]]:
@@ -41,7 +41,9 @@ def search_largest(try_batch: Callable[[int], bool], cap: int = 1024) -> tuple[i
     def fits(b: int) -> bool:
         try:
             ok = bool(try_batch(b))
-        except OOM:
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory is an answer; anything else is raised
+            if not is_oom(exc):
+                raise
             ok = False
         trials.append((b, ok))
         return ok
