@@ -291,3 +291,25 @@ def test_unknown_policy_and_option():
         make_policy("local", sinks=4)
     with pytest.raises(PolicyError, match="budget=3 tokens: must be >= sinks"):
         make_policy("streaming_llm", budget=3, sinks=4)
+
+
+def test_column_key_picks_select_slots_slot():
+    """The simulated loop's eviction (first minimum of column_key) is select_slot's on columns in position order:
+    ties (quantized priorities) go to the oldest held column, a sequence with room takes a free column."""
+    from h2o.core.policies import select_slot
+    from h2o.core.simulate import column_key
+    g = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        B, H, T = 3, 2, 12
+        keep = torch.rand(B, H, T, generator=g) < 0.6
+        keep[..., -1] = False  # the arriving column is never held
+        prio = torch.randint(0, 3, (B, H, T), generator=g).float()  # many ties
+        room = torch.tensor([trial % 2 == 0, False, True])
+        pos = torch.arange(T).expand(B, H, T).masked_fill(~keep, -1)
+        inf = torch.tensor(float("inf"))
+        fill = torch.where(room, -inf, inf).view(B, 1, 1)
+        ours = column_key(keep, prio, fill).argmin(-1, keepdim=True)
+        theirs = select_slot(prio, pos, keep, room)
+        full = ~room
+        assert torch.equal(ours[full], theirs[full])  # the same held column dropped
+        assert not keep.gather(-1, ours)[room].any()  # room: a free column (dropping it changes nothing)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 
 from . import row_kernel
-from .policies import Policy, keep_top, select_slot
+from .policies import Policy, keep_top
 from .policies.base import const
 from .policies.h2o import H2O, reference_mask
 
@@ -204,25 +204,46 @@ def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int) -> torc
 
 def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded=True):
     """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention.
-    ``padded`` False: no row from ``start`` on is a pad (their weighting is skipped)."""
+    ``padded`` False: no row from ``start`` on is a pad (their weighting is skipped).
+
+    The eviction is :func:`h2o.core.policies.select_slot`'s decision in column order (:func:`column_key`): one
+    ``where`` and one ``argmin`` per row. Per-row inputs are laid out row-major once, so each row reads them with
+    one ``select`` (this loop issues every op of the CPU path: ~20 per row instead of ~65)."""
     T = logits.shape[-1]
+    B = valid.shape[0]
     before = valid.long().cumsum(-1) - valid.long()  # (B, T) tokens before each column; the cache holds min(., K)
     rooms = (before < counts.total[:, None]) | ~valid  # (B, T) below budget (or a pad: nothing to evict)
+    inf = const(float("inf"), torch.float32, logits.device)
+    fills = torch.where(rooms, -inf, inf).t().contiguous().view(T, B, 1, 1)  # (T, B, 1, 1) key of a free column
+    toks = valid.t().contiguous()  # (T, B): row i's token is real
+    weights = toks.to(logits.dtype).view(T, B, 1, 1, 1, 1)  # (T, B, 1, 1, 1, 1): pad rows add nothing
+    now = pos.t().contiguous()  # (T, B)
+    low = const(torch.finfo(torch.float32).min, logits.dtype, logits.device)
+    gone = const(-1, torch.int64, logits.device)
     for i in range(start, T):
-        tok = valid[:, i]  # (B,)
+        tok = toks[i].view(B, 1)  # (B, 1)
         if policy.evicts:
-            room = rooms[:, i]
-            held = posH.masked_fill(~keep, -1)  # the state as the cache sees it: -1 = not held
-            slot = select_slot(policy.priority(held, acc, pos[:, i], counts), held, keep, room)
+            held = torch.where(keep, posH, gone)  # the state as the cache sees it: -1 = not held
+            prio = policy.priority(held, acc, now[i], counts)  # (B, Hkv, T)
+            slot = column_key(keep, prio, fills[i]).argmin(-1, keepdim=True)  # (B, Hkv, 1)
             keep.scatter_(-1, slot, False)
-            keep[:, :, i] = tok[:, None]
-            row = keep[:, :, None, :]  # (B, Hkv, 1, T)
+            keep.select(2, i).copy_(tok)
+            row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
         else:
-            keep[:, :, i] = tok[:, None]
+            keep.select(2, i).copy_(tok)
             row = policy.restrict(logits[..., i:i + 1, :], acc[:, :, None, None, :],
                                   keep[:, :, None, None, :], counts)[..., 0, :]  # (B, Hkv, G, T)
-        out[..., i, :] = row
-        if policy.needs_scores:
-            p = masked_softmax(logits[..., i:i + 1, :], row[..., None, :])  # (B, Hkv, G, 1, T)
-            policy.accumulate(acc, p * tok.view(-1, 1, 1, 1, 1) if padded else p, tok[:, None] if padded else None)
+        out.select(-2, i).copy_(row)
+        if policy.needs_scores:  # masked_softmax of the row, in place of its two ops
+            p = torch.softmax(torch.where(row, logits.select(-2, i), low), -1).unsqueeze(-2)  # (B, Hkv, G, 1, T)
+            policy.accumulate(acc, p * weights[i] if padded else p, tok if padded else None)
 
+
+def column_key(keep: torch.Tensor, prio: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """The key whose first minimum is :func:`select_slot`'s slot when slots are columns in position order.
+
+    keep (B, H, T) bool held, prio (B, H, T) of the held, fill (B, 1, 1): -inf where the sequence has room (a free
+    column is taken: dropping a column that holds nothing changes nothing), +inf where it is full (a held column of
+    lowest priority is dropped). ``argmin`` returns the first minimum, i.e. the oldest held token on ties, as
+    select_slot's position tie-break does (tested against it)."""
+    return torch.where(keep, prio, fill)
