@@ -8,7 +8,7 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     out = tmp_path / "gpu_check.json"
     assert gpu_check.main(["--device", "cpu", "--quick", "--json", str(out)]) == 0
     rec = json.loads(out.read_text())
-    assert rec["ok"] and rec["equivalence_ok"]
+    assert rec["ok"] and rec["equivalence_ok"] and rec["finished"]
     assert {r["dtype"] for r in rec["equivalence"]} == {"fp32", "bf16"}
     assert len(rec["equivalence"]) == 4 * 2 * 2  # archs x dtypes x (h2o, local)
     assert all(r["syncs_per_step"] == 1 for r in rec["launches"]["decode"])
@@ -25,3 +25,15 @@ def test_gpu_check_without_cuda_fails_in_one_line(tmp_path, capsys):
     assert gpu_check.main(["--device", "tpu", "--json", str(out)]) == 2
     err = capsys.readouterr().err
     assert "--device='tpu'" in err and err.count("\n") == 1 and not out.exists()
+
+
+def test_gpu_check_records_a_failing_section_and_runs_the_others(tmp_path, monkeypatch):
+    def broken(device):
+        raise RuntimeError("triton: no kernel\nsecond line")
+    monkeypatch.setattr(gpu_check, "launches", broken)
+    out = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--device", "cpu", "--quick", "--json", str(out)]) == 1
+    rec = json.loads(out.read_text())
+    assert rec["launches"] == {"error": "RuntimeError: triton: no kernel"}
+    assert rec["finished"] and not rec["ok"] and rec["equivalence_ok"]
+    assert rec["speed"]["sdpa_dynamic_s_per_step"] > 0 and rec["max_batch"]["method"] == "estimate"

@@ -13,7 +13,9 @@
     python -m h2o.bench.gpu_check --json runs/gpu_check.json          # needs CUDA; ~5 min on one GPU
     python -m h2o.bench.gpu_check --device cpu --quick --json out.json  # the same checks, small, on the CPU
 
-Exit 1 if a check fails (the JSON says which), 2 on bad input (before any work).
+Exit 1 if a check fails (the JSON says which), 2 on bad input (before any work). The JSON is rewritten after each
+section (``finished`` false until the end), and a section that raises is recorded as ``{"error": ...}`` while the
+others still run: a one-shot run on a lent GPU keeps everything it measured.
 """
 from __future__ import annotations
 
@@ -160,22 +162,46 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     dtypes = ("fp32", "bf16") if args.quick else tuple(DTYPES)
     L, P = (24, 10) if args.quick else (96, 40)
-    eq = equivalence(args.device, dtypes, L, P, POLICIES[:2] if args.quick else POLICIES)
     record = {"device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu",
-              "torch": torch.__version__, "equivalence": eq, "equivalence_ok": all(r["ok"] for r in eq),
-              "launches": launches(args.device)}
-    model, name = load(args.device, smollm2=not args.quick)
-    record["speed"] = speed(model, name, args.device, *((32, 4, 64) if args.quick else (1024, 64, 1024)))
-    record["max_batch"] = max_batch(model, name, *((32, 4, 0.1) if args.quick else (512, 16, 0.1)))
-    record["seconds"] = time.perf_counter() - t0
-    record["ok"] = record["equivalence_ok"] and record["launches"]["ok"]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
-    tmp.replace(out)  # no half-written record
+              "torch": torch.__version__, "finished": False}
+    loaded = {}
+
+    def model():
+        if not loaded:
+            loaded["m"] = load(args.device, smollm2=not args.quick)
+        return loaded["m"]
+
+    sections = {
+        "equivalence": lambda: equivalence(args.device, dtypes, L, P, POLICIES[:2] if args.quick else POLICIES),
+        "launches": lambda: launches(args.device),
+        "speed": lambda: speed(*model(), args.device, *((32, 4, 64) if args.quick else (1024, 64, 1024))),
+        "max_batch": lambda: max_batch(*model(), *((32, 4, 0.1) if args.quick else (512, 16, 0.1))),
+    }
+    for name, run in sections.items():  # one failing section is recorded and the others still run
+        s0 = time.perf_counter()
+        try:
+            record[name] = run()
+        except Exception as e:  # noqa: BLE001 -- a one-shot check on a lent GPU: keep what the others measure
+            record[name] = {"error": f"{type(e).__name__}: {e}".splitlines()[0]}
+        print(f"gpu-check: {name} in {time.perf_counter() - s0:.0f} s", file=sys.stderr, flush=True)
+        record["seconds"] = time.perf_counter() - t0
+        write(out, record)  # after every section: a run cut short keeps what it measured ("finished": false)
+    eq = record["equivalence"]
+    record["equivalence_ok"] = isinstance(eq, list) and all(r["ok"] for r in eq)
+    record["ok"] = record["equivalence_ok"] and record["launches"].get("ok", False) and \
+        not any("error" in record[k] for k in ("speed", "max_batch"))
+    record["finished"] = True
+    write(out, record)
     print(f"gpu-check: {'ok' if record['ok'] else 'FAILED'} in {record['seconds']:.0f} s -> {out}")
     return 0 if record["ok"] else 1
 
+
+def write(out: Path, record: dict) -> None:
+    """The JSON replaced whole (never a torn file)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record, indent=1))
+    tmp.replace(out)
 
 if __name__ == "__main__":
     sys.exit(main())
