@@ -42,4 +42,4 @@ def test_table_and_figure_use_common_windows(tmp_path):
 
 def test_no_samples_is_an_error(tmp_path, capsys):
     assert ss.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 2
-    assert "no live window samples" in capsys.readouterr().err
+    assert "no streaming run records and no live window samples" in capsys.readouterr().err
