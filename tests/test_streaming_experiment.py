@@ -1,6 +1,7 @@
 """One entry point for the streaming benchmark: ``make stream`` is ``h2o-run -m experiment=streaming`` (policy x
 budget x chunk), its records come from the runner (values equal to a direct call of the streaming function, a
-finished run not run again), the task's live windows, and bad values one line, exit 2, before the model loads."""
+finished run not run again; analysis.streaming_study compares the chunks), the task's live windows, and bad
+values one line, exit 2, before the model loads."""
 import json
 import os
 import shlex
@@ -9,6 +10,7 @@ import sys
 
 import pytest
 
+from analysis import streaming_study as ss
 from h2o.assets import model_spec
 from h2o.assets.model_spec import resolve_tiny
 from h2o.assets.models import load_model
@@ -109,6 +111,12 @@ def test_the_record_is_the_streaming_function_and_a_finished_run_is_skipped(text
         assert [r["ppl"] for r in rows] == pytest.approx([s["ppl"] for s in samples], rel=1e-5)
         assert (rec["task_kind"], rec["heavy"], rec["recent"]) == ("streaming", 11, 21)
         assert not (f.parent / "partial").exists()
+    ppl = {c: json.loads(f.read_text())["metrics"]["ppl"] for c, f in recs.items()}
+    assert ss.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 0  # make stream's last step
+    md = (tmp_path / "out" / "study.md").read_text()
+    line = next(x for x in md.splitlines() if x.startswith("- h2o at 32 tokens, chunks of 4 vs token by token: "))
+    a, b = line.split("perplexity ")[1].split(" (")[0].split(" vs ")
+    assert (float(a), float(b)) == pytest.approx((ppl[4], ppl[1]), abs=6e-4)
     stamps = {f: f.stat().st_mtime_ns for f in recs.values()}
     assert main(args) == 0
     jobs = [j for f in (tmp_path / "multirun").rglob("jobs.jsonl") for j in read_jsonl(f)]
