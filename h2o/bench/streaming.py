@@ -42,9 +42,10 @@ Summary metrics: ``ppl``, ``nll``, ``ppl_past_context`` (tokens past the model's
 ``rss_growth``, ``time_per_token_growth`` and ``cpu_per_token_growth`` (end vs after the warm-up, see
 :func:`flatness`).
 
-CLI (:mod:`h2o.bench.streaming_cli`): ``python -m h2o.bench.streaming --text austen --tokens 20000 --policies
-h2o,h2o:heavy_share=1/2,streaming_llm,local --budgets 96,192,384 --compare-chunk 32 --batch --progress``;
-``--tokens 1000000`` streams a million tokens (the text repeats if shorter).
+Run records: ``make stream`` = ``h2o-run -m experiment=streaming`` (:class:`StreamingTask`, one run per policy x
+budget x chunk). Exploration, no record (:mod:`h2o.bench.streaming_cli`): ``python -m h2o.bench.streaming --text
+austen --tokens 20000 --policies h2o,h2o:heavy_share=1/2,streaming_llm,local --budgets 96,192,384 --compare-chunk 32
+--batch --progress``; ``--tokens 1000000`` streams a million tokens (the text repeats if shorter).
 """
 from __future__ import annotations
 
