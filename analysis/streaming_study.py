@@ -119,8 +119,10 @@ def table(data) -> str:
         n = common(runs)
         feed = "token by token" if chunk == 1 else f"chunks of {chunk}"
         marks = [i for i in range(n) if n <= 12 or (i + 1) in (1, 2, 5, 10, 20, 30, 40, 50) or i == n - 1]
-        head = " | ".join(f"{runs[next(iter(runs))][i]['tokens'] // 1000}k" for i in marks)
-        lines += [f"**{budget}-token cache, {feed}** ({n} windows of 1k tokens; window perplexity at the k-th "
+        first = runs[next(iter(runs))]
+        head = " | ".join(f"{first[i]['tokens'] / 1000:g}k" for i in marks)
+        lines += [f"**{budget}-token cache, {feed}** ({n} windows of {first[0]['tokens'] / 1000:g}k tokens; "
+                  f"window perplexity at the k-th "
                   f"thousand tokens, then the perplexity of all {n} windows)", "",
                   f"| policy | {head} | all |", "|---|" + "---|" * (len(marks) + 1)]
         for label, s in sorted(runs.items(), key=lambda kv: overall(kv[1][:n])):
@@ -161,7 +163,7 @@ def chunk_comparison(data) -> str:
             lines.append(f"- {label} at {budget} tokens, chunks of {chunk} vs token by token: perplexity {b:.3f} vs "
                          f"{a:.3f} ({100 * (b / a - 1):+.2f}%)" + (f", {fast / slow:.1f}x the speed" if fast and slow
                                                                    else "") + f" ({n} windows)")
-    return "\n".join(["**Chunks vs token by token**", "", *lines, ""]) if lines else ""
+    return "\n".join(["", "**Chunks vs token by token**", "", *lines, ""]) if lines else ""
 
 
 def figure(data, out: Path) -> Path:
