@@ -90,7 +90,7 @@ STREAM_COMPARE_CHUNK ?= 32
 STREAM_OUT ?= analysis/out/streaming
 comma := ,
 STREAM_CHUNKS = $(STREAM_CHUNK)$(if $(filter-out 0 $(STREAM_CHUNK),$(STREAM_COMPARE_CHUNK)),$(comma)$(STREAM_COMPARE_CHUNK))
-stream: install ## streaming perplexity on Austen (experiment=streaming): the authors' protocol (token by token, heavy 1/3) + chunks of 32 beside it, one run each (STREAM_* sizes)
+stream: install ## streaming perplexity on Austen = h2o-run -m experiment=streaming, one record per policy x budget x chunk (token by token, the authors' protocol, and chunks of 32), then the window table and chunk comparison (STREAM_* sizes)
 	$(PY) -m h2o.pipeline.run -m experiment=streaming threads=$(BENCH_THREADS) task.tokens=$(STREAM_TOKENS) \
 		policy=$(STREAM_POLICIES) policy.budget=$(STREAM_BUDGETS) task.chunk=$(STREAM_CHUNKS) \
 		$(if $(WANDB),logger=wandb) $(ARGS); rc=$$?; [ $$rc = 2 ] && exit 2; \
