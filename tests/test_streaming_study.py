@@ -64,7 +64,7 @@ def record(root, policy, chunk, ppls, times, **options):
 def test_run_records_labels_chunk_comparison_and_the_token_by_token_pick(tmp_path):
     """The experiment's records: labelled by policy plus the settings that differ between that policy's records;
     each chunked run beside its token-by-token run; the tables' cell rule takes token by token over a newer
-    chunked record of the same cell."""
+    chunked record of the same cell; a record of the former CLI (``--runs``) is still read."""
     from analysis.figures import one_each
     from analysis.records import load_runs
 
@@ -82,3 +82,10 @@ def test_run_records_labels_chunk_comparison_and_the_token_by_token_pick(tmp_pat
     assert "h2o:score=sum vs streaming_llm: lower window perplexity in 3 of 3 windows" in ss.table(data)
     pick = one_each(load_runs(root), ["experiment", "policy", "budget", "policy_options.score"], "ppl")
     assert sorted(zip(pick["policy"], pick["protocol.chunk"])) == [("h2o", 1), ("h2o", 1), ("streaming_llm", 1)]
+    old = root / "cli" / "h2o_heavy_share1-2_96_c32_cache"  # a record of the former CLI (--runs): still read
+    old.mkdir(parents=True)
+    (old / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in samples([17.0] * 3)))
+    (old / "metrics.json").write_text(json.dumps({"task_kind": "streaming", "task": "austen", "policy": "h2o",
+                                                  "label": "h2o:heavy_share=1/2", "budget": 96, "chunk": 32,
+                                                  "model": "smollm2-135m", "metrics": {"ppl": 17.0}}))
+    assert sorted(ss.load(root)[(32, 96)]) == ["h2o:heavy_share=1/2", "h2o:score=sum"]
