@@ -130,4 +130,4 @@ def test_the_task_shows_progress_and_writes_each_window_live(text, tmp_path, cap
     with recording(tmp_path / "partial"):
         res = task.run(model, tok, make_policy("local", budget=BUDGET), "real", 0)
     assert read_jsonl(tmp_path / "partial" / "windows.jsonl") == json.loads(json.dumps(res.samples))
-    assert "[stream] local 32 chunk 1: " in "".join(capsys.readouterr())  # the speed and the wall time it predicts
+    assert "[stream] local 32 chunk 1: " in capsys.readouterr().err  # the speed and the wall time it predicts

@@ -306,7 +306,7 @@ def drive(st: Streamer, progress: bool = False, runs_left: int = 1) -> None:
             bar.update(st.s - before)
             if progress and before < calib <= st.s:
                 bar.write(f"[stream] {st.pol.name} {st.budget} chunk {st.chunk}: "
-                          f"{estimate(st.s, st.n_pred, st.wall, runs_left)}")
+                          f"{estimate(st.s, st.n_pred, st.wall, runs_left)}", file=sys.stderr)
             if progress and st.wins[0].samples:
                 bar.set_postfix(ppl=f"{st.wins[0].samples[-1]['ppl']:.2f}", held=st.held,
                                 rss=f"{rss_bytes() / 2**20:.0f}MiB", refresh=False)
