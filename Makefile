@@ -78,16 +78,24 @@ bench: install ## issue 12's targets: decode throughput, KV bytes, largest batch
 		'task.short=[$(BENCH_SHORT)]' 'task.e2e=[$(BENCH_E2E)]' task.sim=$(BENCH_SIM) 'task.memory=[$(BENCH_MEMORY)]' \
 		task.gen_len=$(BENCH_GEN) task.repeats=$(BENCH_REPEATS) $(if $(WANDB),logger=wandb) $(ARGS)
 
+# Streaming: one run per policy x budget x chunk of experiment=streaming (conf/experiment/streaming.yaml), recorded
+# under runs/streaming/ like every run (a finished record is not run again; a failed job leaves the others). Then
+# python -m analysis.streaming_study prints the window table and each policy's chunked run beside its token-by-token
+# one (perplexity change, speed-up). STREAM_COMPARE_CHUNK=0: no chunked runs. Policy options: ARGS=policy.score=mean.
 STREAM_TOKENS ?= 20000
 STREAM_BUDGETS ?= 96,192,384
 STREAM_POLICIES ?= h2o,streaming_llm,local
 STREAM_CHUNK ?= 1
 STREAM_COMPARE_CHUNK ?= 32
-stream: install ## streaming perplexity on Austen, the authors' protocol (token by token, heavy 1/3) + chunked beside it
-	$(PY) -m h2o.bench.streaming --text austen --tokens $(STREAM_TOKENS) --budgets $(STREAM_BUDGETS) \
-		--policies $(STREAM_POLICIES) --chunk $(STREAM_CHUNK) --compare-chunk $(STREAM_COMPARE_CHUNK) --batch \
-		--threads $(BENCH_THREADS) --runs runs --progress
-	$(if $(WANDB),$(PY) -m h2o.pipeline.wandb_sync runs --experiment streaming --summary)
+STREAM_OUT ?= analysis/out/streaming
+comma := ,
+STREAM_CHUNKS = $(STREAM_CHUNK)$(if $(filter-out 0 $(STREAM_CHUNK),$(STREAM_COMPARE_CHUNK)),$(comma)$(STREAM_COMPARE_CHUNK))
+stream: install ## streaming perplexity on Austen = h2o-run -m experiment=streaming, one record per policy x budget x chunk (token by token, the authors' protocol, and chunks of 32), then the window table and chunk comparison (STREAM_* sizes)
+	$(PY) -m h2o.pipeline.run -m experiment=streaming threads=$(BENCH_THREADS) task.tokens=$(STREAM_TOKENS) \
+		policy=$(STREAM_POLICIES) policy.budget=$(STREAM_BUDGETS) task.chunk=$(STREAM_CHUNKS) \
+		$(if $(WANDB),logger=wandb) $(ARGS); rc=$$?; [ $$rc = 2 ] && exit 2; \
+	$(PY) -m analysis.streaming_study $${H2O_RUNS:-runs}/streaming --out $(STREAM_OUT) || exit $$?; \
+	[ $$rc = 0 ] || { echo "stream: some jobs failed (listed above)"; exit 1; }
 
 GPU_CHECK_OUT ?= runs/gpu_check.json
 gpu-check: install ## on one GPU (<= 10 min): equivalence in fp32/fp16/bf16, launches and syncs, decode and simulated ratios -> one JSON

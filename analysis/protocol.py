@@ -78,8 +78,9 @@ def protocol_of(row: pd.Series) -> dict:
 
 def annotate(df: pd.DataFrame) -> pd.DataFrame:
     """Copy of ``df`` with ``protocol`` (a JSON key), ``paper_protocol`` (per-token mean scoring
-    and no BOS, or not multiple choice), ``mtime`` and, for records that scored with the mean rule
-    before ``acc_mean`` existed, ``acc_mean`` = their ``acc``. Idempotent."""
+    and no BOS, or not multiple choice; streaming: token by token), ``mtime`` and, for records
+    that scored with the mean rule before ``acc_mean`` existed, ``acc_mean`` = their ``acc``.
+    Idempotent."""
     if "protocol" in df.columns and df["protocol"].map(lambda v: isinstance(v, str)).all():
         return df
     df = df.copy()
@@ -93,6 +94,8 @@ def annotate(df: pd.DataFrame) -> pd.DataFrame:
     df.loc[old_mean, "acc_mean_stderr"] = df.loc[old_mean, "acc_stderr"]
     mc = df["task_kind"] == "multiple_choice"
     df["paper_protocol"] = ~mc | ((df["scoring"] == "mean") & (df["add_bos_token"] == False))  # noqa: E712
+    if "protocol.chunk" in df.columns:  # streaming: token by token is the authors' protocol, chunks are not
+        df["paper_protocol"] &= ~((df["task_kind"] == "streaming") & (df["protocol.chunk"].fillna(1) != 1))
     df["mtime"] = [_mtime(p) for p in df["path"]]
     return df
 

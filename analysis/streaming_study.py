@@ -1,10 +1,14 @@
 """The long-stream study (README "Streaming study"): perplexity per 1k-token window against tokens streamed.
 
-``python -m analysis.streaming_study runs/streaming_study --out analysis/streaming_study`` reads the window samples
-written live by ``python -m h2o.bench.streaming --live DIR`` (``DIR/<label>_<budget>_c<chunk>.jsonl``, one JSON
-sample per window: ``tokens``, ``chunk_ppl`` = the window's perplexity, ``ppl`` = everything so far) from every
-folder under the root, and writes ``study.png`` (one panel per feeding x budget, each policy relative to StreamingLLM) and ``study.md`` (the table;
-past 10 windows also the mean relative window perplexity per block of 10 windows).
+``python -m analysis.streaming_study runs/streaming --out analysis/out/streaming`` reads, from every folder under
+the root, the run records of the streaming experiment (``make stream``: ``metrics.json`` with ``task_kind``
+streaming and its ``samples.jsonl``, one sample per window) and the window samples written live by
+``python -m h2o.bench.streaming --live DIR`` (``DIR/<label>_<budget>_c<chunk>.jsonl``; the committed study), each
+sample with ``tokens``, ``chunk_ppl`` = the window's perplexity, ``ppl`` = everything so far. It writes ``study.png``
+(one panel per feeding x budget, each policy relative to StreamingLLM) and ``study.md`` (the table; past 10 windows
+also the mean relative window perplexity per block of 10 windows; then each policy's chunked run beside its
+token-by-token one: perplexity change and speed-up). A record is labelled by its policy plus every setting (model,
+text, tokens, policy option, ...) whose value differs between the records of that policy found.
 Curves are compared over the windows every run of a panel has finished (a study cut short stays fair); every window is shown up to 12 of them.
 """
 from __future__ import annotations
@@ -25,16 +29,45 @@ NAME = re.compile(r"(?P<label>.+)_(?P<budget>\d+)_c(?P<chunk>\d+)$")
 BASELINE = "streaming_llm"
 
 
+def read_samples(f: Path) -> list[dict]:
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+
+
 def load(root: Path) -> dict[tuple[int, int], dict[str, list[dict]]]:
-    """{(chunk, budget): {label: samples}} from every ``*.jsonl`` of live samples under ``root``."""
+    """{(chunk, budget): {label: samples}} from the streaming records and the live sample files under ``root``."""
     out: dict[tuple[int, int], dict[str, list[dict]]] = {}
     for f in sorted(root.rglob("*.jsonl")):
         m = NAME.match(f.stem)
-        if not m:
-            continue
-        samples = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        samples = read_samples(f) if m else None
         if samples:
             out.setdefault((int(m["chunk"]), int(m["budget"])), {})[m["label"]] = samples
+    for chunk, budget, label, samples in records(root):
+        out.setdefault((chunk, budget), {})[label] = samples
+    return out
+
+
+SETTINGS_SKIP = {"_target_", "name", "budget", "heavy", "recent", "chunk", "shots", "scoring", "add_bos_token"}
+
+
+def records(root: Path) -> list[tuple[int, int, str, list[dict]]]:
+    """(chunk, budget, label, samples) of every finished streaming run record under ``root``."""
+    found = []
+    for f in sorted(root.rglob("metrics.json")):
+        rec = json.loads(f.read_text())
+        samples_file = f.parent / "samples.jsonl"
+        if not isinstance(rec, dict) or rec.get("task_kind") != "streaming" or not samples_file.exists():
+            continue
+        proto = rec.get("protocol") or {}
+        settings = {"model": rec.get("model"), "text": proto.get("text", rec.get("task")),
+                    **{k: v for k, v in {**proto, **(rec.get("policy_options") or {})}.items()
+                       if k not in SETTINGS_SKIP}}
+        found.append((int(proto.get("chunk", rec.get("chunk", 1))), int(rec["budget"]),
+                      rec.get("label") or rec["policy"], settings, read_samples(samples_file)))
+    out = []
+    for chunk, budget, base, settings, samples in found:
+        same = [s for _, _, b, s, _ in found if b == base]
+        differ = [k for k in sorted(settings) if any(s.get(k) != settings[k] for s in same)]
+        out.append((chunk, budget, ":".join([base, *(f"{k}={settings[k]}" for k in differ)]), samples))
     return out
 
 
@@ -86,8 +119,10 @@ def table(data) -> str:
         n = common(runs)
         feed = "token by token" if chunk == 1 else f"chunks of {chunk}"
         marks = [i for i in range(n) if n <= 12 or (i + 1) in (1, 2, 5, 10, 20, 30, 40, 50) or i == n - 1]
-        head = " | ".join(f"{runs[next(iter(runs))][i]['tokens'] // 1000}k" for i in marks)
-        lines += [f"**{budget}-token cache, {feed}** ({n} windows of 1k tokens; window perplexity at the k-th "
+        first = runs[next(iter(runs))]
+        head = " | ".join(f"{first[i]['tokens'] / 1000:g}k" for i in marks)
+        lines += [f"**{budget}-token cache, {feed}** ({n} windows of {first[0]['tokens'] / 1000:g}k tokens; "
+                  f"window perplexity at the k-th "
                   f"thousand tokens, then the perplexity of all {n} windows)", "",
                   f"| policy | {head} | all |", "|---|" + "---|" * (len(marks) + 1)]
         for label, s in sorted(runs.items(), key=lambda kv: overall(kv[1][:n])):
@@ -105,6 +140,30 @@ def table(data) -> str:
                                            for lo, hi, m, k, w in blocks(runs[label][:n], runs[BASELINE][:n])))
         lines.append("")
     return "\n".join(lines)
+
+
+def speed(samples: list[dict]) -> float | None:
+    """Tokens per second of the windows given (None without window times)."""
+    if not all("time_s" in s for s in samples):
+        return None
+    seconds = sum(s["time_s"] for s in samples)
+    return samples[-1]["tokens"] / seconds if seconds > 0 else None
+
+
+def chunk_comparison(data) -> str:
+    """Each chunked run beside the token-by-token run of its policy and budget, over their common windows:
+    perplexity change and speed-up (what ``make stream``'s chunks of 32 are measured for)."""
+    lines = []
+    for (chunk, budget), runs in sorted(data.items()):
+        base = data.get((1, budget), {})
+        for label in sorted(set(runs) & set(base)) if chunk != 1 else []:
+            n = min(len(runs[label]), len(base[label]))
+            a, b = overall(base[label][:n]), overall(runs[label][:n])
+            fast, slow = speed(runs[label][:n]), speed(base[label][:n])
+            lines.append(f"- {label} at {budget} tokens, chunks of {chunk} vs token by token: perplexity {b:.3f} vs "
+                         f"{a:.3f} ({100 * (b / a - 1):+.2f}%)" + (f", {fast / slow:.1f}x the speed" if fast and slow
+                                                                   else "") + f" ({n} windows)")
+    return "\n".join(["", "**Chunks vs token by token**", "", *lines, ""]) if lines else ""
 
 
 def figure(data, out: Path) -> Path:
@@ -146,11 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     data = load(Path(args.root))
     if not data:
-        print(f"no live window samples under {args.root}", file=sys.stderr)
+        print(f"no streaming run records and no live window samples under {args.root}", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    md = table(data)
+    md = table(data) + chunk_comparison(data)
     (out / "study.md").write_text(md)
     print(md)
     print(figure(data, out))

@@ -280,7 +280,7 @@ STREAM_BAD = [
     (["--text", "/nonexistent.txt"], ["--text='/nonexistent.txt'", "austen"]),
     (["--policies", "streaming_llm", "--budgets", "3"], ["budget=3", "sinks"]),
     (["--json", "{tmp}/afile/out.jsonl"], ["--json", "afile", "not a folder"]),
-    (["--runs", "{tmp}/runs", "--experiment", "../x"], ["--experiment='../x'", "allowed"]),
+    (["--runs", "{tmp}/runs"], ["--runs=", "writes no run record", "experiment=streaming"]),
 ]
 
 

@@ -42,12 +42,14 @@ Summary metrics: ``ppl``, ``nll``, ``ppl_past_context`` (tokens past the model's
 ``rss_growth``, ``time_per_token_growth`` and ``cpu_per_token_growth`` (end vs after the warm-up, see
 :func:`flatness`).
 
-CLI (:mod:`h2o.bench.streaming_cli`): ``python -m h2o.bench.streaming --text austen --tokens 20000 --policies
-h2o,h2o:heavy_share=1/2,streaming_llm,local --budgets 96,192,384 --compare-chunk 32 --batch --progress``;
-``--tokens 1000000`` streams a million tokens (the text repeats if shorter).
+Run records: ``make stream`` = ``h2o-run -m experiment=streaming`` (:class:`StreamingTask`, one run per policy x
+budget x chunk). Exploration, no record (:mod:`h2o.bench.streaming_cli`): ``python -m h2o.bench.streaming --text
+austen --tokens 20000 --policies h2o,h2o:heavy_share=1/2,streaming_llm,local --budgets 96,192,384 --compare-chunk 32
+--batch --progress``; ``--tokens 1000000`` streams a million tokens (the text repeats if shorter).
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -66,6 +68,7 @@ from h2o.bench.stream_parts import HEAVY_SHARE, Windows, build_policy, estimate,
 from h2o.core.policies import Policy
 from h2o.core.policies.per_sequence import PerSequence
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none
+from h2o.tasks.progress import partial_file
 
 POSITIONS = ("cache", "true")
 CHUNK = 1  # tokens per forward: one at a time, the authors' protocol
@@ -303,7 +306,7 @@ def drive(st: Streamer, progress: bool = False, runs_left: int = 1) -> None:
             bar.update(st.s - before)
             if progress and before < calib <= st.s:
                 bar.write(f"[stream] {st.pol.name} {st.budget} chunk {st.chunk}: "
-                          f"{estimate(st.s, st.n_pred, st.wall, runs_left)}")
+                          f"{estimate(st.s, st.n_pred, st.wall, runs_left)}", file=sys.stderr)
             if progress and st.wins[0].samples:
                 bar.set_postfix(ppl=f"{st.wins[0].samples[-1]['ppl']:.2f}", held=st.held,
                                 rss=f"{rss_bytes() / 2**20:.0f}MiB", refresh=False)
@@ -314,7 +317,10 @@ def drive(st: Streamer, progress: bool = False, runs_left: int = 1) -> None:
 class StreamingTask(TaskSpec):
     """``conf/task/bench_streaming.yaml``: one run = the configured policy (a budget in tokens, e.g.
     ``policy.budget=128``) streaming ``tokens`` tokens of the text, ``chunk`` per forward (1: the authors'
-    protocol). Samples: one per ``window`` predicted tokens (module doc)."""
+    protocol). Samples: one per ``window`` predicted tokens (module doc). While it runs: a progress bar on stderr
+    (tokens/s, perplexity, tokens held, resident memory), the measured speed and the wall time it predicts once
+    the cache is full, and each window's sample appended to ``<run>/partial/windows.jsonl`` as it ends (removed
+    with ``partial/`` once the record is written; a run that dies keeps its curve there until it is rerun)."""
 
     name: str
     text: str = "austen"
@@ -333,16 +339,28 @@ class StreamingTask(TaskSpec):
         check(self.positions in POSITIONS, f"task.positions={self.positions!r}: allowed: {', '.join(POSITIONS)}")
         check(self.shots == 0, f"task.shots={self.shots}: streaming takes no in-context examples (0)")
 
+    def check_policy(self, policy) -> None:
+        check(policy.is_full or isinstance(policy.budget, int),
+              f"policy.budget={policy.budget!r}: streaming needs a cache size in tokens (an int, e.g. 128)")
+
     def add_bos(self, tokenizer) -> bool:
         """The text is encoded with the tokenizer's special tokens (``text_ids``): BOS where the tokenizer adds it."""
         return adds_bos(tokenizer, None)
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
-        check(policy.is_full or isinstance(policy.budget, int),
-              f"policy.budget={policy.budget!r}: streaming needs a cache size in tokens (an int, e.g. 128)")
+        self.check_policy(policy)
         ids = text_ids(tokenizer, load_text(self.text), self.tokens)
+        live = partial_file("windows.jsonl")
+        if live is not None:
+            live.parent.mkdir(parents=True, exist_ok=True)
+            live.write_text("")  # a rerun starts its curve afresh
+
+        def on_sample(sample: dict) -> None:
+            with open(live, "a", encoding="utf-8") as f:
+                f.write(json.dumps(sample) + "\n")
+
         metrics, samples = stream(model, ids, policy, chunk=self.chunk, positions=self.positions,
-                                  window=self.window)
+                                  window=self.window, progress=True, on_sample=on_sample if live else None)
         return Result(metrics, samples, {"chunk": self.chunk, "positions": self.positions, "text": self.text})
 
 

@@ -1,12 +1,16 @@
-"""``python -m h2o.bench.streaming``: the streaming experiment and the long-stream study from the command line.
+"""``python -m h2o.bench.streaming``: explore streaming from the command line; prints, writes no run record.
 
-Each budget x policy spec (``name[:option=value...]``, e.g. ``h2o:heavy_share=1/2:score=decay:decay=0.99``) streams
-the text; ``--compare-chunk 32`` repeats each run in chunks and prints the difference; ``--batch`` streams the
-policies of one budget as one batch; ``--interleave`` advances all runs a window at a time in turns; ``--live``
-appends each window's sample to a file as it ends. Records: ``--json`` (JSON lines with samples), ``--runs``.
+Run records come from the experiment only: ``make stream`` = ``h2o-run -m experiment=streaming`` (one run per
+policy x budget x chunk, under runs/streaming/). Here: each budget x policy spec (``name[:option=value...]``, e.g.
+``h2o:heavy_share=1/2:score=decay:decay=0.99``) streams the text; ``--compare-chunk 32`` repeats each run in chunks
+and prints the difference; ``--batch`` streams the policies of one budget as one batch (the weights read once per
+step: what the long-stream study used); ``--interleave`` advances all runs a window at a time in turns; ``--live``
+appends each window's sample to a file as it ends (``python -m analysis.streaming_study`` reads them); ``--json``
+appends each run's row (with its samples) as JSON lines.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -18,8 +22,8 @@ from h2o.bench.stream_parts import HEAVY_SHARE, build_policy, hms, parse_policy,
 from h2o.assets.model_spec import check_pretrained
 from h2o.bench.streaming import CHUNK, POSITIONS, WINDOW, Streamer, drive, load_text, text_ids
 from h2o.core.policies import POLICIES
-from h2o.core.validate import (ArgParser, ConfigError, check, check_name, choice, guard, is_number, output_dir,
-                               output_file, positive_int, split_list)
+from h2o.core.validate import (ArgParser, ConfigError, check, choice, guard, is_number, output_dir, output_file,
+                               positive_int, split_list)
 
 
 def run(model, tokenizer, text: str = "austen", tokens: int = 20000, policies=("h2o", "streaming_llm", "local"),
@@ -28,8 +32,9 @@ def run(model, tokenizer, text: str = "austen", tokens: int = 20000, policies=("
         interleave: bool = False, model_name: str = "", out=None, on_record=None,
         on_sample=None) -> list[tuple[dict, list[dict]]]:
     """Stream the text for each budget x policy spec (:func:`parse_policy`); with ``compare_chunk`` each run is
-    repeated with that chunk size and its difference printed. Returns [(record, samples)] in the run-record
-    format; ``on_record(record, samples)`` is called as each run finishes (a long study loses no finished run),
+    repeated with that chunk size and its difference printed. Returns [(row, samples)], a row = the run's
+    settings and metrics; ``on_record(row, samples)`` is called as each run finishes (``--json``: a long study
+    loses no finished run),
     ``on_sample(label, sample)`` as each window ends. ``batch``: the policies of one budget stream together as
     one batch (:class:`Streamer`). ``interleave``: all streamers advance one window at a time in turns (a study
     cut short still has every curve up to the same length)."""
@@ -113,11 +118,6 @@ def print_comparison(base: dict, other: dict, out=None) -> None:
           f"{b['tok_s'] / a['tok_s']:.1f}x the speed", file=out or sys.stdout, flush=True)
 
 
-def run_dir(root, rec: dict, experiment: str) -> Path:
-    return Path(root) / experiment / rec["model"] / rec["task"] / \
-        f"{job_label(rec['label'], rec['budget'], rec['chunk'])}_{rec['positions']}"
-
-
 TEXTS = ("austen", "moby", "moby_dick", "pg19")
 
 
@@ -143,9 +143,8 @@ def validate(args) -> tuple[list[str], list[int]]:
         output_file("--json", args.json)
     if args.live:
         output_dir("--live", args.live)
-    if args.runs:
-        output_dir("--runs", args.runs)
-        check_name("--experiment", args.experiment)
+    check(args.runs is None, f"--runs={args.runs!r}: this command writes no run record; records come from "
+                             f"the experiment: make stream, or h2o-run -m experiment=streaming")
     return specs, budgets
 
 
@@ -168,13 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--progress", action="store_true", help="a progress bar and a wall-time estimate")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--json", default=None, help="append records (with their samples) here as each run ends")
-    p.add_argument("--runs", default=None, help="also write run folders (metrics.json + samples.jsonl)")
+    p.add_argument("--runs", default=None, help=argparse.SUPPRESS)  # refused: records come from the experiment
     p.add_argument("--live", default=None, help="append each window's sample to LIVE/<run>.jsonl as it ends")
     p.add_argument("--batch", action="store_true",
                    help="stream the policies of one budget together as one batch (weights read once per step)")
     p.add_argument("--interleave", action="store_true",
                    help="advance all runs one window at a time in turns (a study cut short keeps every curve)")
-    p.add_argument("--experiment", default="streaming")
     args = p.parse_args(argv)
     specs, budgets = validate(args)
     if args.threads:
@@ -184,15 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = models.load_model(resolve_tiny(args.model))
 
     def save(rec, samples):
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work
-            with open(args.json, "a") as f:
-                f.write(json.dumps({"experiment": args.experiment, **rec, "samples": samples}) + "\n")
-        if args.runs:
-            d = run_dir(args.runs, rec, args.experiment)
-            d.mkdir(parents=True, exist_ok=True)
-            (d / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
-            (d / "metrics.json").write_text(json.dumps({"experiment": args.experiment, **rec}, indent=1))
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work
+        with open(args.json, "a") as f:
+            f.write(json.dumps({**rec, "samples": samples}) + "\n")
 
     def live(label, sample):
         with open(Path(args.live) / f"{label}.jsonl", "a") as f:
@@ -202,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.live).mkdir(parents=True, exist_ok=True)
     run(model, tok, args.text, args.tokens, specs, budgets, args.chunk, args.positions, args.window,
         args.progress, args.heavy_share, args.compare_chunk, args.batch, args.interleave, model_name=args.model,
-        on_record=save, on_sample=live if args.live else None)
+        on_record=save if args.json else None, on_sample=live if args.live else None)
     return 0
 
 

@@ -143,6 +143,7 @@ def prepare(cfg: DictConfig) -> Plan:
     if policy.quant is not None and task.kind == "streaming":  # its key shifter rotates stored keys (not rows)
         raise ConfigError(f"quant={policy.quant.label()}: the streaming task's cache is not quantized (its key "
                           f"shifter moves stored keys, packed rows cannot be moved); allowed: quant=none")
+    task.check_policy(policy)
     semantics = task.resolve_semantics(cfg.semantics)
     if semantics == "reference" and policy.name not in REFERENCE_POLICIES:
         raise ConfigError(f"semantics=reference: the paper code's mask rule exists for policy "

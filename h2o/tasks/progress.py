@@ -37,6 +37,12 @@ def recording(folder: Path) -> Iterator[Path]:
         _FOLDER.pop()
 
 
+def partial_file(name: str) -> Path | None:
+    """``<partial>/<name>`` of the run being recorded (None outside :func:`recording`): a task's live output,
+    removed with the folder once metrics.json is written."""
+    return _FOLDER[-1] / name if _FOLDER else None
+
+
 def resumed() -> int:
     """Results the current (or last) recorded run read back from before an interruption (metrics.json)."""
     return sum(log.resumed for log in _OPENED)
