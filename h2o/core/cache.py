@@ -38,6 +38,8 @@ class EvictingLayer(DynamicLayer):
         self.ref_len = ref_len  # reference length of the budget; default: the prefill's tokens
         self.pos = self.acc = self.n_tok = None
         self.counts: Counts | None = None
+        self.decoder = None  # the policy's priority at decoding steps (Policy.decoder), made once the budget is fixed
+        self.host_counts: Counts | None = None  # the budget on the host (CPU tensors)
         self.host_tok: list[int] = []  # per sequence on the host: tokens seen, slots held, budget
         self.host_held: list[int] = []
         self.host_total: list[int] = []
@@ -106,6 +108,8 @@ class EvictingLayer(DynamicLayer):
             self.values = torch.cat([self.values, value_states], dim=-2)
             self.pos, self.acc = torch.cat([self.pos, empty_pos], -1), torch.cat([self.acc, empty_acc], -1)
         self.n_new = q
+        if self.decoder is not None:  # new slots: a decoder's state is rebuilt at the next step
+            self.decoder.reset()
 
     def decode_in_place(self, key_states, value_states):
         """One arriving token (a real token, never a pad): take the slot the policy frees, or an empty one."""
@@ -119,9 +123,12 @@ class EvictingLayer(DynamicLayer):
             every = all(h == S for h in self.host_held)  # no empty slot: then room is not read
             if not every and self.room_list != room:
                 self.room_list, self.room = room, torch.tensor(room, device=key_states.device)
+            if self.decoder is None:
+                self.decoder = self.policy.decoder(self.counts, self.host_counts)
             with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-                prio = self.policy.priority(self.pos, self.acc, self.n_tok, self.counts)
+                prio = self.decoder.priority(self.pos, self.acc, self.n_tok, self.host_tok, self.host_held, room)
                 slot = select_slot(prio, self.pos, None if every else self.pos >= 0, self.room)  # (B, H, 1)
+                self.decoder.placed(slot)
             slot4 = slot.view(*slot.shape, 1)
             idx = slot4.expand(key_states.shape)  # (B, H, 1, D or row bytes)
             self.keys.scatter_(-2, idx, key_states)
@@ -164,7 +171,7 @@ class EvictingLayer(DynamicLayer):
         """The budget per sequence (on the host, then copied once) from the tokens seen, or ``ref_len``."""
         ref = self.host_tok if self.ref_len is None else [self.ref_len] * len(self.host_tok)
         counts = self.policy.counts(torch.tensor(ref))
-        self.host_total = counts.total.tolist()
+        self.host_total, self.host_counts, self.decoder = counts.total.tolist(), counts, None
         self.counts = Counts(*(x.to(self.n_tok.device) for x in (counts.total, counts.heavy, counts.recent,
                                                                  counts.length)))
 

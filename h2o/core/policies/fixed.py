@@ -7,7 +7,7 @@ are dropped first, then the oldest summaries.
 """
 import torch
 
-from .base import TIER, Counts, Policy, bcast
+from .base import Counts, Policy, bcast, tiered
 
 
 def pattern(counts: Counts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,11 +22,24 @@ class Fixed(Policy):
     position_only = True
 
     def priority(self, pos, acc, now, counts: Counts):
+        return tiered(*self.tiers(pos, now, self.consts(counts)), pos)  # (B, H, S)
+
+    def consts(self, counts: Counts) -> tuple:
+        """What :meth:`tiers` reads per sequence: block (B,), block and its first summary offset (B, 1, 1)."""
         block, c = pattern(counts)
-        b = bcast(block)
+        return block, bcast(block), bcast(block - c)
+
+    def tiers(self, pos, now, consts):
+        """(B, H, S) bool each: the current block (tier 2, the newest tokens); summaries (tier 1 outside it)."""
+        block, b, first = consts
         current = torch.div(pos, b, rounding_mode="floor") == bcast(torch.div(now, block, rounding_mode="floor"))
-        summary = (pos % b) >= b - bcast(c)
-        return (2 * current + (summary & ~current)).double() * TIER + pos.double()  # (B, H, S)
+        return current, pos % b >= first
+
+    def demotions(self, counts: Counts):
+        """Host: the held tokens whose rank can fall from the state judged at ``now - 1`` to ``now`` (B lists):
+        the older tokens of the block that ends, when ``now`` starts a block; none otherwise."""
+        blocks = pattern(counts)[0].tolist()
+        return lambda now: max((b - 1) if n % b == 0 else 0 for n, b in zip(now, blocks))
 
     def held_rows(self, pos, now, counts: Counts, first: int):
         """Closed form of the eviction sequence (the top-priority rule does not hold: a dropped summary would

@@ -7,7 +7,7 @@ at position 0 (not at each query) so that a dropped token is never needed again,
 """
 import torch
 
-from .base import TIER, Counts, Policy, bcast, recent_window
+from .base import Counts, Policy, bcast, recent_window, tiered
 
 
 def stride_of(counts: Counts) -> torch.Tensor:
@@ -21,6 +21,19 @@ class Strided(Policy):
     position_only = True
 
     def priority(self, pos, acc, now, counts: Counts):
-        window = recent_window(pos, now, counts.recent)
-        grid = (pos % bcast(stride_of(counts)) == 0) & bcast(counts.heavy > 0)
-        return (2 * window + (grid & ~window)).double() * TIER + pos.double()  # (B, H, S)
+        return tiered(*self.tiers(pos, now, self.consts(counts)), pos)  # (B, H, S)
+
+    def consts(self, counts: Counts) -> tuple:
+        """What :meth:`tiers` reads per sequence: window (B,), stride and the grid's remainder (B, 1, 1): 0, or -1
+        (never) when the grid holds no token."""
+        return counts.recent, bcast(stride_of(counts)), bcast(torch.where(counts.heavy > 0, 0, -1))
+
+    def tiers(self, pos, now, consts):
+        """(B, H, S) bool each: the window (tier 2, the newest tokens); grid tokens (tier 1 outside the window)."""
+        recent, stride, grid = consts
+        return recent_window(pos, now, recent), pos % stride == grid
+
+    def demotions(self, counts: Counts):
+        """Host: the held tokens whose rank can fall from the state judged at ``now - 1`` to ``now``: the one
+        leaving the window (grid membership does not change)."""
+        return lambda now: 1
