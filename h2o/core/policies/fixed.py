@@ -36,8 +36,9 @@ class Fixed(Policy):
         return current, pos % b >= first
 
     def demotions(self, counts: Counts):
-        """Host: the held tokens whose rank can fall from the state judged at ``now - 1`` to ``now`` (B lists):
-        the older tokens of the block that ends, when ``now`` starts a block; none otherwise."""
+        """Host: how many held tokens outside the kept set can rank above what it keeps, per step (see
+        :mod:`.protected`), for the arriving positions ``now`` (B,): when ``now`` starts a block, the older
+        tokens of the block that ends fall from the top tier (up to ``b - 1``); within a block nothing moves."""
         blocks = pattern(counts)[0].tolist()
         return lambda now: max((b - 1) if n % b == 0 else 0 for n, b in zip(now, blocks))
 

@@ -5,16 +5,16 @@ At the step of arriving token ``t`` the protected set is ``P_t = top_k(H_t, pi_t
 highest pattern priority ``pi_t`` (distinct: tier, then position). The cache then drops an unprotected token
 ``e_t`` (or takes an empty slot) and puts ``t`` there. Let ``C = P_t - e_t + t`` (the state after ``placed``).
 
-Claim: if from ``pi_t`` to ``pi_{t+1}`` at most ``m`` held tokens fall in rank (the others keep their order and
-stay above the fallen ones they were above), then ``P_{t+1} = top_k(C + Z)`` with ``Z`` the ``m`` held tokens
-outside ``C`` of highest ``pi_{t+1}``. Proof: a held ``w`` outside ``C + Z`` is below the ``m`` tokens of ``Z`` and
-below every token of ``P_t`` that did not fall (it was below them, and it kept its place or fell); those are at
-least ``k - m + m = k`` tokens (if ``|P_t| < k`` or ``e_t`` was protected, ``P_t`` held everything and no ``w``
-exists). So a step costs one selection of the ``m`` best outside ``C`` and one of the ``d = |C + Z| - min(k, |H|)``
-worst inside (``m, d`` of 1 or 2 are one argmax / argmin), with no sort.
+Claim: if every held token ``w`` outside ``C`` has at least ``k - m`` tokens of ``C`` above it under ``pi_{t+1}``,
+then ``P_{t+1} = top_k(C + Z)`` with ``Z`` the ``m`` held tokens outside ``C`` of highest ``pi_{t+1}``: a ``w``
+outside ``C + Z`` is also below the ``m`` tokens of ``Z``, so ``k`` tokens are above it. It holds with ``m`` the
+held tokens that fall in rank from ``pi_t`` to ``pi_{t+1}`` (the others keep their order): ``w`` was below every
+token of ``P_t`` (``|P_t| = k``) and stays below those that did not fall; if ``|P_t| < k`` or ``e_t`` was
+protected, ``P_t`` held everything and no ``w`` exists. So a step costs one selection of the ``m`` best outside
+``C`` and one of the ``d = |C + Z| - min(k, |H|)`` worst inside (one argmax / argmin for 1), with no sort.
 
-The pattern says how many tokens can fall per step (``demotions``): strided, one (the token leaving the window);
-fixed, none within a block and the ended block's older tokens when a block starts. The sizes are counted on the
+The pattern gives ``m`` per step (``demotions``): strided, none (the token leaving the window is replaced at the
+top by the arriving one); fixed, none within a block and the ended block's older tokens when a block starts. The sizes are counted on the
 host; when they differ between the sequences of a batch (or after a prefill chunk, a cut, a new slot) the set is
 rebuilt from :meth:`WithHeavy.priority`'s ranking (tests check both forms against it on random states).
 """

@@ -34,6 +34,8 @@ class Strided(Policy):
         return recent_window(pos, now, recent), pos % stride == grid
 
     def demotions(self, counts: Counts):
-        """Host: the held tokens whose rank can fall from the state judged at ``now - 1`` to ``now``: the one
-        leaving the window (grid membership does not change)."""
-        return lambda now: 1
+        """Host: how many held tokens outside the kept set can rank above what it keeps, per step (see
+        :mod:`.protected`): none. Only the oldest window token ``x`` falls (grid membership is fixed); if ``x`` was
+        kept, the whole window was, and the arriving token takes its place at the top: every token outside still
+        has the ``k - 1`` other kept tokens and the arriving one above it (with a window of one, nothing moves)."""
+        return lambda now: 0
