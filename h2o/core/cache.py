@@ -46,7 +46,8 @@ class EvictingLayer(DynamicLayer):
         self.room: torch.Tensor | None = None  # (B,) bool on the device: below budget (rebuilt when it changes)
         self.room_list: list[bool] = []
         self.seen = 0  # columns seen, pads included
-        self.n_new = 0  # columns appended by the last update (0 for an in-place decoding step)
+        self.n_new = 0  # columns appended by the last update (0 for a decoding step)
+        self.zero: torch.Tensor | None = None  # (B, Hkv, 1) fp32 zeros: the score of a new slot at a decoding step
 
     # ----------------------------------------------------------------- transformers API
     def update(self, key_states, value_states, *args, **kwargs):
@@ -57,8 +58,10 @@ class EvictingLayer(DynamicLayer):
             if self.quant.sink and self.seen == 0:
                 self.fresh = (key_states, value_states)
             key_states, value_states = self.quant.pack_kv(key_states, value_states, self.layer_idx, self.seen)
-        if self.keys is None or q > 1 or not self.policy.evicts or self.policy.is_full:
+        if self.keys is None or q > 1:
             self.append(key_states, value_states)
+        elif not self.policy.evicts or self.policy.is_full:
+            self.grow(key_states, value_states)
         else:
             self.decode_in_place(key_states, value_states)
         self.seen += q
@@ -116,9 +119,7 @@ class EvictingLayer(DynamicLayer):
         room = [h < t for h, t in zip(self.host_held, self.host_total)]
         S = self.keys.shape[-2]
         if any(r and h == S for r, h in zip(room, self.host_held)):  # below budget, no empty slot: grow by one
-            self.append(key_states, value_states)
-            self.pos[..., -1] = self.n_tok[:, None]
-            self.host_held = [h + 1 for h in self.host_held]
+            self.grow(key_states, value_states)
         else:
             every = all(h == S for h in self.host_held)  # no empty slot: then room is not read
             if not every and self.room_list != room:
@@ -141,9 +142,26 @@ class EvictingLayer(DynamicLayer):
                 self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand(slot.shape))
             self.acc.scatter_(-1, slot, 0.0)
             self.host_held = [h + r for h, r in zip(self.host_held, room)]
+            self.n_tok += 1
+            self.host_tok = [n + 1 for n in self.host_tok]
+            self.n_new = 0
+
+    def grow(self, key_states, value_states):
+        """One arriving token (a real token, never a pad) in a new slot: a policy that keeps every token, or below
+        budget with no empty slot. Its position and zero score are appended as they are (no registration)."""
+        B, H = key_states.shape[:2]
+        if self.zero is None or self.zero.shape[:2] != (B, H):
+            self.zero = torch.zeros(B, H, 1, dtype=self.acc.dtype, device=self.acc.device)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.pos = torch.cat([self.pos, self.n_tok.view(-1, 1, 1).expand(B, H, 1)], -1)
+        self.acc = torch.cat([self.acc, self.zero], -1)
         self.n_tok += 1
         self.host_tok = [n + 1 for n in self.host_tok]
+        self.host_held = [h + 1 for h in self.host_held]
         self.n_new = 0
+        if self.decoder is not None:  # a new slot: a decoder's state is rebuilt at the next step
+            self.decoder.reset()
 
     def register_new(self, valid_new: torch.Tensor):
         """Positions of the ``n_new`` appended columns; valid_new (B, q) bool. Fixes the budget on first call.
