@@ -8,6 +8,7 @@ are dropped first, then the oldest summaries.
 import torch
 
 from .base import Counts, Policy, bcast, tiered
+from .protected import Tiered
 
 
 def pattern(counts: Counts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,6 +35,9 @@ class Fixed(Policy):
         block, b, first = consts
         current = torch.div(pos, b, rounding_mode="floor") == bcast(torch.div(now, block, rounding_mode="floor"))
         return current, pos % b >= first
+
+    def decoder(self, counts: Counts, host: Counts):
+        return Tiered(self, counts)
 
     def demotions(self, counts: Counts):
         """Host: how many held tokens outside the kept set can rank above what it keeps, per step (see

@@ -27,6 +27,18 @@ from .base import Counts, Decoder, const, keep_top, tier_key
 LOW, HIGH = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max
 
 
+class Tiered(Decoder):
+    """A tiered pattern alone (strided, fixed) at decoding steps: its order as :func:`tier_key` with the
+    per-sequence constants made once; float64 (exact) for :func:`select_slot`, the same slot as ``priority``."""
+
+    def __init__(self, policy, counts: Counts):
+        super().__init__(policy, counts)
+        self.consts = policy.consts(counts)
+
+    def priority(self, pos, acc, now, tok, held, room):
+        return tier_key(*self.policy.tiers(pos, now, self.consts), pos).double()  # (B, H, S)
+
+
 class Protected(Decoder):
     def __init__(self, policy, counts: Counts, host: Counts):
         super().__init__(policy, counts)

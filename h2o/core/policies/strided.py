@@ -8,6 +8,7 @@ at position 0 (not at each query) so that a dropped token is never needed again,
 import torch
 
 from .base import Counts, Policy, bcast, recent_window, tiered
+from .protected import Tiered
 
 
 def stride_of(counts: Counts) -> torch.Tensor:
@@ -32,6 +33,9 @@ class Strided(Policy):
         """(B, H, S) bool each: the window (tier 2, the newest tokens); grid tokens (tier 1 outside the window)."""
         recent, stride, grid = consts
         return recent_window(pos, now, recent), pos % stride == grid
+
+    def decoder(self, counts: Counts, host: Counts):
+        return Tiered(self, counts)
 
     def demotions(self, counts: Counts):
         """Host: how many held tokens outside the kept set can rank above what it keeps, per step (see
