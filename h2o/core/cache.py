@@ -124,10 +124,8 @@ class EvictingLayer(DynamicLayer):
             every = all(h == S for h in self.host_held)  # no empty slot: then room is not read
             if not every and self.room_list != room:
                 self.room_list, self.room = room, torch.tensor(room, device=key_states.device)
-            if self.decoder is None:
-                self.decoder = self.policy.decoder(self.counts, self.host_counts)
             with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-                prio = self.decoder.priority(self.pos, self.acc, self.n_tok, self.host_tok, self.host_held, room)
+                prio = self.decoding().priority(self.pos, self.acc, self.n_tok, self.host_tok, self.host_held, room)
                 slot = select_slot(prio, self.pos, None if every else self.pos >= 0, self.room)  # (B, H, 1)
                 self.decoder.placed(slot)
             slot4 = slot.view(*slot.shape, 1)
@@ -145,6 +143,12 @@ class EvictingLayer(DynamicLayer):
             self.n_tok += 1
             self.host_tok = [n + 1 for n in self.host_tok]
             self.n_new = 0
+
+    def decoding(self):
+        """The policy's form for this layer's decoding steps (:meth:`Policy.decoder`), made once per budget."""
+        if self.decoder is None:
+            self.decoder = self.policy.decoder(self.counts, self.host_counts)
+        return self.decoder
 
     def grow(self, key_states, value_states):
         """One arriving token (a real token, never a pad) in a new slot: a policy that keeps every token, or below

@@ -197,6 +197,12 @@ class Decoder:
     def placed(self, slot: torch.Tensor) -> None:
         pass
 
+    def restrict(self, logits, acc, allowed: torch.Tensor | None) -> torch.Tensor:
+        """A restricting policy's :meth:`Policy.restrict` at a decoding step (``allowed`` None: every slot)."""
+        if allowed is None:
+            allowed = const(True, torch.bool, logits.device)
+        return self.policy.restrict(logits, acc, allowed, self.counts)
+
     def reset(self) -> None:
         pass
 

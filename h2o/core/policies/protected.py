@@ -14,9 +14,10 @@ protected, ``P_t`` held everything and no ``w`` exists. So a step costs one sele
 ``C`` and one of the ``d = |C + Z| - min(k, |H|)`` worst inside (one argmax / argmin for 1), with no sort.
 
 The pattern gives ``m`` per step (``demotions``): strided, none (the token leaving the window is replaced at the
-top by the arriving one); fixed, none within a block and the ended block's older tokens when a block starts. The sizes are counted on the
-host; when they differ between the sequences of a batch (or after a prefill chunk, a cut, a new slot) the set is
-rebuilt from :meth:`WithHeavy.priority`'s ranking (tests check both forms against it on random states).
+top by the arriving one); fixed, none within a block and the ended block's older tokens when a block starts. The
+sizes are counted on the host; when they differ between the sequences of a batch (or after a prefill chunk, a cut,
+a new slot) the set is rebuilt from :meth:`WithHeavy.priority`'s ranking (tests/test_decoders.py checks both forms
+against it on random states).
 """
 from __future__ import annotations
 
