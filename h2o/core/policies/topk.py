@@ -23,13 +23,15 @@ def top_rank(score: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 def top_mask(score: torch.Tensor, allowed: torch.Tensor | None, n: int) -> torch.Tensor:
     """``top_rank(score, allowed) < n`` (``allowed`` None: every key) without a sort: the n-th best value from one
-    top-k, then the keys above it and, of the keys equal to it, the earliest ones (exact with ties)."""
+    top-k (sorted: the first place of its minimum counts the keys above it), then the keys above it and, of the
+    keys equal to it, the earliest ones (exact with ties)."""
     if n == 0:
         return torch.zeros_like(score, dtype=torch.bool)
     key = score if allowed is None else torch.where(allowed, score, const(-float("inf"), score.dtype, score.device))
-    nth = key.topk(min(n, key.shape[-1]), -1).values.amin(-1, keepdim=True)  # (..., 1)
+    best = key.topk(min(n, key.shape[-1]), -1).values  # (..., n) in descending order
+    nth, n_above = best.min(-1, keepdim=True)  # the n-th value; its first place = how many keys are above it
     above, tie = key > nth, key == nth
-    first_ties = torch.bitwise_and(tie, tie.cumsum(-1) + above.sum(-1, keepdim=True) <= n)
+    first_ties = torch.bitwise_and(tie, tie.cumsum(-1) <= n - n_above)
     chosen = torch.bitwise_or(above, first_ties)  # (bitwise_*: one op each, `|` and `&` are two)
     return chosen if allowed is None else torch.bitwise_and(chosen, allowed)
 
