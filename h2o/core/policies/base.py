@@ -9,6 +9,10 @@ A policy answers "which cached tokens may this query see". It does so in one of 
 * a *restricting* policy (``evicts = False``, top-k) keeps the whole cache and limits each query to some keys
   (:meth:`Policy.restrict`).
 
+At decoding steps the evicting cache reads both through :meth:`Policy.decoder` (one per layer): by default the
+two methods above; a policy may keep state between steps that gives the same answers with fewer ops (strided_h2,
+fixed_h2: :mod:`.protected`; topk, topk_h2: a top-n without a sort), each tested against the definition.
+
 State shapes used everywhere (S = cache slots, or sequence positions in the simulated path):
     pos   (B, H, S) int64  position of the token in its own sequence (pads excluded), -1 for an empty/pad slot
     acc   (B, H, S) fp32   accumulated attention the token received (summed over a KV head's query heads)
