@@ -229,9 +229,10 @@ def test_topk_h2_fills_its_budget_real_cache(arch):
     T, n_layers = 20, model.config.num_hidden_layers
     policy = make_policy("topk_h2", heavy=0.2, recent=0.15)  # 4 + 3 of 20 tokens
     calls = []
-    restrict = policy.restrict
-    policy.restrict = lambda logits, acc, allowed, counts: calls.append(
-        (logits, restrict(logits, acc, allowed, counts))) or calls[-1][1]
+    for hook in ("restrict", "select"):  # select: the decoding steps' form of restrict (one budget for the batch)
+        original = getattr(policy, hook)
+        setattr(policy, hook, lambda logits, *rest, f=original: calls.append((logits, f(logits, *rest)))
+                or calls[-1][1])
     ids = torch.randint(0, 128, (1, T), generator=torch.Generator().manual_seed(3))
     with torch.no_grad(), attach(model, policy, mode="real") as h:
         cache = h.new_cache(ref_len=T)

@@ -72,6 +72,12 @@ def decode_counts(model, policy, ids: torch.Tensor, steps: int = 4) -> dict:
             "syncs_per_step": syncs}
 
 
+# every policy's real decode, h2o's score variants too (full: budget 1.0 whatever it is given)
+DECODED = [(name, {}) for name in ("full", "local", "streaming_llm", "strided", "fixed", "h2o", "h2_only",
+                                   "strided_h2", "fixed_h2", "topk", "topk_h2")] + [("h2o", {"score": "mean"}),
+                                                                                    ("h2o", {"score": "decay"})]
+
+
 def main() -> None:
     from h2o.assets.models import tiny_model
     from h2o.core.policies import make_policy
@@ -80,8 +86,8 @@ def main() -> None:
     ids = torch.randint(3, 128, (1, 256), generator=torch.Generator().manual_seed(0))
     for name in ("local", "streaming_llm", "strided", "fixed", "h2o"):
         print(json.dumps(simulated_ops(model, make_policy(name, budget=0.2), ids)))
-    for name in ("h2o", "local"):
-        print(json.dumps(decode_counts(model, make_policy(name, budget=0.2), ids[:, :64])))
+    for name, options in DECODED:
+        print(json.dumps({**decode_counts(model, make_policy(name, budget=0.2, **options), ids[:, :64]), **options}))
 
 
 if __name__ == "__main__":

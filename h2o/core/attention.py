@@ -92,9 +92,7 @@ def real_attention(state, module, query, key, value, attention_mask, scaling):
             row_pos = layer.pos[:, :, None, -q + r:(stop if stop < 0 else None), None]  # (B, Hkv, 1, r, 1)
             allowed = held & (layer.pos[:, :, None, None, :] <= row_pos)
         elif not policy.evicts and not policy.is_full:
-            allowed = policy.restrict(logits, layer.acc.view(B, -1, 1, 1, S),
-                                      held if held is not None else torch.ones((), dtype=torch.bool,
-                                                                              device=key.device), layer.counts)
+            allowed = layer.decoding().restrict(logits, layer.acc.view(B, -1, 1, 1, S), held)
         else:
             allowed = held
         probs = masked_softmax(logits, allowed)  # (B, Hkv, G, r, S)

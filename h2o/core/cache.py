@@ -38,13 +38,16 @@ class EvictingLayer(DynamicLayer):
         self.ref_len = ref_len  # reference length of the budget; default: the prefill's tokens
         self.pos = self.acc = self.n_tok = None
         self.counts: Counts | None = None
+        self.decoder = None  # the policy's priority at decoding steps (Policy.decoder), made once the budget is fixed
+        self.host_counts: Counts | None = None  # the budget on the host (CPU tensors)
         self.host_tok: list[int] = []  # per sequence on the host: tokens seen, slots held, budget
         self.host_held: list[int] = []
         self.host_total: list[int] = []
         self.room: torch.Tensor | None = None  # (B,) bool on the device: below budget (rebuilt when it changes)
         self.room_list: list[bool] = []
         self.seen = 0  # columns seen, pads included
-        self.n_new = 0  # columns appended by the last update (0 for an in-place decoding step)
+        self.n_new = 0  # columns appended by the last update (0 for a decoding step)
+        self.zero: torch.Tensor | None = None  # (B, Hkv, 1) fp32 zeros: the score of a new slot at a decoding step
 
     # ----------------------------------------------------------------- transformers API
     def update(self, key_states, value_states, *args, **kwargs):
@@ -55,8 +58,10 @@ class EvictingLayer(DynamicLayer):
             if self.quant.sink and self.seen == 0:
                 self.fresh = (key_states, value_states)
             key_states, value_states = self.quant.pack_kv(key_states, value_states, self.layer_idx, self.seen)
-        if self.keys is None or q > 1 or not self.policy.evicts or self.policy.is_full:
+        if self.keys is None or q > 1:
             self.append(key_states, value_states)
+        elif not self.policy.evicts or self.policy.is_full:
+            self.grow(key_states, value_states)
         else:
             self.decode_in_place(key_states, value_states)
         self.seen += q
@@ -106,22 +111,23 @@ class EvictingLayer(DynamicLayer):
             self.values = torch.cat([self.values, value_states], dim=-2)
             self.pos, self.acc = torch.cat([self.pos, empty_pos], -1), torch.cat([self.acc, empty_acc], -1)
         self.n_new = q
+        if self.decoder is not None:  # new slots: a decoder's state is rebuilt at the next step
+            self.decoder.reset()
 
     def decode_in_place(self, key_states, value_states):
         """One arriving token (a real token, never a pad): take the slot the policy frees, or an empty one."""
         room = [h < t for h, t in zip(self.host_held, self.host_total)]
         S = self.keys.shape[-2]
         if any(r and h == S for r, h in zip(room, self.host_held)):  # below budget, no empty slot: grow by one
-            self.append(key_states, value_states)
-            self.pos[..., -1] = self.n_tok[:, None]
-            self.host_held = [h + 1 for h in self.host_held]
+            self.grow(key_states, value_states)
         else:
             every = all(h == S for h in self.host_held)  # no empty slot: then room is not read
             if not every and self.room_list != room:
                 self.room_list, self.room = room, torch.tensor(room, device=key_states.device)
             with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-                prio = self.policy.priority(self.pos, self.acc, self.n_tok, self.counts)
+                prio = self.decoding().priority(self.pos, self.acc, self.n_tok, self.host_tok, self.host_held, room)
                 slot = select_slot(prio, self.pos, None if every else self.pos >= 0, self.room)  # (B, H, 1)
+                self.decoder.placed(slot)
             slot4 = slot.view(*slot.shape, 1)
             idx = slot4.expand(key_states.shape)  # (B, H, 1, D or row bytes)
             self.keys.scatter_(-2, idx, key_states)
@@ -134,9 +140,32 @@ class EvictingLayer(DynamicLayer):
                 self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand(slot.shape))
             self.acc.scatter_(-1, slot, 0.0)
             self.host_held = [h + r for h, r in zip(self.host_held, room)]
+            self.n_tok += 1
+            self.host_tok = [n + 1 for n in self.host_tok]
+            self.n_new = 0
+
+    def decoding(self):
+        """The policy's form for this layer's decoding steps (:meth:`Policy.decoder`), made once per budget."""
+        if self.decoder is None:
+            self.decoder = self.policy.decoder(self.counts, self.host_counts)
+        return self.decoder
+
+    def grow(self, key_states, value_states):
+        """One arriving token (a real token, never a pad) in a new slot: a policy that keeps every token, or below
+        budget with no empty slot. Its position and zero score are appended as they are (no registration)."""
+        B, H = key_states.shape[:2]
+        if self.zero is None or self.zero.shape[:2] != (B, H):
+            self.zero = torch.zeros(B, H, 1, dtype=self.acc.dtype, device=self.acc.device)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.pos = torch.cat([self.pos, self.n_tok.view(-1, 1, 1).expand(B, H, 1)], -1)
+        self.acc = torch.cat([self.acc, self.zero], -1)
         self.n_tok += 1
         self.host_tok = [n + 1 for n in self.host_tok]
+        self.host_held = [h + 1 for h in self.host_held]
         self.n_new = 0
+        if self.decoder is not None:  # a new slot: a decoder's state is rebuilt at the next step
+            self.decoder.reset()
 
     def register_new(self, valid_new: torch.Tensor):
         """Positions of the ``n_new`` appended columns; valid_new (B, q) bool. Fixes the budget on first call.
@@ -164,7 +193,7 @@ class EvictingLayer(DynamicLayer):
         """The budget per sequence (on the host, then copied once) from the tokens seen, or ``ref_len``."""
         ref = self.host_tok if self.ref_len is None else [self.ref_len] * len(self.host_tok)
         counts = self.policy.counts(torch.tensor(ref))
-        self.host_total = counts.total.tolist()
+        self.host_total, self.host_counts, self.decoder = counts.total.tolist(), counts, None
         self.counts = Counts(*(x.to(self.n_tok.device) for x in (counts.total, counts.heavy, counts.recent,
                                                                  counts.length)))
 

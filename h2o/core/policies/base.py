@@ -9,6 +9,10 @@ A policy answers "which cached tokens may this query see". It does so in one of 
 * a *restricting* policy (``evicts = False``, top-k) keeps the whole cache and limits each query to some keys
   (:meth:`Policy.restrict`).
 
+At decoding steps the evicting cache reads both through :meth:`Policy.decoder` (one per layer): by default the
+two methods above; a policy may keep state between steps that gives the same answers with fewer ops (strided_h2,
+fixed_h2: :mod:`.protected`; topk, topk_h2: a top-n without a sort), each tested against the definition.
+
 State shapes used everywhere (S = cache slots, or sequence positions in the simulated path):
     pos   (B, H, S) int64  position of the token in its own sequence (pads excluded), -1 for an empty/pad slot
     acc   (B, H, S) fp32   accumulated attention the token received (summed over a KV head's query heads)
@@ -30,6 +34,7 @@ from ..validate import MAX_TOKENS, BadInput
 
 BudgetPart = float | int
 TIER = float(2**40)  # priority tiers: tier * TIER + position, exact in float64 (positions < 2**40)
+TIER_INT = 2**40  # the same tiers as an int64 key (decoding steps: no float64 conversion)
 CELLS = 2**24  # held_rows: (rows x slots) priorities judged at once per sequence, bounds the memory
 
 
@@ -158,6 +163,12 @@ class Policy:
         One sum over heads and rows. Both paths call this; score variants override it (:mod:`.score`)."""
         acc += probs.sum((2, 3))
 
+    def decoder(self, counts: Counts, host: Counts) -> "Decoder":
+        """The priority at the decoding steps of one evicting-cache layer (counts on the device and on the host).
+        Default: :meth:`priority` as it is; a policy may keep state between steps to make the same decisions
+        with fewer ops (:class:`h2o.core.policies.protected.Protected`)."""
+        return Decoder(self, counts)
+
     # ---------------------------------------------------- restricting policies
     def restrict(self, logits: torch.Tensor, acc: torch.Tensor, allowed: torch.Tensor,
                  counts: Counts) -> torch.Tensor:
@@ -174,6 +185,32 @@ class Policy:
         return f"{type(self).__name__}(heavy={self.heavy}, recent={self.recent})"
 
 
+class Decoder:
+    """Priorities of one cache layer's decoding steps. ``priority`` gets the state (pos, acc (B, H, S), now (B,))
+    and the host's view of the step, per sequence: ``tok`` the arriving token's position, ``held`` the older tokens
+    held, ``room`` below budget (an empty slot is taken, nothing dropped);
+    ``placed(slot)`` is told where the arriving token went; ``reset()`` that the slots were rebuilt (a prefill
+    chunk, a cut, a new slot)."""
+
+    def __init__(self, policy: Policy, counts: Counts):
+        self.policy, self.counts = policy, counts
+
+    def priority(self, pos, acc, now, tok: list[int], held: list[int], room: list[bool]) -> torch.Tensor:
+        return self.policy.priority(pos, acc, now, self.counts)
+
+    def placed(self, slot: torch.Tensor) -> None:
+        pass
+
+    def restrict(self, logits, acc, allowed: torch.Tensor | None) -> torch.Tensor:
+        """A restricting policy's :meth:`Policy.restrict` at a decoding step (``allowed`` None: every slot)."""
+        if allowed is None:
+            allowed = const(True, torch.bool, logits.device)
+        return self.policy.restrict(logits, acc, allowed, self.counts)
+
+    def reset(self) -> None:
+        pass
+
+
 # ---------------------------------------------------------------- shared helpers
 def bcast(x: torch.Tensor) -> torch.Tensor:
     """(B,) -> (B, 1, 1) to broadcast against (B, H, S) (one view; indexing with None takes two ops)."""
@@ -186,6 +223,19 @@ def const(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     arithmetic op is wrapped into a tensor on the host at every call (up to 4 more aten ops each, per layer and
     decoding step); this one is not."""
     return torch.tensor(value, dtype=dtype, device=device)
+
+
+def tiered(top: torch.Tensor, special: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Priority of a tiered pattern, (B, H, S) float64: tier 2 (``top``), 1 (``special`` outside ``top``), 0;
+    newest first within a tier."""
+    return (2 * top + (special > top)).double() * TIER + pos.double()  # a > b of bools: a & ~b
+
+
+def tier_key(top: torch.Tensor, special: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """The order of :func:`tiered` as an int64 key where tier 2 holds the newest tokens (a window, the current
+    block): then ``top`` and ``special`` can share one tier (three ops, exact; ``out``: into that buffer)."""
+    return torch.where(torch.bitwise_or(top, special), pos + const(TIER_INT, torch.int64, pos.device), pos, out=out)
 
 
 def recent_window(pos: torch.Tensor, now: torch.Tensor, size: torch.Tensor) -> torch.Tensor:

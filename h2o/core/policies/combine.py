@@ -5,6 +5,7 @@ heavy part to the tokens of highest accumulated attention among those the patter
 """
 
 from .base import Counts, Policy, bcast, keep_top
+from .protected import Protected
 from .score import Scored
 
 
@@ -28,3 +29,7 @@ class WithHeavy(Scored):
         keep = (base_counts.total.clamp(max=counts.recent) - arriving.long()).clamp(min=0)
         protected = keep_top(self.base.priority(pos, acc, now, base_counts), valid, keep)
         return prio.masked_fill(protected, float("inf"))
+
+    def decoder(self, counts: Counts, host: Counts):
+        """Decoding steps: the protected set kept as state (:mod:`.protected`), the same decisions."""
+        return super().decoder(counts, host) if self.base is None else Protected(self, counts, host)

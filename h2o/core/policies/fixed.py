@@ -7,7 +7,8 @@ are dropped first, then the oldest summaries.
 """
 import torch
 
-from .base import TIER, Counts, Policy, bcast
+from .base import Counts, Policy, bcast, tiered
+from .protected import Tiered
 
 
 def pattern(counts: Counts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -22,11 +23,28 @@ class Fixed(Policy):
     position_only = True
 
     def priority(self, pos, acc, now, counts: Counts):
+        return tiered(*self.tiers(pos, now, self.consts(counts)), pos)  # (B, H, S)
+
+    def consts(self, counts: Counts) -> tuple:
+        """What :meth:`tiers` reads per sequence: block (B,), block and its first summary offset (B, 1, 1)."""
         block, c = pattern(counts)
-        b = bcast(block)
+        return block, bcast(block), bcast(block - c)
+
+    def tiers(self, pos, now, consts):
+        """(B, H, S) bool each: the current block (tier 2, the newest tokens); summaries (tier 1 outside it)."""
+        block, b, first = consts
         current = torch.div(pos, b, rounding_mode="floor") == bcast(torch.div(now, block, rounding_mode="floor"))
-        summary = (pos % b) >= b - bcast(c)
-        return (2 * current + (summary & ~current)).double() * TIER + pos.double()  # (B, H, S)
+        return current, pos % b >= first
+
+    def decoder(self, counts: Counts, host: Counts):
+        return Tiered(self, counts)
+
+    def demotions(self, counts: Counts):
+        """Host: how many held tokens outside the kept set can rank above what it keeps, per step (see
+        :mod:`.protected`), for the arriving positions ``now`` (B,): when ``now`` starts a block, the older
+        tokens of the block that ends fall from the top tier (up to ``b - 1``); within a block nothing moves."""
+        blocks = pattern(counts)[0].tolist()
+        return lambda now: max((b - 1) if n % b == 0 else 0 for n, b in zip(now, blocks))
 
     def held_rows(self, pos, now, counts: Counts, first: int):
         """Closed form of the eviction sequence (the top-priority rule does not hold: a dropped summary would

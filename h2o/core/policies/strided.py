@@ -7,7 +7,8 @@ at position 0 (not at each query) so that a dropped token is never needed again,
 """
 import torch
 
-from .base import TIER, Counts, Policy, bcast, recent_window
+from .base import Counts, Policy, bcast, recent_window, tiered
+from .protected import Tiered
 
 
 def stride_of(counts: Counts) -> torch.Tensor:
@@ -21,6 +22,24 @@ class Strided(Policy):
     position_only = True
 
     def priority(self, pos, acc, now, counts: Counts):
-        window = recent_window(pos, now, counts.recent)
-        grid = (pos % bcast(stride_of(counts)) == 0) & bcast(counts.heavy > 0)
-        return (2 * window + (grid & ~window)).double() * TIER + pos.double()  # (B, H, S)
+        return tiered(*self.tiers(pos, now, self.consts(counts)), pos)  # (B, H, S)
+
+    def consts(self, counts: Counts) -> tuple:
+        """What :meth:`tiers` reads per sequence: window (B,), stride and the grid's remainder (B, 1, 1): 0, or -1
+        (never) when the grid holds no token."""
+        return counts.recent, bcast(stride_of(counts)), bcast(torch.where(counts.heavy > 0, 0, -1))
+
+    def tiers(self, pos, now, consts):
+        """(B, H, S) bool each: the window (tier 2, the newest tokens); grid tokens (tier 1 outside the window)."""
+        recent, stride, grid = consts
+        return recent_window(pos, now, recent), pos % stride == grid
+
+    def decoder(self, counts: Counts, host: Counts):
+        return Tiered(self, counts)
+
+    def demotions(self, counts: Counts):
+        """Host: how many held tokens outside the kept set can rank above what it keeps, per step (see
+        :mod:`.protected`): none. Only the oldest window token ``x`` falls (grid membership is fixed); if ``x`` was
+        kept, the whole window was, and the arriving token takes its place at the top: every token outside still
+        has the ``k - 1`` other kept tokens and the arriving one above it (with a window of one, nothing moves)."""
+        return lambda now: 0

@@ -4,11 +4,13 @@ Each query sees the ``n_heavy`` keys of highest accumulated attention (the heavy
 logit *for that query* among the others until it sees the whole budget (``counts.total`` keys, as top-k does): the
 two parts never overlap, so a query sees exactly as many keys as under top-k. Like top-k it keeps the whole cache.
 """
-from .base import Counts, Policy
-from .topk import per_seq, top_rank
+import torch
+
+from .base import Counts, const
+from .topk import TopK, per_seq, top_mask, top_rank
 
 
-class TopKH2(Policy):
+class TopKH2(TopK):
     name = "topk_h2"
     evicts = False
     needs_scores = True
@@ -17,3 +19,8 @@ class TopKH2(Policy):
         hitters = top_rank(acc.expand_as(logits), allowed) < per_seq(counts.heavy, logits)  # (..., q, S)
         first = logits.float().masked_fill(hitters, float("inf"))  # heavy hitters rank first, then by logit
         return allowed & (top_rank(first, allowed) < per_seq(counts.total, logits))  # (..., q, S)
+
+    def select(self, logits, acc, allowed, total: int, heavy: int):
+        hitters = top_mask(acc, allowed, heavy)  # (B, Hkv, 1, 1, S): the same for every query head and row
+        first = torch.where(hitters, const(float("inf"), logits.dtype, logits.device), logits)
+        return top_mask(first, allowed, total)
