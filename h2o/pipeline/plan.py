@@ -148,6 +148,7 @@ def prepare(cfg: DictConfig) -> Plan:
         raise ConfigError(f"semantics=reference: the paper code's mask rule exists for policy "
                           f"{' or '.join(REFERENCE_POLICIES)} only (got {policy.name})")
     task.check_model(model)
+    task.check_policy(policy)
     path = run_dir(cfg, policy, task.semantics[0])
     check_writable(path, cfg.runs_dir)
     check_reusable(path, identity(cfg, policy, semantics))

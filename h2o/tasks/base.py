@@ -45,6 +45,10 @@ class TaskSpec:
         """ConfigError when this task cannot run on ``model`` (an h2o.assets.model_spec.ModelSpec), judged from
         its config.json without loading (context length, layers); nothing to check by default."""
 
+    def check_policy(self, policy) -> None:
+        """ConfigError when this task cannot run ``policy`` (a built h2o.core.policies.Policy), before any load;
+        nothing to check by default."""
+
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:  # pragma: no cover - abstract
         raise NotImplementedError  # abstract
 
