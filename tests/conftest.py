@@ -1,7 +1,47 @@
 """Without a GPU, Triton kernels run under the interpreter (set before anything imports triton)."""
+import inspect
 import os
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def patch_language_once_per_launch() -> None:
+    """Triton 3.9's interpreter re-patches ``triton.language`` (``inspect.getmembers`` over the module) on every
+    device-function call, ``tl.sum`` and ``tl.max`` included: half the time of tests/test_row_kernel.py (the
+    topk_h2 kernel's bisection sums 33 times a row). A nested call sees the language its launch patched already
+    (the interpreter never undoes a nested patch), so patch each language once per launch. Without these internals
+    (another Triton): nothing changes."""
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    patch, launch = getattr(interpreter, "_patch_lang", None), getattr(interpreter.GridExecutor, "__call__", None)
+    if patch is None or launch is None or not hasattr(interpreter, "_LangPatchScope"):
+        return
+    patched: list[set] = []  # inside a launch: the language sets (tl, tl.core) it has patched
+
+    def patch_once(fn):
+        langs = frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
+        if patched and langs in patched[-1]:
+            return interpreter._LangPatchScope()  # nothing to undo
+        if patched:
+            patched[-1].add(langs)
+        return patch(fn)
+
+    def launch_fresh(self, *args, **kwargs):
+        patched.append(set())
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    interpreter._patch_lang = patch_once
+    interpreter.GridExecutor.__call__ = launch_fresh
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_language_once_per_launch()

@@ -69,6 +69,8 @@ BAD = [
     (["task.memory_fraction=1.5"], ["task.memory_fraction=1.5", "(0, 1]"]),
     (["task.compare=[lru]"], ["task.compare=['lru']", "'lru'", "h2o"]),
     (["task.repeats=0"], ["task.repeats=0", ">= 1"]),
+    (["policy=full"], ["policy=full", "the reference", "allowed: ", "h2o"]),
+    (["policy.budget=1.0"], ["policy=h2o policy.budget=1.0", "the reference", "below 1.0"]),
 ]
 
 

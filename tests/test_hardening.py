@@ -213,12 +213,15 @@ def test_misconfigured_wandb_never_fails_the_run(tmp_path, monkeypatch, capsys):
 # ------------------------------------------------------------------- every other entry point (one table each)
 def no_load(monkeypatch):
     """Loading a model is an error in these tests: bad input must fail first."""
+    import h2o.assets.model_spec as model_spec
     import h2o.assets.models as models
 
     def refuse(*a, **k):
         raise AssertionError("a model was loaded before the bad input was reported")
 
     monkeypatch.setattr(models, "load_model", refuse)
+    monkeypatch.setattr(model_spec, "load_model", refuse)  # the name ModelSpec.load calls
+    monkeypatch.setattr(model_spec, "_LOADED", {})  # nor one kept from an earlier test
 
 
 def one_line_exit_2(code, capsys, words):

@@ -267,6 +267,26 @@ def test_reference_semantics_hand_computed():
     assert torch.equal(reference_mask(logits, heavy=2, recent=1).long(), expected)
 
 
+def test_reference_semantics_checked_once_per_forward():
+    """semantics=reference reads the host once per forward (is the input unpadded), not per layer: with the
+    non-finite guard, 2 syncs at 2 and at 4 layers (it was 2 + 3 per layer); padding fails in one line."""
+    from h2o import attach
+    from h2o.assets.models import tiny_model
+    from h2o.bench.launches import SYNC, aten_ops
+
+    ids = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    for layers in (2, 4):
+        model = tiny_model("llama", num_hidden_layers=layers)
+        with torch.no_grad(), attach(model, make_policy("h2o", budget=0.3), semantics="reference"):
+            model(ids)
+            assert aten_ops(lambda: model(ids))[SYNC] == 2, layers
+            mask = torch.ones(1, 24, dtype=torch.long)
+            mask[0, :3] = 0
+            with pytest.raises(ValueError, match="semantics=reference: needs policy h2o/h2_only on unpadded") as e:
+                model(ids, attention_mask=mask)
+            assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(budget=0.0), "budget=0"), (dict(budget=1.5), "budget=1.5"), (dict(budget=-3), "budget=-3"),
     (dict(heavy=0.6, recent=0.6), "heavy + recent = 1.2"), (dict(heavy=0.1), "give both"),

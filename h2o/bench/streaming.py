@@ -342,6 +342,9 @@ class StreamingTask(TaskSpec):
     def check_policy(self, policy) -> None:
         check(policy.is_full or isinstance(policy.budget, int),
               f"policy.budget={policy.budget!r}: streaming needs a cache size in tokens (an int, e.g. 128)")
+        if policy.quant is not None:  # its key shifter rotates stored keys, not packed rows
+            check(False, f"quant={policy.quant.label()}: the streaming task's cache is not quantized (its key "
+                  "shifter moves stored keys, packed rows cannot be moved); allowed: quant=none")
 
     def add_bos(self, tokenizer) -> bool:
         """The text is encoded with the tokenizer's special tokens (``text_ids``): BOS where the tokenizer adds it."""

@@ -105,10 +105,19 @@ class TargetsTask(TaskSpec):
                            f"policy; allowed: {', '.join(p for p in POLICIES if p != 'full')}")
         check(self.shots == 0, f"task.shots={self.shots}: a benchmark takes no in-context examples (0)")
 
+    def check_policy(self, policy) -> None:
+        """Full (policy=full, or a ratio budget of 1.0) is the reference every target divides by."""
+        from h2o.core.policies import POLICIES
+
+        what = "policy=full" if policy.name == "full" else f"policy={policy.name} policy.budget={policy.budget}"
+        check(not policy.is_full, f"{what}: task {self.name} measures an evicting policy against full (the "
+                                  f"reference); allowed: {', '.join(p for p in POLICIES if p != 'full')} with a "
+                                  f"budget below 1.0")
+
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
         from h2o.bench.targets import check_targets, run_targets
 
-        check(not policy.is_full, "experiment=bench: policy=full is the reference; choose an evicting policy")
+        self.check_policy(policy)
         name = getattr(model.config, "_name_or_path", None)
         recs = run_targets(model, self, policy, seed, model_name=name)
         res = check_targets(recs, self.long, self.short, policy.name, policy.budget)

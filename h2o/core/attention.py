@@ -44,7 +44,8 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
         if state.prompt_len > q:
             raise PolicyError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
         valid, plan = state.per_forward(attention_mask, query, lambda v: forward_plan(state.policy, v,
-                                                                                      state.prompt_len))
+                                                                                      state.prompt_len,
+                                                                                      state.semantics))
         if state.quant is not None:  # attend to the values a quantized cache would hold
             key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,

@@ -51,15 +51,29 @@ if triton is not None:
         return tl.sum(x, 0) - tl.cumsum(x, 0) + x
 
     @triton.jit
-    def score_rows_kernel(logits_ptr, keep_ptr, acc_ptr, out_ptr, pos_ptr, valid_ptr, room_ptr, par_ptr,
-                          H, T, G, start, decay, s_b, s_h, s_g, s_r,
-                          BLOCK: tl.constexpr, SCORE: tl.constexpr, PATTERN: tl.constexpr):
+    def program_state(keep_ptr, acc_ptr, H, T, BLOCK: tl.constexpr):
+        """This program's (sequence, KV head) and its state after row start-1: bh, b, h, the columns, which are
+        in the sequence, ``keep`` (BLOCK,) bool and ``acc`` (BLOCK,) fp32."""
         bh = tl.program_id(0)
-        b, h = bh // H, bh % H
         cols = tl.arange(0, BLOCK)
         inb = cols < T
         keep = tl.load(keep_ptr + bh * T + cols, mask=inb, other=0) != 0
         acc = tl.load(acc_ptr + bh * T + cols, mask=inb, other=0.0)
+        return bh, bh // H, bh % H, cols, inb, keep, acc
+
+    @triton.jit
+    def row_softmax(x, seen, inb):
+        """fp32 softmax of a row's logits ``x`` over its ``seen`` columns (an unseen one: the fp32 minimum, as
+        :func:`h2o.core.simulate.masked_softmax`; past the sequence: 0)."""
+        x = tl.where(inb, tl.where(seen, x, -3.4028234663852886e38), float("-inf"))
+        e = tl.exp(x - tl.max(x, 0))
+        return e / tl.sum(e, 0)
+
+    @triton.jit
+    def score_rows_kernel(logits_ptr, keep_ptr, acc_ptr, out_ptr, pos_ptr, valid_ptr, room_ptr, par_ptr,
+                          H, T, G, start, decay, s_b, s_h, s_g, s_r,
+                          BLOCK: tl.constexpr, SCORE: tl.constexpr, PATTERN: tl.constexpr):
+        bh, b, h, cols, inb, keep, acc = program_state(keep_ptr, acc_ptr, H, T, BLOCK)
         pos = tl.load(pos_ptr + b * T + cols, mask=inb, other=-1)
         recent = tl.load(par_ptr + b * 4)  # h2o: the window; pattern: its window (strided) or block size (fixed)
         size = tl.load(par_ptr + b * 4 + 1)  # strided: the grid's stride; fixed: summary tokens per block
@@ -98,9 +112,7 @@ if triton is not None:
             total = tl.zeros((BLOCK,), dtype=tl.float32)
             for g in range(G):
                 x = tl.load(logits_ptr + b * s_b + h * s_h + g * s_g + i * s_r + cols, mask=inb, other=0.0)
-                x = tl.where(inb, tl.where(keep, x, -3.4028234663852886e38), float("-inf"))
-                e = tl.exp(x - tl.max(x, 0))
-                total += e / tl.sum(e, 0)
+                total += row_softmax(x, keep, inb)
             if SCORE == 2:  # decay: a pad row neither decays nor adds
                 acc = tl.where(tok, acc * decay + total, acc)
             else:
@@ -130,12 +142,7 @@ if triton is not None:
                          s_b, s_h, s_g, s_r, BLOCK: tl.constexpr):
         """topk_h2: the whole cache is kept; each row and query head sees the ``heavy`` keys of highest score,
         then its keys of highest logit up to ``total``."""
-        bh = tl.program_id(0)
-        b, h = bh // H, bh % H
-        cols = tl.arange(0, BLOCK)
-        inb = cols < T
-        keep = tl.load(keep_ptr + bh * T + cols, mask=inb, other=0) != 0
-        acc = tl.load(acc_ptr + bh * T + cols, mask=inb, other=0.0)
+        bh, b, h, cols, inb, keep, acc = program_state(keep_ptr, acc_ptr, H, T, BLOCK)
         total_k = tl.load(par_ptr + b * 2).to(tl.int64)
         heavy_k = tl.load(par_ptr + b * 2 + 1).to(tl.int64)
         for i in range(start, T):
@@ -147,9 +154,7 @@ if triton is not None:
                 x = tl.load(logits_ptr + b * s_b + h * s_h + g * s_g + i * s_r + cols, mask=inb, other=0.0)
                 row = top(tl.where(hitters, float("inf"), x), keep, total_k, cols)
                 tl.store(out_ptr + ((bh * G + g) * T + i) * T + cols, row.to(tl.int8), mask=inb)
-                x = tl.where(inb, tl.where(row, x, -3.4028234663852886e38), float("-inf"))
-                e = tl.exp(x - tl.max(x, 0))
-                total += e / tl.sum(e, 0)
+                total += row_softmax(x, row, inb)
             acc += total * tok.to(tl.float32)
         tl.store(acc_ptr + bh * T + cols, acc, mask=inb)
 

@@ -87,11 +87,14 @@ def causal_valid(valid: torch.Tensor) -> torch.Tensor:
     return (idx[None, :] <= idx[:, None]) & valid[:, None, None, None, :]
 
 
-def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0
+def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, semantics: str = "h2o"
                  ) -> tuple[torch.Tensor | None, tuple[int, bool] | None]:
     """What every layer of a forward shares, built once per forward by the attention function: (the mask of a
     policy that does not read the scores (full, position-only), (B, 1, 1, T, T), else None; the row plan of a
-    score-based one (:func:`row_plan`), else None)."""
+    score-based one (:func:`row_plan`), or under ``semantics="reference"`` its (heavy, recent)
+    (:func:`reference_plan`), else None)."""
+    if semantics == "reference":
+        return None, reference_plan(policy, valid)
     if policy.is_full:
         return causal_valid(valid), None
     if policy.position_only:
@@ -136,7 +139,7 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
     else:
         allowed = causal_valid(valid)  # (B, 1, 1, T, T)
         if semantics == "reference":
-            allowed = allowed & reference_allowed(policy, logits, allowed, valid)
+            allowed = allowed & reference_allowed(logits, allowed, rows or reference_plan(policy, valid))
         elif not policy.is_full:
             allowed = policy_allowed(policy, logits, allowed, valid, prompt_len, rows)
     probs = masked_softmax(logits, allowed)  # (B, Hkv, G, T, T)
@@ -144,14 +147,20 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
     return out.reshape(B, Hq, T, D).transpose(1, 2), probs.reshape(B, Hq, T, T)
 
 
-def reference_allowed(policy: Policy, logits, allowed, valid):
-    """The paper code's rule (``h2o.core.policies.h2o.reference_mask``), one unpadded sequence at a time."""
+def reference_plan(policy: Policy, valid: torch.Tensor) -> tuple[int, int]:
+    """(heavy, recent) in tokens for the paper code's rule, checked once per forward: one host read (is the input
+    unpadded); the counts are taken of the length T on the host."""
     if not isinstance(policy, H2O) or not bool(valid.all()):
         raise ValueError(f"semantics=reference: needs policy h2o/h2_only on unpadded input, got {policy.name}")
-    counts = policy.counts(valid.sum(-1))
-    heavy, recent = int(counts.heavy[0]), int(counts.recent[0])
+    counts = policy.counts(torch.tensor([valid.shape[1]]))  # (1,) on the CPU: no device read
+    return counts.heavy.tolist()[0], counts.recent.tolist()[0]
+
+
+def reference_allowed(logits, allowed, plan: tuple[int, int]):
+    """The paper code's rule (``h2o.core.policies.h2o.reference_mask``), one unpadded sequence at a time;
+    ``plan``: the forward's :func:`reference_plan`."""
     causal_logits = logits.masked_fill(~allowed, -float("inf"))
-    return reference_mask(causal_logits, heavy, recent)
+    return reference_mask(causal_logits, *plan)
 
 
 def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None

@@ -140,15 +140,12 @@ def prepare(cfg: DictConfig) -> Plan:
     policy.quant = build_quant(cfg, model)
     if not isinstance(task, TaskSpec):
         raise ConfigError(f"task={cfg.task.name}: _target_ must build an h2o.tasks.base.TaskSpec")
-    if policy.quant is not None and task.kind == "streaming":  # its key shifter rotates stored keys (not rows)
-        raise ConfigError(f"quant={policy.quant.label()}: the streaming task's cache is not quantized (its key "
-                          f"shifter moves stored keys, packed rows cannot be moved); allowed: quant=none")
-    task.check_policy(policy)
     semantics = task.resolve_semantics(cfg.semantics)
     if semantics == "reference" and policy.name not in REFERENCE_POLICIES:
         raise ConfigError(f"semantics=reference: the paper code's mask rule exists for policy "
                           f"{' or '.join(REFERENCE_POLICIES)} only (got {policy.name})")
     task.check_model(model)
+    task.check_policy(policy)
     path = run_dir(cfg, policy, task.semantics[0])
     check_writable(path, cfg.runs_dir)
     check_reusable(path, identity(cfg, policy, semantics))

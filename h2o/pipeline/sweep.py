@@ -53,6 +53,7 @@ class Composer:
 
         self.parser = OverridesParser.create()
         self.trees: dict[tuple[str, ...], tuple] = {}
+        self.files: dict[tuple[str, str], object] = {}  # (group, choice) -> its file, read once per sweep
 
     @staticmethod
     def is_group(override) -> bool:
@@ -89,7 +90,9 @@ class Composer:
         cfg = copy.deepcopy(base)
         for group, choice in leaves.items():
             if choices.get(group) != choice:
-                node = OmegaConf.merge(OmegaConf.load(CONF / group / f"{choice}.yaml"), body.get(group) or {})
+                if (group, choice) not in self.files:
+                    self.files[group, choice] = OmegaConf.load(CONF / group / f"{choice}.yaml")
+                node = OmegaConf.merge(self.files[group, choice], body.get(group) or {})  # merge copies
                 with open_dict(cfg):
                     cfg[group] = node
         values = [o for o in parsed if not self.is_group(o) and not o.key_or_group.startswith("hydra.")]

@@ -46,7 +46,8 @@ class TaskSpec:
         its config.json without loading (context length, layers); nothing to check by default."""
 
     def check_policy(self, policy) -> None:
-        """ConfigError when this task cannot run ``policy`` (built, not yet attached); nothing to check by default."""
+        """ConfigError when this task cannot run ``policy`` (a built h2o.core.policies.Policy), before any load;
+        nothing to check by default."""
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:  # pragma: no cover - abstract
         raise NotImplementedError  # abstract
