@@ -51,6 +51,7 @@ class Protected(Decoder):
         self.kept: torch.Tensor | None = None  # (B, H, S) bool: the protected set C (None: rebuild)
         self.size: list[int] = []  # |C| per sequence (host)
         self.step: tuple = ()  # (held, room) of the step being decided
+        self.bufs: tuple = ()  # (key, sel, priority) buffers of the step's tensors, made at each rebuild
 
     def reset(self) -> None:
         self.kept = None
