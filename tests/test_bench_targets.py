@@ -13,8 +13,8 @@ from h2o.pipeline.sweep import expand
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny-llama", "task.long=[40,3]", "task.short=[32,1]", "task.e2e=[24,2]", "task.sim=24",
-        "task.memory=[24,3]", "task.gen_len=3", "task.repeats=1", "task.warmup=0", "task.prefill_chunk=16",
-        "task.max_batch_cap=6", "threads=1"]
+        "task.memory=[24,3]", "task.gen_len=3", "task.short_gen=4", "task.repeats=1", "task.warmup=0",
+        "task.prefill_chunk=16", "task.max_batch_cap=6", "threads=1"]
 
 
 def make_bench_argv(args: str) -> list[str]:
@@ -43,6 +43,9 @@ def test_make_bench_writes_the_experiments_record(tmp_path, monkeypatch, capsys)
                                           if k.startswith("decode 40x3 h2o/"))
     samples = [json.loads(x) for x in (path.parent / "samples.jsonl").read_text().splitlines()]
     assert {s["prefill_mode"] for s in samples if "prefill_mode" in s} == {"shared", "each"}
+    gens = {(s["prompt_len"], s["batch_size"]): s["gen_len"] for s in samples if s.get("prefill_mode") == "shared"
+            and "kv_limit_bytes" not in s}
+    assert gens == {(40, 3): 3, (32, 1): 4}  # gen_len at long, short_gen at short
     assert any("kv_limit_bytes" in s for s in samples) and any(s["semantics"] == "simulated" for s in samples)
     capped = {s["policy"]: s for s in samples if "max_batch_method" in s}
     assert set(capped) == {"full", "h2o"} and all(s["max_batch_method"] == "estimate" for s in capped.values())
@@ -69,6 +72,7 @@ BAD = [
     (["task.memory_fraction=1.5"], ["task.memory_fraction=1.5", "(0, 1]"]),
     (["task.compare=[lru]"], ["task.compare=['lru']", "'lru'", "h2o"]),
     (["task.repeats=0"], ["task.repeats=0", ">= 1"]),
+    (["task.short_gen=0"], ["task.short_gen=0", ">= 1"]),
     (["policy=full"], ["policy=full", "the reference", "allowed: ", "h2o"]),
     (["policy.budget=1.0"], ["policy=h2o policy.budget=1.0", "the reference", "below 1.0"]),
 ]

@@ -90,8 +90,9 @@ def run_targets(model, task, policy, seed: int = 0, model_name: str | None = Non
                 + make_variants([], [budget], baselines))
 
     recs = []
-    for (P, B), limit in ((task.long, "full" if task.kv_limit else None), (task.short, None)):
-        recs += benchmark(model, prompt_lens=[P], gen_lens=[task.gen_len], batch_sizes=[B], prefill="shared",
+    for (P, B), G, limit in ((task.long, task.gen_len, "full" if task.kv_limit else None),
+                             (task.short, task.short_gen, None)):
+        recs += benchmark(model, prompt_lens=[P], gen_lens=[G], batch_sizes=[B], prefill="shared",
                           prefill_chunk=task.prefill_chunk, kv_limit=limit, max_batch_cap=task.max_batch_cap,
                           variants=variants(task.compare, ["sdpa", "sliding"]), **common)
     P, B = task.e2e

@@ -71,6 +71,7 @@ class TargetsTask(TaskSpec):
     memory: list = field(default_factory=lambda: [1024, 8])
     memory_fraction: float = 0.5
     gen_len: int = 8
+    short_gen: int = 64  # generated tokens at `short`: a batch-1 step is short, 8 steps measure noise
     repeats: int = 3
     warmup: int = 1
     prefill_chunk: int = 0
@@ -89,7 +90,7 @@ class TargetsTask(TaskSpec):
         for key in ("long", "short", "e2e"):
             pair(key, getattr(self, key))
         pair("memory", self.memory, "prompt, generated tokens")
-        for key in ("sim", "gen_len", "repeats", "max_batch_cap"):
+        for key in ("sim", "gen_len", "short_gen", "repeats", "max_batch_cap"):
             check(is_int(getattr(self, key)) and getattr(self, key) >= 1,
                   f"task.{key}={getattr(self, key)!r}: expected an int >= 1")
         for key in ("warmup", "prefill_chunk"):
