@@ -334,3 +334,16 @@ def test_column_key_picks_select_slots_slot():
         full = ~room
         assert torch.equal(ours[full], theirs[full])  # the same held column dropped
         assert not keep.gather(-1, ours)[room].any()  # room: a free column (dropping it changes nothing)
+
+
+@pytest.mark.parametrize("name", ["h2o", "strided_h2", "topk_h2"])
+@pytest.mark.parametrize("prompt_len", [0, 9])
+def test_row_loop_probabilities_are_the_masks_softmax(name, prompt_len):
+    """The probabilities the torch row loop hands back (so the layer skips a second T x T softmax) are exactly
+    masked_softmax(logits, mask), pad rows and a left-padded sequence included."""
+    from h2o.core.simulate import causal_valid, masked_softmax, policy_attention
+    logits = torch.randn(2, 2, 3, 30, 30, generator=torch.Generator().manual_seed(1)) * 3  # (B, Hkv, G, T, T)
+    valid = torch.ones(2, 30, dtype=torch.bool)
+    valid[1, :5] = False
+    mask, probs = policy_attention(make_policy(name, budget=0.3), logits, causal_valid(valid), valid, prompt_len)
+    assert probs is not None and torch.equal(probs, masked_softmax(logits, mask))

@@ -131,6 +131,7 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
 
     ``plan``: what :func:`forward_plan` built for this forward (None: built here)."""
     mask, rows = plan if plan is not None else (None, None)
+    probs = None
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]
     logits = scores(grouped(query, Hkv), key, scaling)  # (B, Hkv, G, T, T)
@@ -141,8 +142,9 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
         if semantics == "reference":
             allowed = allowed & reference_allowed(logits, allowed, rows or reference_plan(policy, valid))
         elif not policy.is_full:
-            allowed = policy_allowed(policy, logits, allowed, valid, prompt_len, rows)
-    probs = masked_softmax(logits, allowed)  # (B, Hkv, G, T, T)
+            allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows)
+    if probs is None:
+        probs = masked_softmax(logits, allowed)  # (B, Hkv, G, T, T)
     out = grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
     return out.reshape(B, Hq, T, D).transpose(1, 2), probs.reshape(B, Hq, T, T)
 
@@ -167,24 +169,33 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows
                    ) -> torch.Tensor:
     """(B, Hkv, G|1, T, T) bool mask of what each row sees under ``policy`` (logits unused if position-only).
     ``rows``: the forward's :func:`row_plan` (None: made here)."""
+    return policy_attention(policy, logits, allowed, valid, prompt_len, rows)[0]
+
+
+def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(:func:`policy_allowed`'s mask, and where the torch row loop computes them anyway, every row's attention
+    probabilities (B, Hkv, G, T, T) fp32, equal to ``masked_softmax(logits, mask)`` (None otherwise)): the layer
+    then skips a second softmax over the whole T x T."""
     T = valid.shape[1]
     counts = policy.counts(reference_length(valid, prompt_len))
     if policy.position_only:
         held = closed_form(policy, valid, counts, max(prompt_len - 1, 0))  # (B, 1, 1, T, T)
         if not prompt_len:
-            return held
-        return torch.where(torch.arange(T, device=valid.device)[:, None] < prompt_len, allowed, held)
+            return held, None
+        return torch.where(torch.arange(T, device=valid.device)[:, None] < prompt_len, allowed, held), None
     B, Hkv, G, T, _ = logits.shape
     pos = positions(valid)  # (B, T)
     if not policy.evicts and not policy.needs_scores:  # top-k: a pure function of each row's logits
         decoding = (torch.arange(T, device=logits.device) >= prompt_len)[:, None]  # (T, 1)
-        return torch.where(decoding, policy.restrict(logits, None, allowed, counts), allowed)
+        return torch.where(decoding, policy.restrict(logits, None, allowed, counts), allowed), None
 
     # rows < start need no eviction: the prompt, and (torch loop) the steps before any sequence's budget is full
     start, padded = rows if rows is not None else row_plan(policy, valid, prompt_len)
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
-    probs = masked_softmax(logits[..., :start, :], allowed[..., :start, :]) * valid[:, None, None, :start, None]
+    first = masked_softmax(logits[..., :start, :], allowed[..., :start, :])  # (B, Hkv, G, start, T)
+    probs = first * valid[:, None, None, :start, None]
     acc = probs.new_zeros(B, Hkv, T)  # (B, Hkv, T) accumulated attention
     policy.accumulate(acc, probs, valid[:, :start])
     if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
@@ -194,10 +205,12 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
     if row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
         row_kernel.score_rows(policy, logits, valid, pos, counts, keep, acc, out, start)
-        return out
+        return out, None
+    seen = torch.empty_like(logits)  # (B, Hkv, G, T, T) every row's attention probabilities
+    seen[..., :start, :] = first
     with serial(logits.device):
-        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded)
-    return out
+        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, seen)
+    return out, seen
 
 
 def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int) -> torch.Tensor:
@@ -211,9 +224,10 @@ def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int) -> torc
     return (held | itself)[:, None, None]
 
 
-def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded=True):
+def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded=True, seen=None):
     """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention.
-    ``padded`` False: no row from ``start`` on is a pad (their weighting is skipped).
+    ``padded`` False: no row from ``start`` on is a pad (their weighting is skipped). ``seen`` (B, Hkv, G, T, T):
+    each row's attention probabilities are written there (policies that read the scores).
 
     The eviction is :func:`h2o.core.policies.select_slot`'s decision in column order (:func:`column_key`): one
     ``where`` and one ``argmin`` per row. Per-row inputs are laid out row-major once, so each row reads them with
@@ -245,7 +259,10 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
                                   keep[:, :, None, None, :], counts)[..., 0, :]  # (B, Hkv, G, T)
         out.select(-2, i).copy_(row)
         if policy.needs_scores:  # masked_softmax of the row, in place of its two ops
-            p = torch.softmax(torch.where(row, logits.select(-2, i), low), -1).unsqueeze(-2)  # (B, Hkv, G, 1, T)
+            p = torch.softmax(torch.where(row, logits.select(-2, i), low), -1)  # (B, Hkv, G, T)
+            if seen is not None:
+                seen.select(-2, i).copy_(p)
+            p = p.unsqueeze(-2)  # (B, Hkv, G, 1, T)
             policy.accumulate(acc, p * weights[i] if padded else p, tok if padded else None)
 
 
