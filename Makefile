@@ -62,7 +62,7 @@ prefetch: install ## download every model and data set of experiment EXP into th
 
 # Benchmarks: issue 12's targets as one run of experiment=bench (h2o/bench/targets.py), recorded under
 # runs/bench/ like every run (a finished record is not measured again: move it away or set ARGS=experiment_name=...).
-# Sizes: prompt,batch pairs. Measured 8 min 31 s on 2 idle cores at these defaults (and 33 min with
+# Sizes: prompt,batch pairs. Measured 7 min 53 s - 8 min 31 s on 2 idle cores at these defaults (and 33 min with
 # BENCH_THREADS=1 beside four other jobs on 2 cores). On shared cores use BENCH_THREADS=1: two threads per process
 # then wait on each other at every small op (decoding measured 5-10x slower).
 BENCH_THREADS ?= 2
