@@ -60,10 +60,14 @@ class EvictingLayer(DynamicLayer):
             key_states, value_states = self.quant.pack_kv(key_states, value_states, self.layer_idx, self.seen)
         if self.keys is None or q > 1:
             self.append(key_states, value_states)
-        elif not self.policy.evicts or self.policy.is_full:
-            self.grow(key_states, value_states)
-        else:
-            self.decode_in_place(key_states, value_states)
+        else:  # a decoding step: one real token in
+            if not self.policy.evicts or self.policy.is_full:
+                self.grow(key_states, value_states)
+            else:
+                self.decode_in_place(key_states, value_states)
+            self.n_tok += 1
+            self.host_tok = [n + 1 for n in self.host_tok]
+            self.n_new = 0
         self.seen += q
         return self.read()
 
@@ -140,9 +144,6 @@ class EvictingLayer(DynamicLayer):
                 self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand(slot.shape))
             self.acc.scatter_(-1, slot, 0.0)
             self.host_held = [h + r for h, r in zip(self.host_held, room)]
-            self.n_tok += 1
-            self.host_tok = [n + 1 for n in self.host_tok]
-            self.n_new = 0
 
     def decoding(self):
         """The policy's form for this layer's decoding steps (:meth:`Policy.decoder`), made once per budget."""
@@ -160,10 +161,7 @@ class EvictingLayer(DynamicLayer):
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.pos = torch.cat([self.pos, self.n_tok.view(-1, 1, 1).expand(B, H, 1)], -1)
         self.acc = torch.cat([self.acc, self.zero], -1)
-        self.n_tok += 1
-        self.host_tok = [n + 1 for n in self.host_tok]
         self.host_held = [h + 1 for h in self.host_held]
-        self.n_new = 0
         if self.decoder is not None:  # a new slot: a decoder's state is rebuilt at the next step
             self.decoder.reset()
 
