@@ -101,9 +101,12 @@ def load_runs(root: str | Path = "runs") -> pd.DataFrame:
 def load_samples(run_path: str | Path) -> list[dict]:
     """The run's ``samples.jsonl`` as a list of dicts ([] if the file is absent)."""
     f = Path(run_path) / "samples.jsonl"
-    if not f.exists():
-        return []
-    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    return read_jsonl(f) if f.exists() else []
+
+
+def read_jsonl(f: str | Path) -> list[dict]:
+    """A JSON-lines file as a list of dicts (blank lines skipped)."""
+    return [json.loads(line) for line in Path(f).read_text().splitlines() if line.strip()]
 
 
 def load_json(run_path: str | Path, name: str) -> dict | None:

@@ -25,12 +25,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from analysis.records import read_jsonl  # noqa: E402
+
 NAME = re.compile(r"(?P<label>.+)_(?P<budget>\d+)_c(?P<chunk>\d+)$")
 BASELINE = "streaming_llm"
-
-
-def read_samples(f: Path) -> list[dict]:
-    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
 
 
 def load(root: Path) -> dict[tuple[int, int], dict[str, list[dict]]]:
@@ -38,7 +36,7 @@ def load(root: Path) -> dict[tuple[int, int], dict[str, list[dict]]]:
     out: dict[tuple[int, int], dict[str, list[dict]]] = {}
     for f in sorted(root.rglob("*.jsonl")):
         m = NAME.match(f.stem)
-        samples = read_samples(f) if m else None
+        samples = read_jsonl(f) if m else None
         if samples:
             out.setdefault((int(m["chunk"]), int(m["budget"])), {})[m["label"]] = samples
     for chunk, budget, label, samples in records(root):
@@ -62,7 +60,7 @@ def records(root: Path) -> list[tuple[int, int, str, list[dict]]]:
                     **{k: v for k, v in {**proto, **(rec.get("policy_options") or {})}.items()
                        if k not in SETTINGS_SKIP}}
         found.append((int(proto.get("chunk", rec.get("chunk", 1))), int(rec["budget"]),
-                      rec.get("label") or rec["policy"], settings, read_samples(samples_file)))
+                      rec.get("label") or rec["policy"], settings, read_jsonl(samples_file)))
     out = []
     for chunk, budget, base, settings, samples in found:
         same = [s for _, _, b, s, _ in found if b == base]
