@@ -56,7 +56,12 @@ class PerplexityTask(TaskSpec):
               f"task.add_bos_token={self.add_bos_token!r}: allowed: true, false, null (the tokenizer's default)")
 
     def add_bos(self, tokenizer) -> bool:
-        return adds_bos(tokenizer, self.add_bos_token)
+        """null: whether the tokenizer puts BOS first by default; true: always (the tokenizer must have one)."""
+        if self.add_bos_token is None:
+            return adds_bos(tokenizer, None)
+        check(not self.add_bos_token or getattr(tokenizer, "bos_token_id", None) is not None,
+              "task.add_bos_token=true: this model's tokenizer has no BOS token; allowed: false, null")
+        return bool(self.add_bos_token)
 
     def check_model(self, model) -> None:
         max_pos = model.max_positions()
