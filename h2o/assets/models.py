@@ -56,7 +56,9 @@ def _unavailable(name: str, why: str) -> ModelUnavailableError:
 
 
 def _smollm2_dir() -> Path:
-    return cache_dir() / "models" / SMOLLM2_NAME
+    from h2o.assets.packaged import packaged_dir
+
+    return packaged_dir(SMOLLM2_NAME)
 
 
 def _is_checkpoint(folder: Path) -> bool:

