@@ -68,3 +68,80 @@ def test_budget_sweeps_still_draw_curves(tmp_path):
         perplexity(tmp_path / "runs", policy, b)
     names = {p.name for p in all_figures(load_runs(tmp_path / "runs"), tmp_path / "fig")}
     assert names == {"default_budget_curves.png", "default_budget_curves.pdf"}
+
+
+# ---- the results pages (analysis.results_pages, `make docs-results`)
+
+import json  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from analysis import results_pages  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def study(folder, **spec):
+    folder.mkdir(parents=True)
+    (folder / "study.yaml").write_text(json.dumps(spec))  # JSON is YAML
+    return folder
+
+
+def test_a_records_study_page_has_its_tables_figure_and_provenance(tmp_path):
+    root = study(tmp_path / "studies" / "default", title="The default", kind="records",
+                 measured="2-core CPU", commands=["make sweep"]) / "records"
+    for policy, acc in zip(POLICIES, (0.6, 0.55, 0.5, 0.45)):
+        d = mc(root, "default", "smollm2-135m", "bb_copa", policy, acc, n=64)
+        (d / "env.json").write_text(json.dumps({"git_commit": "abcdef0123", "git_dirty": False, "device": "cpu",
+                                                "torch_threads": 2, "hostname": "box",
+                                                "started": "2026-11-30T10:00:00+0000",
+                                                "ended": "2026-11-30T10:05:00+0000"}))
+    ppl_only(root)
+    out = tmp_path / "docs"
+    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
+    page = (out / "default.md").read_text()
+    assert page.startswith(results_pages.HEADER)
+    assert ("Measured: 2-core CPU; 4 runs, 2026-11-30, commit abcdef0, device cpu, 2 threads, host box"
+            in page)
+    assert "```bash\nmake sweep\n```" in page
+    lo, hi = wilson(0.45, 64)
+    assert f"| smollm2-135m | bb_copa | H2O | 0.450 [{lo:.3f}, {hi:.3f}] | — |" in page
+    assert "| smollm2-135m | austen_ppl | local |" in page
+    assert "- bb_copa (smollm2-135m, 5-shot, acc_mean): 0.2: H2O ≈ full" in page
+    images = re.findall(r"!\[[^]]*\]\(([^)]+)\)", page)
+    assert images == ["default/default_policies.png"]
+    assert (out / images[0]).stat().st_size > 1000
+    assert not list(out.rglob("*.pdf"))
+    assert "[The default](default.md)" in (out / "index.md").read_text()
+
+
+def test_a_study_without_records_gets_no_page(tmp_path):
+    study(tmp_path / "s" / "later", title="Later", kind="records")
+    assert results_pages.main(["--studies", str(tmp_path / "s"), "--out", str(tmp_path / "o")]) == 0
+    assert not (tmp_path / "o" / "later.md").exists()
+    assert "Later: no records committed yet" in (tmp_path / "o" / "index.md").read_text()
+
+
+@pytest.mark.parametrize("spec, says", [({"title": "x", "kind": "tables"}, "kind='tables': allowed: records, "
+                                         "streaming"), ({"kind": "records"}, "'title' missing"),
+                                        ({"title": "x", "kind": "streaming"}, "needs 'sections'")])
+def test_a_bad_study_is_one_line(tmp_path, capsys, spec, says):
+    study(tmp_path / "s" / "bad", **spec)
+    assert results_pages.main(["--studies", str(tmp_path / "s"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and "study.yaml" in err
+
+
+def test_the_committed_pages_are_what_the_records_give(tmp_path):
+    """docs/results/ is regenerated, never edited: building it again from analysis/ gives the same Markdown
+    (figures are compared by name: their bytes depend on matplotlib's build)."""
+    import shutil
+    for spec in (REPO / "analysis").glob("*/study.yaml"):  # the same layout, so relative links read the same
+        shutil.copytree(spec.parent, tmp_path / "analysis" / spec.parent.name)
+    out, committed = tmp_path / "docs" / "results", REPO / "docs" / "results"
+    assert results_pages.main(["--studies", str(tmp_path / "analysis"), "--out", str(out)]) == 0
+    assert {p.name for p in out.glob("*.md")} == {p.name for p in committed.glob("*.md")}
+    for page in out.glob("*.md"):
+        assert page.read_text() == (committed / page.name).read_text(), f"run `make docs-results`: {page.name}"
+    assert {p.relative_to(out) for p in out.rglob("*.png")} == \
+        {p.relative_to(committed) for p in committed.rglob("*.png")}
