@@ -2,7 +2,8 @@
 
 ``python -m analysis.results_pages [--studies analysis] [--out docs/results]`` reads every ``<studies>/<study>/``
 that holds a ``study.yaml`` and writes ``<out>/<study>.md`` with its figures in ``<out>/<study>/`` (PNG), then
-``<out>/index.md`` listing the studies. Nothing on a page is typed by hand but the study's description: every
+``<out>/index.md`` listing the studies. ``--collect RUNS DEST`` first copies the finished run records under ``RUNS``
+(``runs/default``) into ``DEST`` (``analysis/default/records``): their record files only, never a partial log. Nothing on a page is typed by hand but the study's description: every
 number comes from the records beside its ``study.yaml``, so a measured number in the docs always has its record.
 
 ``study.yaml``::
@@ -161,11 +162,37 @@ def build(studies: Path, out: Path) -> list[Path]:
     return written + [out / "index.md"]
 
 
+RECORD_FILES = ("metrics.json", "samples.jsonl", "config.yaml", "env.json", "observations.json")
+
+
+def collect(runs: Path, dest: Path) -> int:
+    """Copy each finished run folder under ``runs`` (one with ``metrics.json``) to the same place under ``dest``,
+    its record files only (:data:`RECORD_FILES`); returns the number of records copied."""
+    import shutil
+
+    found = sorted(f.parent for f in runs.rglob("metrics.json"))
+    for folder in found:
+        target = dest / folder.relative_to(runs)
+        target.mkdir(parents=True, exist_ok=True)
+        for name in RECORD_FILES:
+            if (folder / name).exists():
+                shutil.copy2(folder / name, target / name)
+    return len(found)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.results_pages", description=__doc__.split("\n")[0])
     p.add_argument("--studies", default="analysis", help="folder of the study folders (default: analysis)")
     p.add_argument("--out", default="docs/results", help="where the pages go (default: docs/results)")
+    p.add_argument("--collect", nargs=2, metavar=("RUNS", "DEST"),
+                   help="first copy the finished run records under RUNS into DEST (a study's records folder)")
     args = p.parse_args(argv)
+    if args.collect:
+        runs, dest = map(Path, args.collect)
+        if not runs.is_dir():
+            print(f"error: --collect {runs}: not a folder; expected a folder of run records", file=sys.stderr)
+            return 2
+        print(f"{collect(runs, dest)} finished run records copied from {runs} to {dest}")
     if not Path(args.studies).is_dir():
         print(f"error: --studies={args.studies!r}: not a folder; expected the folder of the studies", file=sys.stderr)
         return 2

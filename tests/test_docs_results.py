@@ -145,3 +145,17 @@ def test_the_committed_pages_are_what_the_records_give(tmp_path):
         assert page.read_text() == (committed / page.name).read_text(), f"run `make docs-results`: {page.name}"
     assert {p.relative_to(out) for p in out.rglob("*.png")} == \
         {p.relative_to(committed) for p in committed.rglob("*.png")}
+
+
+def test_collect_copies_finished_records_only(tmp_path):
+    runs = tmp_path / "runs" / "default"
+    done = perplexity(runs, "h2o", 0.2)
+    (done / "partial").mkdir()
+    (done / "partial" / "windows.jsonl").write_text("{}\n")
+    run(runs, finished=False, experiment="default", model="smollm2-135m", task="austen_ppl")
+    dest = tmp_path / "analysis" / "default" / "records"
+    assert results_pages.collect(runs, dest) == 1
+    copied = dest / done.relative_to(runs)
+    assert sorted(p.name for p in copied.iterdir()) == ["config.yaml", "metrics.json", "samples.jsonl"]
+    assert load_runs(dest)["ppl"].tolist() == load_runs(runs)["ppl"].tolist()
+    assert results_pages.main(["--collect", str(tmp_path / "nope"), str(dest)]) == 2
