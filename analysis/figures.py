@@ -127,26 +127,36 @@ def curve_panel(ax, runs: pd.DataFrame, metric: str, title: str, policies=None) 
     return drawn
 
 
-def budget_figure(runs: pd.DataFrame, out, name: str, title: str, policies=None) -> list[Path]:
-    """One panel per model x task (x shots, x semantics where they vary), if any point exists."""
+def panel_figure(runs: pd.DataFrame, out, name: str, title: str, draw, metric_of, ncols: int = 3,
+                 size=(4.2, 3.2)) -> list[Path]:
+    """One panel per model x task (x shots, x semantics where they vary) that has a metric
+    (``metric_of(group)``), drawn by ``draw(ax, group, metric, panel title)`` -> points drawn; written
+    if any point was drawn."""
     runs = annotate(runs)
     keys = ["model", "task"] + [k for k in ("shots", "semantics") if runs[k].nunique() > 1]
-    groups = [(k, g) for k, g in runs.groupby(keys, dropna=False) if metric_for(
-        g["task_kind"].iloc[0], g)]
+    groups = [(k, g, metric_of(g)) for k, g in runs.groupby(keys, dropna=False)]
+    groups = [(k, g, m) for k, g, m in groups if m]
     if not groups:
         return []
-    fig, axes = panels(len(groups))
+    fig, axes = panels(len(groups), ncols, size)
     drawn = 0
-    for ax, (key, sub) in zip(axes, groups):
+    for ax, (key, sub, metric) in zip(axes, groups):
         text = " / ".join(key_str(v) if k != "shots" else f"{key_str(v)}-shot"
                           for k, v in zip(keys, key))
-        drawn += curve_panel(ax, sub, metric_for(sub["task_kind"].iloc[0], sub), text, policies)
+        drawn += draw(ax, sub, metric, text)
     if not drawn:
         plt.close(fig)
         return []
     fig.suptitle(f"{title}\n(one protocol per point: the largest sample, see REPORT.md; "
                  f"bars: 95% intervals)", fontsize=9)
     return save(fig, out, name)
+
+
+def budget_figure(runs: pd.DataFrame, out, name: str, title: str, policies=None) -> list[Path]:
+    """Metric vs budget, one panel per model x task (x shots, x semantics), the task kind's metric."""
+    return panel_figure(runs, out, name, title,
+                        lambda ax, sub, metric, text: curve_panel(ax, sub, metric, text, policies),
+                        lambda g: metric_for(g["task_kind"].iloc[0], g))
 
 
 def headline_metric(runs: pd.DataFrame) -> str | None:
@@ -184,33 +194,17 @@ def policy_panel(ax, runs: pd.DataFrame, metric: str, title: str) -> int:
             ax.axhline(e.value, ls="--", color="k", lw=0.8)
             if e.has_interval:
                 ax.axhspan(e.lo, e.hi, color="k", alpha=0.08)
+    budget = pd.to_numeric(runs.loc[runs["policy"] != "full", "budget"], errors="coerce").dropna()
     ax.set_xticks(range(len(pts)), [label(p) for p, _ in pts], fontsize=8)
-    ax.set(title=title, ylabel=metric, xlim=(-0.5, len(pts) - 0.5))
+    ax.set(title=title + (f", budget {key_str(budget.iloc[0])}" if len(budget) else ""),
+           ylabel=metric, xlim=(-0.5, len(pts) - 0.5))
     return len(pts)
 
 
 def policy_figure(runs: pd.DataFrame, out, name: str, title: str) -> list[Path]:
-    """One panel per model x task (x shots, x semantics where they vary) at the experiment's single
-    budget, if any point exists."""
-    runs = annotate(runs)
-    keys = ["model", "task"] + [k for k in ("shots", "semantics") if runs[k].nunique() > 1]
-    groups = [(k, g, headline_metric(g)) for k, g in runs.groupby(keys, dropna=False)]
-    groups = [(k, g, m) for k, g, m in groups if m]
-    if not groups:
-        return []
-    fig, axes = panels(len(groups), ncols=2, size=(4.6, 3.4))
-    drawn = 0
-    for ax, (key, sub, metric) in zip(axes, groups):
-        budget = pd.to_numeric(sub.loc[sub["policy"] != "full", "budget"], errors="coerce").dropna()
-        text = " / ".join(key_str(v) if k != "shots" else f"{key_str(v)}-shot" for k, v in zip(keys, key))
-        drawn += policy_panel(ax, sub, metric, text + (f", budget {key_str(budget.iloc[0])}"
-                                                        if len(budget) else ""))
-    if not drawn:
-        plt.close(fig)
-        return []
-    fig.suptitle(f"{title}\n(one protocol per point: the largest sample, see REPORT.md; "
-                 f"bars: 95% intervals)", fontsize=9)
-    return save(fig, out, name)
+    """Each policy at the experiment's single budget, one panel per model x task (x shots, x
+    semantics), the records' headline metric."""
+    return panel_figure(runs, out, name, title, policy_panel, headline_metric, ncols=2, size=(4.6, 3.4))
 
 
 def budget_figures(df: pd.DataFrame, out) -> list[Path]:
