@@ -5,12 +5,13 @@ A command is a line of a ```bash block (continuations joined, comments dropped) 
 with ``make``, ``h2o-run``, ``h2o-analysis``, ``python -m``, ``pip`` or ``wandb`` (an inline ``python -m <module>`` without arguments
 names a module: it must exist). How each is exercised, all in this one process but ``make -n``:
 
-* ``make <target> VAR=...``: the target exists, and ``make -n`` (prints, runs nothing) gives the Python commands it
-  would run, each exercised as below;
+* ``make <target> VAR=...``: the target exists, ``make -n`` (prints, runs nothing) accepts it, and each Python
+  command it would run is exercised as below;
 * ``h2o-run`` / ``python -m h2o.pipeline.{run,sweep,launch,status,prefetch}``: a dry run: every job composed by
   Hydra with the overrides shown and validated (:func:`h2o.pipeline.sweep.expand`; loads nothing);
 * any other ``python -m <module> args``: the module's own argparse parser parses the arguments shown (the command
   is stopped right after parsing: nothing runs); ``python -m h2o.tasks.lm_eval_cli`` also runs its checks;
+* ``export NAME=value``: environment for the next commands, checked as assignments;
 * :data:`NOT_RUN`: commands that need a cluster, the network or an account, or that are the suite itself, each
   with why; a command outside every class fails the test, naming it.
 
@@ -238,6 +239,9 @@ def check_command(command: str) -> str:
     """Exercise one command; returns how."""
     words = shlex.split(command)
     head, args = words[0], words[1:]
+    if head == "export":  # environment for the commands after it
+        assert args and all(re.fullmatch(r"[A-Za-z_]\w*=.*", a) for a in args), f"{command!r}: not NAME=value"
+        return "environment"
     if head == "make":
         target = next((w for w in args if "=" not in w and not w.startswith("-")), "help")
         assert target in make_targets(), f"no make target {target!r}"
@@ -245,8 +249,7 @@ def check_command(command: str) -> str:
             out = subprocess.run(["make", "help"], cwd=REPO, capture_output=True, text=True, timeout=60)
             assert out.returncode == 0 and "sweep" in out.stdout
             return "ran"
-        calls = make_python(args)
-        assert calls, f"make -n {command} runs no Python command"
+        calls = make_python(args)  # none (a shell recipe): make -n accepting the target and its variables is the check
         if command not in CLUSTER_ONLY:
             assert not any(m == "h2o.pipeline.launch" and "--dry" not in a for m, a in calls), \
                 f"{command} submits to Slurm: list it in CLUSTER_ONLY"
@@ -293,6 +296,7 @@ def test_command_shown_is_exercised(command, monkeypatch):
     ("python -m h2o.bench.streaming --budgets-typo 96", "--budgets-typo"),
     ("make nothing-here", "no make target"),
     ("wandb login", "NOT_RUN"),
+    ("export 3X=1", "not NAME=value"),
 ])
 def test_a_wrong_command_fails(command, says, monkeypatch):
     monkeypatch.chdir(REPO)
