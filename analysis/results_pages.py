@@ -58,20 +58,28 @@ def read_study(folder: Path) -> dict:
     return spec
 
 
+def machine(env: dict) -> str:
+    """``cpu (Intel(R) Xeon(R) Processor, 2 CPUs)`` / ``cuda (NVIDIA H100, 1 GPUs)`` from one env.json."""
+    n, unit = (env.get("n_gpus"), "GPUs") if env.get("device") == "cuda" else (env.get("n_cpus"), "CPUs")
+    details = ", ".join(str(x) for x in (env.get("device_name"), f"{n} {unit}" if n else None) if x)
+    return f"{env.get('device', '?')}" + (f" ({details})" if details else "")
+
+
 def provenance(runs_root: Path) -> str:
-    """One line from the records' env.json: dates, commits, devices, threads, hosts ('' if none has one)."""
+    """One line from the records' env.json: dates, commits, machines, threads, hosts ('' if none has one)."""
     envs = [json.loads(f.read_text()) for f in sorted(runs_root.rglob("env.json"))]
     if not envs:
         return ""
 
-    def spread(key, fmt=str):
-        vals = sorted({fmt(e[key]) for e in envs if e.get(key) not in (None, "")})
+    def spread(values) -> str:
+        vals = sorted({str(v) for v in values if v not in (None, "")})
         return ", ".join(vals) if vals else "?"
-    days = sorted({str(e.get(k, ""))[:10] for e in envs for k in ("started", "ended") if e.get(k)})
+    days = sorted({str(e[k])[:10] for e in envs for k in ("started", "ended") if e.get(k)})
+    span = "?" if not days else days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"
     dirty = " (dirty)" if any(e.get("git_dirty") for e in envs) else ""
-    span = days[0] if len(set(days)) == 1 else f"{days[0]} to {days[-1]}" if days else "?"
-    return (f"{len(envs)} runs, {span}, commit {spread('git_commit', lambda c: str(c)[:7])}{dirty}, "
-            f"device {spread('device')}, {spread('torch_threads')} threads, host {spread('hostname')}")
+    return (f"{len(envs)} runs, {span}, commit {spread(str(e.get('git_commit'))[:7] for e in envs)}{dirty}, "
+            f"{spread(machine(e) for e in envs)}, {spread(e.get('torch_threads') for e in envs)} threads, "
+            f"host {spread(e.get('hostname') for e in envs)}")
 
 
 def head(spec: dict, measured: str) -> list[str]:

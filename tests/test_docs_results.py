@@ -93,6 +93,7 @@ def test_a_records_study_page_has_its_tables_figure_and_provenance(tmp_path):
     for policy, acc in zip(POLICIES, (0.6, 0.55, 0.5, 0.45)):
         d = mc(root, "default", "smollm2-135m", "bb_copa", policy, acc, n=64)
         (d / "env.json").write_text(json.dumps({"git_commit": "abcdef0123", "git_dirty": False, "device": "cpu",
+                                                "device_name": "Xeon", "n_cpus": 2,
                                                 "torch_threads": 2, "hostname": "box",
                                                 "started": "2026-11-30T10:00:00+0000",
                                                 "ended": "2026-11-30T10:05:00+0000"}))
@@ -101,7 +102,7 @@ def test_a_records_study_page_has_its_tables_figure_and_provenance(tmp_path):
     assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
     page = (out / "default.md").read_text()
     assert page.startswith(results_pages.HEADER)
-    assert ("Measured: 2-core CPU; 4 runs, 2026-11-30, commit abcdef0, device cpu, 2 threads, host box"
+    assert ("Measured: 2-core CPU; 4 runs, 2026-11-30, commit abcdef0, cpu (Xeon, 2 CPUs), 2 threads, host box"
             in page)
     assert "```bash\nmake sweep\n```" in page
     lo, hi = wilson(0.45, 64)
