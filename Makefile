@@ -85,7 +85,7 @@ bench: install ## issue 12's targets: decode throughput, KV bytes, largest batch
 # Streaming: one run per policy x budget x chunk of experiment=streaming (conf/experiment/streaming.yaml), recorded
 # under runs/streaming/ like every run (a finished record is not run again; a failed job leaves the others). Then
 # python -m analysis.streaming_study prints the window table and each policy's chunked run beside its token-by-token
-# one (perplexity change, speed-up). STREAM_COMPARE_CHUNK=0: no chunked runs. Policy options: ARGS=policy.score=mean.
+# one (perplexity change, speed-up). STREAM_COMPARE_CHUNK=0: no chunked runs. Policy options: STREAM_POLICIES=h2o ARGS=policy.score=mean.
 STREAM_TOKENS ?= 20000
 STREAM_BUDGETS ?= 96,192,384
 STREAM_POLICIES ?= h2o,streaming_llm,local
