@@ -223,3 +223,27 @@ def test_learned_sinks_are_refused_at_attach():
     with pytest.raises(PolicyError, match=r"model_type=gpt_oss: learned attention sink logits \(s_aux\)"):
         with attach(model, make_policy("full")):
             pass
+
+
+@pytest.mark.parametrize("name,score,budget,prompt_len", [  # each kernel branch once (the interpreter is slow)
+    ("h2o", "mean", 0.3, 0), ("fixed_h2", "decay", 7, 6), ("topk_h2", None, 0.3, 0)])
+def test_row_kernel_honours_the_window(monkeypatch, name, score, budget, prompt_len):
+    """The Triton kernel (under TRITON_INTERPRET=1 without a GPU) against the torch loop with a window of 8 over
+    24 rows, left and right padding: the same rows, and the window changes the decisions (not vacuous)."""
+    from h2o.core import row_kernel, simulate
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    T, window = 24, 8
+    logits = torch.randn(3, 2, 2, T, T, generator=torch.Generator().manual_seed(4)).to(device) * 3
+    valid = torch.ones(3, T, dtype=torch.bool, device=device)
+    valid[1, :4] = False
+    valid[2, T - 6:] = False
+    policy = make_policy(name, budget=budget, **({"score": score, "decay": 0.8} if score else {}))
+    assert row_kernel.supports(policy)
+    rows = {}
+    for choice, w in (("torch", window), ("triton", window), ("torch", None)):
+        monkeypatch.setenv("H2O_ROW_KERNEL", choice)
+        allowed = simulate.causal_valid(valid, w)
+        rows[choice, w] = simulate.policy_allowed(policy, logits, allowed, valid, prompt_len, window=w)
+    assert torch.equal(rows["torch", window], rows["triton", window])
+    assert not torch.equal(rows["torch", window], rows["torch", None] & simulate.causal_valid(valid, window))

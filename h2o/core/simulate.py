@@ -119,7 +119,7 @@ def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, seman
     if closed(policy, window):
         allowed = causal_valid(valid, window) if prompt_len else None
         return policy_allowed(policy, None, allowed, valid, prompt_len, window=window), None
-    return None, row_plan(policy, valid, prompt_len, window)
+    return None, row_plan(policy, valid, prompt_len)
 
 
 def reference_length(valid: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -127,7 +127,7 @@ def reference_length(valid: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return valid[:, :prompt_len].sum(-1) if prompt_len else valid.sum(-1)
 
 
-def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int, window: int | None = None) -> tuple[int, bool]:
+def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int, bool]:
     """(first row the row recurrence walks, whether a walked row can be a pad), on the host.
 
     The Triton kernel walks every row from the prompt on (below a budget a row evicts nothing; the kernel reads
@@ -136,7 +136,7 @@ def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int, window: int |
     host read per forward (free on the CPU), shared by the layers. A sliding window only delays the first
     eviction (fewer tokens are held), so the rows before ``start`` still evict nothing."""
     T = valid.shape[1]
-    if not policy.evicts or row_kernel.use_kernel(policy, valid.device, window):
+    if not policy.evicts or row_kernel.use_kernel(policy, valid.device):
         return min(prompt_len, T), True
     counts = policy.counts(reference_length(valid, prompt_len))
     filled = (valid.long().cumsum(-1) <= counts.total[:, None]).sum(-1)  # (B,) columns before a full cache
@@ -216,7 +216,7 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
         return torch.where(decoding, policy.restrict(logits, None, allowed, counts), allowed), None
 
     # rows < start need no eviction: the prompt, and (torch loop) the steps before any sequence's budget is full
-    start, padded = rows if rows is not None else row_plan(policy, valid, prompt_len, window)
+    start, padded = rows if rows is not None else row_plan(policy, valid, prompt_len)
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
     first = masked_softmax(logits[..., :start, :], allowed[..., :start, :])  # (B, Hkv, G, start, T)
@@ -230,8 +230,8 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
         keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
-    if row_kernel.use_kernel(policy, logits.device, window):  # one fused kernel per layer (CUDA)
-        row_kernel.score_rows(policy, logits, valid, pos, counts, keep, acc, out, start)
+    if row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
+        row_kernel.score_rows(policy, logits, valid, pos, counts, keep, acc, out, start, window)
         return out, None
     if not policy.needs_scores:  # a position-only policy on a sliding layer: the loop writes the rows only
         with serial(logits.device):
