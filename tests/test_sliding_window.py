@@ -213,16 +213,41 @@ def test_unsupported_settings_are_refused_at_attach(setting, needle):
             pass
 
 
-def test_learned_sinks_are_refused_at_attach():
+def tiny_gpt_oss():
+    """GPT-OSS: alternating sliding (window 16) and global layers, learned sink logits (drawn large enough to
+    matter), mixture-of-experts MLP."""
     from transformers import AutoModelForCausalLM, GptOssConfig
 
-    cfg = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2,
-                       num_experts_per_tok=1, sliding_window=8)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    with pytest.raises(PolicyError, match=r"model_type=gpt_oss: learned attention sink logits \(s_aux\)"):
-        with attach(model, make_policy("full")):
-            pass
+    cfg = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                       num_experts_per_tok=1, sliding_window=W, pad_token_id=0, initializer_range=0.1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+        for m in model.modules():
+            if hasattr(m, "sinks"):
+                m.sinks.data = torch.randn(m.sinks.shape) * 2
+    return model
+
+
+@pytest.mark.parametrize("name", ["full", "h2o", "streaming_llm"])
+def test_learned_sinks_are_honoured_in_both_paths(name):
+    """GPT-OSS's s_aux: one more logit per query head in the softmax's denominator. full is the plain model;
+    a policy is the same in both paths; the sinks change the logits (not vacuous)."""
+    model = tiny_gpt_oss()
+    assert windows(model) == [W, None]
+    ids, mask = batch(48, 5)
+    policy = make_policy(name, budget=0.3)
+    sim = simulated(model, policy, ids, mask, prompt_len=20)
+    out, _, slots = real(model, policy, ids, mask, prompt=20)
+    assert close(out, sim) and slots[0] <= W
+    if name == "full":
+        ref = plain(model, ids, mask)
+        assert close(sim, ref, 1e-5) and close(simulated(model, policy, ids, mask), ref, 1e-5)
+        for m in model.modules():
+            if hasattr(m, "sinks"):
+                m.sinks.data.fill_(-float("inf"))  # no sink
+        assert not close(plain(model, ids, mask), ref, 1e-3)
 
 
 @pytest.mark.parametrize("name,score,budget,prompt_len", [  # each kernel branch once (the interpreter is slow)
