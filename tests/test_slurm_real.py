@@ -1,0 +1,259 @@
+"""The cluster path against a real Slurm: `make sweep ... LAUNCHER=slurm` (h2o.pipeline.launch) and `make status`
+(h2o.pipeline.status) with submitit's Slurm executor, sbatch, squeue, scontrol, scancel and the accounting of
+sacct, on the one-node cluster of tests/slurm/up.sh (Debian's Slurm 22.05, 2 CPUs, slurmdbd + MariaDB).
+
+The module brings the cluster up itself (installing the packages with apt where they are missing) and stops it at
+the end, unless it was up already (`make slurm-up`): then it is left running. Without root, or without the
+packages and apt-get, the tests skip with the reason; with CI=true they fail instead.
+
+On the tiny models (austen_ppl, 4 windows of 96 tokens; H2O_TEST_PAUSE_S slows a task's first attempt so that it
+can be interrupted mid-run): only the work left is submitted (finished, duplicate and served runs dropped), one
+array for the one resource class, chunks of one model; a task requeued mid-run with `scontrol requeue` and one
+preempted with USR2 (submitit checkpoints and requeues it) both resume at their first unfinished run and from its
+partial log; a second submission sends nothing in flight or finished; the tables equal those of the same sweep run
+locally. A task whose 1-minute limit comes is signalled (`cluster.signal_delay_s`), checkpointed and requeued by
+submitit as timed out, and finishes on its next attempt. A cancelled task shows as failed in `make status`.
+
+A requeued task waits ~2 min (its BeginTime) before it may run again: the tests release it with
+`scontrol update JobId=... StartTime=now`, as an impatient user would.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from analysis.__main__ import main as analysis_main
+from analysis.render import MISSING
+from h2o.pipeline import launch, status
+from h2o.pipeline.records import REPO, read_jsonl
+from h2o.pipeline.run import execute
+from h2o.pipeline.sweep import expand
+
+UP, DOWN = REPO / "tests" / "slurm" / "up.sh", REPO / "tests" / "slurm" / "down.sh"
+SCRATCH = Path(os.environ.get("H2O_SLURM_DIR", "/tmp/h2o-slurm"))
+TINY = ["experiment=default", "task=austen_ppl", "threads=1", "task_overrides.austen_ppl.n_windows=4",
+        "++task_overrides.austen_ppl.window=96", "task_overrides.austen_ppl.batch_size=1"]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """SLURM_CONF of a running one-node cluster (up.sh); stopped afterwards if this module started it."""
+    ci = os.environ.get("CI", "").lower() == "true"
+    try:
+        up = subprocess.run(["bash", str(UP)], capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        pytest.fail("tests/slurm/up.sh did not finish within 15 min")
+    why = (up.stderr.strip().splitlines() or [f"status {up.returncode}"])[-1]
+    if up.returncode == 3 and not ci:
+        pytest.skip(f"no Slurm here: {why}")
+    if up.returncode != 0:
+        pytest.fail(f"the Slurm cluster did not come up (tests/slurm/up.sh status {up.returncode}):\n{up.stderr[-3000:]}")
+    started = "already up" not in up.stderr
+    yield str(SCRATCH / "slurm.conf")
+    if started:
+        subprocess.run(["bash", str(DOWN)], capture_output=True, timeout=300)
+
+
+@pytest.fixture
+def env(cluster, tmp_path, monkeypatch):
+    """The test process (and, through sbatch's --export=ALL, every task) sees this cluster and this checkout."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SLURM_CONF", cluster)
+    monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    yield tmp_path
+    arrays = {t["job_id"].split("_")[0] for f in tmp_path.glob("multirun/*/launch.json")
+              for a in json.loads(f.read_text())["arrays"] for t in a["tasks"]}
+    if arrays:  # leave nothing queued or running on the cluster, even when the test failed
+        subprocess.run(["scancel", *sorted(arrays)], capture_output=True, timeout=60)
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def wait_for(cond, timeout: float, what: str):
+    end = time.time() + timeout
+    while time.time() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def job(jid: str) -> dict:
+    """``scontrol show job`` of one array task as a dict (JobState, Restarts, TimeLimit, ...); {} when unknown."""
+    out = subprocess.run(["scontrol", "-o", "show", "job", jid], capture_output=True, text=True, timeout=30).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", out.splitlines()[0])) if out.strip() else {}
+
+
+def accounted(jid: str) -> str | None:
+    """The state sacct (slurmdbd's accounting) holds for one array task."""
+    array = jid.split("_")[0]
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", array], capture_output=True,
+                         text=True, timeout=30).stdout
+    return next((line.split("|")[1].split()[0] for line in out.splitlines() if line.split("|")[0] == jid), None)
+
+
+def requeued(jid: str, timeout: float = 120) -> dict:
+    """Wait until the task is back in the queue after a requeue (its process has ended)."""
+    return wait_for(lambda: (lambda j: j if j.get("JobState") == "PENDING" and int(j.get("Restarts", 0)) >= 1
+                             else None)(job(jid)), timeout, f"task {jid} requeued")
+
+
+def release(jid: str) -> None:
+    """Let a requeued task start now, not at its BeginTime ~2 min away."""
+    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True, timeout=30)
+
+
+def windows_done(run: Path) -> int:
+    return len(read_jsonl(run / "partial" / "windows.jsonl"))
+
+
+def all_arrays() -> set[str]:
+    out = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID", "-S", "now-1days"], capture_output=True,
+                         text=True, timeout=30).stdout
+    return {line.split("_")[0] for line in out.split()}
+
+
+def counts(first_line: str) -> dict[str, int]:
+    """``8 jobs: 0 to run, 1 finished already, 2 served by the full run (...)`` -> {"jobs": 8, "to run": 0, ...}."""
+    head, rest = first_line.split(": ", 1)
+    parts = [re.fullmatch(r"(\d+) ([^(]+?)(?: \(.*\))?", part).groups() for part in [head, *rest.split(", ")]]
+    return {name: int(n) for n, name in parts}
+
+
+# ------------------------------------------------------------------------------------------------ tests
+def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(env, monkeypatch, capsys):
+    tmp = env
+    sweep = [*TINY, "model=tiny-llama,tiny-opt", "policy=full,h2o", "policy.budget=0.2,1.0", f"runs_dir={tmp}/runs"]
+    # finished before the submission: tiny-opt x h2o 0.2, run here
+    done_first = execute(expand([*TINY, "model=tiny-opt", "policy=h2o", "policy.budget=0.2",
+                                 f"runs_dir={tmp}/runs"], multirun=False).plans[0])
+    local = subprocess.Popen([sys.executable, "-m", "h2o.pipeline.run", "-m", *sweep[:-1], f"runs_dir={tmp}/local",
+                              f"hydra.sweep.dir={tmp}/local-multirun"], cwd=tmp, stdout=subprocess.DEVNULL,
+                             stderr=open(tmp / "local.log", "w"))  # the same sweep on this machine (make sweep's command)
+
+    monkeypatch.setenv("H2O_TEST_PAUSE_S", "3")  # each task's first attempt: 3 s after each window
+    before = all_arrays()
+    assert launch.main([*sweep, f"hydra.sweep.dir={tmp}/multirun/s1", "cluster.chunk=2"]) == 0
+    out = capsys.readouterr().out
+    # 2 models x {full, h2o} x {0.2, 1.0}: full twice (dup), h2o 1.0 served by full, tiny-opt h2o 0.2 finished
+    assert counts(out.splitlines()[0]) == {"jobs": 8, "to run": 3, "finished already": 1, "duplicates": 2,
+                                           "served by the full run": 2}
+    assert "array 0: gpus=0 mem=4G cpus=1 time=15min  2 tasks, 3 runs (chunk <= 2)" in out
+    plan = json.loads((tmp / "multirun/s1/launch.json").read_text())
+    assert len(plan["arrays"]) == 1
+    tasks = plan["arrays"][0]["tasks"]
+    array = tasks[0]["job_id"].split("_")[0]
+    assert array not in before and [t["job_id"] for t in tasks] == [f"{array}_0", f"{array}_1"]
+    assert [(t["model"], [Path(r).parts[-3] for r in t["runs"]]) for t in tasks] == [
+        ("tiny-llama", ["full", "h2o"]), ("tiny-opt", ["full"])]  # chunks of one model, sweep order
+    assert {Path(s["served_by"]).parts[-3:-1] for s in plan["served"]} == {("full", "1.0")}
+    first, second = Path(tasks[0]["runs"][0]), Path(tasks[1]["runs"][0])
+    assert job(f"{array}_0")["TimeLimit"] == "00:15:00"
+
+    # a second submission while both tasks are in flight sends nothing
+    wait_for(lambda: windows_done(first) >= 1 and windows_done(second) >= 1, 180, "both tasks scoring")
+    assert launch.main([*sweep, f"hydra.sweep.dir={tmp}/multirun/s2", "cluster.chunk=2"]) == 0
+    again = counts(capsys.readouterr().out.splitlines()[0])
+    assert again["to run"] == 0 and again["finished already"] + again["pending or running from an earlier submission"] == 4
+    assert not (tmp / "multirun/s2").exists() and all_arrays() == before | {array}
+
+    # mid-run: task 0 requeued by the scheduler, task 1 preempted (USR2, as submitit's job._interrupt sends)
+    wait_for(lambda: windows_done(first) >= 2, 120, "task 0's first run half done")
+    subprocess.run(["scontrol", "requeue", f"{array}_0"], check=True, timeout=30)
+    subprocess.run(["scancel", "--signal", "USR2", f"{array}_1"], check=True, timeout=30)
+    held = {}
+    for i, run in ((0, first), (1, second)):
+        requeued(f"{array}_{i}")
+        held[i] = windows_done(run)  # what the attempt left: its process has ended
+        release(f"{array}_{i}")
+    wait_for(lambda: all(accounted(t["job_id"]) == "COMPLETED" for t in tasks), 240, "both tasks to complete")
+    assert all(int(job(t["job_id"])["Restarts"]) == 1 for t in tasks)
+    log = "\n".join(p.read_text() for p in (tmp / "multirun/s1/slurm").glob(f"{array}_1/*_log.err"))
+    assert "this job is preempted" in log  # submitit's own handler checkpointed the chunk and requeued it
+
+    recs = {p: json.loads((Path(p) / "metrics.json").read_text()) for t in tasks for p in t["runs"]}
+    assert len(recs) == 3 and not any((Path(p) / "partial").exists() for p in recs)
+    # each interrupted run went on after the windows it had scored, the later run of task 0 from zero
+    assert 2 <= held[0] < 4 and recs[str(first)]["resumed_requests"] == held[0]
+    assert 1 <= held[1] < 4 and recs[str(second)]["resumed_requests"] == held[1]
+    assert recs[tasks[0]["runs"][1]]["resumed_requests"] == 0
+    assert [s["window"] for s in read_jsonl(first / "samples.jsonl")] == [0, 1, 2, 3]
+
+    # everything finished: nothing to send again
+    assert launch.main([*sweep, f"hydra.sweep.dir={tmp}/multirun/s3"]) == 0
+    assert counts(capsys.readouterr().out.splitlines()[0])["finished already"] == 4
+    assert not (tmp / "multirun/s3").exists() and all_arrays() == before | {array}
+    assert status.main([*sweep, f"hydra.sweep.dir={tmp}/multirun/s1"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "done 4 | running 0 | queued 0 | failed 0 | left 0"
+
+    # the tables equal those of the same sweep run locally
+    assert local.wait(timeout=300) == 0, (tmp / "local.log").read_text()[-3000:]
+
+    for name in ("runs", "local"):
+        assert analysis_main(["tables", "--runs", name, "--out", f"out-{name}"]) == 0
+    capsys.readouterr()
+    assert sorted(p.name for p in (tmp / "out-runs/tables").iterdir()) == sorted(
+        p.name for p in (tmp / "out-local/tables").iterdir())
+    here, there = ((tmp / f"out-{name}/tables/default_perplexity.md").read_text().splitlines()
+                   for name in ("runs", "local"))
+    rows = [line for line in here if line.startswith("| tiny-")]
+    assert rows == [line for line in there if line.startswith("| tiny-")] and len(rows) == 4
+    assert all(MISSING not in line for line in rows if "| H2O |" in line)  # budget 0.2 and 1, both models
+    # the one difference: the caption says where a budget-1.0 cell is the full record (not run again on Slurm)
+    assert [line for line in here if line not in there] == [
+        "- budget 1 cells of an evicting policy without a record of their own (2): the full cache's (a 100% budget "
+        "never evicts)"]
+    assert done_first["metrics"] == json.loads(next((tmp / "local").rglob("tiny-opt/*/*/h2o/0.2/*/metrics.json"))
+                                               .read_text())["metrics"]
+
+
+def test_time_limit_signal_checkpoint_requeue(env, monkeypatch, capsys):
+    """A 1-minute limit: Slurm sends USR2 signal_delay_s before it (within its 30 s check period), submitit sees
+    the job timed out, checkpoints the chunk and requeues it; the next attempt finishes the run from its log."""
+    tmp = env
+    sweep = [*TINY, "model=tiny-llama", "policy=local", "policy.budget=0.5", f"runs_dir={tmp}/runs",
+             f"hydra.sweep.dir={tmp}/multirun/t"]
+    monkeypatch.setenv("H2O_TEST_PAUSE_S", "20")  # first attempt: 4 windows x 20 s, past the limit
+    assert launch.main([*sweep, "cluster.min_time_min=1", "cluster.signal_delay_s=5"]) == 0
+    assert "time=1min  1 tasks, 1 runs" in capsys.readouterr().out
+    (task,) = json.loads((tmp / "multirun/t/launch.json").read_text())["arrays"][0]["tasks"]
+    jid, run = task["job_id"], Path(task["runs"][0])
+    assert job(jid)["TimeLimit"] == "00:01:00"
+    requeued(jid, timeout=150)
+    held = windows_done(run)
+    release(jid)
+    wait_for(lambda: accounted(jid) == "COMPLETED", 180, "the requeued task to complete")
+    log = "\n".join(p.read_text() for p in (tmp / "multirun/t/slurm").glob(f"{jid}/*_log.err"))
+    assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log
+    record = json.loads((run / "metrics.json").read_text())
+    assert held < 4 and record["resumed_requests"] == held and record["n_samples"] == 4
+    assert int(job(jid)["Restarts"]) == 1
+
+
+def test_cancelled_task_is_failed_in_status(env, monkeypatch, capsys):
+    tmp = env
+    sweep = [*TINY, "model=tiny-llama", "policy=h2o", "policy.budget=0.5", f"runs_dir={tmp}/runs",
+             f"hydra.sweep.dir={tmp}/multirun/c1"]
+    monkeypatch.setenv("H2O_TEST_PAUSE_S", "30")
+    assert launch.main(sweep) == 0
+    (task,) = json.loads((tmp / "multirun/c1/launch.json").read_text())["arrays"][0]["tasks"]
+    jid = task["job_id"]
+    wait_for(lambda: accounted(jid) == "RUNNING", 120, "the task to start")
+    assert status.main(sweep) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "done 0 | running 1 | queued 0 | failed 0 | left 0"
+    subprocess.run(["scancel", jid], check=True, timeout=30)
+    wait_for(lambda: accounted(jid) == "CANCELLED", 60, "sacct to hold the cancellation")
+    assert status.main(sweep) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "done 0 | running 0 | queued 0 | failed 1 | left 0"
+    assert lines[2].startswith(f"FAILED tiny-llama austen_ppl h2o 0.5: CANCELLED (job {jid})")
