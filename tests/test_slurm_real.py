@@ -24,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,7 +47,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def cluster():
-    """SLURM_CONF of a running one-node cluster (up.sh); stopped afterwards if this module started it."""
+    """A running one-node cluster (up.sh), SLURM_CONF set; stopped afterwards if this module started it."""
     ci = os.environ.get("CI", "").lower() == "true"
     try:
         up = subprocess.run(["bash", str(UP)], capture_output=True, text=True, timeout=900)
@@ -58,23 +59,65 @@ def cluster():
     if up.returncode != 0:
         pytest.fail(f"the Slurm cluster did not come up (tests/slurm/up.sh status {up.returncode}):\n{up.stderr[-3000:]}")
     started = "already up" not in up.stderr
-    yield str(SCRATCH / "slurm.conf")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SLURM_CONF", str(SCRATCH / "slurm.conf"))  # sbatch, sacct, scontrol here and in the tasks
+        yield
     if started:
         subprocess.run(["bash", str(DOWN)], capture_output=True, timeout=300)
 
 
+def use_checkout(mp: pytest.MonkeyPatch, folder: Path) -> None:
+    """This process (and, through sbatch's --export=ALL, every task it submits) imports this checkout and works
+    in ``folder``."""
+    mp.chdir(folder)
+    mp.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    mp.setenv("OMP_NUM_THREADS", "1")
+
+
+def cancel_submitted(folder: Path) -> None:
+    """Leave nothing of ``folder``'s submissions queued or running, even when a test failed."""
+    arrays = {t["job_id"].split("_")[0] for f in folder.glob("multirun/*/launch.json")
+              for a in json.loads(f.read_text())["arrays"] for t in a["tasks"]}
+    if arrays:
+        subprocess.run(["scancel", *sorted(arrays)], capture_output=True, timeout=60)
+
+
 @pytest.fixture
 def env(cluster, tmp_path, monkeypatch):
-    """The test process (and, through sbatch's --export=ALL, every task) sees this cluster and this checkout."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("SLURM_CONF", cluster)
-    monkeypatch.setenv("PYTHONPATH", f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    use_checkout(monkeypatch, tmp_path)
     yield tmp_path
-    arrays = {t["job_id"].split("_")[0] for f in tmp_path.glob("multirun/*/launch.json")
-              for a in json.loads(f.read_text())["arrays"] for t in a["tasks"]}
-    if arrays:  # leave nothing queued or running on the cluster, even when the test failed
-        subprocess.run(["scancel", *sorted(arrays)], capture_output=True, timeout=60)
+    cancel_submitted(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def time_limited(cluster, tmp_path_factory):
+    """One run with a 1-minute limit whose first attempt takes ~2 min (4 windows, 20 s pause after each),
+    submitted before the sweep test so that its minute overlaps that test. A thread watches it: once submitit
+    has requeued it, the windows its first attempt left are counted and it is released."""
+    tmp = tmp_path_factory.mktemp("time_limit")
+    with pytest.MonkeyPatch.context() as mp:
+        use_checkout(mp, tmp)
+        mp.setenv("H2O_TEST_PAUSE_S", "20")
+        args = [*TINY, "model=tiny-llama", "policy=local", "policy.budget=0.5", f"runs_dir={tmp}/runs",
+                f"hydra.sweep.dir={tmp}/multirun/t", "cluster.min_time_min=1", "cluster.signal_delay_s=10"]
+        assert launch.main(args) == 0
+    (task,) = json.loads((tmp / "multirun/t/launch.json").read_text())["arrays"][0]["tasks"]
+    watch = {"jid": task["job_id"], "run": Path(task["runs"][0]), "folder": tmp, "limit": job(task["job_id"])}
+
+    def watcher():
+        try:
+            requeued(watch["jid"], timeout=180)
+            watch["held"] = windows_done(watch["run"])
+            # the next attempt gets 10 min: on a loaded machine its start-up alone can pass the next warning
+            release(watch["jid"], "TimeLimit=10")
+        except BaseException as exc:  # noqa: BLE001 - raised again in the test
+            watch["error"] = exc
+
+    thread = threading.Thread(target=watcher, daemon=True)
+    thread.start()
+    watch["thread"] = thread
+    yield watch
+    cancel_submitted(tmp)
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -108,9 +151,9 @@ def requeued(jid: str, timeout: float = 120) -> dict:
                              else None)(job(jid)), timeout, f"task {jid} requeued")
 
 
-def release(jid: str) -> None:
-    """Let a requeued task start now, not at its BeginTime ~2 min away."""
-    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now"], check=True, timeout=30)
+def release(jid: str, *more: str) -> None:
+    """Let a requeued task start now, not at its BeginTime ~2 min away (``more``: other fields to update)."""
+    subprocess.run(["scontrol", "update", f"JobId={jid}", "StartTime=now", *more], check=True, timeout=30)
 
 
 def windows_done(run: Path) -> int:
@@ -131,7 +174,7 @@ def counts(first_line: str) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------ tests
-def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(env, monkeypatch, capsys):
+def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(time_limited, env, monkeypatch, capsys):
     tmp = env
     sweep = [*TINY, "model=tiny-llama,tiny-opt", "policy=full,h2o", "policy.budget=0.2,1.0", f"runs_dir={tmp}/runs"]
     # finished before the submission: tiny-opt x h2o 0.2, run here
@@ -141,7 +184,7 @@ def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(env, mon
                               f"hydra.sweep.dir={tmp}/local-multirun"], cwd=tmp, stdout=subprocess.DEVNULL,
                              stderr=open(tmp / "local.log", "w"))  # the same sweep on this machine (make sweep's command)
 
-    monkeypatch.setenv("H2O_TEST_PAUSE_S", "3")  # each task's first attempt: 3 s after each window
+    monkeypatch.setenv("H2O_TEST_PAUSE_S", "4")  # each task's first attempt: 4 s after each window
     before = all_arrays()
     assert launch.main([*sweep, f"hydra.sweep.dir={tmp}/multirun/s1", "cluster.chunk=2"]) == 0
     out = capsys.readouterr().out
@@ -160,21 +203,25 @@ def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(env, mon
     first, second = Path(tasks[0]["runs"][0]), Path(tasks[1]["runs"][0])
     assert job(f"{array}_0")["TimeLimit"] == "00:15:00"
 
-    # a second submission while both tasks are in flight sends nothing
+    # mid-run: task 0 requeued by the scheduler, task 1 preempted (USR2, as submitit's job._interrupt sends); a
+    # requeued task's process lives on ~5 s (SIGTERM, which submitit ignores, then SIGKILL after KillWait)
     wait_for(lambda: windows_done(first) >= 1 and windows_done(second) >= 1, 180, "both tasks scoring")
-    assert launch.main([*sweep, f"hydra.sweep.dir={tmp}/multirun/s2", "cluster.chunk=2"]) == 0
-    again = counts(capsys.readouterr().out.splitlines()[0])
-    assert again["to run"] == 0 and again["finished already"] + again["pending or running from an earlier submission"] == 4
-    assert not (tmp / "multirun/s2").exists() and all_arrays() == before | {array}
-
-    # mid-run: task 0 requeued by the scheduler, task 1 preempted (USR2, as submitit's job._interrupt sends)
-    wait_for(lambda: windows_done(first) >= 2, 120, "task 0's first run half done")
     subprocess.run(["scontrol", "requeue", f"{array}_0"], check=True, timeout=30)
     subprocess.run(["scancel", "--signal", "USR2", f"{array}_1"], check=True, timeout=30)
     held = {}
     for i, run in ((0, first), (1, second)):
         requeued(f"{array}_{i}")
         held[i] = windows_done(run)  # what the attempt left: its process has ended
+
+    # a second submission while both tasks wait in the queue sends nothing
+    assert launch.main([*sweep, f"hydra.sweep.dir={tmp}/multirun/s2", "cluster.chunk=2"]) == 0
+    again = counts(capsys.readouterr().out.splitlines()[0])
+    assert again["to run"] == 0 and again["finished already"] == 1
+    assert again["pending or running from an earlier submission"] == 3
+    assert not (tmp / "multirun/s2").exists() and all_arrays() == before | {array}
+    assert status.main([*sweep, f"hydra.sweep.dir={tmp}/multirun/s1"]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == "done 1 | running 0 | queued 3 | failed 0 | left 0"
+    for i in (0, 1):
         release(f"{array}_{i}")
     wait_for(lambda: all(accounted(t["job_id"]) == "COMPLETED" for t in tasks), 240, "both tasks to complete")
     assert all(int(job(t["job_id"])["Restarts"]) == 1 for t in tasks)
@@ -184,7 +231,7 @@ def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(env, mon
     recs = {p: json.loads((Path(p) / "metrics.json").read_text()) for t in tasks for p in t["runs"]}
     assert len(recs) == 3 and not any((Path(p) / "partial").exists() for p in recs)
     # each interrupted run went on after the windows it had scored, the later run of task 0 from zero
-    assert 2 <= held[0] < 4 and recs[str(first)]["resumed_requests"] == held[0]
+    assert 1 <= held[0] < 4 and recs[str(first)]["resumed_requests"] == held[0]
     assert 1 <= held[1] < 4 and recs[str(second)]["resumed_requests"] == held[1]
     assert recs[tasks[0]["runs"][1]]["resumed_requests"] == 0
     assert [s["window"] for s in read_jsonl(first / "samples.jsonl")] == [0, 1, 2, 3]
@@ -217,26 +264,21 @@ def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(env, mon
                                                .read_text())["metrics"]
 
 
-def test_time_limit_signal_checkpoint_requeue(env, monkeypatch, capsys):
-    """A 1-minute limit: Slurm sends USR2 signal_delay_s before it (within its 30 s check period), submitit sees
+def test_time_limit_signal_checkpoint_requeue(time_limited):
+    """Slurm sends USR2 signal_delay_s before the 1-minute limit (within its 30 s check period), submitit finds
     the job timed out, checkpoints the chunk and requeues it; the next attempt finishes the run from its log."""
-    tmp = env
-    sweep = [*TINY, "model=tiny-llama", "policy=local", "policy.budget=0.5", f"runs_dir={tmp}/runs",
-             f"hydra.sweep.dir={tmp}/multirun/t"]
-    monkeypatch.setenv("H2O_TEST_PAUSE_S", "20")  # first attempt: 4 windows x 20 s, past the limit
-    assert launch.main([*sweep, "cluster.min_time_min=1", "cluster.signal_delay_s=5"]) == 0
-    assert "time=1min  1 tasks, 1 runs" in capsys.readouterr().out
-    (task,) = json.loads((tmp / "multirun/t/launch.json").read_text())["arrays"][0]["tasks"]
-    jid, run = task["job_id"], Path(task["runs"][0])
-    assert job(jid)["TimeLimit"] == "00:01:00"
-    requeued(jid, timeout=150)
-    held = windows_done(run)
-    release(jid)
+    watch = time_limited
+    jid, run = watch["jid"], watch["run"]
+    assert watch["limit"]["TimeLimit"] == "00:01:00"
+    watch["thread"].join(timeout=240)
+    if "error" in watch:
+        raise watch["error"]
+    assert "held" in watch, "the watcher did not finish"
     wait_for(lambda: accounted(jid) == "COMPLETED", 180, "the requeued task to complete")
-    log = "\n".join(p.read_text() for p in (tmp / "multirun/t/slurm").glob(f"{jid}/*_log.err"))
+    log = "\n".join(p.read_text() for p in (watch["folder"] / "multirun/t/slurm").glob(f"{jid}/*_log.err"))
     assert "Caught signal SIGUSR2" in log and "this job is timed-out" in log
     record = json.loads((run / "metrics.json").read_text())
-    assert held < 4 and record["resumed_requests"] == held and record["n_samples"] == 4
+    assert watch["held"] < 4 and record["resumed_requests"] == watch["held"] and record["n_samples"] == 4
     assert int(job(jid)["Restarts"]) == 1
 
 
@@ -246,11 +288,16 @@ def test_cancelled_task_is_failed_in_status(env, monkeypatch, capsys):
              f"hydra.sweep.dir={tmp}/multirun/c1"]
     monkeypatch.setenv("H2O_TEST_PAUSE_S", "30")
     assert launch.main(sweep) == 0
+    capsys.readouterr()
     (task,) = json.loads((tmp / "multirun/c1/launch.json").read_text())["arrays"][0]["tasks"]
     jid = task["job_id"]
     wait_for(lambda: accounted(jid) == "RUNNING", 120, "the task to start")
     assert status.main(sweep) == 0
     assert capsys.readouterr().out.splitlines()[1] == "done 0 | running 1 | queued 0 | failed 0 | left 0"
+    before = all_arrays()  # a second submission while it runs sends nothing
+    assert launch.main([*sweep[:-1], f"hydra.sweep.dir={tmp}/multirun/c2"]) == 0
+    assert counts(capsys.readouterr().out.splitlines()[0])["pending or running from an earlier submission"] == 1
+    assert all_arrays() == before and not (tmp / "multirun/c2").exists()
     subprocess.run(["scancel", jid], check=True, timeout=30)
     wait_for(lambda: accounted(jid) == "CANCELLED", 60, "sacct to hold the cancellation")
     assert status.main(sweep) == 0
