@@ -57,7 +57,8 @@ def cluster():
         why = (up.stderr.strip().splitlines() or ["tests/slurm/up.sh: status 3"])[-1]
         pytest.skip(f"no Slurm here: {why.split('cannot run here: ')[-1]}")
     if up.returncode != 0:
-        pytest.fail(f"the Slurm cluster did not come up (tests/slurm/up.sh status {up.returncode}):\n{up.stderr[-3000:]}")
+        pytest.fail(f"the Slurm cluster did not come up (tests/slurm/up.sh status {up.returncode}):\n"
+                    f"{up.stderr[-3000:]}")
     started = "already up" not in up.stderr
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SLURM_CONF", str(SCRATCH / "slurm.conf"))  # sbatch, sacct, scontrol here and in the tasks
@@ -182,7 +183,7 @@ def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(time_lim
                                  f"runs_dir={tmp}/runs"], multirun=False).plans[0])
     local = subprocess.Popen([sys.executable, "-m", "h2o.pipeline.run", "-m", *sweep[:-1], f"runs_dir={tmp}/local",
                               f"hydra.sweep.dir={tmp}/local-multirun"], cwd=tmp, stdout=subprocess.DEVNULL,
-                             stderr=open(tmp / "local.log", "w"))  # the same sweep on this machine (make sweep's command)
+                             stderr=open(tmp / "local.log", "w"))  # the same sweep here (make sweep's command)
 
     monkeypatch.setenv("H2O_TEST_PAUSE_S", "4")  # each task's first attempt: 4 s after each window
     before = all_arrays()
@@ -261,9 +262,8 @@ def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(time_lim
         "- budget 1 cells of an evicting policy without a record of their own (2): the full cache's (a 100% budget "
         "never evicts)"]
     # and every record, resumed or not, holds the metrics of the same run done in one go here
-    mine = {p.relative_to(tmp / "runs"): json.loads(p.read_text())["metrics"] for p in (tmp / "runs").rglob("metrics.json")}
-    theirs = {p.relative_to(tmp / "local"): json.loads(p.read_text())["metrics"]
-              for p in (tmp / "local").rglob("metrics.json")}
+    mine, theirs = ({p.relative_to(tmp / name): json.loads(p.read_text())["metrics"]
+                     for p in (tmp / name).rglob("metrics.json")} for name in ("runs", "local"))
     assert len(mine) == 4 and len(theirs) == 6 and all(theirs[k] == v for k, v in mine.items())
     assert done_first["metrics"] == mine[next(k for k in mine if "tiny-opt" in str(k) and "h2o" in str(k))]
 

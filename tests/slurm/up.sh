@@ -8,7 +8,8 @@
 #
 # Needs root (the daemons and the jobs run as root: SlurmUser=root) and either the Debian packages or apt-get.
 # Idempotent: a cluster that answers already is left as it is. No systemd: the daemons are started directly.
-# Exit status: 0 up, 3 cannot run here (not root, or packages missing and no apt-get), 1 failed to come up.
+# Exit status: 0 up, 3 cannot run here (not root, or packages missing and no apt-get or apt-get failing), 1 failed
+# to come up (the daemons' log tails follow).
 set -euo pipefail
 
 S=${H2O_SLURM_DIR:-/tmp/h2o-slurm}
@@ -19,7 +20,8 @@ DBD_PORT=${H2O_SLURM_DBD_PORT:-6819}
 WAIT_S=${H2O_SLURM_WAIT_S:-90}
 CPUS=4   # task slots, whatever cores this machine has (config_overrides): the tests' tasks mostly wait
 PACKAGES=(slurmctld slurmd slurm-client slurmdbd munge mariadb-server)
-BINARIES=(munged munge unmunge mariadbd mariadb-install-db mariadb slurmdbd slurmctld slurmd sbatch sacct sacctmgr sinfo scontrol)
+BINARIES=(munged munge unmunge mariadbd mariadb-install-db mariadb slurmdbd slurmctld slurmd
+          sbatch sacct sacctmgr sinfo scontrol)
 export SLURM_CONF=$S/slurm.conf
 export PATH=$PATH:/usr/sbin:/sbin
 HOST=$(hostname -s)
@@ -43,12 +45,15 @@ if [ -n "$(missing)" ]; then
   say "installing ${PACKAGES[*]} with apt-get"
   # policy-rc.d 101: the packages' init scripts must not start the system's own daemons (we start ours below)
   own_policy=
-  if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; own_policy=1; fi
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && own_policy=1
+  fi
   rc=0
-  { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${PACKAGES[@]}"; } \
+  { apt-get update -q &&
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${PACKAGES[@]}"; } \
     >"${TMPDIR:-/tmp}/h2o-slurm-apt.log" 2>&1 || rc=$?
   [ -n "$own_policy" ] && rm -f /usr/sbin/policy-rc.d
-  if [ $rc != 0 ]; then tail -20 "${TMPDIR:-/tmp}/h2o-slurm-apt.log" >&2; say "apt-get failed (status $rc)"; exit 1; fi
+  [ $rc = 0 ] || { tail -20 "${TMPDIR:-/tmp}/h2o-slurm-apt.log" >&2; cannot "apt-get failed (status $rc, offline?)"; }
   [ -z "$(missing)" ] || { say "still missing after apt-get: $(missing | tr '\n' ' ')"; exit 1; }
 fi
 
