@@ -1,6 +1,6 @@
 """The cluster path against a real Slurm: `make sweep ... LAUNCHER=slurm` (h2o.pipeline.launch) and `make status`
 (h2o.pipeline.status) with submitit's Slurm executor, sbatch, squeue, scontrol, scancel and the accounting of
-sacct, on the one-node cluster of tests/slurm/up.sh (Debian's Slurm 22.05, 2 CPUs, slurmdbd + MariaDB).
+sacct, on the one-node cluster of tests/slurm/up.sh (Debian's Slurm 22.05, 4 task slots, slurmdbd + MariaDB).
 
 The module brings the cluster up itself (installing the packages with apt where they are missing) and stops it at
 the end, unless it was up already (`make slurm-up`): then it is left running. Without root, or without the
@@ -100,7 +100,7 @@ def time_limited(cluster, tmp_path_factory):
         use_checkout(mp, tmp)
         mp.setenv("H2O_TEST_PAUSE_S", "20")
         args = [*TINY, "model=tiny-llama", "policy=local", "policy.budget=0.5", f"runs_dir={tmp}/runs",
-                f"hydra.sweep.dir={tmp}/multirun/t", "cluster.min_time_min=1", "cluster.signal_delay_s=10"]
+                f"hydra.sweep.dir={tmp}/multirun/t", "cluster.min_time_min=1", "cluster.signal_delay_s=5"]
         assert launch.main(args) == 0
     (task,) = json.loads((tmp / "multirun/t/launch.json").read_text())["arrays"][0]["tasks"]
     watch = {"jid": task["job_id"], "run": Path(task["runs"][0]), "folder": tmp, "limit": job(task["job_id"])}
@@ -206,9 +206,14 @@ def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(time_lim
 
     # mid-run: task 0 requeued by the scheduler, task 1 preempted (USR2, as submitit's job._interrupt sends); a
     # requeued task's process lives on ~5 s (SIGTERM, which submitit ignores, then SIGKILL after KillWait)
-    wait_for(lambda: windows_done(first) >= 1 and windows_done(second) >= 1, 180, "both tasks scoring")
-    subprocess.run(["scontrol", "requeue", f"{array}_0"], check=True, timeout=30)
-    subprocess.run(["scancel", "--signal", "USR2", f"{array}_1"], check=True, timeout=30)
+    interrupt = {first: ["scontrol", "requeue", f"{array}_0"], second: ["scancel", "--signal", "USR2", f"{array}_1"]}
+
+    def interrupt_scoring() -> bool:  # each task as soon as its first window is scored
+        for run in [r for r in interrupt if windows_done(r) >= 1]:
+            subprocess.run(interrupt.pop(run), check=True, timeout=30)
+        return not interrupt
+
+    wait_for(interrupt_scoring, 180, "both tasks scoring")
     held = {}
     for i, run in ((0, first), (1, second)):
         requeued(f"{array}_{i}")
