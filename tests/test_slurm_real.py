@@ -175,15 +175,18 @@ def counts(first_line: str) -> dict[str, int]:
 
 
 # ------------------------------------------------------------------------------------------------ tests
-def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(time_limited, env, monkeypatch, capsys):
+def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(time_limited, env, monkeypatch, capsys,
+                                                                       request):
     tmp = env
     sweep = [*TINY, "model=tiny-llama,tiny-opt", "policy=full,h2o", "policy.budget=0.2,1.0", f"runs_dir={tmp}/runs"]
     # finished before the submission: tiny-opt x h2o 0.2, run here
     done_first = execute(expand([*TINY, "model=tiny-opt", "policy=h2o", "policy.budget=0.2",
                                  f"runs_dir={tmp}/runs"], multirun=False).plans[0])
+    local_log = (tmp / "local.log").open("w")
     local = subprocess.Popen([sys.executable, "-m", "h2o.pipeline.run", "-m", *sweep[:-1], f"runs_dir={tmp}/local",
                               f"hydra.sweep.dir={tmp}/local-multirun"], cwd=tmp, stdout=subprocess.DEVNULL,
-                             stderr=open(tmp / "local.log", "w"))  # the same sweep here (make sweep's command)
+                             stderr=local_log)  # the same sweep here (make sweep's command)
+    request.addfinalizer(lambda: local.poll() is None and local.kill())
 
     monkeypatch.setenv("H2O_TEST_PAUSE_S", "4")  # each task's first attempt: 4 s after each window
     before = all_arrays()
@@ -244,14 +247,15 @@ def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(time_lim
 
     # everything finished: nothing to send again
     assert launch.main([*sweep, f"hydra.sweep.dir={tmp}/multirun/s3"]) == 0
-    assert counts(capsys.readouterr().out.splitlines()[0])["finished already"] == 4
+    last = counts(capsys.readouterr().out.splitlines()[0])
+    assert last["to run"] == 0 and last["finished already"] == 4
     assert not (tmp / "multirun/s3").exists() and all_arrays() == before | {array}
     assert status.main([*sweep, f"hydra.sweep.dir={tmp}/multirun/s1"]) == 0
     assert capsys.readouterr().out.splitlines()[1] == "done 4 | running 0 | queued 0 | failed 0 | left 0"
 
     # the tables equal those of the same sweep run locally
     assert local.wait(timeout=300) == 0, (tmp / "local.log").read_text()[-3000:]
-
+    local_log.close()
     for name in ("runs", "local"):
         assert analysis_main(["tables", "--runs", name, "--out", f"out-{name}"]) == 0
     capsys.readouterr()
