@@ -58,6 +58,10 @@ if [ -n "$(missing)" ]; then
 fi
 
 # ------------------------------------------------------------------ a fresh scratch folder
+if [ -e "$S" ] && [ ! -e "$S/slurm.conf" ] && [ -n "$(ls -A "$S" 2>/dev/null)" ]; then
+  say "H2O_SLURM_DIR=$S holds files but no slurm.conf: not a folder of this script; name a new or empty one"
+  exit 1
+fi
 "$(dirname "$0")/down.sh" >/dev/null 2>&1 || true   # leftovers of an earlier cluster in $S
 rm -rf "$S"
 mkdir -p "$S"/{state,spool,db,log}
