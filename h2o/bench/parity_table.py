@@ -70,26 +70,25 @@ def write_table(out: Path, table: Path, prompts: dict) -> None:
         "= our token budget int(L * (1 - r)) per layer and KV head.",
         "",
     ]
+    full = [stats.get((side, "full", 0.0, "prefill")) for side in ("kvpress", "h2o")]
+    lines += [f"Full cache: perplexity kvpress {cell(full[0], 'ppl', True)}, ours {cell(full[1], 'ppl', True)}; "
+              f"needle kvpress {cell(full[0], 'needle', True)}, ours {cell(full[1], 'needle', True)}.", ""]
     for timing, title in (("prefill", "Prefill timing: the context compressed once, the rest appended"),
                           ("decode", "Decode timing: the budget held at every step (continuation fed token by "
                                      "token)")):
-        rows = [meth for meth in [*OURS, *EXTRA] if any(k[1] == meth and k[3] == timing for k in stats)]
-        if not rows:
-            continue
-        lines += [f"## {title}", ""]
+        rows = [meth for meth in [*OURS, *EXTRA]
+                if meth != "full" and any(k[1] == meth and k[3] == timing for k in stats)]
         for key, what in (("ppl", "perplexity"), ("needle", "needle")):
-            if key == "needle" and timing == "decode":
+            if not rows or (key == "needle" and timing == "decode"):
                 continue
             head = " | ".join(f"{1 - r:.0%} kept ({kept(L, r)}): kvpress | ours" for r in ratios)
-            lines += [f"{what}:", "", f"| method | full: kvpress | ours | {head} |",
-                      "|" + " --- |" * (3 + 2 * len(ratios))]
+            lines += [f"## {title}: {what}", "", f"| kvpress method | ours | {head} |",
+                      "|" + " --- |" * (2 + 2 * len(ratios))]
             for meth in rows:
-                built = meth in EXTRA or OURS.get(meth) is not None
-                ours_name = (OURS.get(meth) or EXTRA.get(meth) or ("",))[0]
-                label = meth if meth in OURS else f"({meth}: harness only)"
-                label += f" ~ ours `{ours_name}`" if built and meth in OURS else ""
-                cells = [cell(stats.get(("kvpress", "full", 0.0, "prefill")), key, True),
-                         cell(stats.get(("h2o", "full", 0.0, "prefill")), key, True)]
+                ours = OURS.get(meth) or EXTRA.get(meth)
+                built = ours is not None
+                label = f"({meth}: harness only)" if meth in EXTRA else meth
+                cells = [f"`{ours[0]}` {' '.join(f'{k}={v}' for k, v in ours[1].items())}".strip() if built else "-"]
                 for r in ratios:
                     kv = "-" if meth in EXTRA else cell(stats.get(("kvpress", meth, r, timing)), key, True)
                     cells += [kv, cell(stats.get(("h2o", meth, r, timing)), key, built)]

@@ -35,7 +35,7 @@ from pathlib import Path
 # window attention they need from the queries).
 METHODS = ("streaming_llm", "observed_attention", "tova", "snapkv", "pyramidkv", "adakv_snapkv", "knorm",
            "keydiff", "expected_attention", "random")
-DECODE_METHODS = ("streaming_llm", "knorm", "keydiff", "random")  # scorers that need no prompt window
+DECODE_METHODS = ("streaming_llm", "streaming_llm_ordered", "knorm", "keydiff", "random")  # no prompt window
 
 
 def fail(msg: str) -> None:
@@ -61,9 +61,22 @@ def make_press(name: str, ratio: float):
     return table[name]()
 
 
-def scorer(name: str):
-    """The scorer of a decoding-timing press, its ratio left to DecodingPress."""
-    return make_press(name, 0.0)
+def scorer(name: str, ratio: float = 0.0):
+    """The scorer of a decoding-timing press (ratio 0: left to DecodingPress). ``streaming_llm_ordered``: a
+    diagnostic, not a kvpress method: StreamingLLMPress whose kept tokens stay in position order (kvpress gathers
+    them in top-k order, so at the next compression "the oldest after the sinks" is no longer the 5th slot)."""
+    if name != "streaming_llm_ordered":
+        return make_press(name, ratio)
+    import kvpress as kp
+
+    class Ordered(kp.StreamingLLMPress):
+        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+            scores = self.score(module, hidden_states, keys, values, attentions, kwargs)  # (B, Hkv, S)
+            n = int(keys.shape[2] * (1 - self.compression_ratio))
+            idx = scores.topk(n, dim=-1).indices.sort(-1).values[..., None].expand(-1, -1, -1, keys.shape[-1])
+            return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
+
+    return Ordered(compression_ratio=ratio)
 
 
 def attn_impl(name: str) -> str:
@@ -81,7 +94,9 @@ def nll_sum(logits, targets):
 
 def run_prefill(model, press, context, after):
     """Compress ``context`` (1, L) with ``press`` (None: full cache), then one teacher-forced forward of ``after``
-    (1, m). Returns (last context logits (1, 1, V), logits of ``after`` (1, m, V), tokens held per layer)."""
+    (1, m); one token at a time where the layers hold unequal lengths (then a multi-token forward's mask, sized by
+    layer 0, does not fit the others; a query of one token needs no mask). Returns (last context logits (1, 1, V),
+    logits of ``after`` (1, m, V), tokens held per layer)."""
     import contextlib
 
     import torch
@@ -94,7 +109,11 @@ def run_prefill(model, press, context, after):
             first = model(input_ids=context, past_key_values=cache, logits_to_keep=1).logits
         held = [cache.get_seq_length(i) for i in range(len(cache))]
         pos = torch.arange(L, L + after.shape[1])[None]
-        rest = model(input_ids=after, past_key_values=cache, position_ids=pos).logits
+        if len(set(held)) == 1:
+            rest = model(input_ids=after, past_key_values=cache, position_ids=pos).logits
+        else:  # layers of unequal lengths (PyramidKV): one forward's mask would be sized by layer 0's length
+            rest = torch.cat([model(input_ids=after[:, i:i + 1], past_key_values=cache,
+                                    position_ids=pos[:, i:i + 1]).logits for i in range(after.shape[1])], 1)
     return first, rest, held
 
 
@@ -107,7 +126,7 @@ def run_decode(model, name, ratio, context, cont):
 
     L = context.shape[1]
     n = int(L * (1 - ratio))
-    pre = make_press(name, 1 - (n - 0.5) / L)  # int(L * (1 - r)) = int(n - 0.5) = n - 1, clear of float error
+    pre = scorer(name, 1 - (n - 0.5) / L)  # int(L * (1 - r)) = int(n - 0.5) = n - 1, clear of float error
     dec = kp.DecodingPress(base_press=scorer(name), compression_interval=1, target_size=n - 1)
     press = kp.PrefillDecodingPress(prefilling_press=pre, decoding_press=dec)
     cache = DynamicCache()
@@ -132,9 +151,9 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in ("full", *METHODS)]
+    bad = [m for m in methods if m not in ("full", *METHODS, *DECODE_METHODS)]
     if bad:
-        fail(f"--methods {','.join(bad)}: allowed: full, {', '.join(METHODS)}")
+        fail(f"--methods {','.join(bad)}: allowed: full, {', '.join(dict.fromkeys(METHODS + DECODE_METHODS))}")
     try:
         ratios = [float(r) for r in args.ratios.split(",")]
     except ValueError:
@@ -170,7 +189,7 @@ def main(argv=None) -> None:
 
     versions = {"kvpress": md.version("kvpress"), "transformers": transformers.__version__,
                 "torch": torch.__version__}
-    jobs = [("full", 0.0, "prefill")] + [(m, r, "prefill") for m in methods if m != "full" for r in ratios]
+    jobs = [("full", 0.0, "prefill")] + [(m, r, "prefill") for m in methods if m in METHODS for r in ratios]
     if args.decode:
         jobs += [(m, r, "decode") for m in methods if m in DECODE_METHODS for r in ratios]
     with out.open("a") as f:
