@@ -101,12 +101,12 @@ def forwards(model, policy, context, parts, ref_len: int, stepwise: bool = False
 
     with attach(model, policy, mode="real") as h, torch.no_grad():
         cache = h.new_cache(ref_len=ref_len)
-        first = model(context, past_key_values=cache, use_cache=True).logits[0, -1:]
+        first = model(context, cache=cache, use_cache=True).logits[0, -1:]
         held = [int((layer.pos[0, 0] >= 0).sum()) if layer.pos is not None else 0 for layer in cache.layers]
         rest = []
         for part in parts:
             chunks = part.split(1, dim=1) if stepwise else [part]
-            rest += [model(c, past_key_values=cache, use_cache=True).logits[0] for c in chunks]
+            rest += [model(c, cache=cache, use_cache=True).logits[0] for c in chunks]
     return first, torch.cat(rest), held
 
 
