@@ -34,7 +34,7 @@ OURS = {
     "full": ("full", {}),
     "streaming_llm": ("streaming_llm", {"sinks": 4}),
     "observed_attention": ("h2_only", {"score": "mean"}),
-    "tova": None, "snapkv": None, "pyramidkv": None, "adakv_snapkv": None, "knorm": None, "keydiff": None,
+    "tova": ("tova", {}), "snapkv": None, "pyramidkv": None, "adakv_snapkv": None, "knorm": None, "keydiff": None,
     "expected_attention": None, "random": None,
     # a diagnostic of the decoding timing, not a kvpress method: StreamingLLMPress with its kept tokens left in
     # position order (tools/parity/kvpress_side.py)
