@@ -35,14 +35,14 @@ OURS = {
     "streaming_llm": ("streaming_llm", {"sinks": 4}),
     "observed_attention": ("h2_only", {"score": "mean"}),
     "tova": ("tova", {}), "snapkv": None, "pyramidkv": None, "adakv_snapkv": None, "knorm": None, "keydiff": None,
-    "expected_attention": None, "random": None,
+    "expected_attention": None, "random": ("random", {"seed": 0}),
     # a diagnostic of the decoding timing, not a kvpress method: StreamingLLMPress with its kept tokens left in
     # position order (tools/parity/kvpress_side.py)
     "streaming_llm_ordered": ("streaming_llm", {"sinks": 4}),
 }
 EXTRA = {"h2o": ("h2o", {})}  # ours without a kvpress counterpart, shown beside the nearest one (observed_attention)
 DECODE = ("streaming_llm", "streaming_llm_ordered", "knorm", "keydiff", "random")  # with a decoding timing here
-DECODE_ONLY = ("streaming_llm_ordered",)
+DECODE_ONLY = {"streaming_llm_ordered": "streaming_llm"}  # diagnostic rows: ours is the named method's record
 NEEDLE_Q = "\n\nQuestion: What is the magic number mentioned in the text above?\nAnswer: The magic number is"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +123,8 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
     jobs += [(m, r, "prefill") for m in methods if m != "full" and m not in DECODE_ONLY
              and (OURS.get(m) or EXTRA.get(m)) for r in ratios]
     if decode:
-        jobs += [(m, r, "decode") for m in methods if m in DECODE and OURS.get(m) for r in ratios]
+        jobs += [(m, r, "decode") for m in methods if m in DECODE and OURS.get(m) and m not in DECODE_ONLY
+                 for r in ratios]
     with out.open("a") as f:
         for method, ratio, timing in jobs:
             name, options = (OURS.get(method) or EXTRA[method])

@@ -47,7 +47,7 @@ def cell(s: dict | None, key: str, built: bool) -> str:
 
 
 def write_table(out: Path, table: Path, prompts: dict) -> None:
-    from h2o.bench.parity import EXTRA, OURS, kept
+    from h2o.bench.parity import DECODE_ONLY, EXTRA, OURS, kept
 
     groups = defaultdict(list)
     for r in load(out / "kvpress.jsonl") + load(out / "ours.jsonl"):
@@ -91,7 +91,7 @@ def write_table(out: Path, table: Path, prompts: dict) -> None:
                 cells = [f"`{ours[0]}` {' '.join(f'{k}={v}' for k, v in ours[1].items())}".strip() if built else "-"]
                 for r in ratios:
                     kv = "-" if meth in EXTRA else cell(stats.get(("kvpress", meth, r, timing)), key, True)
-                    cells += [kv, cell(stats.get(("h2o", meth, r, timing)), key, built)]
+                    cells += [kv, cell(stats.get(("h2o", DECODE_ONLY.get(meth, meth), r, timing)), key, built)]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
             lines.append("")
     total = defaultdict(float)
