@@ -164,7 +164,8 @@ def test_table_from_records(tmp_path):
     assert f"| streaming_llm | `streaming_llm` sinks=4 | {e2} | {e2} |" in text
     assert f"| knorm | - | {torch.tensor(1.5).exp():.3f} | not built yet |" in text
     assert "| knorm | - | 1/1 (0.500) | not built yet |" in text
-    assert "20% kept (19)" in text  # int(100 * (1 - 0.8)): 1 - 0.8 is just below 0.2
+    assert "20% kept (19)" in text
+    assert "vs ours: streaming_llm 20%: 0.0e+00." in text  # the per-prompt gap of the one method both ran  # int(100 * (1 - 0.8)): 1 - 0.8 is just below 0.2
 
 
 @pytest.mark.parametrize("argv, message", [

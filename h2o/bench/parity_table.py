@@ -46,6 +46,16 @@ def cell(s: dict | None, key: str, built: bool) -> str:
     return f"{s['exact']}/{s['needle_n']} ({s['needle_nll']:.3f})"
 
 
+def largest_gap(groups: dict, method: str, ratio: float, timing: str, kind: str) -> float | None:
+    """max over the prompts both sides ran of |NLL/token kvpress - NLL/token ours| (None: no common prompt)."""
+    from h2o.bench.parity import DECODE_ONLY
+
+    sides = [{r["prompt"]: r["nll"] / r["n_tokens"] for r in groups.get((side, m, ratio, timing), [])
+              if r["kind"] == kind} for side, m in (("kvpress", method), ("h2o", DECODE_ONLY.get(method, method)))]
+    common = sides[0].keys() & sides[1].keys()
+    return max(abs(sides[0][p] - sides[1][p]) for p in common) if common else None
+
+
 def write_table(out: Path, table: Path, prompts: dict) -> None:
     from h2o.bench.parity import DECODE_ONLY, EXTRA, OURS, kept
 
@@ -93,7 +103,10 @@ def write_table(out: Path, table: Path, prompts: dict) -> None:
                     kv = "-" if meth in EXTRA else cell(stats.get(("kvpress", meth, r, timing)), key, True)
                     cells += [kv, cell(stats.get(("h2o", DECODE_ONLY.get(meth, meth), r, timing)), key, built)]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
-            lines.append("")
+            gaps = [f"{meth} {1 - r:.0%}: {gap:.1e}" for meth in rows for r in ratios
+                    if (gap := largest_gap(groups, meth, r, timing, key)) is not None]
+            lines += ["", "Largest per-prompt |difference| in NLL per token, kvpress vs ours: "
+                      + ("; ".join(gaps) if gaps else "none compared") + ".", ""]
     total = defaultdict(float)
     for (side, *_), s in stats.items():
         total[side] += s["seconds"]
