@@ -272,3 +272,44 @@ def test_row_kernel_honours_the_window(monkeypatch, name, score, budget, prompt_
         rows[choice, w] = simulate.policy_allowed(policy, logits, allowed, valid, prompt_len, window=w)
     assert torch.equal(rows["torch", window], rows["triton", window])
     assert not torch.equal(rows["torch", window], rows["torch", None] & simulate.causal_valid(valid, window))
+
+
+@pytest.mark.parametrize("name,budget", [("local", 5), ("local", 0.2), ("streaming_llm", 9), ("streaming_llm", 0.2),
+                                         ("strided", 8), ("strided", 0.3)])
+def test_closed_forms_stay_exact_with_the_window(monkeypatch, name, budget):
+    """local, streaming_llm and strided keep their closed form on sliding layers (Policy.window_closed_form):
+    equal to the row loop, which makes the decisions step by step, with and without a prompt, left padding."""
+    from h2o.core import simulate
+
+    T, window = 40, 12
+    valid = torch.ones(2, T, dtype=torch.bool)
+    valid[1, :7] = False
+    policy = make_policy(name, budget=budget)
+    logits = torch.randn(2, 1, 1, T, T, generator=torch.Generator().manual_seed(6))
+    for prompt_len in (0, 20):
+        allowed = simulate.causal_valid(valid, window)
+        closed = simulate.policy_allowed(policy, logits, allowed, valid, prompt_len, window=window)
+        monkeypatch.setattr(type(policy), "window_closed_form", False)
+        loop = simulate.policy_allowed(policy, logits, allowed, valid, prompt_len, window=window)
+        monkeypatch.undo()
+        assert torch.equal(closed.expand_as(loop), loop), prompt_len
+        assert not torch.equal(loop, allowed.expand_as(loop))  # the policy drops tokens inside the window
+
+
+def test_quantized_cache_on_a_sliding_layer():
+    """A quantized cache (uniform 4-bit) on Gemma-3's sliding layer: both paths agree to quantization noise and
+    the sliding layer holds at most its window."""
+    from h2o.core.quant import Uniform
+
+    model = tiny_model("gemma3")
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    policy, quant = make_policy("full"), Uniform(4, 8)
+    with torch.no_grad():
+        with attach(model, policy, quant=quant):
+            sim = model(ids).logits
+        with attach(model, policy, mode="real", quant=quant) as h:
+            cache = h.new_cache(ref_len=40)
+            out = torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(40)], 1)
+    effect = (sim - plain(model, ids, torch.ones_like(ids))).abs()
+    assert (out - sim).abs().max() < 0.01 * effect.max() and effect.max() > 1e-2
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [W, 40]
