@@ -22,7 +22,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .policies import Counts, Policy, keep_top, select_slot
+from .policies import Counts, Policy, PolicyError, keep_top, select_slot
 from .simulate import serial
 
 
@@ -96,11 +96,62 @@ class EvictingLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("an evicting cache cannot be cropped (no assisted decoding)")  # abstract: n/a
 
-    def reorder_cache(self, beam_idx):
-        raise NotImplementedError("an evicting cache does not support beam search")  # abstract: n/a
+    # --------------------------------------------------------- batch hooks of generate
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: sequence b continues beam ``beam_idx[b]`` (B,) int64. No host sync when every sequence
+        has the same host counts (beams of one prompt, or an unpadded batch); else one, to reorder them."""
+        self.select_batch(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("an evicting cache does not support num_return_sequences > 1")  # abstract: n/a
+        """Each sequence ``repeats`` times in a row (``num_return_sequences``, contrastive search)."""
+        if self.keys is not None:
+            B = self.n_tok.shape[0]
+            self.select_batch(torch.arange(B, device=self.n_tok.device).repeat_interleave(repeats),
+                              [b for b in range(B) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices) -> None:
+        """Keep the sequences ``indices`` (a list or a (B',) int64 tensor) of the batch, in that order."""
+        if self.keys is not None:
+            host = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+            self.select_batch(torch.as_tensor(host, device=self.n_tok.device), host)
+
+    def select_batch(self, idx: torch.Tensor, host: list[int] | None = None) -> list[int] | None:
+        """Sequence b of the batch becomes sequence ``idx[b]`` (B',) of the old one, on the device and in the host
+        counts (``host``: idx as a list; None: read from idx where the host counts differ between sequences).
+        A decoder's state is rebuilt from the state at the next step (the same decisions, by its contract).
+        Returns ``host`` (as read, if it was), so that the next layer does not read it again."""
+        if self.keys is None:
+            return host
+        if getattr(self.policy, "per_sequence", False):
+            raise PolicyError(f"policy={self.policy.name}: one policy per sequence; its batch cannot be reordered")
+        pick = lambda t: None if t is None else t.index_select(0, idx.to(t.device))  # noqa: E731
+        self.keys, self.values, self.pos, self.acc, self.n_tok = map(pick, (self.keys, self.values, self.pos,
+                                                                           self.acc, self.n_tok))
+        if self.sink is not None:
+            self.sink, self.sink_real = (pick(self.sink[0]), pick(self.sink[1])), pick(self.sink_real)
+        if self.counts is not None:
+            self.counts = Counts(*map(pick, (self.counts.total, self.counts.heavy, self.counts.recent,
+                                             self.counts.length)))
+        lists = (self.host_tok, self.host_held, self.host_total)
+        host_counts = self.host_counts
+        uniform = all(len(set(x)) <= 1 for x in lists) and (host_counts is None or all(
+            bool((x == x[0]).all()) for x in (host_counts.total, host_counts.heavy, host_counts.recent,
+                                             host_counts.length)))  # CPU tensors: no device read
+        n = idx.shape[0]
+        if uniform:
+            self.host_tok, self.host_held, self.host_total = ([x[0]] * n if x else [] for x in lists)
+            if host_counts is not None:
+                self.host_counts = Counts(*(x[:1].expand(n).clone() for x in (
+                    host_counts.total, host_counts.heavy, host_counts.recent, host_counts.length)))
+        else:
+            host = idx.tolist() if host is None else host  # one host sync
+            self.host_tok, self.host_held, self.host_total = ([x[b] for b in host] if x else [] for x in lists)
+            if host_counts is not None:
+                cpu = torch.tensor(host)
+                self.host_counts = Counts(*(x.index_select(0, cpu) for x in (
+                    host_counts.total, host_counts.heavy, host_counts.recent, host_counts.length)))
+        self.room, self.room_list, self.zero, self.decoder = None, [], None, None
+        return host
 
     # ------------------------------------------------------------------------- storage
     def append(self, key_states, value_states):
@@ -232,6 +283,18 @@ class EvictingCache(Cache):
     def __init__(self, policy: Policy, num_layers: int, ref_len: int | None = None, quant=None):
         super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i) for i in range(num_layers)])
         self.policy, self.quant = policy, quant
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search (:meth:`EvictingLayer.reorder_cache`): beam_idx read to the host at most once per step."""
+        host = None
+        for layer in self.layers:
+            host = layer.select_batch(beam_idx, host)
+
+    def batch_select_indices(self, indices) -> None:
+        """Keep the sequences ``indices`` of the batch (the indices read to the host once, not per layer)."""
+        host = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+        for layer in self.layers:
+            layer.batch_select_indices(host)
 
     def nbytes(self) -> int:
         """Bytes of keys and values held by all layers (quant: plus its offline constants, once)."""
