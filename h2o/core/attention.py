@@ -103,8 +103,7 @@ def real_attention(state, module, query, key, value, attention_mask, scaling):
         elif policy.needs_scores:  # a decoding token is never a pad
             policy.accumulate(layer.acc, probs)
         outs.append(grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value))
-    if q > 1 and policy.evicts and not policy.is_full:
-        layer.cut()
+    layer.end_forward(q)
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).view(B, Hq, q, D).transpose(1, 2)
     state.flag(module.layer_idx, out)  # NaN/inf guard: no host sync here; Attached.check_logits reads it per step
     return out, (probs.view(B, Hq, q, -1) if q <= ROWS else None)

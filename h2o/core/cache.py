@@ -23,13 +23,18 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .policies import Counts, Policy, PolicyError, keep_top, select_slot
+from .rerotate import KeyRerotation, KeyShifter, held_alike
 from .simulate import serial
 
 
 class EvictingLayer(DynamicLayer):
-    def __init__(self, policy: Policy, ref_len: int | None = None, quant=None, layer_idx: int = 0):
+    def __init__(self, policy: Policy, ref_len: int | None = None, quant=None, layer_idx: int = 0,
+                 rerotate: KeyShifter | None = None):
         super().__init__()
         self.policy = policy
+        # positions inside the cache (h2o.core.rerotate): the held keys renumbered after each forward's eviction
+        self.rerotation = KeyRerotation(rerotate) if rerotate is not None else None
+        self.tok_before: list[int] = []  # per sequence: tokens seen before the current forward
         self.quant, self.layer_idx = quant, layer_idx  # quant: slots hold packed rows (h2o.core.quant)
         self.served = None  # quant: weak reference to the last keys handed out by update
         # quant.sink: the first real token's (key, value) as computed (B, Hkv, 1, D), sink_real (B,) whether the
@@ -53,6 +58,7 @@ class EvictingLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         """key/value_states (B, Hkv, q, D). Returns the stored (B, Hkv, S, D) tensors."""
         q = key_states.shape[-2]
+        self.tok_before = self.host_tok or [0] * key_states.shape[0]
         if self.quant is not None:  # quant: store packed rows (B, Hkv, q, P) uint8 instead of the tensors
             self.kv_dtype = key_states.dtype
             if self.quant.sink and self.seen == 0:
@@ -254,6 +260,35 @@ class EvictingLayer(DynamicLayer):
         self.room, self.room_list = None, []
         self.fix_budget()
 
+    def fork(self, src: "EvictingLayer") -> None:
+        """Become what this layer's policy holds after the prefill that ``src`` (a layer of a full-policy cache,
+        one unpadded prompt, nothing evicted) saw: its keys, values, positions and scores copied (packed where
+        this layer quantizes), the budget fixed, then the cut a prefill ends with. The prefill is full attention
+        under every policy, so the cut sees the same keys and scores as a real prefill of this policy."""
+        self.seen, self.n_new = src.seen, 0
+        self.pos, self.acc, self.n_tok = src.pos.clone(), src.acc.clone(), src.n_tok.clone()
+        if self.quant is None:
+            self.keys, self.values = src.keys.clone(), src.values.clone()
+        else:  # the prompt's keys and values as the quantized cache stores them
+            self.kv_dtype = src.keys.dtype
+            self.keys, self.values = self.quant.pack_kv(src.keys, src.values, self.layer_idx, 0)
+            if self.quant.sink:  # position 0 kept as computed (slot 0: the prompt is unpadded)
+                self.sink = (src.keys[..., :1, :].clone(), src.values[..., :1, :].clone())
+                self.sink_real = src.pos[:, 0, 0] == 0
+        self.adopt()
+        if self.policy.evicts and not self.policy.is_full:
+            self.cut()
+
+    def end_forward(self, q: int) -> None:
+        """After the attention of a forward of ``q`` new tokens: a prefill (chunk) is cut back to the budget; with
+        positions inside the cache, the held keys are renumbered (:class:`h2o.core.rerotate.KeyRerotation`)."""
+        if q > 1 and self.policy.evicts and not self.policy.is_full:
+            self.cut()
+        if self.rerotation is not None:
+            tok = self.tok_before
+            first_new = tok[0] if len(set(tok)) == 1 else torch.tensor(tok)
+            self.keys.copy_(self.rerotation.renumber(self.pos, self.keys, first_new))
+
     def cut(self):
         """After a prefill (chunk): keep the budget, free the rest. Slots are in position order here."""
         valid = self.pos >= 0
@@ -280,9 +315,27 @@ class EvictingLayer(DynamicLayer):
 class EvictingCache(Cache):
     """One :class:`EvictingLayer` per decoder layer. Use through :func:`h2o.core.attach` (mode="real")."""
 
-    def __init__(self, policy: Policy, num_layers: int, ref_len: int | None = None, quant=None):
-        super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i) for i in range(num_layers)])
+    def __init__(self, policy: Policy, num_layers: int, ref_len: int | None = None, quant=None,
+                 rerotate: KeyShifter | None = None):
+        """``rerotate``: positions inside the cache (:mod:`h2o.core.rerotate`; not with ``quant``: packed rows
+        cannot be rotated); the model is then given :meth:`next_position` onwards as its position ids."""
+        if rerotate is not None and quant is not None:
+            raise PolicyError("rerotate: positions inside the cache rotate stored keys, not packed rows (quant)")
+        super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i, rerotate) for i in range(num_layers)])
         self.policy, self.quant = policy, quant
+
+    def next_position(self) -> int:
+        """Positions inside the cache (``rerotate``): the tokens every layer holds, the next token's number."""
+        return held_alike([layer.rerotation for layer in self.layers])
+
+    def fork(self, src: "EvictingCache", batch: int = 1) -> "EvictingCache":
+        """This (new) cache as its policy holds ``src``'s prefill (:meth:`EvictingLayer.fork`), repeated to
+        ``batch`` sequences after the cut (a large batch never holds the whole prompt ``batch`` times)."""
+        for layer, s in zip(self.layers, src.layers):
+            layer.fork(s)
+        if batch > 1:
+            self.batch_repeat_interleave(batch)
+        return self
 
     def reorder_cache(self, beam_idx: torch.Tensor) -> None:
         """Beam search (:meth:`EvictingLayer.reorder_cache`): beam_idx read to the host at most once per step."""
