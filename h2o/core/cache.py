@@ -205,7 +205,7 @@ class EvictingLayer(DynamicLayer):
     def decoding(self):
         """The policy's form for this layer's decoding steps (:meth:`Policy.decoder`), made once per budget."""
         if self.decoder is None:
-            self.decoder = self.policy.decoder(self.counts, self.host_counts)
+            self.decoder = self.policy.decoding(self.counts, self.host_counts)
         return self.decoder
 
     def grow(self, key_states, value_states):

@@ -12,12 +12,13 @@ the prompt's length, as in generation; without a prompt, of the sequence's lengt
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
 from . import row_kernel
 from .policies import Policy, keep_top
-from .policies.base import const
+from .policies.base import const, declared
 from .policies.h2o import H2O, reference_mask
 
 
@@ -219,7 +220,8 @@ def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int) -> torc
     on a pad), as in :func:`row_loop`."""
     pos = positions(valid)  # (B, T)
     now = pos.cummax(-1).values  # (B, T): the newest token at each row, -1 before the first
-    held = policy.held_rows(pos, now, counts, first)  # (B, T, T)
+    rows = declared(policy, "held_rows") or partial(Policy.held_rows, policy)  # the closed form of this rule
+    held = rows(pos, now, counts, first)  # (B, T, T)
     itself = (pos[:, None, :] == now[:, :, None]) & valid[:, None, :]
     return (held | itself)[:, None, None]
 

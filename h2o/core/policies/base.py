@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -75,8 +75,49 @@ class Counts:
                                                                          self.length)))
 
 
+@dataclass(frozen=True)
+class KernelForm:
+    """What the simulated path's Triton row kernel runs for a policy (:mod:`h2o.core.row_kernel`).
+
+    ``kind``: "evict" (the held token of lowest score among those the protected set leaves is dropped) or
+    "restrict" (the whole cache kept; heavy hitters, then each query's top logits). ``params(counts)``: per
+    sequence int64 (B, 4) for "evict" (window or block, stride or summaries, grid on, protected count) or (B, 2)
+    for "restrict" (total, heavy). "evict" only: ``pattern`` the protected set (0: a recent window of
+    ``params[:, 0]`` tokens, 1: strided, 2: fixed), ``score`` an index of :data:`.score.SCORES`, ``decay``."""
+
+    kind: str
+    params: Callable[[Counts], torch.Tensor]
+    pattern: int = 0
+    score: int = 0
+    decay: float = 0.0
+
+
+RULE = ("priority", "restrict", "score", "accumulate")  # the methods whose answers are the policy's decisions
+
+
+def declared(policy: "Policy", form: str):
+    """``policy``'s bound method ``form`` (a faster form of its rule: ``kernel_form``, ``decoder``,
+    ``held_rows``), or None if a class below the one that declares it redefines the rule (a subclass that
+    changes ``priority`` does not inherit a kernel or a closed form made for its parent's)."""
+    mro = type(policy).__mro__
+    at = next((c for c in mro if form in vars(c)), None)
+    if at is None:
+        return None
+    for name in RULE:
+        rule = next((c for c in mro if name in vars(c)), None)
+        if rule is not None and not issubclass(at, rule):
+            return None
+    return getattr(policy, form)
+
+
 class Policy:
-    """Base class. Subclasses set ``name`` and override :meth:`priority` (evicting) or :meth:`restrict`."""
+    """Base class. Subclasses set ``name`` and override :meth:`priority` (evicting) or :meth:`restrict`.
+
+    Every form of a policy's rule is declared on its class: the definition (:meth:`priority` / :meth:`restrict`,
+    :meth:`accumulate`), and where it has them its closed form (:meth:`held_rows`, with ``position_only``), its
+    incremental decoder (:meth:`decoder`) and its Triton kernel parameters (:meth:`kernel_form`). The paths read
+    the faster forms through :func:`declared`, so a subclass that changes the rule falls back to the definition.
+    """
 
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = True  # False: keeps the whole cache and restricts each query (top-k)
@@ -168,6 +209,16 @@ class Policy:
         Default: :meth:`priority` as it is; a policy may keep state between steps to make the same decisions
         with fewer ops (:class:`h2o.core.policies.protected.Protected`)."""
         return Decoder(self, counts)
+
+    def decoding(self, counts: Counts, host: Counts) -> "Decoder":
+        """The decoder the evicting cache uses: :meth:`decoder` where declared for this rule, else the default."""
+        make = declared(self, "decoder")
+        return make(counts, host) if make is not None else Decoder(self, counts)
+
+    def kernel_form(self) -> KernelForm | None:
+        """The simulated path's Triton row kernel for this policy (:class:`KernelForm`); None: the torch row
+        loop serves it (on CUDA with a one-line notice, :func:`h2o.core.row_kernel.use_kernel`)."""
+        return None
 
     # ---------------------------------------------------- restricting policies
     def restrict(self, logits: torch.Tensor, acc: torch.Tensor, allowed: torch.Tensor,
