@@ -113,11 +113,12 @@ def test_no_kernel_form_is_noticed_once_on_cuda(toy, monkeypatch):
 
 
 def test_a_subclass_that_changes_the_rule_loses_its_parents_faster_forms():
-    class Newest(H2O):  # not registered (no name)
+    class Newest(H2O):  # not registered: it inherits its parent's name, it does not replace it
         def priority(self, pos, acc, now, counts):
             return pos.double()
 
     policy = Newest(budget=0.3)
     assert declared(policy, "kernel_form") is None and not row_kernel.supports(policy)
+    assert Policy.registry["h2o"] is H2O
     assert row_kernel.supports(make_policy("h2_only"))  # the same rule as h2o's: its kernel form holds
     assert declared(make_policy("topk_h2"), "decoder") is not None  # re-declared: select carries the rule

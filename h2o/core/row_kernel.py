@@ -181,13 +181,14 @@ def notice(policy: Policy) -> None:
                       f"simulated path runs the torch row loop on CUDA", RuntimeWarning, stacklevel=3)
 
 
-def use_kernel(policy: Policy, device: torch.device) -> bool:
+def use_kernel(policy: Policy, device: torch.device, window: int | None = None) -> bool:
     """Whether the simulated path's row recurrence of ``policy`` runs as the Triton kernel on ``device``
-    (called for policies that walk rows: score-based evicting ones and topk_h2)."""
+    (called for policies that walk rows: score-based evicting ones and topk_h2); a sliding-window layer
+    (``window``) takes the torch loop (the kernel has no window)."""
     choice = os.environ.get("H2O_ROW_KERNEL", "auto")
     if choice not in CHOICES:
         raise ValueError(f"H2O_ROW_KERNEL={choice!r}: allowed: {', '.join(CHOICES)}")
-    if choice == "torch":
+    if choice == "torch" or window is not None:
         return False
     if not supports(policy):
         if choice == "triton":
