@@ -31,11 +31,12 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .policies import Counts, Policy, PolicyError, keep_top, select_slot
 from .policies.base import Decoder, bcast
+from .cache_batch import BatchHooks, CacheBatchHooks
 from .rerotate import KeyRerotation, KeyShifter, held_alike
 from .simulate import serial
 
 
-class EvictingLayer(DynamicLayer):
+class EvictingLayer(BatchHooks, DynamicLayer):
     def __init__(self, policy: Policy, ref_len: int | None = None, quant=None, layer_idx: int = 0,
                  rerotate: KeyShifter | None = None):
         super().__init__()
@@ -62,6 +63,10 @@ class EvictingLayer(DynamicLayer):
         self.n_new = 0  # columns appended by the last update (0 for a decoding step)
         self.zero: torch.Tensor | None = None  # (B, Hkv, 1) fp32 zeros: the score of a new slot at a decoding step
         self.window: int | None = None  # the layer's sliding window (None: a global layer)
+        # the current forward (begin): its new tokens, their non-pad columns (B, q) (None: a decoding token), the
+        # held slots (B, Hkv, 1, 1, S) bool (None: every slot)
+        self.q, self.valid, self.held = 0, None, None
+        self.compressed = False  # Policy.compress "prefill": the first forward's cut is done
 
     # ----------------------------------------------------------------- transformers API
     def update(self, key_states, value_states, *args, **kwargs):
@@ -78,7 +83,7 @@ class EvictingLayer(DynamicLayer):
         else:  # a decoding step: one real token in
             if self.window is not None:
                 self.slide_in(key_states, value_states)
-            elif not self.policy.evicts or self.policy.is_full:
+            elif not self.limited():
                 self.grow(key_states, value_states)
             else:
                 self.decode_in_place(key_states, value_states)
@@ -113,62 +118,54 @@ class EvictingLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("an evicting cache cannot be cropped (no assisted decoding)")  # abstract: n/a
 
-    # --------------------------------------------------------- batch hooks of generate
-    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        """Beam search: sequence b continues beam ``beam_idx[b]`` (B,) int64. No host sync when every sequence
-        has the same host counts (beams of one prompt, or an unpadded batch); else one, to reorder them."""
-        self.select_batch(beam_idx)
+    # --------------------------------------------- the attention function's protocol
+    # One forward of ``q`` new tokens, per layer: ``begin`` (the new columns' pads known), then per block of query
+    # rows ``visible`` (what they may see) and ``attended`` (their attention probabilities), then ``end_forward``.
+    # Only the layer reads its positions, scores, budget and slots; the attention function does the math.
+    def begin(self, key, value, q: int, valid_of, window: int | None = None):
+        """The forward's ``q`` new tokens are in (``update``); ``valid_of()`` gives (B, q) bool their non-pad
+        columns (read only where needed: a decoding token is never a pad). ``window``: the layer's sliding
+        window (None: global). Registers the new positions (the budget is fixed on the first forward) and
+        returns the keys and values (B, Hkv, S, D) to attend to."""
+        self.window, self.q = window, q  # known from the first forward (a prefill or first token: appended)
+        self.valid = valid_of() if self.n_new or q > 1 else None  # (B, q); decoding: all valid
+        if self.n_new:
+            self.register_new(self.valid[:, -self.n_new:])
+        if self.fresh is not None:  # quant.sink, the first forward: its first real token kept as computed
+            key, value = self.capture_sink(key, value, self.valid)
+        B, S = key.shape[0], key.shape[-2]
+        every = window is None and all(h == S for h in self.host_held)  # every slot holds a token
+        self.held = None if every and q == 1 else (self.pos >= 0).view(B, -1, 1, 1, S)  # (B, Hkv, 1, 1, S)
+        return key, value
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        """Each sequence ``repeats`` times in a row (``num_return_sequences``, contrastive search)."""
-        if self.keys is not None:
-            B = self.n_tok.shape[0]
-            self.select_batch(torch.arange(B, device=self.n_tok.device).repeat_interleave(repeats),
-                              [b for b in range(B) for _ in range(repeats)])
+    def visible(self, logits: torch.Tensor, r: int) -> torch.Tensor | None:
+        """What query rows r.. of this forward may see: logits (B, Hkv, G, rows, S) fp32 -> bool broadcastable to
+        them (None: every slot). A prefill (chunk) row sees the held slots and the new columns up to itself (and
+        within the window); a decoding row what the policy holds, or restricts to (top-k)."""
+        q = self.q
+        if q > 1:
+            rows = logits.shape[-2]
+            stop = r + rows - q
+            row_pos = self.pos[:, :, None, -q + r:(stop if stop < 0 else None), None]  # (B, Hkv, 1, rows, 1)
+            key_pos = self.pos[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
+            allowed = self.held & (key_pos <= row_pos)
+            if self.window is not None:
+                allowed &= key_pos > row_pos - self.window
+            return allowed
+        if not self.policy.evicts and not self.policy.is_full:
+            B, S = logits.shape[0], logits.shape[-1]
+            return self.decoding().restrict(logits, self.acc.view(B, -1, 1, 1, S), self.held)
+        return self.held
 
-    def batch_select_indices(self, indices) -> None:
-        """Keep the sequences ``indices`` (a list or a (B',) int64 tensor) of the batch, in that order."""
-        if self.keys is not None:
-            host = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
-            self.select_batch(torch.as_tensor(host, device=self.n_tok.device), host)
-
-    def select_batch(self, idx: torch.Tensor, host: list[int] | None = None) -> list[int] | None:
-        """Sequence b of the batch becomes sequence ``idx[b]`` (B',) of the old one, on the device and in the host
-        counts (``host``: idx as a list; None: read from idx where the host counts differ between sequences).
-        A decoder's state is rebuilt from the state at the next step (the same decisions, by its contract).
-        Returns ``host`` (as read, if it was), so that the next layer does not read it again."""
-        if self.keys is None:
-            return host
-        if getattr(self.policy, "per_sequence", False):
-            raise PolicyError(f"policy={self.policy.name}: one policy per sequence; its batch cannot be reordered")
-        pick = lambda t: None if t is None else t.index_select(0, idx.to(t.device))  # noqa: E731
-        self.keys, self.values, self.pos, self.acc, self.n_tok = map(pick, (self.keys, self.values, self.pos,
-                                                                           self.acc, self.n_tok))
-        if self.sink is not None:
-            self.sink, self.sink_real = (pick(self.sink[0]), pick(self.sink[1])), pick(self.sink_real)
-        if self.counts is not None:
-            self.counts = Counts(*map(pick, (self.counts.total, self.counts.heavy, self.counts.recent,
-                                             self.counts.length)))
-        lists = (self.host_tok, self.host_held, self.host_total)
-        host_counts = self.host_counts
-        uniform = all(len(set(x)) <= 1 for x in lists) and (host_counts is None or all(
-            bool((x == x[0]).all()) for x in (host_counts.total, host_counts.heavy, host_counts.recent,
-                                             host_counts.length)))  # CPU tensors: no device read
-        n = idx.shape[0]
-        if uniform:
-            self.host_tok, self.host_held, self.host_total = ([x[0]] * n if x else [] for x in lists)
-            if host_counts is not None:
-                self.host_counts = Counts(*(x[:1].expand(n).clone() for x in (
-                    host_counts.total, host_counts.heavy, host_counts.recent, host_counts.length)))
-        else:
-            host = idx.tolist() if host is None else host  # one host sync
-            self.host_tok, self.host_held, self.host_total = ([x[b] for b in host] if x else [] for x in lists)
-            if host_counts is not None:
-                cpu = torch.tensor(host)
-                self.host_counts = Counts(*(x.index_select(0, cpu) for x in (
-                    host_counts.total, host_counts.heavy, host_counts.recent, host_counts.length)))
-        self.room, self.room_list, self.zero, self.decoder = None, [], None, None
-        return host
+    def attended(self, probs: torch.Tensor, r: int) -> None:
+        """The attention probabilities (B, Hkv, G, rows, S) of query rows r.. (as :meth:`visible` allowed) into
+        the scores; pad rows add nothing."""
+        if self.q > 1:
+            rows = probs.shape[-2]
+            valid = self.valid[:, r:r + rows]  # (B, rows)
+            self.policy.accumulate(self.acc, probs * valid[:, None, None, :, None], valid)
+        elif self.policy.needs_scores:  # a decoding token is never a pad
+            self.policy.accumulate(self.acc, probs)
 
     # ------------------------------------------------------------------------- storage
     def append(self, key_states, value_states):
@@ -218,8 +215,8 @@ class EvictingLayer(DynamicLayer):
         self.acc.scatter_(-1, slot, 0.0)
 
     def limited(self) -> bool:
-        """Whether the budget can drop a token (an evicting policy below 100%)."""
-        return self.policy.evicts and not self.policy.is_full
+        """Whether the budget can drop a token (an evicting policy below 100%, not compressed once already)."""
+        return self.policy.evicts and not self.policy.is_full and not self.compressed
 
     def expire(self, now: torch.Tensor) -> None:
         """Sliding window: the slots of tokens out of the window of position ``now`` (B,) become empty."""
@@ -298,41 +295,14 @@ class EvictingLayer(DynamicLayer):
         ref = self.host_tok if self.ref_len is None else [self.ref_len] * len(self.host_tok)
         counts = self.policy.counts(torch.tensor(ref))
         self.host_total, self.host_counts, self.decoder = counts.total.tolist(), counts, None
-        self.counts = Counts(*(x.to(self.n_tok.device) for x in (counts.total, counts.heavy, counts.recent,
-                                                                 counts.length)))
-
-    def adopt(self):
-        """Re-derive the host counts and the budget from the device state (``n_tok``, ``pos``) after it was
-        copied in from elsewhere (a forked prefill); one host sync."""
-        self.host_tok = self.n_tok.tolist()
-        self.host_held = (self.pos[:, 0] >= 0).sum(-1).tolist()
-        self.room, self.room_list = None, []
-        self.fix_budget()
-
-    def fork(self, src: "EvictingLayer") -> None:
-        """Become what this layer's policy holds after the prefill that ``src`` (a layer of a full-policy cache,
-        one unpadded prompt, nothing evicted) saw: its keys, values, positions and scores copied (packed where
-        this layer quantizes), the budget fixed, then the cut a prefill ends with. The prefill is full attention
-        under every policy, so the cut sees the same keys and scores as a real prefill of this policy."""
-        self.seen, self.n_new, self.window = src.seen, 0, src.window
-        self.pos, self.acc, self.n_tok = src.pos.clone(), src.acc.clone(), src.n_tok.clone()
-        if self.quant is None:
-            self.keys, self.values = src.keys.clone(), src.values.clone()
-        else:  # the prompt's keys and values as the quantized cache stores them
-            self.kv_dtype = src.keys.dtype
-            self.keys, self.values = self.quant.pack_kv(src.keys, src.values, self.layer_idx, 0)
-            if self.quant.sink:  # position 0 kept as computed (slot 0: the prompt is unpadded)
-                self.sink = (src.keys[..., :1, :].clone(), src.values[..., :1, :].clone())
-                self.sink_real = src.pos[:, 0, 0] == 0
-        self.adopt()
-        if self.limited() or self.window is not None:
-            self.cut()
+        self.counts = counts.map(lambda x: x.to(self.n_tok.device))
 
     def end_forward(self, q: int) -> None:
         """After the attention of a forward of ``q`` new tokens: a prefill (chunk) is cut back to the budget; with
         positions inside the cache, the held keys are renumbered (:class:`h2o.core.rerotate.KeyRerotation`)."""
         if q > 1 and (self.limited() or self.window is not None):
             self.cut()
+        self.compressed = self.policy.compress == "prefill"  # compressed once: every later token is kept
         if self.rerotation is not None:
             tok = self.tok_before
             first_new = tok[0] if len(set(tok)) == 1 else torch.tensor(tok)
@@ -369,7 +339,7 @@ class EvictingLayer(DynamicLayer):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes + sink
 
 
-class EvictingCache(Cache):
+class EvictingCache(CacheBatchHooks, Cache):
     """One :class:`EvictingLayer` per decoder layer. Use through :func:`h2o.core.attach` (mode="real")."""
 
     def __init__(self, policy: Policy, num_layers: int, ref_len: int | None = None, quant=None,
@@ -385,26 +355,10 @@ class EvictingCache(Cache):
         """Positions inside the cache (``rerotate``): the tokens every layer holds, the next token's number."""
         return held_alike([layer.rerotation for layer in self.layers])
 
-    def fork(self, src: "EvictingCache", batch: int = 1) -> "EvictingCache":
-        """This (new) cache as its policy holds ``src``'s prefill (:meth:`EvictingLayer.fork`), repeated to
-        ``batch`` sequences after the cut (a large batch never holds the whole prompt ``batch`` times)."""
-        for layer, s in zip(self.layers, src.layers):
-            layer.fork(s)
-        if batch > 1:
-            self.batch_repeat_interleave(batch)
-        return self
-
-    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        """Beam search (:meth:`EvictingLayer.reorder_cache`): beam_idx read to the host at most once per step."""
-        host = None
-        for layer in self.layers:
-            host = layer.select_batch(beam_idx, host)
-
-    def batch_select_indices(self, indices) -> None:
-        """Keep the sequences ``indices`` of the batch (the indices read to the host once, not per layer)."""
-        host = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
-        for layer in self.layers:
-            layer.batch_select_indices(host)
+    def held_tokens(self) -> torch.Tensor:
+        """(L, B, Hkv) int64 tokens each layer holds per sequence and KV head (slots with ``pos >= 0``); beside
+        :meth:`nbytes` (the slots stored, empty ones included) it shows what padding to the largest costs."""
+        return torch.stack([(layer.pos >= 0).sum(-1) for layer in self.layers])
 
     def nbytes(self) -> int:
         """Bytes of keys and values held by all layers (quant: plus its offline constants, once)."""

@@ -69,10 +69,16 @@ class Counts:
     recent: torch.Tensor
     length: torch.Tensor  # the reference length the ratios were taken of
 
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return self.total, self.heavy, self.recent, self.length
+
+    def map(self, fn) -> "Counts":
+        """``fn`` applied to each field (a device move, a batch selection)."""
+        return Counts(*(fn(x) for x in self.fields()))
+
     def repeat(self, n: int) -> "Counts":
         """Each sequence's counts ``n`` times in a row: (B,) -> (B * n,), to judge n states of one sequence at once."""
-        return Counts(*(x[:, None].expand(-1, n).reshape(-1) for x in (self.total, self.heavy, self.recent,
-                                                                         self.length)))
+        return self.map(lambda x: x[:, None].expand(-1, n).reshape(-1))
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class KernelForm:
     decay: float = 0.0
 
 
+COMPRESS = ("decode", "prefill")  # Policy.compress
 RULE = ("priority", "restrict", "score", "accumulate")  # the methods whose answers are the policy's decisions
 
 
@@ -132,6 +139,9 @@ class Policy:
     # newer tokens only. Else the simulated path runs the row loop on sliding layers (docs/attention.md)
     window_closed_form: ClassVar[bool] = False
     quant = None  # the KV quantizer the policy's cache stores with (h2o.core.quant; set by the run's `quant`)
+    # when an evicting policy compresses: "decode" (the budget kept at every step as the sequence grows) or
+    # "prefill" (kvpress's protocol: cut once to the budget at the end of the prompt, every later token kept)
+    compress: str = "decode"
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):
@@ -164,6 +174,16 @@ class Policy:
             raise PolicyError("heavy = recent = 0: the budget must be > 0")
         self.heavy, self.recent = heavy, recent
         self.budget = heavy + recent
+
+    def timed(self, compress: str) -> "Policy":
+        """This policy with the compression timing ``compress`` (:data:`COMPRESS`); returns it."""
+        if compress not in COMPRESS:
+            raise PolicyError(f"compress={compress!r}: allowed: {', '.join(COMPRESS)}")
+        if compress != "decode" and not self.evicts:
+            raise PolicyError(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
+                              f"allowed: decode")
+        self.compress = compress
+        return self
 
     # ----------------------------------------------------------------- budget
     def counts(self, length: torch.Tensor) -> Counts:
