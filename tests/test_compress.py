@@ -30,7 +30,8 @@ def both_paths(model, policy, ids):
 @pytest.mark.parametrize("name", ["h2o", "local", "strided_h2", "fixed"])
 def test_compressed_once_at_the_prompts_end_in_both_paths(model, name):
     ids = torch.randint(0, 128, (1, L), generator=torch.Generator().manual_seed(8))
-    once = make_policy(name, budget=0.3).timed("prefill")
+    once = make_policy(name, budget=0.3, compress="prefill")
+    assert once.describe()["compress"] == "prefill" and "compress" not in make_policy(name).describe()
     sim, real, cache = both_paths(model, once, ids)
     torch.testing.assert_close(real, sim, rtol=0, atol=1e-4)
     total = int(once.counts(torch.tensor([P])).total)
@@ -43,6 +44,6 @@ def test_compressed_once_at_the_prompts_end_in_both_paths(model, name):
 
 def test_bad_timing_fails_in_one_line():
     with pytest.raises(PolicyError, match="compress='later': allowed: decode, prefill"):
-        make_policy("h2o").timed("later")
+        make_policy("h2o", compress="later")
     with pytest.raises(PolicyError, match="topk keeps the whole cache"):
         make_policy("topk", budget=0.2).timed("prefill")

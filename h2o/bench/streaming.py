@@ -181,7 +181,7 @@ class Streamer:
                 if inside:
                     held = self.cache.next_position()
                 else:
-                    held = int((self.cache.layers[0].pos[0, 0] >= 0).sum())
+                    held = int(self.cache.held_tokens(0)[0, 0])
                     self.max_pos = s + q - 1
                 if self.ctx and s + q > self.ctx:
                     past = nll[:, max(0, self.ctx - s - 1):]  # predicted tokens whose position is >= ctx

@@ -150,7 +150,7 @@ def fork_cache(model, v: Variant, new_cache, snap: EvictingCache, logits1, batch
     an evicting cache forks it (:meth:`EvictingCache.fork`: the cut per sequence, then the kept slots repeated);
     transformers' layers take the prompt's keys and values through their own ``update``."""
     rep = lambda t, n: t.repeat(n, *([1] * (t.dim() - 1)))  # noqa: E731 (a copy: its own storage)
-    T = int(snap.layers[0].n_tok[0])
+    T = snap.get_seq_length()  # one unpadded prompt: its tokens
     cache = new_cache(T)
     if v.kind == "policy":
         return cache.fork(snap, batch), rep(logits1, batch)

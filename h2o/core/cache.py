@@ -355,10 +355,13 @@ class EvictingCache(CacheBatchHooks, Cache):
         """Positions inside the cache (``rerotate``): the tokens every layer holds, the next token's number."""
         return held_alike([layer.rerotation for layer in self.layers])
 
-    def held_tokens(self) -> torch.Tensor:
-        """(L, B, Hkv) int64 tokens each layer holds per sequence and KV head (slots with ``pos >= 0``); beside
-        :meth:`nbytes` (the slots stored, empty ones included) it shows what padding to the largest costs."""
-        return torch.stack([(layer.pos >= 0).sum(-1) for layer in self.layers])
+    def held_tokens(self, layer: int | None = None) -> torch.Tensor:
+        """(L, B, Hkv) int64 tokens each layer holds per sequence and KV head (slots with ``pos >= 0``; ``layer``:
+        that layer's (B, Hkv) alone); beside :meth:`nbytes` (the slots stored, empty ones included) it shows what
+        padding to the largest costs."""
+        if layer is not None:
+            return (self.layers[layer].pos >= 0).sum(-1)
+        return torch.stack([(one.pos >= 0).sum(-1) for one in self.layers])
 
     def nbytes(self) -> int:
         """Bytes of keys and values held by all layers (quant: plus its offline constants, once)."""

@@ -259,7 +259,8 @@ class Policy:
         raise NotImplementedError(f"{type(self).__name__} is not a restricting policy")  # abstract
 
     def describe(self) -> dict:
-        return {"policy": self.name, "budget": self.budget, "heavy": self.heavy, "recent": self.recent}
+        out = {"policy": self.name, "budget": self.budget, "heavy": self.heavy, "recent": self.recent}
+        return out if self.compress == "decode" else {**out, "compress": self.compress}  # the default unnamed
 
     def __repr__(self):
         return f"{type(self).__name__}(heavy={self.heavy}, recent={self.recent})"
