@@ -21,6 +21,7 @@ doc id, length (and depth, measured needle depth, prompt tokens, question tokens
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none, stderr
@@ -87,6 +88,13 @@ class LongContextTask(TaskSpec):
         check(max_pos is None or max(self.lengths) <= max_pos,
               f"task.lengths={self.lengths}: beyond model {model.name}'s {max_pos} positions; allowed: <= {max_pos}")
 
+    def tokens(self) -> int:
+        """Prompt tokens of one run, plus the generated tokens as scored-token equivalents (the time estimates of
+        h2o.pipeline.launch): niah lengths x depths x samples; RULER lengths x limit (500 without a limit)."""
+        gen = self.max_gen_toks or (12 if self.is_niah else 128)
+        docs = len(self.depths) * self.samples if self.is_niah else (self.limit or 500)
+        return docs * sum(n + gen for n in self.lengths)
+
     def add_bos(self, tokenizer) -> bool:
         return adds_bos(tokenizer, self.add_bos_token)
 
@@ -101,6 +109,7 @@ class LongContextTask(TaskSpec):
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        cpu0 = time.process_time()
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
@@ -129,6 +138,7 @@ class LongContextTask(TaskSpec):
         info = {"cells": cells(samples, self.is_niah), "lm_eval_task": self.lm_eval_task, **haystack,
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
+                "cpu_s": round(time.process_time() - cpu0, 1),  # this process's CPU time in the task, all threads
                 **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
         return Result(metrics, samples, info)
 
