@@ -54,6 +54,7 @@ class LongContextTask(TaskSpec):
     shots: int = 0  # no in-context examples (the run folder's shots<k> component)
     batch_size: BatchSize = 1
     add_bos_token: bool | None = False
+    clip_to_model: bool = False  # true: lengths beyond the model's positions are dropped (the record has those run)
 
     kind = "retrieval"
     semantics = ("real",)
@@ -84,7 +85,13 @@ class LongContextTask(TaskSpec):
         return self.lm_eval_task == NIAH
 
     def check_model(self, model) -> None:
+        """Lengths within the model's positions (read from its config.json; unknown, e.g. a hub checkpoint not
+        cached yet: not checked here). ``clip_to_model`` keeps those that fit, so one grid serves every model."""
         max_pos = model.max_positions()
+        if self.clip_to_model and max_pos is not None:
+            fit = [n for n in self.lengths if n <= max_pos]
+            check(bool(fit), f"task.lengths={self.lengths}: none fits model {model.name}'s {max_pos} positions")
+            self.lengths = fit
         check(max_pos is None or max(self.lengths) <= max_pos,
               f"task.lengths={self.lengths}: beyond model {model.name}'s {max_pos} positions; allowed: <= {max_pos}")
 
