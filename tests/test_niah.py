@@ -144,3 +144,12 @@ def test_ruler_task_runs_through_the_evicting_cache_offline(tmp_path):
     rec = json.loads(next((tmp_path / "runs").rglob("metrics.json")).read_text())
     assert rec["haystack"] == "austen" and rec["n_samples"] == 2 and rec["cells"][0]["length"] == 1024
     assert 0 <= rec["metrics"]["acc"] <= 1 and rec["kept_ratio"] == 1.0
+
+
+def test_lm_eval_cli_refuses_an_unknown_ruler_haystack_in_one_line(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "H2O_RULER_HAYSTACK": "pg19"}
+    out = subprocess.run([sys.executable, "-m", "h2o.tasks.lm_eval_cli", "--model", "h2o", "--model_args",
+                          "pretrained=tiny:llama", "--tasks", "niah_single_2"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "haystack='pg19'" in out.stderr and "austen, moby_dick, essays" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

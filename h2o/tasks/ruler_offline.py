@@ -57,7 +57,9 @@ def use_haystack(haystack: str = "austen") -> dict:
     """Install the hook (idempotent; a second call may switch the book) -> what the record states:
     ``{"haystack": <name>, "sentences": "punkt_tab" | "punkt_untrained"}``."""
     if haystack not in HAYSTACKS:
-        raise ValueError(f"haystack={haystack!r}: allowed: {', '.join(HAYSTACKS)}")
+        from h2o.core.validate import ConfigError
+
+        raise ConfigError(f"haystack={haystack!r} (task.text or ${ENV}): allowed: {', '.join(HAYSTACKS)}")
     with no_nltk_download():
         from lm_eval.tasks.ruler import niah_utils, prepare_niah
     if "upstream" not in _state:
