@@ -16,9 +16,10 @@ first run of digits of the generation is the number.
 Lengths are prompt tokens of the model's tokenizer: the haystack is the book's tokens from a sentence start, as
 many as bring the prompt to ``length`` (the needle and the words around it can merge at the seams: the measured
 ``prompt_tokens`` is in each doc). Depth is where the needle starts, as a fraction of the haystack's tokens, moved
-to the nearest sentence end (the measured depth is recorded). The haystack of sample ``i`` at length ``L`` is the same at every depth (only the
-needle moves); keys and numbers are drawn per sample with ``random.Random(f"{seed}/{L}/{depth}/{i}")``, the
-haystack's start with ``random.Random(f"{seed}/{L}/{i}")``: the dataset is a pure function of its arguments.
+to the nearest sentence end (the measured depth is recorded). The haystack of sample ``i`` at length ``L`` is the
+same at every depth (only the needle moves; its last tokens vary with the needle's length); keys and numbers are
+drawn per sample with ``random.Random(f"{seed}/{L}/{depth}/{i}")``, the haystack's start with
+``random.Random(f"{seed}/{L}/{i}")``: the data set is a pure function of its arguments.
 
 lm-eval passes the task's ``metadata`` as keyword arguments (TaskManager(metadata=...), ``--metadata`` on the
 CLI): ``tokenizer`` (a path; or ``pretrained``, as RULER's tasks take it), ``lengths``, ``depths``, ``samples``
