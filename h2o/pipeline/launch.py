@@ -121,6 +121,8 @@ def run_minutes(plan: Plan, cluster: DictConfig) -> float:
     task = plan.task
     if task.kind == "perplexity":
         mtok = task.n_windows * task.window / 1e6
+    elif task.kind == "retrieval":  # long-context prompts, sized by their own grid (h2o.tasks.long_context)
+        mtok = task.tokens() / 1e6
     else:
         size = cluster.task_size.get(task.name) or cluster.default_task_size
         mtok = float(size.mtok)

@@ -9,7 +9,8 @@ lm-eval 0.4.13 fills its model registry only by importing modules (no entry-poin
 arguments (pretrained, policy and its options, semantics, scoring, quant and its ``quant_*`` options, checked
 against the head size and rotary embeddings in the model's config), ``--batch_size``, ``--include_path`` and
 ``--output_path`` are checked first (h2o.core.validate): a bad one is one line and exit status 2, before any
-model loads.
+model loads. A RULER task (``--tasks niah_single_2``, ``ruler``, ...) gets its essay haystack from the project's
+books through h2o.tasks.ruler_offline (``H2O_RULER_HAYSTACK=austen | moby_dick | essays``, default austen).
 """
 from __future__ import annotations
 
@@ -62,10 +63,23 @@ def main() -> int:
     args = parser.parse_args()
     try:
         validate(args)
+        if uses_ruler(getattr(args, "tasks", None)):  # RULER's essay haystack: a book, offline ($H2O_RULER_HAYSTACK)
+            from h2o.tasks.ruler_offline import from_env
+
+            from_env()
     except BadInput as exc:
         return fail(exc)
     parser.execute(args)
     return 0
+
+
+def uses_ruler(tasks) -> bool:
+    """Whether lm-eval's ``--tasks`` (a comma-separated text or a list) name a RULER task or group."""
+    from h2o.tasks.long_context import ruler_folder
+    from h2o.tasks.multiple_choice import yaml_task_names
+
+    names = tasks.split(",") if isinstance(tasks, str) else list(tasks or [])
+    return bool({n.strip() for n in names} & {*yaml_task_names(ruler_folder()), "ruler"})
 
 
 if __name__ == "__main__":
