@@ -38,6 +38,7 @@ class ModelSpec:
     dtype: str = "auto"
     device_map: Any = None
     resources: dict | None = None  # per Slurm array task: gpus, mem_gb, cpus, load_min, s_per_mtok (RESOURCES)
+    params: int | None = None  # parameter count: the weights' size before loading (h2o.assets.resources)
 
     def __post_init__(self):
         if not self.name or not self.pretrained:
@@ -47,6 +48,13 @@ class ModelSpec:
         check_pretrained(self.pretrained)
         check_device(self.device_map)
         check_resources(self.resources)
+        check(self.params is None or (isinstance(self.params, int) and not isinstance(self.params, bool)
+                                      and self.params > 0), f"model.params={self.params!r}: expected the parameter "
+                                                            f"count (an int > 0) or null (unknown: no size check)")
+        gpus = (self.resources or {}).get("gpus")
+        check(not (on_cpu(self.device_map) and gpus), f"model.device_map={self.device_map!r} with model.resources."
+                                                      f"gpus={gpus}: a CPU run of a GPU config; allowed: add "
+                                                      f"model.resources.gpus=0 (a CPU run), or device_map=auto")
 
     @property
     def wants_gpu(self) -> bool:
@@ -206,6 +214,12 @@ def check_device(device_map: Any) -> None:
             have = f"{n} CUDA device(s)" if n else "no CUDA device"
             raise ConfigError(f"model.device_map={device_map!r}: this machine has {have}; allowed: null, cpu, auto"
                               + (f", cuda:0-{n - 1}" if n else ""))
+
+
+def on_cpu(device_map: Any) -> bool:
+    """Whether ``device_map`` names the CPU (``cpu``, or a dict of cpu/disk only)."""
+    values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    return bool(values) and all(v in ("cpu", "disk") for v in values)
 
 
 def release() -> None:

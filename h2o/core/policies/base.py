@@ -86,6 +86,7 @@ class Policy:
     # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop)
     position_only: ClassVar[bool] = False
     quant = None  # the KV quantizer the policy's cache stores with (h2o.core.quant; set by the run's `quant`)
+    splits: ClassVar[bool] = True  # the rule reads the heavy and recent parts apart (False: only their sum)
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):
@@ -125,6 +126,35 @@ class Policy:
         heavy, recent = to_count(self.heavy, length), to_count(self.recent, length)
         total = torch.clamp(heavy + recent, min=1)
         return Counts(total=total, heavy=heavy, recent=total - heavy, length=length)
+
+    def needs(self) -> list[tuple[str, BudgetPart, int]]:
+        """(name, part, tokens) for each budget part the rule reads and the tokens it needs from it: each part
+        that is not 0 needs one token; a policy that reads only the whole budget needs it to hold one."""
+        if not self.splits:
+            return [("budget", self.budget, 1)]
+        return [(name, part, 1) for name, part in (("heavy", self.heavy), ("recent", self.recent)) if part]
+
+    def short(self, length: torch.Tensor) -> torch.Tensor:
+        """(B,) bool: the reference lengths (B,) at which a ratio part rounds below what it needs (:meth:`needs`),
+        so :meth:`counts` raises it (the cache keeps less than the rule asks: the query alone, no heavy hitter,
+        fewer sinks). Runs count these requests (metrics.json ``clamped_requests``); host tensors, no device read."""
+        out = torch.zeros(length.shape, dtype=torch.bool)
+        for _, part, need in self.needs():
+            if isinstance(part, float):
+                out |= to_count(part, length.cpu()) < need
+        return out
+
+    def check_reach(self, longest: int, where: str) -> None:
+        """PolicyError when a ratio part gives less than it needs even at ``longest`` tokens (the model's longest
+        context, named by ``where``): every request would be clamped (:meth:`short`)."""
+        for name, part, need in self.needs():
+            if isinstance(part, float) and int(to_count(part, torch.tensor([longest]))[0]) < need:
+                scale = part / self.budget if isinstance(self.budget, float) and self.budget > 0 else 1.0
+                least = need / (longest * scale)
+                of = "" if name == "budget" else f" (its {name} part {part:.3g})"
+                raise PolicyError(f"budget={self.budget:g}{of}: {part:.3g} x {longest} positions ({where}) = "
+                                  f"{part * longest:.3g} tokens, under the {need} the {self.name} rule needs; "
+                                  f"allowed: a ratio >= {float(f'{least * 1.0005:.3g}'):g} or a token count")
 
     @property
     def is_full(self) -> bool:

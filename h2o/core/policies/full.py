@@ -10,6 +10,9 @@ class Full(Policy):
     def __init__(self, budget=1.0, heavy=None, recent=None, heavy_share=0.5):
         super().__init__(budget=1.0)
 
+    def needs(self):
+        return []
+
     @property
     def is_full(self) -> bool:
         return True

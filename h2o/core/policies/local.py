@@ -7,6 +7,7 @@ class Local(Policy):
 
     name = "local"
     position_only = True
+    splits = False
 
     def priority(self, pos, acc, now, counts: Counts):
         return pos.double()  # (B, H, S)
