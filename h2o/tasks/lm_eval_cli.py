@@ -24,13 +24,15 @@ def validate(args) -> None:
 
     from h2o.assets.model_spec import check_pretrained
     from h2o.core.policies import make_policy
-    from h2o.core.validate import check, output_dir
+    from h2o.core.validate import abbrev, check, output_dir, path_error
     from h2o.assets.model_spec import ModelSpec
     from h2o.tasks.batching import check_batch_size, from_text
     from h2o.tasks.lm_eval_model import QUANT_PREFIX, SCORING, SEMANTICS, make_lm_quant
 
     if getattr(args, "include_path", None):
-        check(Path(args.include_path).is_dir(), f"--include_path={args.include_path!r}: no such folder")
+        why = path_error(args.include_path)
+        check(why is None and Path(args.include_path).is_dir(),
+              f"--include_path={abbrev(args.include_path)}: {why or 'no such folder'}; expected a folder of task YAMLs")
     if getattr(args, "output_path", None):
         output_dir("--output_path", Path(args.output_path).parent)
     if getattr(args, "model", None) != "h2o":
