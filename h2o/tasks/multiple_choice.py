@@ -140,6 +140,7 @@ class LmEvalTask(TaskSpec):
         samples = [sample_row(s, lm.n_cont_tokens) for s in out["samples"][self.lm_eval_task]]
         metrics.update(mean_accuracy(samples))
         info = {"mean_seq_len": round(lm.stats["tokens"] / max(lm.stats["rows"], 1), 1),
+                "clamped_requests": lm.stats["clamped"],
                 "headline": HEADLINE[self.scoring], "lm_eval_task": self.lm_eval_task,
                 **record(self.batch_size, lm.sizings if isinstance(self.batch_size, str) else
                          [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o.tasks.base import Result, TaskSpec, check, positive_or_none, stderr
+from h2o.tasks.base import Result, TaskSpec, check, clamped, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, choose, record
 
 TEXTS = ("austen", "moby_dick")
@@ -117,4 +117,5 @@ class PerplexityTask(TaskSpec):
         metrics = {"ppl": math.exp(nll), "nll_per_token": nll, "nll_per_token_stderr": se,
                    "ppl_ci95_low": math.exp(nll - 1.96 * se), "ppl_ci95_high": math.exp(nll + 1.96 * se)}
         return Result(metrics, samples, {"window": self.window, "tokens_scored": count,
+                                         "clamped_requests": clamped(policy, [self.window] * len(samples)),
                                          **record(self.batch_size, [sizing])})
