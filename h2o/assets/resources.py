@@ -29,9 +29,9 @@ def dtype_bytes(dtype: str, cuda: bool) -> tuple[int, str]:
 
 
 def weights(spec, cuda: bool) -> tuple[float, str]:
-    """(bytes, "65.7e9 params x 2 bytes (fp16)") of the model's weights on the device the run uses."""
+    """(bytes, "65.7e9 params x 2 bytes, fp16") of the model's weights on the device the run uses."""
     size, name = dtype_bytes(spec.dtype, cuda)
-    return spec.params * size, f"{spec.params / 1e9:.3g}e9 params x {size} bytes ({name})"
+    return spec.params * size, f"{spec.params / 1e9:.3g}e9 params x {size} bytes, {name}"
 
 
 def host_memory() -> int:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.core.validate import BadInput, ConfigError, fail, output_dir
+from h2o.core.validate import BadInput, ConfigError, abbrev, fail, output_dir
 from h2o.pipeline.plan import Plan, prepare
 from h2o.pipeline.records import CONF, finished, runs_root
 
@@ -175,7 +175,7 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
                 try:
                     plans.append(prepare(compose(job)))
                 except BAD_INPUT as exc:
-                    raise type(exc)(f"{exc}  [job: {' '.join(job)}]") from None
+                    raise type(exc)(f"{exc}  [job: {' '.join(abbrev(a, 80, quote=False) for a in job)}]") from None
         except BAD_INPUT:
             raise
         except (HydraException, OmegaConfBaseException, ValueError, TypeError) as exc:  # range(0,1,0): ValueError

@@ -153,7 +153,7 @@ class Policy:
                 least = need / (longest * scale)
                 of = "" if name == "budget" else f" (its {name} part {part:.3g})"
                 raise PolicyError(f"budget={self.budget:g}{of}: {part:.3g} x {longest} positions ({where}) = "
-                                  f"{part * longest:.3g} tokens, under the {need} the {self.name} rule needs; "
+                                  f"{part * longest:.3g} tokens; {self.name} needs at least {need} there; "
                                   f"allowed: a ratio >= {float(f'{least * 1.0005:.3g}'):g} or a token count")
 
     @property
