@@ -137,7 +137,7 @@ def prepare(cfg: DictConfig) -> Plan:
     except OmegaConfBaseException as exc:  # e.g. an interpolation to a removed key
         raise ConfigError(" ".join(str(exc).split()[:40])) from None
     policy = build("policy", cfg.policy)
-    check_unused(policy, cfg.policy)
+    policy.check_unused(cfg.policy)
     task = build("task", cfg.task)
     model = build("model", cfg.model)
     longest = model.max_positions()
@@ -156,22 +156,6 @@ def prepare(cfg: DictConfig) -> Plan:
     check_writable(path, cfg.runs_dir)
     check_reusable(path, identity(cfg, policy, semantics))
     return Plan(cfg, model, task, policy, semantics, path)
-
-
-def check_unused(policy: Policy, node: DictConfig) -> None:
-    """ConfigError for a policy option the rule does not read: the run would be the same computation as one
-    without it, under a second run folder."""
-    import inspect
-
-    given = [k for k in ("heavy", "recent") if not policy.splits and node.get(k) is not None]
-    check(not given, f"{', '.join(f'policy.{k}={node[k]}' for k in given)}: {policy.name} reads only the whole "
-                     f"budget, no heavy/recent split; allowed: policy.budget={policy.budget:g} (their sum) with "
-                     f"heavy and recent null")
-    default = inspect.signature(type(policy).__init__).parameters.get("decay")
-    score = node.get("score")
-    if default is not None and score not in (None, "decay") and node.get("decay", default.default) != default.default:
-        raise ConfigError(f"policy.decay={node.decay}: read only with policy.score=decay (here score={score}); "
-                          f"allowed: policy.score=decay, or decay left at {default.default}")
 
 
 def build_quant(cfg: DictConfig, model: ModelSpec):

@@ -39,13 +39,17 @@ def validate(args) -> None:
         return
     options = dict(args.model_args or {}) if isinstance(args.model_args or {}, dict) else {}
     check_pretrained(options.get("pretrained", "smollm2-135m"), "--model_args pretrained")
-    make_policy(options.get("policy", "full"), **{k: options[k] for k in POLICY_KEYS if k in options})
+    policy = make_policy(options.get("policy", "full"), **{k: options[k] for k in POLICY_KEYS if k in options})
+    policy.check_unused(options, "--model_args ")
+    pretrained = str(options.get("pretrained", "smollm2-135m"))
+    longest = ModelSpec(pretrained, pretrained).max_positions()
+    if longest:
+        policy.check_reach(longest, "the model's longest context")
     check(options.get("semantics", "simulated") in SEMANTICS,
           f"--model_args semantics={options.get('semantics')!r}: allowed: {', '.join(SEMANTICS)}")
     check(options.get("scoring", "sum") in SCORING,
           f"--model_args scoring={options.get('scoring')!r}: allowed: {', '.join(SCORING)}")
     check_batch_size(from_text(getattr(args, "batch_size", 1)), "--batch_size", schedule=True)
-    pretrained = options.get("pretrained", "smollm2-135m")
     quant = make_lm_quant(options.get("quant", "none"), {k: v for k, v in options.items()
                                                          if k.startswith(QUANT_PREFIX)}, pretrained)
     if quant is not None:

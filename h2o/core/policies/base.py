@@ -156,6 +156,22 @@ class Policy:
                                   f"{part * longest:.3g} tokens; {self.name} needs at least {need} there; "
                                   f"allowed: a ratio >= {float(f'{least * 1.0005:.3g}'):g} or a token count")
 
+    def check_unused(self, options, prefix: str = "policy.") -> None:
+        """PolicyError for an option (a mapping as given) the rule does not read: the same computation as without
+        it, which a run would record in a second folder. The API takes them (tests pass ``decay`` to every score)."""
+        import inspect
+
+        given = [k for k in ("heavy", "recent") if not self.splits and options.get(k) is not None]
+        if given:
+            raise PolicyError(f"{', '.join(f'{prefix}{k}={options[k]}' for k in given)}: {self.name} reads only the "
+                              f"whole budget, no heavy/recent split; allowed: {prefix}budget={self.budget:g} (their "
+                              f"sum) with heavy and recent null")
+        default = inspect.signature(type(self).__init__).parameters.get("decay")
+        score = options.get("score", "sum")
+        if default is not None and score != "decay" and options.get("decay", default.default) != default.default:
+            raise PolicyError(f"{prefix}decay={options['decay']}: read only with {prefix}score=decay (here score="
+                              f"{score}); allowed: {prefix}score=decay, or decay left at {default.default}")
+
     @property
     def is_full(self) -> bool:
         """True when the policy never drops anything (full cache, or a 100% ratio budget)."""
