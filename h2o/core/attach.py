@@ -22,6 +22,7 @@ import torch
 
 from . import attention
 from .cache import EvictingCache
+from .model_settings import refuse_unsupported
 from .policies import Policy, PolicyError
 from .quant import Quantizer
 
@@ -43,7 +44,8 @@ class Attached:
     quant: Quantizer | None = None  # KV quantization (h2o.core.quant), bound to the model
     peaks: list = field(default_factory=list, repr=False)  # (layer, max |output|) of this forward, device scalars
     worst: torch.Tensor | None = field(default=None, repr=False)  # their running maximum: NaN/inf = a layer was bad
-    memo: tuple = field(default=(), repr=False)  # (attention mask, valid, forward plan) of the current forward
+    # per sliding window (None: global layers): (attention mask, valid, forward plan) of the current forward
+    memo: dict = field(default_factory=dict, repr=False)
 
     def new_cache(self, ref_len: int | None = None) -> EvictingCache:
         """A fresh evicting cache for one generation (real mode). Budget ratios are taken of the prompt's
@@ -53,15 +55,17 @@ class Attached:
         self.cache = EvictingCache(self.policy, self.num_layers, ref_len, self.quant)
         return self.cache
 
-    def per_forward(self, attention_mask, query, build: Callable):
-        """(valid (B, q) bool, ``build(valid)``), computed once per forward: transformers passes the same mask
-        tensor to every layer of a forward and builds a new one for the next forward."""
+    def per_forward(self, attention_mask, query, build: Callable, window: int | None = None):
+        """(valid (B, q) bool, ``build(valid)``), computed once per forward and sliding window: transformers
+        passes the same mask tensor to every layer of a kind (global, sliding) in a forward and builds new ones
+        for the next forward."""
         from .attention import new_valid
 
-        if attention_mask is None or not self.memo or self.memo[0] is not attention_mask:
+        memo = self.memo.get(window)
+        if attention_mask is None or memo is None or memo[0] is not attention_mask:
             valid = new_valid(attention_mask, query)
-            self.memo = (attention_mask, valid, build(valid))
-        return self.memo[1:]
+            memo = self.memo[window] = (attention_mask, valid, build(valid))
+        return memo[1:]
 
     def observe(self, module, probs):
         if self.observer is not None:
@@ -160,6 +164,7 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     if model.config._attn_implementation == attention.NAME or any(hasattr(m, "h2o") for m in modules):
         raise PolicyError(f"{type(model).__name__} is attached already: attach() does not nest; leave the outer "
                           f"`with attach(...)` first")
+    refuse_unsupported(model, modules, semantics)
     quant = quant if quant is not None else policy.quant
     state = Attached(policy, mode, semantics, prompt_len, num_layers=len(modules),
                      quant=quant.bind(model) if quant is not None else None)

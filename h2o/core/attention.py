@@ -32,48 +32,65 @@ def h2o_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
+                  softcap=None, s_aux=None, **kwargs):
+    """The settings transformers passes per layer: ``scaling``; ``sliding_window`` (the layer's window, None on a
+    global layer: a token leaves the layer once out of it, before the policy decides, docs/attention.md);
+    ``softcap`` (Gemma-2: ``tanh(x / c) * c`` on the logits). Learned sink logits (``s_aux``, GPT-OSS) and
+    dropout are refused (``attach`` refuses them before anything runs; this is the guard of last resort)."""
     state = getattr(module, "h2o", None)
     if state is None:
         raise RuntimeError("attn_implementation='h2o' needs the model attached: use h2o.core.attach(model, policy)")
+    if s_aux is not None or dropout:
+        setting = "learned sink logits (s_aux)" if s_aux is not None else f"dropout={dropout}"
+        raise PolicyError(f"{type(module).__name__}: {setting} not supported by the h2o attention; allowed: "
+                          f"models without learned sinks, in eval mode")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    window = sliding_window or None
     if state.mode == "simulated":
         if key.shape[-2] != query.shape[-2]:
             raise RuntimeError("simulated mode scores whole sequences in one pass; for generation use mode='real'")
         q = query.shape[-2]
         if state.prompt_len > q:
             raise PolicyError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
-        valid, plan = state.per_forward(attention_mask, query, lambda v: forward_plan(state.policy, v,
-                                                                                      state.prompt_len,
-                                                                                      state.semantics))
+        if window is not None and state.semantics == "reference":
+            raise PolicyError(f"semantics=reference: the paper code's rule has no sliding window; layer "
+                              f"{module.layer_idx} of {type(module).__name__} slides ({window}); allowed: semantics=h2o")
+        window = window if window is not None and window < q else None  # a window past the sequence drops nothing
+        valid, plan = state.per_forward(attention_mask, query, lambda v: forward_plan(
+            state.policy, v, state.prompt_len, state.semantics, window), window)
         if state.quant is not None:  # attend to the values a quantized cache would hold
             key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
-                                         prompt_len=state.prompt_len, semantics=state.semantics, plan=plan)
+                                         prompt_len=state.prompt_len, semantics=state.semantics, plan=plan,
+                                         window=window, softcap=softcap)
         state.flag(module.layer_idx, out)
         state.observe(module, probs)
         return out, probs
-    return real_attention(state, module, query, key, value, attention_mask, scaling)
+    return real_attention(state, module, query, key, value, attention_mask, scaling, window, softcap)
 
 
 def new_valid(attention_mask, query) -> torch.Tensor:
-    """(B, q) bool: the non-pad new columns (the last row of the mask sees every non-pad new column)."""
+    """(B, q) bool: the non-pad new columns. Read on the mask's diagonal over the new columns (a token sees
+    itself, a pad never; the last row would miss the columns a sliding-window mask hides from it)."""
     B, _, q, _ = query.shape
     if attention_mask is None:
         return torch.ones(B, q, dtype=torch.bool, device=query.device)
-    return attention_mask[:, 0, -1, -q:].bool()
+    return attention_mask[:, 0, -q:, -q:].diagonal(dim1=-2, dim2=-1).bool()
 
 
 ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S) fp32 scores
 
 
-def real_attention(state, module, query, key, value, attention_mask, scaling):
-    """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D)."""
+def real_attention(state, module, query, key, value, attention_mask, scaling, window=None, softcap=None):
+    """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D). ``window``: the layer's sliding
+    window, kept by the layer (its decoding steps drop what leaves it, :meth:`EvictingLayer.slide_in`)."""
     if state.cache is None:
         raise PolicyError("mode='real' needs a cache: pass cache=h.new_cache() to the model")
     layer = state.cache.layers[module.layer_idx]
     if not layer.serves(key):
         raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")
+    layer.window = window  # known from the first forward (a prefill or first token: appended, nothing to drop)
     policy = state.policy
     B, Hq, q, D = query.shape
     valid = new_valid(attention_mask, query) if layer.n_new or q > 1 else None  # (B, q); decoding: all valid
@@ -82,16 +99,19 @@ def real_attention(state, module, query, key, value, attention_mask, scaling):
     if layer.fresh is not None:  # quant.sink, the first forward: its first real token kept as computed
         key, value = layer.capture_sink(key, value, valid)
     S = key.shape[-2]
-    every = all(h == S for h in layer.host_held)  # every slot holds a token (no empty or pad slot)
+    every = window is None and all(h == S for h in layer.host_held)  # every slot holds a token (no empty or pad slot)
     held = None if every and q == 1 else (layer.pos >= 0).view(B, -1, 1, 1, S)  # (B, Hkv, 1, 1, S)
     qg = grouped(query, key.shape[1])  # (B, Hkv, G, q, D)
     outs = []
     for r in range(0, q, ROWS):
-        logits = scores(qg if q <= ROWS else qg[..., r:r + ROWS, :], key, scaling)  # (B, Hkv, G, r, S)
+        logits = scores(qg if q <= ROWS else qg[..., r:r + ROWS, :], key, scaling, softcap)  # (B, Hkv, G, r, S)
         if q > 1:  # prefill (chunk): each new row sees the cache and the new columns up to itself
             stop = r + ROWS - q
             row_pos = layer.pos[:, :, None, -q + r:(stop if stop < 0 else None), None]  # (B, Hkv, 1, r, 1)
-            allowed = held & (layer.pos[:, :, None, None, :] <= row_pos)
+            key_pos = layer.pos[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
+            allowed = held & (key_pos <= row_pos)
+            if window is not None:
+                allowed &= key_pos > row_pos - window
         elif not policy.evicts and not policy.is_full:
             allowed = layer.decoding().restrict(logits, layer.acc.view(B, -1, 1, 1, S), held)
         else:
@@ -103,7 +123,7 @@ def real_attention(state, module, query, key, value, attention_mask, scaling):
         elif policy.needs_scores:  # a decoding token is never a pad
             policy.accumulate(layer.acc, probs)
         outs.append(grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value))
-    if q > 1 and policy.evicts and not policy.is_full:
+    if q > 1 and (policy.evicts and not policy.is_full or window is not None):
         layer.cut()
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).view(B, Hq, q, D).transpose(1, 2)
     state.flag(module.layer_idx, out)  # NaN/inf guard: no host sync here; Attached.check_logits reads it per step

@@ -14,6 +14,13 @@ Per-layer state (S = slots, ``budget`` once full; the largest budget of the batc
 Host copies of the counts (tokens seen, slots held, budget per sequence) decide where a decoding token goes, so a
 decoding step makes no host sync (a prefill makes one per layer, to count its tokens). A decoding token is a real
 token (never a pad), as in ``generate``.
+
+Sliding-window layers (``window``, set by the attention function from what the model passes): a token leaves the
+layer once it is out of the window of the arriving token (positions ``<= now - window``), before the policy
+decides; its slot is then empty and taken by the next token. The policy's budget applies to the tokens inside the
+window, so the layer holds at most ``min(budget, window)`` tokens and never more than ``window`` slots. What the
+window frees differs between KV heads, so such a layer decides on the device (:meth:`EvictingLayer.slide_in`);
+the host keeps an upper bound of the slots held, enough to know when a slot must be added.
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .policies import Counts, Policy, keep_top, select_slot
+from .policies.base import Decoder, bcast
 from .simulate import serial
 
 
@@ -48,6 +56,7 @@ class EvictingLayer(DynamicLayer):
         self.seen = 0  # columns seen, pads included
         self.n_new = 0  # columns appended by the last update (0 for a decoding step)
         self.zero: torch.Tensor | None = None  # (B, Hkv, 1) fp32 zeros: the score of a new slot at a decoding step
+        self.window: int | None = None  # the layer's sliding window (None: a global layer)
 
     # ----------------------------------------------------------------- transformers API
     def update(self, key_states, value_states, *args, **kwargs):
@@ -61,7 +70,9 @@ class EvictingLayer(DynamicLayer):
         if self.keys is None or q > 1:
             self.append(key_states, value_states)
         else:  # a decoding step: one real token in
-            if not self.policy.evicts or self.policy.is_full:
+            if self.window is not None:
+                self.slide_in(key_states, value_states)
+            elif not self.policy.evicts or self.policy.is_full:
                 self.grow(key_states, value_states)
             else:
                 self.decode_in_place(key_states, value_states)
@@ -132,23 +143,61 @@ class EvictingLayer(DynamicLayer):
                 prio = self.decoding().priority(self.pos, self.acc, self.n_tok, self.host_tok, self.host_held, room)
                 slot = select_slot(prio, self.pos, None if every else self.pos >= 0, self.room)  # (B, H, 1)
                 self.decoder.placed(slot)
-            slot4 = slot.view(*slot.shape, 1)
-            idx = slot4.expand(key_states.shape)  # (B, H, 1, D or row bytes)
-            self.keys.scatter_(-2, idx, key_states)
-            if value_states.shape != key_states.shape:  # quantized rows of keys and values can differ in width
-                idx = slot4.expand(value_states.shape)
-            self.values.scatter_(-2, idx, value_states)
-            if len(set(self.host_tok)) == 1:  # one position for the whole batch: a scalar, no index tensor
-                self.pos.scatter_(-1, slot, self.host_tok[0])
-            else:
-                self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand(slot.shape))
-            self.acc.scatter_(-1, slot, 0.0)
+            self.place(slot, key_states, value_states)
             self.host_held = [h + r for h, r in zip(self.host_held, room)]
 
+    def place(self, slot, key_states, value_states):
+        """The arriving token (keys/values (B, H, 1, D or row bytes)) into ``slot`` (B, H, 1), a fresh score."""
+        slot4 = slot.view(*slot.shape, 1)
+        idx = slot4.expand(key_states.shape)  # (B, H, 1, D or row bytes)
+        self.keys.scatter_(-2, idx, key_states)
+        if value_states.shape != key_states.shape:  # quantized rows of keys and values can differ in width
+            idx = slot4.expand(value_states.shape)
+        self.values.scatter_(-2, idx, value_states)
+        if len(set(self.host_tok)) == 1:  # one position for the whole batch: a scalar, no index tensor
+            self.pos.scatter_(-1, slot, self.host_tok[0])
+        else:
+            self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand(slot.shape))
+        self.acc.scatter_(-1, slot, 0.0)
+
+    def limited(self) -> bool:
+        """Whether the budget can drop a token (an evicting policy below 100%)."""
+        return self.policy.evicts and not self.policy.is_full
+
+    def expire(self, now: torch.Tensor) -> None:
+        """Sliding window: the slots of tokens out of the window of position ``now`` (B,) become empty."""
+        self.pos.masked_fill_(self.pos <= bcast(now - self.window), -1)
+
+    def slide_in(self, key_states, value_states):
+        """One arriving token on a sliding-window layer: what leaves the window goes first, then the policy
+        decides per KV head on what is left (an empty slot where the head is below budget, else the token of
+        lowest priority). A slot is added when some sequence may need more: ``min(tokens + 1, window, budget)``
+        (the upper bound of what it holds with the arriving token)."""
+        totals = self.host_total if self.limited() else [None] * len(self.host_tok)
+        need = max(min(n + 1, self.window, n + 1 if t is None else t) for n, t in zip(self.host_tok, totals))
+        if self.keys.shape[-2] < need:  # a new empty slot (the arriving token's rows as a placeholder)
+            self.append(key_states, value_states)
+        with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
+            self.expire(self.n_tok)
+            held = self.pos >= 0  # (B, H, S)
+            if self.limited():
+                room = held.sum(-1, keepdim=True) < bcast(self.counts.total)  # (B, H, 1)
+                prio = self.decoding().priority(self.pos, self.acc, self.n_tok, self.host_tok, self.host_held, None)
+                slot = select_slot(prio, self.pos, held, room)  # (B, H, 1)
+            else:  # keeps all it may: the first empty slot
+                slot = (~held).byte().argmax(-1, keepdim=True)
+        self.place(slot, key_states, value_states)
+        self.host_held = [min(n + 1, self.window, n + 1 if t is None else t) for n, t in zip(self.host_tok, totals)]
+
     def decoding(self):
-        """The policy's form for this layer's decoding steps (:meth:`Policy.decoder`), made once per budget."""
+        """The policy's form for this layer's decoding steps (:meth:`Policy.decoder`), made once per budget. On a
+        sliding-window layer an evicting policy's priority as it is (the stateful forms count on the host what
+        the window changes on the device)."""
         if self.decoder is None:
-            self.decoder = self.policy.decoder(self.counts, self.host_counts)
+            if self.window is not None and self.policy.evicts:
+                self.decoder = Decoder(self.policy, self.counts)
+            else:
+                self.decoder = self.policy.decoder(self.counts, self.host_counts)
         return self.decoder
 
     def grow(self, key_states, value_states):
@@ -204,11 +253,19 @@ class EvictingLayer(DynamicLayer):
         self.fix_budget()
 
     def cut(self):
-        """After a prefill (chunk): keep the budget, free the rest. Slots are in position order here."""
+        """After a prefill (chunk): keep the budget, free the rest. Slots are in position order here. A sliding
+        layer first drops what is out of the last token's window, then the budget applies to what is left."""
+        if self.window is not None:
+            self.expire(self.n_tok - 1)
         valid = self.pos >= 0
-        keep = keep_top(self.policy.priority(self.pos, self.acc, self.n_tok - 1, self.counts), valid,
-                        self.counts.total)  # (B, H, S)
-        self.host_held = [min(h, t) for h, t in zip(self.host_held, self.host_total)]
+        if self.limited():
+            keep = keep_top(self.policy.priority(self.pos, self.acc, self.n_tok - 1, self.counts), valid,
+                            self.counts.total)  # (B, H, S)
+            self.host_held = [min(h, t) for h, t in zip(self.host_held, self.host_total)]
+        else:
+            keep = valid
+        if self.window is not None:  # an upper bound: the window may have freed more on some heads
+            self.host_held = [min(h, self.window) for h in self.host_held]
         S = max(self.host_held)
         if S == keep.shape[-1]:
             return

@@ -178,10 +178,14 @@ def supports(policy: Policy) -> bool:
     return pattern_of(policy) is not False and getattr(policy, "score_kind", None) in SCORES
 
 
-def use_kernel(policy: Policy, device: torch.device) -> bool:
+def use_kernel(policy: Policy, device: torch.device, window: int | None = None) -> bool:
+    """Whether the kernel serves this policy on this device; a sliding-window layer (``window``) takes the torch
+    loop (the kernel has no window)."""
     choice = os.environ.get("H2O_ROW_KERNEL", "auto")
     if choice not in CHOICES:
         raise ValueError(f"H2O_ROW_KERNEL={choice!r}: allowed: {', '.join(CHOICES)}")
+    if window is not None:
+        return False
     if choice == "torch" or not supports(policy):
         if choice == "triton":
             raise ValueError(f"H2O_ROW_KERNEL=triton: the kernel implements h2o, h2_only, strided_h2, fixed_h2 "

@@ -17,13 +17,20 @@ import torch
 
 from . import row_kernel
 from .policies import Policy, keep_top
-from .policies.base import const
+from .policies.base import bcast, const
 from .policies.h2o import H2O, reference_mask
 
 
 def positions(valid: torch.Tensor) -> torch.Tensor:
     """(B, T) bool non-pad -> (B, T) int64 position of each token in its own sequence, -1 for pads."""
     return torch.where(valid, valid.long().cumsum(-1) - 1, -1)
+
+
+def in_window(pos: torch.Tensor, window: int) -> torch.Tensor:
+    """pos (B, T) -> (B, 1, 1, T, T) bool: key j lies in the sliding window of row i, ``pos_j > pos_i - window``
+    (transformers' convention: a row sees itself and the ``window - 1`` tokens before it). A pad row (pos -1)
+    loses nothing."""
+    return (pos[:, None, :] > pos[:, :, None] - window)[:, None, None]
 
 
 def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
@@ -71,35 +78,48 @@ def grouped_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return torch.bmm(shaped(probs, B * Hkv, G * r, S), shaped(value, B * Hkv, S, D)).view(B, Hkv, G, r, D)
 
 
-def scores(q: torch.Tensor, key: torch.Tensor, scaling: float) -> torch.Tensor:
+def scores(q: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | None = None) -> torch.Tensor:
     """q (B, Hkv, G, r, D), key (B, Hkv, S, D) -> fp32 scaled logits (B, Hkv, G, r, S).
 
     q is scaled before the product and half-precision inputs are multiplied in fp32: a raw q.k above 65504 would
-    be inf in fp16 (LLaMA and GPT-NeoX scale after the product)."""
+    be inf in fp16 (LLaMA and GPT-NeoX scale after the product). ``softcap`` (Gemma-2's attention logit
+    soft-capping): ``tanh(x / c) * c`` of the scaled logits, before any mask, as transformers does."""
     if q.dtype != torch.float32:
         q, key = q.float(), key.float()
-    return grouped_scores(q * const(scaling, torch.float32, q.device), key)
+    logits = grouped_scores(q * const(scaling, torch.float32, q.device), key)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits
 
 
-def causal_valid(valid: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool non-pad -> (B, 1, 1, T, T) bool: causal and padding."""
+def causal_valid(valid: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """(B, T) bool non-pad -> (B, 1, 1, T, T) bool: causal and padding (and the sliding ``window``, if any)."""
     idx = torch.arange(valid.shape[1], device=valid.device)
-    return (idx[None, :] <= idx[:, None]) & valid[:, None, None, None, :]
+    allowed = (idx[None, :] <= idx[:, None]) & valid[:, None, None, None, :]
+    return allowed if window is None else allowed & in_window(positions(valid), window)
 
 
-def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, semantics: str = "h2o"
-                 ) -> tuple[torch.Tensor | None, tuple[int, bool] | None]:
-    """What every layer of a forward shares, built once per forward by the attention function: (the mask of a
-    policy that does not read the scores (full, position-only), (B, 1, 1, T, T), else None; the row plan of a
-    score-based one (:func:`row_plan`), or under ``semantics="reference"`` its (heavy, recent)
-    (:func:`reference_plan`), else None)."""
+def closed(policy: Policy, window: int | None) -> bool:
+    """Whether a position-only policy's rows come in closed form (:func:`closed_form`) on a layer with this
+    ``window``: always without one; with one only where the form stays exact (``Policy.window_closed_form``),
+    else the row loop serves."""
+    return policy.position_only and (window is None or policy.window_closed_form)
+
+
+def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, semantics: str = "h2o",
+                 window: int | None = None) -> tuple[torch.Tensor | None, tuple[int, bool] | None]:
+    """What every layer of a forward with this sliding ``window`` (None: a global layer) shares, built once per
+    forward and window by the attention function: (the mask of a policy that does not read the scores (full,
+    position-only in closed form), (B, 1, 1, T, T), else None; the row plan of the others (:func:`row_plan`), or
+    under ``semantics="reference"`` its (heavy, recent) (:func:`reference_plan`), else None)."""
     if semantics == "reference":
         return None, reference_plan(policy, valid)
     if policy.is_full:
-        return causal_valid(valid), None
-    if policy.position_only:
-        return policy_allowed(policy, None, causal_valid(valid) if prompt_len else None, valid, prompt_len), None
-    return None, row_plan(policy, valid, prompt_len)
+        return causal_valid(valid, window), None
+    if closed(policy, window):
+        allowed = causal_valid(valid, window) if prompt_len else None
+        return policy_allowed(policy, None, allowed, valid, prompt_len, window=window), None
+    return None, row_plan(policy, valid, prompt_len, window)
 
 
 def reference_length(valid: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -107,15 +127,16 @@ def reference_length(valid: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return valid[:, :prompt_len].sum(-1) if prompt_len else valid.sum(-1)
 
 
-def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int, bool]:
+def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int, window: int | None = None) -> tuple[int, bool]:
     """(first row the row recurrence walks, whether a walked row can be a pad), on the host.
 
     The Triton kernel walks every row from the prompt on (below a budget a row evicts nothing; the kernel reads
     that per row on the device): no host read. The torch loop starts at the first row where a sequence's budget
     is full (the rows before it are done at once) and skips the pad weighting where no walked row is a pad: one
-    host read per forward (free on the CPU), shared by the layers."""
+    host read per forward (free on the CPU), shared by the layers. A sliding window only delays the first
+    eviction (fewer tokens are held), so the rows before ``start`` still evict nothing."""
     T = valid.shape[1]
-    if not policy.evicts or row_kernel.use_kernel(policy, valid.device):
+    if not policy.evicts or row_kernel.use_kernel(policy, valid.device, window):
         return min(prompt_len, T), True
     counts = policy.counts(reference_length(valid, prompt_len))
     filled = (valid.long().cumsum(-1) <= counts.total[:, None]).sum(-1)  # (B,) columns before a full cache
@@ -126,23 +147,26 @@ def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int,
 
 
 def simulated_attention(policy: Policy, query, key, value, valid, scaling: float,
-                        prompt_len: int = 0, semantics: str = "h2o", plan: tuple | None = None):
+                        prompt_len: int = 0, semantics: str = "h2o", plan: tuple | None = None,
+                        window: int | None = None, softcap: float | None = None):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T).
 
-    ``plan``: what :func:`forward_plan` built for this forward (None: built here)."""
+    ``plan``: what :func:`forward_plan` built for this forward and window (None: built here). ``window``: the
+    layer's sliding window (a token leaves the layer's cache once it is out of the window, before the policy
+    decides: the policy applies to the tokens inside it); ``softcap``: see :func:`scores`."""
     mask, rows = plan if plan is not None else (None, None)
     probs = None
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]
-    logits = scores(grouped(query, Hkv), key, scaling)  # (B, Hkv, G, T, T)
+    logits = scores(grouped(query, Hkv), key, scaling, softcap)  # (B, Hkv, G, T, T)
     if mask is not None and semantics == "h2o":
         allowed = mask
     else:
-        allowed = causal_valid(valid)  # (B, 1, 1, T, T)
+        allowed = causal_valid(valid, window)  # (B, 1, 1, T, T)
         if semantics == "reference":
             allowed = allowed & reference_allowed(logits, allowed, rows or reference_plan(policy, valid))
         elif not policy.is_full:
-            allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows)
+            allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows, window)
     if probs is None:
         probs = masked_softmax(logits, allowed)  # (B, Hkv, G, T, T)
     out = grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
@@ -165,22 +189,23 @@ def reference_allowed(logits, allowed, plan: tuple[int, int]):
     return reference_mask(causal_logits, *plan)
 
 
-def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None
-                   ) -> torch.Tensor:
-    """(B, Hkv, G|1, T, T) bool mask of what each row sees under ``policy`` (logits unused if position-only).
-    ``rows``: the forward's :func:`row_plan` (None: made here)."""
-    return policy_attention(policy, logits, allowed, valid, prompt_len, rows)[0]
+def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None,
+                   window: int | None = None) -> torch.Tensor:
+    """(B, Hkv, G|1, T, T) bool mask of what each row sees under ``policy`` (logits unused if position-only in
+    closed form). ``rows``: the forward's :func:`row_plan` (None: made here). ``allowed`` must include the
+    sliding ``window`` where there is one (:func:`causal_valid`)."""
+    return policy_attention(policy, logits, allowed, valid, prompt_len, rows, window)[0]
 
 
-def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None,
+                     window: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(:func:`policy_allowed`'s mask, and where the torch row loop computes them anyway, every row's attention
     probabilities (B, Hkv, G, T, T) fp32, equal to ``masked_softmax(logits, mask)`` (None otherwise)): the layer
     then skips a second softmax over the whole T x T."""
     T = valid.shape[1]
     counts = policy.counts(reference_length(valid, prompt_len))
-    if policy.position_only:
-        held = closed_form(policy, valid, counts, max(prompt_len - 1, 0))  # (B, 1, 1, T, T)
+    if closed(policy, window):
+        held = closed_form(policy, valid, counts, max(prompt_len - 1, 0), window)  # (B, 1, 1, T, T)
         if not prompt_len:
             return held, None
         return torch.where(torch.arange(T, device=valid.device)[:, None] < prompt_len, allowed, held), None
@@ -191,7 +216,7 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
         return torch.where(decoding, policy.restrict(logits, None, allowed, counts), allowed), None
 
     # rows < start need no eviction: the prompt, and (torch loop) the steps before any sequence's budget is full
-    start, padded = rows if rows is not None else row_plan(policy, valid, prompt_len)
+    start, padded = rows if rows is not None else row_plan(policy, valid, prompt_len, window)
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
     first = masked_softmax(logits[..., :start, :], allowed[..., :start, :])  # (B, Hkv, G, start, T)
@@ -200,34 +225,43 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     policy.accumulate(acc, probs, valid[:, :start])
     if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
         now = keep[:, 0].sum(-1) - 1
+        if window is not None:  # the window first: what left it is gone before the policy decides
+            keep &= posH > bcast(now - window)
         keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
-    if row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
+    if row_kernel.use_kernel(policy, logits.device, window):  # one fused kernel per layer (CUDA)
         row_kernel.score_rows(policy, logits, valid, pos, counts, keep, acc, out, start)
+        return out, None
+    if not policy.needs_scores:  # a position-only policy on a sliding layer: the loop writes the rows only
+        with serial(logits.device):
+            row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, None, window)
         return out, None
     seen = torch.empty_like(logits)  # (B, Hkv, G, T, T) every row's attention probabilities
     seen[..., :start, :] = first
     with serial(logits.device):
-        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, seen)
+        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, seen, window)
     return out, seen
 
 
-def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int) -> torch.Tensor:
+def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window: int | None = None
+                ) -> torch.Tensor:
     """(B, 1, 1, T, T) bool rows of a position-only policy, all at once (:meth:`Policy.held_rows`): row i sees
     token i and what the cache holds then. A pad row sees what the token before it saw (the cache does not change
-    on a pad), as in :func:`row_loop`."""
+    on a pad), as in :func:`row_loop`. ``window``: only for :func:`closed` policies."""
     pos = positions(valid)  # (B, T)
     now = pos.cummax(-1).values  # (B, T): the newest token at each row, -1 before the first
-    held = policy.held_rows(pos, now, counts, first)  # (B, T, T)
+    held = policy.held_rows(pos, now, counts, first, *(() if window is None else (window,)))  # (B, T, T)
     itself = (pos[:, None, :] == now[:, :, None]) & valid[:, None, :]
     return (held | itself)[:, None, None]
 
 
-def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded=True, seen=None):
+def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded=True, seen=None, window=None):
     """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention.
     ``padded`` False: no row from ``start`` on is a pad (their weighting is skipped). ``seen`` (B, Hkv, G, T, T):
-    each row's attention probabilities are written there (policies that read the scores).
+    each row's attention probabilities are written there (policies that read the scores). ``window``: first the
+    held tokens out of the row's window leave; the budget is then full where a (sequence, KV head) still holds
+    ``total`` tokens (its own count: the window frees slots head by head).
 
     The eviction is :func:`h2o.core.policies.select_slot`'s decision in column order (:func:`column_key`): one
     ``where`` and one ``argmin`` per row. Per-row inputs are laid out row-major once, so each row reads them with
@@ -244,12 +278,20 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
     now = pos.t().contiguous()  # (T, B)
     low = const(torch.finfo(torch.float32).min, logits.dtype, logits.device)
     gone = const(-1, torch.int64, logits.device)
+    if window is not None:
+        edge = (pos - window).t().contiguous().view(T, B, 1, 1)  # (T, B, 1, 1): row i keeps positions > edge
+        limit = bcast(counts.total)  # (B, 1, 1)
+        pads = ~toks.view(T, B, 1, 1)
     for i in range(start, T):
         tok = toks[i].view(B, 1)  # (B, 1)
+        if window is not None:  # out of the window: gone before the policy decides (a pad row: nothing leaves)
+            keep &= posH > edge[i]
         if policy.evicts:
             held = torch.where(keep, posH, gone)  # the state as the cache sees it: -1 = not held
             prio = policy.priority(held, acc, now[i], counts)  # (B, Hkv, T)
-            slot = column_key(keep, prio, fills[i]).argmin(-1, keepdim=True)  # (B, Hkv, 1)
+            fill = fills[i] if window is None else torch.where(
+                (keep.sum(-1, keepdim=True) < limit) | pads[i], -inf, inf)  # (B, Hkv, 1): room per head
+            slot = column_key(keep, prio, fill).argmin(-1, keepdim=True)  # (B, Hkv, 1)
             keep.scatter_(-1, slot, False)
             keep.select(2, i).copy_(tok)
             row = keep.unsqueeze(2)  # (B, Hkv, 1, T)

@@ -85,6 +85,11 @@ class Policy:
     # tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
     # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop)
     position_only: ClassVar[bool] = False
+    # True: on a sliding-window layer too, the cache at row i is the top ``total - 1`` of the older tokens *inside
+    # the window* (:meth:`held_rows` with ``window``). Holds where a token outranks every older non-protected one
+    # and the protected tokens are the oldest (local, streaming_llm): what the window frees is then refilled by
+    # newer tokens only. Else the simulated path runs the row loop on sliding layers (docs/attention.md)
+    window_closed_form: ClassVar[bool] = False
     quant = None  # the KV quantizer the policy's cache stores with (h2o.core.quant; set by the run's `quant`)
     splits: ClassVar[bool] = True  # the rule reads the heavy and recent parts apart (False: only their sum)
     registry: ClassVar[dict[str, type["Policy"]]] = {}
@@ -183,12 +188,14 @@ class Policy:
         ties are broken towards older tokens."""
         raise NotImplementedError(f"{type(self).__name__} is not an evicting policy")  # abstract
 
-    def held_rows(self, pos: torch.Tensor, now: torch.Tensor, counts: Counts, first: int) -> torch.Tensor:
+    def held_rows(self, pos: torch.Tensor, now: torch.Tensor, counts: Counts, first: int,
+                  window: int | None = None) -> torch.Tensor:
         """Position-only policies, every state at once: pos (B, S) of the columns, now (B, R) the newest token of
         each row (-1: none yet) -> (B, R, S) bool, the older tokens held at that row (the row's token not included).
 
         The cache evicts from row ``first`` on (rows before it see their whole prefix). Default: the ``total - 1``
-        older tokens of highest priority at the row (exact under ``position_only``); memory is bounded by blocks.
+        older tokens of highest priority at the row (exact under ``position_only``), among those inside the
+        sliding ``window`` if given (exact under ``window_closed_form``); memory is bounded by blocks.
         """
         B, R = now.shape
         S = pos.shape[-1]
@@ -199,6 +206,8 @@ class Policy:
             cols = pos[:, None, :].expand(B, n, S).reshape(B * n, 1, S)  # (B*n, 1, S) one state per row
             at = now[:, r:r + n].reshape(B * n)  # (B*n,)
             older = (cols >= 0) & (cols < at[:, None, None])
+            if window is not None:
+                older &= cols > (at - window)[:, None, None]
             c = counts.repeat(n)
             out.append(keep_top(self.priority(cols, None, at, c), older, c.total - 1).view(B, n, S))
         return out[0] if len(out) == 1 else torch.cat(out, 1)
@@ -293,7 +302,8 @@ def select_slot(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | Non
                 ) -> torch.Tensor:
     """The eviction step shared by both paths: which slot the arriving token takes, (B, H, 1) int64.
 
-    Where the sequence still has ``room`` (B,) below its budget, an empty slot (``valid`` False) is taken.
+    Where the sequence still has ``room`` (B,) below its budget, an empty slot (``valid`` False) is taken (``room``
+    (B, H, 1): per KV head, on a sliding-window layer where the window frees slots head by head).
     Otherwise the valid slot of lowest priority is dropped, the oldest one on ties, so the answer does not
     depend on the order of slots (the evicting cache fills slots in place, the simulated mask by position).
     ``valid=None``: every slot holds a token (then ``room`` is not read). Compared in ``prio``'s dtype.
@@ -301,7 +311,7 @@ def select_slot(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | Non
     key = prio
     if valid is not None:
         inf = const(float("inf"), prio.dtype, prio.device)
-        key = torch.where(valid, prio, torch.where(bcast(room), -inf, inf))
+        key = torch.where(valid, prio, torch.where(room if room.dim() == 3 else bcast(room), -inf, inf))
     tie = key == key.amin(-1, keepdim=True)
     oldest = torch.where(tie, pos, const(torch.iinfo(torch.int64).max, torch.int64, pos.device))
     return oldest.argmin(-1, keepdim=True)
