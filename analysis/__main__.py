@@ -2,9 +2,8 @@
 
 Tables go to ``<out>/tables/<name>.md`` and ``.tex`` (the Markdown is also printed), figures to
 ``<out>/figures/<name>.png`` and ``.pdf``, the report to ``<out>/REPORT.md``. Prints the paths
-written. ``--runs`` must be a folder (a typo is an error, exit status 2). With no finished run under it,
-``tables`` and ``figures`` print one line and exit 0 (nothing to do is not an error); ``report`` still
-writes the report (every paper number "not run").
+written. With no finished run under ``--runs``, ``tables`` and ``figures`` print one line and exit
+0 (nothing to do is not an error); ``report`` still writes the report (every paper number "not run").
 """
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from analysis.records import load_runs
 
 def check_paths(runs: str, out: str) -> str | None:
     """The rules of h2o.core.validate for this CLI (analysis imports nothing of h2o): ``--runs`` is a folder
-    (as h2o.pipeline.wandb_sync requires), ``--out`` a folder that exists or can be created. Returns the one-line error, or None."""
+    (as h2o.pipeline.wandb_sync requires: a missing one is a typo, not an empty study), ``--out`` a folder that exists or can be created. Returns the one-line error, or None."""
     if not Path(runs).exists():
         return f"--runs={runs!r}: no such folder; expected the root of the run records (e.g. runs/)"
     if not Path(runs).is_dir():

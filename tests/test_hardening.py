@@ -90,7 +90,7 @@ BAD = [
     # round three (issue 26): loads, tracebacks, silent acceptance, messages that did not name the input
     ("device-map-cpu-on-gpu-config", ["model=opt-6.7b", "model.device_map=cpu", "threads=1"],
      ["device_map='cpu'", "gpus=1", "allowed", "model.resources.gpus=0"], {}),
-    ("params-zero", [*TINY, "model.params=0"], ["model.params=0", "int > 0", "null"], {}),
+    ("params-zero", [*TINY, "model.params=0"], ["model.params=0", "an integer > 0", "null"], {}),
     ("params-float", [*TINY, "model.params=6.7e9"], ["model.params=6700000000.0", "an int or null"], {}),
     ("include-path-null", [*TINY, "task=bb_copa", "task.include_path=null"],
      ["task.include_path=null", "bb_copa", "built-in", "allowed: task.include_path=tasks"], {}),
@@ -269,11 +269,12 @@ SWEEP_BAD = [
     (["model=tiny-llama", "experiment=../model/tiny-llama"], ["not a path", "allowed"]),
     (["model=tiny-llama", "+foo=1"], ["foo", "no such config key"]),
     (["model=tiny-llama", "experiment_name=x:y"], ["experiment_name='x:y'", "allowed"]),
+    (["model=tiny-llama", "--bogus"], ["--bogus", "unknown option"]),
 ]
 
 
 @pytest.mark.parametrize("args, words", SWEEP_BAD, ids=["budget", "unused-split", "experiment-path", "unknown-key",
-                                                        "experiment-name"])
+                                                        "experiment-name", "unknown-flag"])
 def test_sweep_dry_run_bad_input(args, words, capsys, tmp_path, monkeypatch):
     from h2o.pipeline.sweep import main
 
@@ -286,6 +287,7 @@ BENCH_BAD = [
     (["--budget", "abc"], ["--budget='abc'", "'abc' is not"]),
     (["--repeats", "0"], ["--repeats=0", ">= 1"]),
     (["--prompt", "0"], ["--prompt='0'", "an int >= 1"]),
+    (["--prompt", "64", "--budget", "0.01"], ["budget=0.01", "x 64 positions (--prompt 64", "allowed: a ratio >="]),
     (["--baselines", "foo"], ["--baselines", "'foo'", "sdpa"]),
     (["--policies", "lru"], ["--policies", "'lru'", "h2o"]),
     (["--repeats", "abc"], ["--repeats", "invalid int"]),

@@ -38,9 +38,10 @@ class ModelSpec:
     dtype: str = "auto"
     device_map: Any = None
     resources: dict | None = None  # per Slurm array task: gpus, mem_gb, cpus, load_min, s_per_mtok (RESOURCES)
-    params: int | None = None  # parameter count: the weights' size before loading (h2o.assets.resources)
+    params: int | None = None  # parameter count (weights' bytes = params x the dtype's size)
 
     def __post_init__(self):
+        check_cpu_run(self.device_map, self.resources)
         if not self.name or not self.pretrained:
             raise ConfigError(f"model: name and pretrained are required (got {self.name!r}, {self.pretrained!r})")
         if self.dtype not in DTYPES:
@@ -49,12 +50,8 @@ class ModelSpec:
         check_device(self.device_map)
         check_resources(self.resources)
         check(self.params is None or (isinstance(self.params, int) and not isinstance(self.params, bool)
-                                      and self.params > 0), f"model.params={self.params!r}: expected the parameter "
-                                                            f"count (an int > 0) or null (unknown: no size check)")
-        gpus = (self.resources or {}).get("gpus")
-        check(not (on_cpu(self.device_map) and gpus), f"model.device_map={self.device_map!r} with model.resources."
-                                                      f"gpus={gpus}: a CPU run of a GPU config; allowed: add "
-                                                      f"model.resources.gpus=0 (a CPU run), or device_map=auto")
+                                      and self.params > 0),
+              f"model.params={self.params!r}: expected a parameter count (an integer > 0) or null")
 
     @property
     def wants_gpu(self) -> bool:
@@ -216,10 +213,14 @@ def check_device(device_map: Any) -> None:
                               + (f", cuda:0-{n - 1}" if n else ""))
 
 
-def on_cpu(device_map: Any) -> bool:
-    """Whether ``device_map`` names the CPU (``cpu``, or a dict of cpu/disk only)."""
+def check_cpu_run(device_map: Any, resources: Any) -> None:
+    """ConfigError when ``device_map`` names the CPU only (``cpu``, or a dict of cpu/disk) but ``resources`` asks
+    for GPUs: a GPU config run on the CPU by mistake."""
     values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
-    return bool(values) and all(v in ("cpu", "disk") for v in values)
+    gpus = resources.get("gpus") if isinstance(resources, dict) else None
+    check(not (values and all(v in ("cpu", "disk") for v in values) and gpus),
+          f"model.device_map={device_map!r} with model.resources.gpus={gpus}: a CPU run of a GPU config; allowed: "
+          f"add model.resources.gpus=0 (a CPU run), or model.device_map=auto (a GPU run)")
 
 
 def release() -> None:

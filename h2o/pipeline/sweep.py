@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.core.validate import BadInput, ConfigError, abbrev, fail, output_dir
+from h2o.core.validate import BadInput, ConfigError, abbrev, check, fail, output_dir
 from h2o.pipeline.plan import Plan, prepare
 from h2o.pipeline.records import CONF, finished, runs_root
 
@@ -214,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     overrides = [a for a in argv if not a.startswith("-")]
     try:
+        flag = next((a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")), None)
+        check(flag is None, f"{flag}: unknown option; allowed: key=value overrides (every job is listed)")
         sweep = expand(overrides, multirun=True)
     except BAD_INPUT as exc:
         return fail(exc)

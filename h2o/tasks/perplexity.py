@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o.tasks.base import Result, TaskSpec, check, clamped, positive_or_none, stderr
+from h2o.tasks.base import Result, TaskSpec, check, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, choose, record
 
 TEXTS = ("austen", "moby_dick")
@@ -92,6 +92,8 @@ class PerplexityTask(TaskSpec):
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
         from tqdm import tqdm
+
+        from h2o.tasks.base import clamped
 
         from h2o.tasks.progress import RequestLog
 
