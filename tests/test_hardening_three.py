@@ -225,3 +225,12 @@ def test_generate_refuses_an_all_padding_row(tiny):
         mask[1] = 0
         with pytest.raises(PolicyError, match="attention_mask row 1 of 2 is all padding: nothing to generate from"):
             tiny.generate(ids, attention_mask=mask, cache=h.new_cache(), max_new_tokens=2, do_sample=False)
+
+
+def test_the_runner_redoes_a_record_whose_budget_does_not_parse(tmp_path):
+    from h2o.pipeline.records import finished
+
+    record = {"model": "m", "task": "t", "policy": "h2o", "metrics": {}, "n_samples": 0, "wall_s": 0.0}
+    for budget, done in ((0.2, True), (128, True), (None, True), ("abc", False), (True, False)):
+        (tmp_path / "metrics.json").write_text(json.dumps({**record, "budget": budget}))
+        assert finished(tmp_path) is done, budget
