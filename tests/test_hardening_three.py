@@ -102,7 +102,8 @@ def test_weights_over_gpu_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: card)
     spec = ModelSpec("opt-30b", "facebook/opt-30b", "fp16", "auto", {"gpus": 2}, params=29974540288)
-    with pytest.raises(ConfigError, match=r"59.9 GB of weights \(30e9 params x 2 bytes, fp16\) .* 48.0 GB of 2 GPUs \(Fake24\); fits: up to 24e9"):
+    with pytest.raises(ConfigError, match=r"59.9 GB of weights \(30e9 params x 2 bytes, fp16\) .* 48.0 GB of 2 GPUs "
+                                          r"\(Fake24\); fits: up to 24e9"):
         check_fits_here(spec)
     spec = ModelSpec("opt-13b", "facebook/opt-13b", "fp16", "cuda:0", {"gpus": 1}, params=12853473280)
     with pytest.raises(ConfigError, match=r"25.7 GB of weights .* 24.0 GB of 1 GPU \(Fake24\)"):

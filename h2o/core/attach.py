@@ -5,11 +5,12 @@
     with attach(model, policy, mode="real") as h:                      # real: an evicting cache
         out = model.generate(input_ids, cache=h.new_cache(), max_new_tokens=64)
 
-Guards (one-line ``PolicyError``): the arguments' types; a model already attached (no nesting); an empty batch
-or sequence; a generate batch with a row of padding only; a cache reused for a second ``generate`` (a cache is single-use: take ``h.new_cache()`` per generation); mode='real' without a
-cache. Non-finite values: each layer records on the device whether its attention output is finite (no host sync);
-one check per forward (= per decoding step), on the LM head's logits, stops the run before sampling with a
-``FloatingPointError`` naming the first bad layer and token (or "outside attention" when no layer was bad).
+Guards (one-line ``PolicyError``): the arguments' types; a model already attached (no nesting); an empty batch or
+sequence; a generate batch with a row of padding only; a cache reused for a second ``generate`` (a cache is
+single-use: take ``h.new_cache()`` per generation); mode='real' without a cache. Non-finite values: each layer
+records on the device whether its attention output is finite (no host sync); one check per forward (= per decoding
+step), on the LM head's logits, stops the run before sampling with a ``FloatingPointError`` naming the first bad
+layer and token (or "outside attention" when no layer was bad).
 """
 from __future__ import annotations
 

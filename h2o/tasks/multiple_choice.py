@@ -114,9 +114,9 @@ class LmEvalTask(TaskSpec):
             check(n_train is None or self.shots <= n_train, f"task.shots={self.shots}: task {self.lm_eval_task} has "
                                                             f"{n_train} train examples (the few-shot pool); allowed: 0-{n_train}")
         else:
-            check(self.lm_eval_task not in yaml_task_names(TASKS), f"task.include_path=null: {self.lm_eval_task} is a "
-                                                                   f"task of this project (tasks/), not one of lm-eval's "
-                                                                   f"built-in tasks; allowed: task.include_path=tasks")
+            check(self.lm_eval_task not in yaml_task_names(TASKS),
+                  f"task.include_path=null: {self.lm_eval_task} is a task of this project (tasks/), not one of "
+                  f"lm-eval's built-in tasks; allowed: task.include_path=tasks")
             check_hub_data(self.name, f"lm-eval task {self.lm_eval_task}", (self.lm_eval_task,))
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
