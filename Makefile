@@ -40,6 +40,9 @@ figures: install ## regenerate the figures from runs/
 report: install ## analysis/out/REPORT.md: every paper number beside ours, with a verdict (any runs/, even empty)
 	$(PY) -m analysis report --runs runs --out analysis/out
 
+docs-results: install ## docs/results/*.md and their figures, regenerated from the study records committed under analysis/<study>/
+	$(PY) -m analysis.results_pages --studies analysis --out docs/results
+
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
 sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report; slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
@@ -82,7 +85,7 @@ bench: install ## issue 12's targets: decode throughput, KV bytes, largest batch
 # Streaming: one run per policy x budget x chunk of experiment=streaming (conf/experiment/streaming.yaml), recorded
 # under runs/streaming/ like every run (a finished record is not run again; a failed job leaves the others). Then
 # python -m analysis.streaming_study prints the window table and each policy's chunked run beside its token-by-token
-# one (perplexity change, speed-up). STREAM_COMPARE_CHUNK=0: no chunked runs. Policy options: ARGS=policy.score=mean.
+# one (perplexity change, speed-up). STREAM_COMPARE_CHUNK=0: no chunked runs. Policy options: STREAM_POLICIES=h2o ARGS=policy.score=mean.
 STREAM_TOKENS ?= 20000
 STREAM_BUDGETS ?= 96,192,384
 STREAM_POLICIES ?= h2o,streaming_llm,local
@@ -105,4 +108,4 @@ gpu-check: install ## on one GPU (<= 10 min): equivalence in fp32/fp16/bf16, lau
 wandb: install ## mirror EXP's records in runs/ to wandb (offline unless WANDB_MODE=online; idempotent) and log its summary run
 	$(PY) -m h2o.pipeline.wandb_sync runs --experiment $(EXP) --summary
 
-.PHONY: help install test tables figures report data model bench stream sweep wandb status prefetch gpu-check
+.PHONY: help install test tables figures report docs-results data model bench stream sweep wandb status prefetch gpu-check

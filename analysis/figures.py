@@ -7,8 +7,12 @@ picked by :data:`analysis.protocol.RULE` like a table cell, drawn with its 95% i
   panel per model x task (x shots, x semantics), one line per policy, the full cache as a dashed
   line with its interval shaded. Multiple choice: ``acc_mean``; summarization: ``rouge2``;
   perplexity: ``ppl``.
-* ``<experiment>_budget_curves``: the same for any other experiment that sweeps budgets
-  (e.g. ``default``).
+* ``<experiment>_budget_curves``: the same for any other experiment that sweeps budgets.
+* ``<experiment>_policies``: any other experiment run at a single budget (e.g. ``default``,
+  ``table1``): one panel per model x task (x shots, x semantics), each policy's headline metric
+  at that budget with its 95% interval, the full cache as a dashed line with its interval
+  shaded. The headline metric is the one the records name (``headline``), else the task kind's
+  (:func:`headline_metric`), so any task with a metric and an interval draws.
 * ``streaming_ppl``: the long-context figure, perplexity vs tokens streamed per policy/budget,
   from the ``tokens`` and ``ppl`` fields of each streaming run's samples.jsonl.
 * ``fig2_observations``: Figure 2, one row per observations run, from its ``observations.json``.
@@ -123,20 +127,23 @@ def curve_panel(ax, runs: pd.DataFrame, metric: str, title: str, policies=None) 
     return drawn
 
 
-def budget_figure(runs: pd.DataFrame, out, name: str, title: str, policies=None) -> list[Path]:
-    """One panel per model x task (x shots, x semantics where they vary), if any point exists."""
+def panel_figure(runs: pd.DataFrame, out, name: str, title: str, draw, metric_of, ncols: int = 3,
+                 size=(4.2, 3.2)) -> list[Path]:
+    """One panel per model x task (x shots, x semantics where they vary) that has a metric
+    (``metric_of(group)``), drawn by ``draw(ax, group, metric, panel title)`` -> points drawn; written
+    if any point was drawn."""
     runs = annotate(runs)
     keys = ["model", "task"] + [k for k in ("shots", "semantics") if runs[k].nunique() > 1]
-    groups = [(k, g) for k, g in runs.groupby(keys, dropna=False) if metric_for(
-        g["task_kind"].iloc[0], g)]
+    groups = [(k, g, metric_of(g)) for k, g in runs.groupby(keys, dropna=False)]
+    groups = [(k, g, m) for k, g, m in groups if m]
     if not groups:
         return []
-    fig, axes = panels(len(groups))
+    fig, axes = panels(len(groups), ncols, size)
     drawn = 0
-    for ax, (key, sub) in zip(axes, groups):
+    for ax, (key, sub, metric) in zip(axes, groups):
         text = " / ".join(key_str(v) if k != "shots" else f"{key_str(v)}-shot"
                           for k, v in zip(keys, key))
-        drawn += curve_panel(ax, sub, metric_for(sub["task_kind"].iloc[0], sub), text, policies)
+        drawn += draw(ax, sub, metric, text)
     if not drawn:
         plt.close(fig)
         return []
@@ -145,8 +152,64 @@ def budget_figure(runs: pd.DataFrame, out, name: str, title: str, policies=None)
     return save(fig, out, name)
 
 
+def budget_figure(runs: pd.DataFrame, out, name: str, title: str, policies=None) -> list[Path]:
+    """Metric vs budget, one panel per model x task (x shots, x semantics), the task kind's metric."""
+    return panel_figure(runs, out, name, title,
+                        lambda ax, sub, metric, text: curve_panel(ax, sub, metric, text, policies),
+                        lambda g: metric_for(g["task_kind"].iloc[0], g))
+
+
+def headline_metric(runs: pd.DataFrame) -> str | None:
+    """The metric the records name as their headline (``headline``, e.g. ``acc_mean``) when they
+    all name one and have it, else the task kind's (:func:`analysis.tables.metric_for`)."""
+    named = runs["headline"].dropna().unique() if "headline" in runs.columns else []
+    if len(named) == 1 and named[0] in runs.columns and \
+            pd.to_numeric(runs[named[0]], errors="coerce").notna().any():
+        return str(named[0])
+    kinds = runs["task_kind"].dropna().unique()
+    return metric_for(kinds[0], runs) if len(kinds) == 1 else None
+
+
+def policy_points(runs: pd.DataFrame, metric: str) -> list[tuple[str, object]]:
+    """(policy, Estimate) per policy of one panel at its single budget, in the tables' policy
+    order; one protocol per point (:func:`analysis.protocol.choose`), the full cache included."""
+    recs, out = as_records(runs), []
+    for policy in policy_order(runs["policy"].dropna().unique()):
+        pick = choose(select(recs, {"policy": policy}), metric)
+        if pick is not None and np.isfinite(pick.est.value):
+            out.append((policy, pick.est))
+    return out
+
+
+def policy_panel(ax, runs: pd.DataFrame, metric: str, title: str) -> int:
+    """Each policy's ``metric`` with its 95% interval (error bars), the full cache dashed with its
+    interval shaded across the panel. Returns the number of points drawn."""
+    pts = policy_points(runs, metric)
+    for i, (policy, e) in enumerate(pts):
+        lo, hi = (e.value - e.lo, e.hi - e.value) if e.has_interval else (0, 0)
+        ax.errorbar([i], [e.value], yerr=[[lo], [hi]], marker="o", capsize=4, color=color(policy))
+        ax.annotate(f"{e.value:.3g}", (i, e.value), xytext=(6, 0), textcoords="offset points",
+                    fontsize=7, va="center")
+        if policy == "full":
+            ax.axhline(e.value, ls="--", color="k", lw=0.8)
+            if e.has_interval:
+                ax.axhspan(e.lo, e.hi, color="k", alpha=0.08)
+    budget = pd.to_numeric(runs.loc[runs["policy"] != "full", "budget"], errors="coerce").dropna()
+    ax.set_xticks(range(len(pts)), [label(p) for p, _ in pts], fontsize=8)
+    ax.set(title=title + (f", budget {key_str(budget.iloc[0])}" if len(budget) else ""),
+           ylabel=metric, xlim=(-0.5, len(pts) - 0.5))
+    return len(pts)
+
+
+def policy_figure(runs: pd.DataFrame, out, name: str, title: str) -> list[Path]:
+    """Each policy at the experiment's single budget, one panel per model x task (x shots, x
+    semantics), the records' headline metric."""
+    return panel_figure(runs, out, name, title, policy_panel, headline_metric, ncols=2, size=(4.6, 3.4))
+
+
 def budget_figures(df: pd.DataFrame, out) -> list[Path]:
-    """The paper's budget figures (their own experiments only), then one per other experiment."""
+    """The paper's budget figures (their own experiments only), then one per other experiment: its
+    budget curves, or its policies at the one budget it ran."""
     paths, covered = [], pd.Series(False, index=df.index)
     for name, title, experiments, policies in PAPER_FIGURES:
         runs = eligible(df, experiments)
@@ -154,8 +217,11 @@ def budget_figures(df: pd.DataFrame, out) -> list[Path]:
         paths += budget_figure(runs, out, name, title, policies)
     other = df[~covered & ~df["experiment"].isin(NO_CURVES)]
     for exp, runs in other.groupby("experiment"):
-        if runs.loc[runs["policy"] != "full", "budget"].nunique() > 1:
+        budgets = runs.loc[runs["policy"] != "full", "budget"].nunique()
+        if budgets > 1:
             paths += budget_figure(runs, out, f"{exp}_budget_curves", f"{exp}: metric vs budget")
+        elif budgets == 1:
+            paths += policy_figure(runs, out, f"{exp}_policies", f"{exp}: each policy at its budget")
     return paths
 
 

@@ -1,4 +1,4 @@
-"""The long-stream study (README "Streaming study"): perplexity per 1k-token window against tokens streamed.
+"""The long-stream study (docs/streaming.md; its page: docs/results/streaming_study.md): perplexity per 1k-token window against tokens streamed.
 
 ``python -m analysis.streaming_study runs/streaming --out analysis/out/streaming`` reads, from every folder under
 the root, the run records of the streaming experiment (``make stream``: ``metrics.json`` with ``task_kind``
@@ -199,7 +199,7 @@ def figure(data, out: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.streaming_study", description=__doc__.split("\n")[0])
     p.add_argument("root", help="folder with the live window samples (searched recursively)")
-    p.add_argument("--out", default="analysis/streaming_study")
+    p.add_argument("--out", default="analysis/out/streaming")
     args = p.parse_args(argv)
     data = load(Path(args.root))
     if not data:
