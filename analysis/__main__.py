@@ -8,10 +8,10 @@ written. With no finished run under ``--runs``, ``tables`` and ``figures`` print
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from analysis.paths import folder_error, writable_error
 from analysis.records import load_runs
 
 
@@ -19,17 +19,7 @@ def check_paths(runs: str, out: str) -> str | None:
     """The rules of h2o.core.validate for this CLI (analysis imports nothing of h2o): ``--runs`` is a folder
     (as h2o.pipeline.wandb_sync requires: a missing one is a typo, not an empty study), ``--out`` a folder
     that exists or can be created. Returns the one-line error, or None."""
-    if not Path(runs).exists():
-        return f"--runs={runs!r}: no such folder; expected the root of the run records (e.g. runs/)"
-    if not Path(runs).is_dir():
-        return f"--runs={runs!r}: a file, not a folder; expected the root of the run records"
-    probe = Path(out).absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        why = "is a file, not a folder" if not probe.is_dir() else "is not writable"
-        return f"--out={out!r}: {probe} {why}; expected a writable folder"
-    return None
+    return folder_error("--runs", runs, "the root of the run records (e.g. runs/)") or writable_error("--out", out)
 
 
 def main(argv: list[str] | None = None) -> int:

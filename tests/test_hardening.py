@@ -374,6 +374,30 @@ def test_analysis_cli_bad_paths(capsys, tmp_path):
     one_line_exit_2(main(["tables", "--runs", str(tmp_path / "afile")]), capsys, ["--runs=", "not a folder"])
 
 
+RESULTS_BAD = [
+    (["--studies", "{tmp}/nonexistent"], ["--studies=", "nonexistent", "no such folder"]),
+    (["--studies", "{tmp}", "--out", "{tmp}/afile/pages"], ["--out=", "afile", "not a folder"]),
+    (["--studies", "s" * 5000], ["--studies='ssss", "(5000 characters)", "File name too long"]),
+    (["--collect", "{tmp}/nope", "{tmp}/dest"], ["--collect RUNS=", "nope", "no such folder"]),
+    (["--collect", "{tmp}", "{tmp}/afile/dest"], ["--collect DEST=", "afile", "not a folder"]),
+    (["--collect", "{tmp}", "{tmp}/dest", "--studies", "{tmp}/nonexistent"], ["--studies=", "no such folder"]),
+]
+
+
+@pytest.mark.parametrize("args, words", RESULTS_BAD, ids=["studies-missing", "out-under-a-file", "studies-5000",
+                                                          "collect-runs-missing", "collect-dest-under-a-file",
+                                                          "collect-then-bad-studies"])
+def test_results_pages_cli_bad_input(args, words, capsys, tmp_path):
+    """``python -m analysis.results_pages`` (make docs-results): every path checked before anything is written."""
+    from analysis import results_pages
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "metrics.json").write_text(json.dumps({"model": "m", "metrics": {}}))
+    one_line_exit_2(results_pages.main([a.replace("{tmp}", str(tmp_path)) for a in args]), capsys, words)
+    assert not (tmp_path / "dest").exists() and not (tmp_path / "pages").exists()
+
+
 # --------------------------------------------------------------------------------------- record identity
 def plan_for(args: list[str], runs: Path):
     from hydra import compose, initialize_config_dir

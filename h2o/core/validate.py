@@ -98,7 +98,7 @@ def check_name(key: str, value: Any) -> str:
     return text
 
 
-def abbrev(value: Any, limit: int = 60, quote: bool = True) -> str:
+def abbrev(value: Any, limit: int = 200, quote: bool = True) -> str:
     """``repr(value)`` (``str`` with ``quote=False``), cut to ``limit`` characters with its length named: a
     5,000-character path stays a short line."""
     text = repr(value) if quote else str(value)
