@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from analysis.paths import folder_error, writable_error
+from analysis.paths import folder_error, one_line, writable_error
 from analysis.records import load_runs
 
 
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", choices=["tables", "figures", "report"])
     parser.add_argument("--runs", default="runs", help="root of the run records (default: runs)")
     parser.add_argument("--out", default="analysis/out", help="output root (default: analysis/out)")
-    args = parser.parse_args(argv)
+    args = one_line(parser).parse_args(argv)
     bad = check_paths(args.runs, args.out)
     if bad:
         print(f"error: {bad}", file=sys.stderr)

@@ -5,8 +5,21 @@ the one-line error naming the flag and its value, or None.
 """
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 from pathlib import Path
+
+
+def one_line(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``parser`` whose errors (an unknown flag, a bad choice) are one line ``error: <prog>: ...``, exit status 2,
+    instead of the usage and the error."""
+    def error(message: str):
+        print(f"error: {parser.prog}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = error
+    return parser
 
 
 def shown(flag: str, path) -> str:

@@ -372,6 +372,11 @@ def test_analysis_cli_bad_paths(capsys, tmp_path):
     one_line_exit_2(main(["tables", "--runs", str(tmp_path), "--out", str(tmp_path / "afile")]), capsys,
                     ["--out=", "afile", "not a folder"])
     one_line_exit_2(main(["tables", "--runs", str(tmp_path / "afile")]), capsys, ["--runs=", "not a folder"])
+    for argv, words in ((["tables", "--bogus"], ["python -m analysis", "--bogus"]),
+                        (["tabels"], ["python -m analysis", "'tabels'", "tables"])):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        one_line_exit_2(exit_.value.code, capsys, words)
 
 
 RESULTS_BAD = [
