@@ -235,3 +235,15 @@ def test_the_runner_redoes_a_record_whose_budget_does_not_parse(tmp_path):
     for budget, done in ((0.2, True), (128, True), (None, True), ("abc", False), (True, False)):
         (tmp_path / "metrics.json").write_text(json.dumps({**record, "budget": budget}))
         assert finished(tmp_path) is done, budget
+
+
+@pytest.mark.parametrize("module", ["h2o.pipeline.wandb_sync", "h2o.bench.quant", "h2o.bench.calibrate",
+                                    "h2o.assets.data", "analysis.results_pages", "analysis"])
+def test_unknown_flag_is_one_line_everywhere(module, capsys, monkeypatch):
+    import importlib
+
+    no_load(monkeypatch)
+    main = importlib.import_module(module if module != "analysis" else "analysis.__main__").main
+    with pytest.raises(SystemExit) as exit_:
+        main(["tables", "--bogus"] if module == "analysis" else ["--bogus"])
+    one_line_exit_2(exit_.value.code, capsys, [f"python -m {module}", "unrecognized arguments: --bogus"])

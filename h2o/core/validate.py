@@ -184,6 +184,13 @@ class ArgParser(argparse.ArgumentParser):
         raise ConfigError(f"{self.prog}: {message}")
 
 
+def one_line(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A plain argparse ``parser`` whose errors exit 2 with one line ``error: <prog>: ...`` (no usage): for the
+    CLIs that return their exit status without :func:`guard`."""
+    parser.error = lambda message: sys.exit(fail(ConfigError(f"{parser.prog}: {message}")))
+    return parser
+
+
 def fail(exc: BaseException) -> int:
     print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)
     return 2
