@@ -170,7 +170,7 @@ def fork_cache(model, v: Variant, new_cache, snap: EvictingCache, logits1, batch
                     layer.sink = (s.keys[..., :1, :].clone(), s.values[..., :1, :].clone())
                     layer.sink_real = s.pos[:, 0, 0] == 0
             layer.adopt()  # host counts and budget from the copied state
-            if layer.policy.evicts and not layer.policy.is_full:
+            if layer.cuts():
                 layer.cut()  # what real_attention does at the end of a prefill (chunk)
             if batch > 1:
                 for name in BATCH_STATE:

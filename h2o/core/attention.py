@@ -36,15 +36,16 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
                   softcap=None, s_aux=None, **kwargs):
     """The settings transformers passes per layer: ``scaling``; ``sliding_window`` (the layer's window, None on a
     global layer: a token leaves the layer once out of it, before the policy decides, docs/attention.md);
-    ``softcap`` (Gemma-2: ``tanh(x / c) * c`` on the logits). Learned sink logits (``s_aux``, GPT-OSS) and
-    dropout are refused (``attach`` refuses them before anything runs; this is the guard of last resort)."""
+    ``softcap`` (Gemma-2: ``tanh(x / c) * c`` on the logits); ``s_aux`` (GPT-OSS: a learned sink logit per
+    query head in the softmax's denominator). Dropout is refused (``attach`` refuses it in training mode before
+    anything runs; this is the guard of last resort)."""
     state = getattr(module, "h2o", None)
     if state is None:
         raise RuntimeError("attn_implementation='h2o' needs the model attached: use h2o.core.attach(model, policy)")
-    if s_aux is not None or dropout:
-        setting = "learned sink logits (s_aux)" if s_aux is not None else f"dropout={dropout}"
-        raise PolicyError(f"{type(module).__name__}: {setting} not supported by the h2o attention; allowed: "
-                          f"models without learned sinks, in eval mode")
+    if dropout:
+        raise PolicyError(f"{type(module).__name__}: dropout={dropout} not supported by the h2o attention; allowed: "
+                          f"eval mode (model.eval())")
+    sinks = None if s_aux is None else s_aux.float().view(1, key.shape[1], -1, 1, 1)  # (1, Hkv, G, 1, 1)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     window = sliding_window or None
     if state.mode == "simulated":
@@ -63,11 +64,11 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
             key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
                                          prompt_len=state.prompt_len, semantics=state.semantics, plan=plan,
-                                         window=window, softcap=softcap)
+                                         window=window, softcap=softcap, sinks=sinks)
         state.flag(module.layer_idx, out)
         state.observe(module, probs)
         return out, probs
-    return real_attention(state, module, query, key, value, attention_mask, scaling, window, softcap)
+    return real_attention(state, module, query, key, value, attention_mask, scaling, window, softcap, sinks)
 
 
 def new_valid(attention_mask, query) -> torch.Tensor:
@@ -82,7 +83,8 @@ def new_valid(attention_mask, query) -> torch.Tensor:
 ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S) fp32 scores
 
 
-def real_attention(state, module, query, key, value, attention_mask, scaling, window=None, softcap=None):
+def real_attention(state, module, query, key, value, attention_mask, scaling, window=None, softcap=None,
+                   sinks=None):
     """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D). ``window``: the layer's sliding
     window, kept by the layer (its decoding steps drop what leaves it, :meth:`EvictingLayer.slide_in`)."""
     if state.cache is None:
@@ -116,14 +118,14 @@ def real_attention(state, module, query, key, value, attention_mask, scaling, wi
             allowed = layer.decoding().restrict(logits, layer.acc.view(B, -1, 1, 1, S), held)
         else:
             allowed = held
-        probs = masked_softmax(logits, allowed)  # (B, Hkv, G, r, S)
+        probs = masked_softmax(logits, allowed, sinks)  # (B, Hkv, G, r, S)
         if q > 1:  # pad query rows add nothing
             rows = valid[:, None, None, r:r + ROWS, None]
             policy.accumulate(layer.acc, probs * rows, valid[:, r:r + ROWS])
         elif policy.needs_scores:  # a decoding token is never a pad
             policy.accumulate(layer.acc, probs)
         outs.append(grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value))
-    if q > 1 and (policy.evicts and not policy.is_full or window is not None):
+    if q > 1 and layer.cuts():
         layer.cut()
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).view(B, Hq, q, D).transpose(1, 2)
     state.flag(module.layer_idx, out)  # NaN/inf guard: no host sync here; Attached.check_logits reads it per step

@@ -164,6 +164,10 @@ class EvictingLayer(DynamicLayer):
         """Whether the budget can drop a token (an evicting policy below 100%)."""
         return self.policy.evicts and not self.policy.is_full
 
+    def cuts(self) -> bool:
+        """Whether a prefill (chunk) ends with :meth:`cut`: a budget that drops tokens, or a sliding window."""
+        return self.limited() or self.window is not None
+
     def expire(self, now: torch.Tensor) -> None:
         """Sliding window: the slots of tokens out of the window of position ``now`` (B,) become empty."""
         self.pos.masked_fill_(self.pos <= bcast(now - self.window), -1)
