@@ -22,8 +22,14 @@ help: ## list the targets
 
 install: .venv/installed ## create .venv and install the package with its pinned stack
 
-test: install ## run the test suite (what CI runs)
+test: install ## run the test suite (what CI runs); tests/test_slurm_real.py brings a one-node Slurm up and down itself (root)
 	$(PY) -m pytest -q
+
+slurm-up: ## start the one-node Slurm of the tests (root; installs the Debian packages if missing); then export SLURM_CONF=/tmp/h2o-slurm/slurm.conf
+	bash tests/slurm/up.sh
+
+slurm-down: ## stop it
+	bash tests/slurm/down.sh
 
 data: install ## fetch bigbench files and Austen novels into the cache
 	$(PY) -m h2o.assets.data
@@ -108,4 +114,4 @@ gpu-check: install ## on one GPU (<= 10 min): equivalence in fp32/fp16/bf16, lau
 wandb: install ## mirror EXP's records in runs/ to wandb (offline unless WANDB_MODE=online; idempotent) and log its summary run
 	$(PY) -m h2o.pipeline.wandb_sync runs --experiment $(EXP) --summary
 
-.PHONY: help install test tables figures report docs-results data model bench stream sweep wandb status prefetch gpu-check
+.PHONY: help install test slurm-up slurm-down tables figures report docs-results data model bench stream sweep wandb status prefetch gpu-check
