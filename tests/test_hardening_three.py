@@ -237,13 +237,17 @@ def test_the_runner_redoes_a_record_whose_budget_does_not_parse(tmp_path):
         assert finished(tmp_path) is done, budget
 
 
-@pytest.mark.parametrize("module", ["h2o.pipeline.wandb_sync", "h2o.bench.quant", "h2o.bench.calibrate",
-                                    "h2o.assets.data", "analysis.results_pages", "analysis"])
+REQUIRED = {"analysis": ["tables"], "analysis.streaming_study": ["root"], "h2o.pipeline.wandb_workspace": ["--entity", "e"]}
+
+
+@pytest.mark.parametrize("module", ["h2o.pipeline.wandb_sync", "h2o.pipeline.wandb_workspace", "h2o.bench.quant",
+                                    "h2o.bench.calibrate", "h2o.assets.data", "analysis.results_pages",
+                                    "analysis.streaming_study", "analysis"])
 def test_unknown_flag_is_one_line_everywhere(module, capsys, monkeypatch):
     import importlib
 
     no_load(monkeypatch)
     main = importlib.import_module(module if module != "analysis" else "analysis.__main__").main
     with pytest.raises(SystemExit) as exit_:
-        main(["tables", "--bogus"] if module == "analysis" else ["--bogus"])
+        main([*REQUIRED.get(module, []), "--bogus"])
     one_line_exit_2(exit_.value.code, capsys, [f"python -m {module}", "unrecognized arguments: --bogus"])
