@@ -29,7 +29,7 @@ def test_every_model_yaml_declares_its_parameter_count():
     from omegaconf import OmegaConf
 
     from h2o.assets.models import tiny_model
-    from h2o.pipeline.records import CONF
+    from h2o.assets.paths import CONF
 
     files = sorted((CONF / "model").glob("*.yaml"))
     params = {f.stem: OmegaConf.load(f).params for f in files}

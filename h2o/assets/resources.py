@@ -81,7 +81,7 @@ def fitting(capacity: float, cuda: bool, dtype: str) -> str:
     """What fits in ``capacity`` bytes: the largest parameter count, and the models of conf/model that fit."""
     from omegaconf import OmegaConf
 
-    from h2o.pipeline.records import CONF
+    from h2o.assets.paths import CONF
 
     size = dtype_bytes(dtype, cuda)[0]
     names = []
