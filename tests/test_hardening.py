@@ -120,6 +120,17 @@ BAD = [
     ("budget-5000-digits", [*TINY, "policy.budget=" + "1" * 5000],
      ["policy.budget=11111111...", "(5000 digits)", "allowed", "2**40"], {}),
     ("unknown-flag", [*TINY, "--bogus"], ["--bogus", "unknown option", "allowed", "--multirun"], {}),
+    # methods (tova, random): the whole budget, no split; random's seed
+    ("tova-heavy-recent-unused", [*TINY, "policy=tova", "policy.heavy=0.1", "policy.recent=0.1"],
+     ["policy.heavy=0.1", "tova reads only the whole budget", "policy.budget=0.2"], {}),
+    ("tova-budget-no-token", [*TINY, "policy=tova", "policy.budget=1e-5"],
+     ["budget=1e-05", "x 4096 positions", "tova needs at least 1", "allowed: a ratio >= 0.000244"], {}),
+    ("tova-unknown-option", [*TINY, "policy=tova", "+policy.score=mean"],
+     ["policy.score", "no such option for policy=tova", "allowed:", "heavy_share"], {}),
+    ("random-heavy-recent-unused", [*TINY, "policy=random", "policy.heavy=2", "policy.recent=2"],
+     ["policy.heavy=2", "random reads only", "policy.budget=4"], {}),
+    ("random-seed-negative", [*TINY, "policy=random", "policy.seed=-1"], ["seed=-1", "[0, 2**31 - 1)"], {}),
+    ("random-seed-text", [*TINY, "policy=random", "policy.seed=abc"], ["seed='abc'", "an int"], {}),
 ]
 
 
@@ -377,6 +388,29 @@ def test_analysis_cli_bad_paths(capsys, tmp_path):
         with pytest.raises(SystemExit) as exit_:
             main(argv)
         one_line_exit_2(exit_.value.code, capsys, words)
+
+
+PARITY_BAD = [
+    (["--out", "{tmp}/afile/parity"], ["--out=", "afile", "not a folder"]),
+    (["--table", "{tmp}"], ["--table=", "expected a file path, not a folder"]),
+    (["--sides", "torch"], ["--sides", "'torch' unknown", "kvpress, h2o"]),
+    (["--sides", "kvpress", "--venv", "{tmp}/novenv"], ["--venv=", "novenv", "tools/parity/setup_venv.sh"]),
+    (["--threads", "0"], ["--threads='0'", "an int >= 1"]),
+    (["--ratios", "abc"], ["--ratios='abc'", "a number in (0, 1)"]),
+    (["--bogus"], ["python -m h2o.bench.parity", "unrecognized arguments: --bogus"]),
+]
+
+
+@pytest.mark.parametrize("args, words", PARITY_BAD, ids=[" ".join(a[:1]) + ("-" + a[1] if len(a) > 1 else "")
+                                                         for a, _ in PARITY_BAD])
+def test_parity_cli_bad_input(args, words, capsys, tmp_path, monkeypatch):
+    """``python -m h2o.bench.parity`` (make parity): bad values stop before the model loads or anything is written."""
+    from h2o.bench import parity
+
+    (tmp_path / "afile").write_text("x")
+    no_load(monkeypatch)
+    one_line_exit_2(parity.main([a.replace("{tmp}", str(tmp_path)) for a in args]), capsys, words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
 RESULTS_BAD = [
