@@ -131,6 +131,15 @@ BAD = [
      ["policy.heavy=2", "random reads only", "policy.budget=4"], {}),
     ("random-seed-negative", [*TINY, "policy=random", "policy.seed=-1"], ["seed=-1", "[0, 2**31 - 1)"], {}),
     ("random-seed-text", [*TINY, "policy=random", "policy.seed=abc"], ["seed='abc'", "an int"], {}),
+    # models (gemma3-270m, experiment=models): perplexity's BOS switch, the packaged model's config
+    ("ppl-add-bos-not-bool", [*TINY, "task=austen_ppl", "+task.add_bos_token=maybe"],
+     ["task.add_bos_token='maybe'", "true/false or null"], {}),
+    ("gemma-cpu-run-of-gpu-request", ["model=gemma3-270m", "model.device_map=cpu", "model.resources.gpus=1",
+                                      "threads=1"], ["device_map='cpu'", "gpus=1", "model.resources.gpus=0"], {}),
+    ("gemma-params-zero", ["model=gemma3-270m", "model.params=0", "threads=1"], ["model.params=0", "an integer > 0"],
+     {}),
+    ("models-experiment-unknown-model", ["-m", "experiment=models", "model=gemma4"], ["model=gemma4", "allowed",
+                                                                                    "gemma3-270m"], {}),
 ]
 
 
@@ -378,8 +387,9 @@ def test_analysis_cli_bad_paths(capsys, tmp_path):
     from analysis.__main__ import main
 
     (tmp_path / "afile").write_text("x")
-    one_line_exit_2(main(["report", "--runs", str(tmp_path / "nonexistent"), "--out", str(tmp_path / "o")]), capsys,
-                    ["--runs=", "nonexistent", "no such folder"])
+    for what in ("report", "models"):
+        one_line_exit_2(main([what, "--runs", str(tmp_path / "nonexistent"), "--out", str(tmp_path / "o")]), capsys,
+                        ["--runs=", "nonexistent", "no such folder"])
     one_line_exit_2(main(["tables", "--runs", str(tmp_path), "--out", str(tmp_path / "afile")]), capsys,
                     ["--out=", "afile", "not a folder"])
     one_line_exit_2(main(["tables", "--runs", str(tmp_path / "afile")]), capsys, ["--runs=", "not a folder"])
