@@ -94,7 +94,7 @@ class Attached:
 
     def nonfinite_message(self, logits: torch.Tensor, peaks: list) -> str:
         rows = (~torch.isfinite(logits)).any(-1)  # (B, q)
-        offset = self.cache.layers[0].seen - logits.shape[1] if self.cache is not None else 0  # tokens before
+        offset = self.cache.get_seq_length() - logits.shape[1] if self.cache is not None else 0  # tokens before
         token = f"token {offset + int(rows.any(0).nonzero()[0])}" if bool(rows.any()) else "a token (logits finite)"
         layers = [i for i, peak in peaks if not math.isfinite(peak.item())]
         where = f"attention output in layer {layers[0]}" if layers else "logits, produced outside attention (MLP, " \

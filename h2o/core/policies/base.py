@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -69,14 +69,62 @@ class Counts:
     recent: torch.Tensor
     length: torch.Tensor  # the reference length the ratios were taken of
 
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return self.total, self.heavy, self.recent, self.length
+
+    def map(self, fn) -> "Counts":
+        """``fn`` applied to each field (a device move, a batch selection)."""
+        return Counts(*(fn(x) for x in self.fields()))
+
     def repeat(self, n: int) -> "Counts":
         """Each sequence's counts ``n`` times in a row: (B,) -> (B * n,), to judge n states of one sequence at once."""
-        return Counts(*(x[:, None].expand(-1, n).reshape(-1) for x in (self.total, self.heavy, self.recent,
-                                                                         self.length)))
+        return self.map(lambda x: x[:, None].expand(-1, n).reshape(-1))
+
+
+@dataclass(frozen=True)
+class KernelForm:
+    """What the simulated path's Triton row kernel runs for a policy (:mod:`h2o.core.row_kernel`).
+
+    ``kind``: "evict" (the held token of lowest score among those the protected set leaves is dropped) or
+    "restrict" (the whole cache kept; heavy hitters, then each query's top logits). ``params(counts)``: per
+    sequence int64 (B, 4) for "evict" (window or block, stride or summaries, grid on, protected count) or (B, 2)
+    for "restrict" (total, heavy). "evict" only: ``pattern`` the protected set (0: a recent window of
+    ``params[:, 0]`` tokens, 1: strided, 2: fixed), ``score`` an index of :data:`.score.SCORES`, ``decay``."""
+
+    kind: str
+    params: Callable[[Counts], torch.Tensor]
+    pattern: int = 0
+    score: int = 0
+    decay: float = 0.0
+
+
+COMPRESS = ("decode", "prefill")  # Policy.compress
+RULE = ("priority", "restrict", "score", "accumulate")  # the methods whose answers are the policy's decisions
+
+
+def declared(policy: "Policy", form: str):
+    """``policy``'s bound method ``form`` (a faster form of its rule: ``kernel_form``, ``decoder``,
+    ``held_rows``), or None if a class below the one that declares it redefines the rule (a subclass that
+    changes ``priority`` does not inherit a kernel or a closed form made for its parent's)."""
+    mro = type(policy).__mro__
+    at = next((c for c in mro if form in vars(c)), None)
+    if at is None:
+        return None
+    for name in RULE:
+        rule = next((c for c in mro if name in vars(c)), None)
+        if rule is not None and not issubclass(at, rule):
+            return None
+    return getattr(policy, form)
 
 
 class Policy:
-    """Base class. Subclasses set ``name`` and override :meth:`priority` (evicting) or :meth:`restrict`."""
+    """Base class. Subclasses set ``name`` and override :meth:`priority` (evicting) or :meth:`restrict`.
+
+    Every form of a policy's rule is declared on its class: the definition (:meth:`priority` / :meth:`restrict`,
+    :meth:`accumulate`), and where it has them its closed form (:meth:`held_rows`, with ``position_only``), its
+    incremental decoder (:meth:`decoder`) and its Triton kernel parameters (:meth:`kernel_form`). The paths read
+    the faster forms through :func:`declared`, so a subclass that changes the rule falls back to the definition.
+    """
 
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = True  # False: keeps the whole cache and restricts each query (top-k)
@@ -92,11 +140,14 @@ class Policy:
     window_closed_form: ClassVar[bool] = False
     quant = None  # the KV quantizer the policy's cache stores with (h2o.core.quant; set by the run's `quant`)
     splits: ClassVar[bool] = True  # the rule reads the heavy and recent parts apart (False: only their sum)
+    # when an evicting policy compresses: "decode" (the budget kept at every step as the sequence grows) or
+    # "prefill" (kvpress's protocol: cut once to the budget at the end of the prompt, every later token kept)
+    compress: str = "decode"
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
-        if cls.name:
+        if vars(cls).get("name"):  # its own name: a subclass inheriting one does not replace its parent
             Policy.registry[cls.name] = cls
 
     def __init__(self, budget: BudgetPart = 1.0, heavy: BudgetPart | None = None,
@@ -124,6 +175,16 @@ class Policy:
             raise PolicyError("heavy = recent = 0: the budget must be > 0")
         self.heavy, self.recent = heavy, recent
         self.budget = heavy + recent
+
+    def timed(self, compress: str) -> "Policy":
+        """This policy with the compression timing ``compress`` (:data:`COMPRESS`); returns it."""
+        if compress not in COMPRESS:
+            raise PolicyError(f"compress={compress!r}: allowed: {', '.join(COMPRESS)}")
+        if compress != "decode" and not self.evicts:
+            raise PolicyError(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
+                              f"allowed: decode")
+        self.compress = compress
+        return self
 
     # ----------------------------------------------------------------- budget
     def counts(self, length: torch.Tensor) -> Counts:
@@ -224,6 +285,16 @@ class Policy:
         with fewer ops (:class:`h2o.core.policies.protected.Protected`)."""
         return Decoder(self, counts)
 
+    def decoding(self, counts: Counts, host: Counts) -> "Decoder":
+        """The decoder the evicting cache uses: :meth:`decoder` where declared for this rule, else the default."""
+        make = declared(self, "decoder")
+        return make(counts, host) if make is not None else Decoder(self, counts)
+
+    def kernel_form(self) -> KernelForm | None:
+        """The simulated path's Triton row kernel for this policy (:class:`KernelForm`); None: the torch row
+        loop serves it (on CUDA with a one-line notice, :func:`h2o.core.row_kernel.use_kernel`)."""
+        return None
+
     # ---------------------------------------------------- restricting policies
     def restrict(self, logits: torch.Tensor, acc: torch.Tensor, allowed: torch.Tensor,
                  counts: Counts) -> torch.Tensor:
@@ -234,7 +305,8 @@ class Policy:
         raise NotImplementedError(f"{type(self).__name__} is not a restricting policy")  # abstract
 
     def describe(self) -> dict:
-        return {"policy": self.name, "budget": self.budget, "heavy": self.heavy, "recent": self.recent}
+        out = {"policy": self.name, "budget": self.budget, "heavy": self.heavy, "recent": self.recent}
+        return out if self.compress == "decode" else {**out, "compress": self.compress}  # the default unnamed
 
     def __repr__(self):
         return f"{type(self).__name__}(heavy={self.heavy}, recent={self.recent})"
