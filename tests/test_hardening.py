@@ -131,6 +131,9 @@ BAD = [
      ["policy.heavy=2", "random reads only", "policy.budget=4"], {}),
     ("random-seed-negative", [*TINY, "policy=random", "policy.seed=-1"], ["seed=-1", "[0, 2**31 - 1)"], {}),
     ("random-seed-text", [*TINY, "policy=random", "policy.seed=abc"], ["seed='abc'", "an int"], {}),
+    ("compress-unknown", [*TINY, "+policy.compress=later"], ["compress='later'", "allowed", "prefill"], {}),
+    ("compress-prefill-on-topk", [*TINY, "policy=topk", "+policy.compress=prefill"],
+     ["compress=prefill", "topk keeps the whole cache"], {}),
     # models (gemma3-270m, experiment=models): perplexity's BOS switch, the packaged model's config
     ("ppl-add-bos-not-bool", [*TINY, "task=austen_ppl", "+task.add_bos_token=maybe"],
      ["task.add_bos_token='maybe'", "true/false or null"], {}),
