@@ -25,26 +25,32 @@ def validate(args) -> None:
 
     from h2o.assets.model_spec import check_pretrained
     from h2o.core.policies import make_policy
-    from h2o.core.validate import check, output_dir
+    from h2o.core.validate import abbrev, check, output_dir, path_error
     from h2o.assets.model_spec import ModelSpec
     from h2o.tasks.batching import check_batch_size, from_text
     from h2o.tasks.lm_eval_model import QUANT_PREFIX, SCORING, SEMANTICS, make_lm_quant
 
     if getattr(args, "include_path", None):
-        check(Path(args.include_path).is_dir(), f"--include_path={args.include_path!r}: no such folder")
+        why = path_error(args.include_path)
+        check(why is None and Path(args.include_path).is_dir(),
+              f"--include_path={abbrev(args.include_path)}: {why or 'no such folder'}; expected a folder of task YAMLs")
     if getattr(args, "output_path", None):
         output_dir("--output_path", Path(args.output_path).parent)
     if getattr(args, "model", None) != "h2o":
         return
     options = dict(args.model_args or {}) if isinstance(args.model_args or {}, dict) else {}
     check_pretrained(options.get("pretrained", "smollm2-135m"), "--model_args pretrained")
-    make_policy(options.get("policy", "full"), **{k: options[k] for k in POLICY_KEYS if k in options})
+    policy = make_policy(options.get("policy", "full"), **{k: options[k] for k in POLICY_KEYS if k in options})
+    policy.check_unused(options, "--model_args ")
+    pretrained = str(options.get("pretrained", "smollm2-135m"))
+    longest = ModelSpec(pretrained, pretrained).max_positions()
+    if longest:
+        policy.check_reach(longest, "the model's longest context")
     check(options.get("semantics", "simulated") in SEMANTICS,
           f"--model_args semantics={options.get('semantics')!r}: allowed: {', '.join(SEMANTICS)}")
     check(options.get("scoring", "sum") in SCORING,
           f"--model_args scoring={options.get('scoring')!r}: allowed: {', '.join(SCORING)}")
     check_batch_size(from_text(getattr(args, "batch_size", 1)), "--batch_size", schedule=True)
-    pretrained = options.get("pretrained", "smollm2-135m")
     quant = make_lm_quant(options.get("quant", "none"), {k: v for k, v in options.items()
                                                          if k.startswith(QUANT_PREFIX)}, pretrained)
     if quant is not None:

@@ -61,6 +61,7 @@ from lm_eval.models.huggingface import HFLM
 from h2o.core.attach import attach
 from h2o.core.policies import make_policy
 from h2o.core.policies import Policy, PolicyError
+from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 
 SEMANTICS = ("simulated", "reference")
@@ -147,7 +148,7 @@ class H2OLM(HFLM):
         self._known: set[tuple[int, ...]] = set()
         self.cont_tokens: dict[tuple[str, str], int] = {}  # (context, continuation) -> continuation tokens
         self._per_token = False
-        self.stats = {"rows": 0, "tokens": 0, "unmatched_rows": 0}
+        self.stats = {"rows": 0, "tokens": 0, "unmatched_rows": 0, "clamped": 0}  # clamped: h2o.tasks.base.clamped
         self.sizings: list[Sizing] = []  # batch sizes chosen for batch_size=auto (h2o.tasks.batching)
         self.budgets: list[tuple[int, int]] = []  # per generated row: (prompt tokens, cache budget in tokens)
         self.questions: dict[str, str] = {}  # generation context -> the question that ends it (doc["question"])
@@ -218,6 +219,7 @@ class H2OLM(HFLM):
         self.stats["tokens"] += int(lengths.sum())
         if attn_mask is not None:
             return super()._model_call(inps, attn_mask, labels)
+        self.stats["clamped"] += clamped(self.policy, lengths.tolist())
         with torch.no_grad():
             if self.semantics == "reference":  # the paper code's rule: one unpadded sequence at a time
                 out = None

@@ -13,6 +13,7 @@ from .topk import TopK, per_seq, top_mask, top_rank
 class TopKH2(TopK):
     name = "topk_h2"
     evicts = False
+    splits = True  # the heavy part first, then top-k up to the whole budget
     needs_scores = True
 
     def restrict(self, logits, acc, allowed, counts: Counts):
