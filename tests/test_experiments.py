@@ -164,7 +164,8 @@ def test_dry_run_lists_every_job(capsys):
     assert {(j[3], j[5]) for j in jobs} == set(product(["copa", "openbookqa", "piqa", "winogrande"],
                                                         ["full", "topk", "topk_h2"]))
     assert all(j[2] == "opt-30b" and j[4] == "5" and j[7].startswith("table8/opt-30b/") for j in jobs)
-    assert lines[-1] == "12 jobs: 12 to run, 0 finished already, 0 duplicates of an earlier job (skipped)"
+    assert lines[-1] == ("12 jobs: 12 to run, 0 finished already, 0 duplicates, 0 served by the full run "
+                         "(budget 1.0 never evicts)")
 
 
 # ------------------------------------------------------------------------------------- run records
