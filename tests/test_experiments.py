@@ -109,12 +109,9 @@ def test_model_task_logger_launcher_details(hydra_ctx, monkeypatch):
                for t in ("copa", "mathqa", "openbookqa", "piqa", "rte", "winogrande"))
     wb = _compose(["logger=wandb"]).logger
     assert wb.wandb is True and wb.mode in ("offline", os.environ.get("WANDB_MODE"))
-    monkeypatch.setenv("H2O_SLURM_PARTITION", "gpu-long")
-    monkeypatch.setenv("H2O_SLURM_GPUS", "4")
+    # a known choice to Hydra; h2o-run hands it to h2o.pipeline.launch (tests/test_jobs.py), settings: conf/cluster.yaml
     launcher = _compose(["hydra/launcher=slurm"], hydra_cfg=True).hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
-    assert (launcher.partition, launcher.gpus_per_node, launcher.timeout_min) == ("gpu-long", 4, 240)
-    assert launcher.max_num_timeout > 0 and launcher.additional_parameters.requeue is True
     local = _compose(["hydra/launcher=submitit_local"], hydra_cfg=True).hydra.launcher
     assert local._target_.endswith("LocalLauncher")
 
