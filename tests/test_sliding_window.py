@@ -250,15 +250,15 @@ def test_learned_sinks_are_honoured_in_both_paths(name):
         assert not close(plain(model, ids, mask), ref, 1e-3)
 
 
-@pytest.mark.parametrize("name,score,budget,prompt_len", [  # each kernel branch once (the interpreter is slow)
-    ("h2o", "mean", 0.3, 0), ("fixed_h2", "decay", 7, 6), ("topk_h2", None, 0.3, 0)])
-def test_row_kernel_honours_the_window(monkeypatch, name, score, budget, prompt_len):
+@pytest.mark.parametrize("name,score,budget,prompt_len,T", [  # each kernel branch once (the interpreter is slow)
+    ("h2o", "mean", 0.3, 0, 24), ("fixed_h2", "decay", 7, 6, 24), ("topk_h2", None, 0.4, 0, 16)])
+def test_row_kernel_honours_the_window(monkeypatch, name, score, budget, prompt_len, T):
     """The Triton kernel (under TRITON_INTERPRET=1 without a GPU) against the torch loop with a window of 8 over
-    24 rows, left and right padding: the same rows, and the window changes the decisions (not vacuous)."""
+    T rows, left and right padding: the same rows, and the window changes the decisions (not vacuous)."""
     from h2o.core import row_kernel, simulate
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    T, window = 24, 8
+    window = 8 if T > 16 else 6
     logits = torch.randn(3, 2, 2, T, T, generator=torch.Generator().manual_seed(4)).to(device) * 3
     valid = torch.ones(3, T, dtype=torch.bool, device=device)
     valid[1, :4] = False
@@ -272,3 +272,44 @@ def test_row_kernel_honours_the_window(monkeypatch, name, score, budget, prompt_
         rows[choice, w] = simulate.policy_allowed(policy, logits, allowed, valid, prompt_len, window=w)
     assert torch.equal(rows["torch", window], rows["triton", window])
     assert not torch.equal(rows["torch", window], rows["torch", None] & simulate.causal_valid(valid, window))
+
+
+@pytest.mark.parametrize("name,budget", [("local", 5), ("local", 0.2), ("streaming_llm", 9), ("streaming_llm", 0.2),
+                                         ("strided", 8), ("strided", 0.3)])
+def test_closed_forms_stay_exact_with_the_window(monkeypatch, name, budget):
+    """local, streaming_llm and strided keep their closed form on sliding layers (Policy.window_closed_form):
+    equal to the row loop, which makes the decisions step by step, with and without a prompt, left padding."""
+    from h2o.core import simulate
+
+    T, window = 40, 12
+    valid = torch.ones(2, T, dtype=torch.bool)
+    valid[1, :7] = False
+    policy = make_policy(name, budget=budget)
+    logits = torch.randn(2, 1, 1, T, T, generator=torch.Generator().manual_seed(6))
+    for prompt_len in (0, 20):
+        allowed = simulate.causal_valid(valid, window)
+        closed = simulate.policy_allowed(policy, logits, allowed, valid, prompt_len, window=window)
+        monkeypatch.setattr(type(policy), "window_closed_form", False)
+        loop = simulate.policy_allowed(policy, logits, allowed, valid, prompt_len, window=window)
+        monkeypatch.undo()
+        assert torch.equal(closed.expand_as(loop), loop), prompt_len
+        assert not torch.equal(loop, allowed.expand_as(loop))  # the policy drops tokens inside the window
+
+
+def test_quantized_cache_on_a_sliding_layer():
+    """A quantized cache (uniform 4-bit) on Gemma-3's sliding layer: both paths agree to quantization noise and
+    the sliding layer holds at most its window."""
+    from h2o.core.quant import Uniform
+
+    model = tiny_model("gemma3")
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    policy, quant = make_policy("full"), Uniform(4, 8)
+    with torch.no_grad():
+        with attach(model, policy, quant=quant):
+            sim = model(ids).logits
+        with attach(model, policy, mode="real", quant=quant) as h:
+            cache = h.new_cache(ref_len=40)
+            out = torch.cat([model(ids[:, t:t + 1], cache=cache).logits for t in range(40)], 1)
+    effect = (sim - plain(model, ids, torch.ones_like(ids))).abs()
+    assert (out - sim).abs().max() < 0.01 * effect.max() and effect.max() > 1e-2
+    assert [layer.keys.shape[-2] for layer in cache.layers] == [W, 40]

@@ -86,9 +86,9 @@ class Policy:
     # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop)
     position_only: ClassVar[bool] = False
     # True: on a sliding-window layer too, the cache at row i is the top ``total - 1`` of the older tokens *inside
-    # the window* (:meth:`held_rows` with ``window``). Holds where a token outranks every older non-protected one
-    # and the protected tokens are the oldest (local, streaming_llm): what the window frees is then refilled by
-    # newer tokens only. Else the simulated path runs the row loop on sliding layers (docs/attention.md)
+    # the window* (:meth:`held_rows` with ``window``). Holds where, for a dropped token, either every newer token
+    # outranks it from then on or no older one does (local, streaming_llm, strided; docs/attention.md): the window
+    # takes one older token per row as one arrives. Else the simulated path runs the row loop on sliding layers
     window_closed_form: ClassVar[bool] = False
     quant = None  # the KV quantizer the policy's cache stores with (h2o.core.quant; set by the run's `quant`)
     registry: ClassVar[dict[str, type["Policy"]]] = {}

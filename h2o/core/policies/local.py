@@ -7,7 +7,7 @@ class Local(Policy):
 
     name = "local"
     position_only = True
-    window_closed_form = True  # the window of the budget within the layer's window
+    window_closed_form = True  # the budget's window within the layer's window
 
     def priority(self, pos, acc, now, counts: Counts):
         return pos.double()  # (B, H, S)

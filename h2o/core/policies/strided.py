@@ -20,6 +20,7 @@ def stride_of(counts: Counts) -> torch.Tensor:
 class Strided(Policy):
     name = "strided"
     position_only = True
+    window_closed_form = True  # newer tokens outrank a dropped non-grid token; no older one outranks a grid token
 
     def priority(self, pos, acc, now, counts: Counts):
         return tiered(*self.tiers(pos, now, self.consts(counts)), pos)  # (B, H, S)
