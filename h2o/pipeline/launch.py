@@ -10,6 +10,8 @@ folder: ``policy=full`` crossed with budgets), runs still pending or running fro
 and runs that never evict (local/h2o/... at budget 1.0 with the
 default semantics), which are the full run by construction: their cell is served by the ``full`` record of the
 same model, task and settings (listed as ``served`` in ``<sweep dir>/launch.json``; analysis reads full there).
+The rule for each state is :mod:`h2o.pipeline.jobs`'s, the same for the local runner and ``make status``;
+``h2o-run -m ... hydra/launcher=slurm`` hands its command line to this module.
 
 Resources come from the model (``conf/model/*.yaml`` ``resources``), the site's settings and task sizes from
 ``conf/cluster.yaml``. A chunk holds up to ``cluster.chunk`` runs of one model, cut earlier when its estimated
