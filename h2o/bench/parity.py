@@ -27,22 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from h2o.bench.parity_methods import DECODE, DECODE_ONLY, EXTRA, OURS, kept
 from h2o.core.validate import ArgParser, check, choice, guard, output_dir, output_file, positive_int, split_list
 
-# kvpress method -> the harness policy with the same rule ((name, options), None: not built yet)
-OURS = {
-    "full": ("full", {}),
-    "streaming_llm": ("streaming_llm", {"sinks": 4}),
-    "observed_attention": ("h2_only", {"score": "mean"}),
-    "tova": ("tova", {}), "snapkv": None, "pyramidkv": None, "adakv_snapkv": None, "knorm": None, "keydiff": None,
-    "expected_attention": None, "random": ("random", {"seed": 0}),
-    # a diagnostic of the decoding timing, not a kvpress method: StreamingLLMPress with its kept tokens left in
-    # position order (tools/parity/kvpress_side.py)
-    "streaming_llm_ordered": ("streaming_llm", {"sinks": 4}),
-}
-EXTRA = {"h2o": ("h2o", {})}  # ours without a kvpress counterpart, shown beside the nearest one (observed_attention)
-DECODE = ("streaming_llm", "streaming_llm_ordered", "knorm", "keydiff", "random")  # with a decoding timing here
-DECODE_ONLY = {"streaming_llm_ordered": "streaming_llm"}  # diagnostic rows: ours is the named method's record
 NEEDLE_Q = "\n\nQuestion: What is the magic number mentioned in the text above?\nAnswer: The magic number is"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,11 +62,6 @@ def make_prompts(tokenizer, text: str, contexts: int, needles: int, context_len:
                               "question": tokenizer(NEEDLE_Q, add_special_tokens=False).input_ids,
                               "answer": tokenizer(f" {number}.", add_special_tokens=False).input_ids})
     return out
-
-
-def kept(context_len: int, ratio: float) -> int:
-    """kvpress's tokens kept for ``compression_ratio`` ratio: ``int(L * (1 - r))``."""
-    return int(context_len * (1 - ratio))
 
 
 # ----------------------------------------------------------------------------------------------- our side
