@@ -108,4 +108,16 @@ gpu-check: install ## on one GPU (<= 10 min): equivalence in fp32/fp16/bf16, lau
 wandb: install ## mirror EXP's records in runs/ to wandb (offline unless WANDB_MODE=online; idempotent) and log its summary run
 	$(PY) -m h2o.pipeline.wandb_sync runs --experiment $(EXP) --summary
 
-.PHONY: help install test tables figures report docs-results data model bench stream sweep wandb status prefetch gpu-check
+# Parity with kvpress (outside CI): kvpress 0.5.5 in its own virtualenv .parity-venv (torch 2.13.0 first, then
+# kvpress with its transformers pin), each of its presses beside the harness's method on the same SmolLM2 prompts;
+# records under runs/parity/ (resumable), table in docs/results/parity.md. PARITY_ARGS: python -m h2o.bench.parity
+# options (--contexts, --needles, --context-len, --cont-len, --ratios, --methods, --decode, --out). Measured with
+# --contexts 2 --needles 1 --context-len 1024 --cont-len 128 --ratios 0.8 --decode: 41 min (kvpress side) beside
+# 31 min (ours) on 2 shared cores at load ~12; the defaults (2 x 2,048-token contexts, 2 needles, 3 ratios) are
+# several times that.
+PARITY_ARGS ?= --decode
+parity: install ## kvpress 0.5.5 beside the harness, same prompts (own venv .parity-venv; PARITY_ARGS) -> docs/results/parity.md
+	tools/parity/setup_venv.sh .parity-venv
+	$(PY) -m h2o.bench.parity $(PARITY_ARGS)
+
+.PHONY: help install test tables figures report docs-results data model bench stream sweep wandb status prefetch gpu-check parity

@@ -1,0 +1,43 @@
+"""tova: the newest query's attention, averaged over the layer's heads (TOVA, Oren et al., arXiv 2401.06104).
+
+Rule (docs/methods.md): when a token must go, the cached token that the newest query attended to least goes, its
+attention averaged over every query head of the layer (so all KV heads drop the same position). The score is not
+accumulated: each query replaces it. kvpress's TOVAPress applies the same score once at the end of the prompt and
+always keeps the prompt's last token; here the token judged as "now" (the prompt's last at the cut) is kept too.
+
+Order of events: the cache decides at step t with query t-1's attention over the tokens query t-1 saw, the new
+token taking the freed slot; with this harness's budget ``n`` (the query itself included) that is TOVA's rule for
+a cache of ``n - 1`` tokens (TOVA's query sees its cache plus itself, then drops one).
+
+State: ``acc`` (B, Hkv, S) holds the newest valid query row's probabilities, head-averaged, the same for every KV
+head.
+"""
+import torch
+
+from .base import Counts, Policy, bcast, const
+
+
+class TOVA(Policy):
+    name = "tova"
+    needs_scores = True
+
+    def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
+        super().__init__(budget, heavy, recent, heavy_share)
+        zero = 0.0 if isinstance(self.budget, float) else 0
+        Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent window: the whole budget is scored
+
+    def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """acc (B, H, S) <- the last valid row of probs (B, H, G, r, S), averaged over (H, G); a sequence with no
+        valid row in this block (left pads) keeps its state."""
+        B, H, G, r, S = probs.shape
+        if valid is None:
+            last = probs[:, :, :, -1]  # (B, H, G, S)
+            acc.copy_(last.mean((1, 2))[:, None, :].expand(B, H, S))
+            return
+        idx = torch.where(valid, torch.arange(r, device=valid.device), -1).amax(-1)  # (B,) last valid row, -1: none
+        last = probs.gather(3, idx.clamp(min=0).view(B, 1, 1, 1, 1).expand(B, H, G, 1, S))[:, :, :, 0]
+        mean = last.mean((1, 2))[:, None, :].expand(B, H, S)  # (B, H, S)
+        acc.copy_(torch.where(bcast(idx >= 0), mean, acc))
+
+    def priority(self, pos, acc, now, counts: Counts):
+        return torch.where(pos == bcast(now), const(float("inf"), acc.dtype, acc.device), acc)  # (B, H, S) fp32
