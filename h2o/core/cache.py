@@ -163,7 +163,9 @@ class EvictingLayer(BatchHooks, DynamicLayer):
         if self.q > 1:
             rows = probs.shape[-2]
             valid = self.valid[:, r:r + rows]  # (B, rows)
-            self.policy.accumulate(self.acc, probs * valid[:, None, None, :, None], valid)
+            at = self.pos.shape[-1] - self.q + r
+            left = (self.n_tok - 1)[:, None] - self.pos[:, 0, at:at + rows]  # (B, rows) tokens after each row
+            self.policy.accumulate_prompt(self.acc, probs * valid[:, None, None, :, None], valid, left)
         elif self.policy.needs_scores:  # a decoding token is never a pad
             self.policy.accumulate(self.acc, probs)
 
@@ -315,7 +317,8 @@ class EvictingLayer(BatchHooks, DynamicLayer):
             self.expire(self.n_tok - 1)
         valid = self.pos >= 0
         if self.limited():
-            keep = keep_top(self.policy.priority(self.pos, self.acc, self.n_tok - 1, self.counts), valid,
+            acc = self.policy.cut_score(self.acc, self.read()[0], valid) if self.policy.reads_keys else self.acc
+            keep = keep_top(self.policy.priority(self.pos, acc, self.n_tok - 1, self.counts), valid,
                             self.counts.total)  # (B, H, S)
             self.host_held = [min(h, t) for h, t in zip(self.host_held, self.host_total)]
         else:

@@ -167,7 +167,7 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
         if semantics == "reference":
             allowed = allowed & reference_allowed(logits, allowed, rows or reference_plan(policy, valid))
         elif not policy.is_full:
-            allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows, window)
+            allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows, window, key)
     if probs is None:
         probs = masked_softmax(logits, allowed)  # (B, Hkv, G, T, T)
     out = grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
@@ -199,14 +199,15 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows
 
 
 def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None,
-                     window: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     window: int | None = None, key: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(:func:`policy_allowed`'s mask, and where the torch row loop computes them anyway, every row's attention
     probabilities (B, Hkv, G, T, T) fp32, equal to ``masked_softmax(logits, mask)`` (None otherwise)): the layer
-    then skips a second softmax over the whole T x T."""
+    then skips a second softmax over the whole T x T. ``key`` (B, Hkv, T, D): for a score of the keys."""
     T = valid.shape[1]
     counts = policy.counts(reference_length(valid, prompt_len))
     if policy.evicts and policy.compress == "prefill":
-        return compressed_once(policy, logits, allowed, valid, prompt_len, counts, window), None
+        return compressed_once(policy, logits, allowed, valid, prompt_len, counts, window, key), None
     if closed(policy, window):
         held = closed_form(policy, valid, counts, max(prompt_len - 1, 0), window)  # (B, 1, 1, T, T)
         if not prompt_len:
@@ -247,25 +248,30 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     return out, seen
 
 
-def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, counts, window: int | None = None
-                    ) -> torch.Tensor:
+def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, counts, window: int | None = None,
+                    key: torch.Tensor | None = None) -> torch.Tensor:
     """``compress="prefill"``: the prompt's rows see their prefix; the cache is cut once to the budget at the end
     of the prompt, as the real path's cut (the window first, then the top ``total`` by priority, the scores of the
-    prompt's rows); every later token is kept, so a later row sees what the cut kept and every newer token
-    (inside the window). Without a prompt nothing is cut. -> (B, Hkv | 1, 1, T, T) bool."""
+    prompt's rows, :meth:`Policy.cut_score` of the ``key`` (B, Hkv, T, D)); every later token is kept, so a later
+    row sees what the cut kept and every newer token (inside the window). Without a prompt nothing is cut.
+    -> (B, Hkv | 1, 1, T, T) bool."""
     allowed = causal_valid(valid, window) if allowed is None else allowed  # (B, 1, 1, T, T)
     if not prompt_len:
         return allowed
     B, T = valid.shape
     Hkv = 1 if logits is None else logits.shape[1]
     col = torch.arange(T, device=valid.device)
-    posH = positions(valid)[:, None, :].expand(B, Hkv, T)
+    pos = positions(valid)  # (B, T)
+    posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (col < prompt_len))[:, None, :].expand(B, Hkv, T)
     acc = torch.zeros(B, Hkv, T, device=valid.device)  # (B, Hkv, T) the prompt rows' scores
+    now = keep[:, 0].sum(-1) - 1
     if policy.needs_scores:
         probs = masked_softmax(logits[..., :prompt_len, :], allowed[..., :prompt_len, :])  # (B, Hkv, G, P, T)
-        policy.accumulate(acc, probs * valid[:, None, None, :prompt_len, None], valid[:, :prompt_len])
-    now = keep[:, 0].sum(-1) - 1
+        policy.accumulate_prompt(acc, probs * valid[:, None, None, :prompt_len, None], valid[:, :prompt_len],
+                                 now[:, None] - pos[:, :prompt_len])
+    if policy.reads_keys:
+        acc = policy.cut_score(acc, key, keep)
     if window is not None:  # the window first: what left it is gone before the policy decides
         keep = keep & (posH > bcast(now - window))
     keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
