@@ -11,7 +11,8 @@ Sums over rows and heads and the pooling are linear, so ``acc`` accumulates the 
 over the G heads, divided by ``w * G`` (:meth:`accumulate_prompt`, told each row's place), and the pooling runs
 once at the cut (:meth:`priority`), by position (pads and slot order do not matter).
 
-Where kvpress asserts ``L > w``, a prompt of at most ``w`` tokens here is all window: the newest ``n`` are kept.
+Where kvpress asserts ``L > w``, a prompt of at most ``w`` tokens here is all window: the newest ``n`` are kept
+(likewise a budget below ``w``: the window's ties go to the newest, kvpress's to topk's order).
 Per-sequence maximum for the window's score (kvpress: the batch's maximum; the same for one sequence).
 """
 import torch
