@@ -22,8 +22,14 @@ help: ## list the targets
 
 install: .venv/installed ## create .venv and install the package with its pinned stack
 
-test: install ## run the test suite (what CI runs)
+test: install ## run the test suite (what CI runs); tests/test_slurm_real.py brings a one-node Slurm up and down itself (root)
 	$(PY) -m pytest -q
+
+slurm-up: ## start the one-node Slurm of the tests (root; installs the Debian packages if missing); then export SLURM_CONF=/tmp/h2o-slurm/slurm.conf
+	bash tests/slurm/up.sh
+
+slurm-down: ## stop it
+	bash tests/slurm/down.sh
 
 data: install ## fetch bigbench files and Austen novels into the cache
 	$(PY) -m h2o.assets.data
@@ -120,4 +126,4 @@ parity: install ## kvpress 0.5.5 beside the harness, same prompts (own venv .par
 	tools/parity/setup_venv.sh .parity-venv
 	$(PY) -m h2o.bench.parity $(PARITY_ARGS)
 
-.PHONY: help install test tables figures report docs-results data model bench stream sweep wandb status prefetch gpu-check parity
+.PHONY: help install test slurm-up slurm-down tables figures report docs-results data model bench stream sweep wandb status prefetch gpu-check parity

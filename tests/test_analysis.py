@@ -276,6 +276,19 @@ def test_experiment_tables(df):
         == ("250.0", "2.50×", "0.20×")
 
 
+def test_budget_one_without_its_own_record_shows_the_full_cache(tmp_path):
+    """A Slurm sweep runs local/h2o at budget 1.0 once, as full (h2o.pipeline.launch: served): the cell shows
+    full's value, said in the caption; a record of the policy's own at 1.0 is shown as it is."""
+    for policy, budget in (("full", 1.0), ("h2o", 0.2), ("local", 0.2), ("local", 1.0)):
+        perplexity(tmp_path, policy, budget)
+    (table,) = experiment_tables(load_runs(tmp_path))
+    full, h2o, local = (row(table, "smollm2-135m", "austen_ppl", p) for p in ("full", "H2O", "local"))
+    assert h2o["1"] == full["1"] != MISSING and h2o["0.2"] != full["1"]
+    assert local["1"].startswith(f"{math.exp(np.mean(NLL['local'])):.2f} [")  # its own record
+    assert "budget 1 cells of an evicting policy without a record of their own (1): the full cache's" \
+        in " ".join(table.caption)
+
+
 def test_differences_pair_the_samples_both_runs_scored(df):
     recs = [r for r in as_records(df[df["experiment"] == "default"]) if r["task"] == "austen_ppl"]
     full, local = (choose(select(recs, w), "ppl") for w in ({"policy": "full"},

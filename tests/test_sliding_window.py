@@ -213,13 +213,62 @@ def test_unsupported_settings_are_refused_at_attach(setting, needle):
             pass
 
 
-def test_learned_sinks_are_refused_at_attach():
+def tiny_gpt_oss():
+    """GPT-OSS: alternating sliding (window 16) and global layers, learned sink logits (drawn large enough to
+    matter), mixture-of-experts MLP."""
     from transformers import AutoModelForCausalLM, GptOssConfig
 
-    cfg = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=2,
-                       num_experts_per_tok=1, sliding_window=8)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    with pytest.raises(PolicyError, match=r"model_type=gpt_oss: learned attention sink logits \(s_aux\)"):
-        with attach(model, make_policy("full")):
-            pass
+    cfg = GptOssConfig(vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=2,
+                       num_experts_per_tok=1, sliding_window=W, pad_token_id=0, initializer_range=0.1)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+        for m in model.modules():
+            if hasattr(m, "sinks"):
+                m.sinks.data = torch.randn(m.sinks.shape) * 2
+    return model
+
+
+@pytest.mark.parametrize("name", ["full", "h2o", "streaming_llm"])
+def test_learned_sinks_are_honoured_in_both_paths(name):
+    """GPT-OSS's s_aux: one more logit per query head in the softmax's denominator. full is the plain model;
+    a policy is the same in both paths; the sinks change the logits (not vacuous)."""
+    model = tiny_gpt_oss()
+    assert windows(model) == [W, None]
+    ids, mask = batch(48, 5)
+    policy = make_policy(name, budget=0.3)
+    sim = simulated(model, policy, ids, mask, prompt_len=20)
+    out, _, slots = real(model, policy, ids, mask, prompt=20)
+    assert close(out, sim) and slots[0] <= W
+    if name == "full":
+        ref = plain(model, ids, mask)
+        assert close(sim, ref, 1e-5) and close(simulated(model, policy, ids, mask), ref, 1e-5)
+        for m in model.modules():
+            if hasattr(m, "sinks"):
+                m.sinks.data.fill_(-float("inf"))  # no sink
+        assert not close(plain(model, ids, mask), ref, 1e-3)
+
+
+@pytest.mark.parametrize("name,score,budget,prompt_len", [  # each kernel branch once (the interpreter is slow)
+    ("h2o", "mean", 0.3, 0), ("fixed_h2", "decay", 7, 6), ("topk_h2", None, 0.3, 0)])
+def test_row_kernel_honours_the_window(monkeypatch, name, score, budget, prompt_len):
+    """The Triton kernel (under TRITON_INTERPRET=1 without a GPU) against the torch loop with a window of 8 over
+    24 rows, left and right padding: the same rows, and the window changes the decisions (not vacuous)."""
+    from h2o.core import row_kernel, simulate
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    T, window = 24, 8
+    logits = torch.randn(3, 2, 2, T, T, generator=torch.Generator().manual_seed(4)).to(device) * 3
+    valid = torch.ones(3, T, dtype=torch.bool, device=device)
+    valid[1, :4] = False
+    valid[2, T - 6:] = False
+    policy = make_policy(name, budget=budget, **({"score": score, "decay": 0.8} if score else {}))
+    assert row_kernel.supports(policy)
+    rows = {}
+    for choice, w in (("torch", window), ("triton", window), ("torch", None)):
+        monkeypatch.setenv("H2O_ROW_KERNEL", choice)
+        allowed = simulate.causal_valid(valid, w)
+        rows[choice, w] = simulate.policy_allowed(policy, logits, allowed, valid, prompt_len, window=w)
+    assert torch.equal(rows["torch", window], rows["triton", window])
+    assert not torch.equal(rows["torch", window], rows["torch", None] & simulate.causal_valid(valid, window))

@@ -36,15 +36,16 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
                   softcap=None, s_aux=None, **kwargs):
     """The settings transformers passes per layer: ``scaling``; ``sliding_window`` (the layer's window, None on a
     global layer: a token leaves the layer once out of it, before the policy decides, docs/attention.md);
-    ``softcap`` (Gemma-2: ``tanh(x / c) * c`` on the logits). Learned sink logits (``s_aux``, GPT-OSS) and
-    dropout are refused (``attach`` refuses them before anything runs; this is the guard of last resort)."""
+    ``softcap`` (Gemma-2: ``tanh(x / c) * c`` on the logits); ``s_aux`` (GPT-OSS: a learned sink logit per
+    query head in the softmax's denominator). Dropout is refused (``attach`` refuses it in training mode before
+    anything runs; this is the guard of last resort)."""
     state = getattr(module, "h2o", None)
     if state is None:
         raise RuntimeError("attn_implementation='h2o' needs the model attached: use h2o.core.attach(model, policy)")
-    if s_aux is not None or dropout:
-        setting = "learned sink logits (s_aux)" if s_aux is not None else f"dropout={dropout}"
-        raise PolicyError(f"{type(module).__name__}: {setting} not supported by the h2o attention; allowed: "
-                          f"models without learned sinks, in eval mode")
+    if dropout:
+        raise PolicyError(f"{type(module).__name__}: dropout={dropout} not supported by the h2o attention; allowed: "
+                          f"eval mode (model.eval())")
+    sinks = None if s_aux is None else s_aux.float().view(1, key.shape[1], -1, 1, 1)  # (1, Hkv, G, 1, 1)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     window = sliding_window or None
     if state.mode == "simulated":
@@ -63,11 +64,11 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
             key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
                                          prompt_len=state.prompt_len, semantics=state.semantics, plan=plan,
-                                         window=window, softcap=softcap)
+                                         window=window, softcap=softcap, sinks=sinks)
         state.flag(module.layer_idx, out)
         state.observe(module, probs)
         return out, probs
-    return real_attention(state, module, query, key, value, attention_mask, scaling, window, softcap)
+    return real_attention(state, module, query, key, value, attention_mask, scaling, window, softcap, sinks)
 
 
 def new_valid(attention_mask, query) -> torch.Tensor:
@@ -82,11 +83,12 @@ def new_valid(attention_mask, query) -> torch.Tensor:
 ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S) fp32 scores
 
 
-def real_attention(state, module, query, key, value, attention_mask, scaling, window=None, softcap=None):
+def real_attention(state, module, query, key, value, attention_mask, scaling, window=None, softcap=None,
+                   sinks=None):
     """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D): the layer says what each block of
     query rows may see and takes their attention probabilities (:meth:`EvictingLayer.begin`, ``visible``,
     ``attended``, ``end_forward``); here the math. ``window``: the layer's sliding window (the layer drops what
-    leaves it)."""
+    leaves it); ``sinks``: learned sink logits (:func:`masked_softmax`)."""
     if state.cache is None:
         raise PolicyError("mode='real' needs a cache: pass cache=h.new_cache() to the model")
     layer = state.cache.layers[module.layer_idx]
@@ -98,7 +100,7 @@ def real_attention(state, module, query, key, value, attention_mask, scaling, wi
     outs = []
     for r in range(0, q, ROWS):
         logits = scores(qg if q <= ROWS else qg[..., r:r + ROWS, :], key, scaling, softcap)  # (B, Hkv, G, r, S)
-        probs = masked_softmax(logits, layer.visible(logits, r))  # (B, Hkv, G, r, S)
+        probs = masked_softmax(logits, layer.visible(logits, r), sinks)  # (B, Hkv, G, r, S)
         layer.attended(probs, r)
         outs.append(grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value))
     layer.end_forward(q)

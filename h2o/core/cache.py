@@ -220,6 +220,10 @@ class EvictingLayer(BatchHooks, DynamicLayer):
         """Whether the budget can drop a token (an evicting policy below 100%, not compressed once already)."""
         return self.policy.evicts and not self.policy.is_full and not self.compressed
 
+    def cuts(self) -> bool:
+        """Whether a prefill (chunk) ends with :meth:`cut`: a budget that drops tokens, or a sliding window."""
+        return self.limited() or self.window is not None
+
     def expire(self, now: torch.Tensor) -> None:
         """Sliding window: the slots of tokens out of the window of position ``now`` (B,) become empty."""
         self.pos.masked_fill_(self.pos <= bcast(now - self.window), -1)
@@ -302,7 +306,7 @@ class EvictingLayer(BatchHooks, DynamicLayer):
     def end_forward(self, q: int) -> None:
         """After the attention of a forward of ``q`` new tokens: a prefill (chunk) is cut back to the budget; with
         positions inside the cache, the held keys are renumbered (:class:`h2o.core.rerotate.KeyRerotation`)."""
-        if q > 1 and (self.limited() or self.window is not None):
+        if q > 1 and self.cuts():
             self.cut()
         self.compressed = self.policy.compress == "prefill"  # compressed once: every later token is kept
         if self.rerotation is not None:

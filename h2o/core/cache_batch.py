@@ -88,7 +88,7 @@ class BatchHooks:
                 self.sink = (src.keys[..., :1, :].clone(), src.values[..., :1, :].clone())
                 self.sink_real = src.pos[:, 0, 0] == 0
         self.adopt()
-        if self.limited() or self.window is not None:
+        if self.cuts():
             self.cut()
         self.compressed = self.policy.compress == "prefill"
 

@@ -2,11 +2,11 @@
 
 transformers passes these per layer to the attention function (:func:`h2o.core.attention.h2o_attention`):
 
-* ``scaling`` (every model) and ``softcap`` (Gemma-2's attention logit soft-capping): honoured in both paths;
+* ``scaling`` (every model), ``softcap`` (Gemma-2's attention logit soft-capping) and ``s_aux`` (GPT-OSS's
+  learned sink logits): honoured in both paths;
 * ``sliding_window`` (Mistral, Gemma-2/3, Qwen2 with ``use_sliding_window``, GPT-OSS, Cohere2, ...): honoured,
   the policy applies to the tokens inside the layer's window (docs/attention.md);
-* refused here in one line (``PolicyError``) before anything runs: learned sink logits (GPT-OSS ``s_aux``),
-  chunked attention (Llama-4 ``attention_chunk_size``), bidirectional attention (Gemma-3
+* refused here in one line (``PolicyError``) before anything runs: chunked attention (Llama-4 ``attention_chunk_size``), bidirectional attention (Gemma-3
   ``use_bidirectional_attention``, ``is_causal=False``), attention dropout in training mode, and
   ``semantics=reference`` (the paper code's rule) on a model with sliding layers.
 """
@@ -27,7 +27,6 @@ def refuse_unsupported(model, modules, semantics: str) -> None:
     kind = getattr(config, "model_type", type(model).__name__)
     layer_types = getattr(config, "layer_types", None) or []
     refused = [
-        (any(getattr(m, "sinks", None) is not None for m in modules), "learned attention sink logits (s_aux)"),
         (getattr(config, "attention_chunk_size", None) is not None or "chunked_attention" in layer_types,
          f"chunked attention (attention_chunk_size={getattr(config, 'attention_chunk_size', None)})"),
         (bool(getattr(config, "use_bidirectional_attention", False)) or not getattr(config, "is_causal", True),
@@ -38,7 +37,7 @@ def refuse_unsupported(model, modules, semantics: str) -> None:
     for bad, setting in refused:
         if bad:
             raise PolicyError(f"model_type={kind}: {setting} is not supported by the h2o attention; allowed: "
-                              f"causal attention with optional sliding windows and logit soft-capping")
+                              f"causal attention with optional sliding windows, logit soft-capping and sink logits")
     windows = [w for w in layer_windows(modules) if w is not None]
     if semantics == "reference" and windows:
         raise PolicyError(f"semantics=reference: the paper code's rule has no sliding window and model_type={kind} "

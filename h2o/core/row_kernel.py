@@ -70,8 +70,10 @@ if triton is not None:
 
     @triton.jit
     def score_rows_kernel(logits_ptr, keep_ptr, acc_ptr, out_ptr, pos_ptr, valid_ptr, room_ptr, par_ptr,
-                          H, T, G, start, decay, s_b, s_h, s_g, s_r,
-                          BLOCK: tl.constexpr, SCORE: tl.constexpr, PATTERN: tl.constexpr):
+                          H, T, G, start, decay, window, s_b, s_h, s_g, s_r,
+                          BLOCK: tl.constexpr, SCORE: tl.constexpr, PATTERN: tl.constexpr, WINDOW: tl.constexpr):
+        """WINDOW (a sliding-window layer of ``window``): the held tokens out of the row's window leave first;
+        the budget is full where this KV head still holds ``total`` tokens (room_ptr (B,) holds the totals)."""
         bh, b, h, cols, inb, keep, acc = program_state(keep_ptr, acc_ptr, H, T, BLOCK)
         pos = tl.load(pos_ptr + b * T + cols, mask=inb, other=-1)
         recent = tl.load(par_ptr + b * 4)  # h2o: the window; pattern: its window (strided) or block size (fixed)
@@ -80,7 +82,12 @@ if triton is not None:
         n_keep = tl.load(par_ptr + b * 4 + 3)  # pattern: held tokens it protects while a token arrives
         for i in range(start, T):
             tok = tl.load(valid_ptr + b * T + i) != 0
-            if tl.load(room_ptr + b * T + i) == 0:  # full: drop the lowest unprotected held token, oldest on ties
+            if WINDOW:  # a pad row (position -1) loses nothing
+                keep = keep & (pos > tl.load(pos_ptr + b * T + i) - window)
+                full = tok & (tl.sum(keep.to(tl.int64), 0) >= tl.load(room_ptr + b))
+            else:
+                full = tl.load(room_ptr + b * T + i) == 0
+            if full:  # full: drop the lowest unprotected held token, oldest on ties
                 now = tl.load(pos_ptr + b * T + i)
                 if PATTERN == 0:
                     protected = pos > now - recent
@@ -137,16 +144,20 @@ if triton is not None:
         return above | ((tie != 0) & (tl.cumsum(tie, 0) <= k - tl.sum(above.to(tl.int64), 0)))
 
     @triton.jit
-    def topk_rows_kernel(logits_ptr, keep_ptr, acc_ptr, out_ptr, valid_ptr, par_ptr, H, T, G, start,
-                         s_b, s_h, s_g, s_r, BLOCK: tl.constexpr):
-        """topk_h2: the whole cache is kept; each row and query head sees the ``heavy`` keys of highest score,
-        then its keys of highest logit up to ``total``."""
+    def topk_rows_kernel(logits_ptr, keep_ptr, acc_ptr, out_ptr, valid_ptr, pos_ptr, par_ptr, H, T, G, start,
+                         window, s_b, s_h, s_g, s_r, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
+        """topk_h2: the whole cache (its window on a sliding layer) is kept; each row and query head sees the
+        ``heavy`` keys of highest score, then its keys of highest logit up to ``total``."""
         bh, b, h, cols, inb, keep, acc = program_state(keep_ptr, acc_ptr, H, T, BLOCK)
         total_k = tl.load(par_ptr + b * 2).to(tl.int64)
         heavy_k = tl.load(par_ptr + b * 2 + 1).to(tl.int64)
+        if WINDOW:
+            pos = tl.load(pos_ptr + b * T + cols, mask=inb, other=-1)
         for i in range(start, T):
             tok = tl.load(valid_ptr + b * T + i) != 0
             keep = (keep & (cols != i)) | ((cols == i) & tok)
+            if WINDOW:
+                keep = keep & (pos > tl.load(pos_ptr + b * T + i) - window)
             hitters = top(acc, keep, heavy_k, cols)
             total = tl.zeros((BLOCK,), dtype=tl.float32)
             for g in range(G):
@@ -181,14 +192,13 @@ def notice(policy: Policy) -> None:
                       f"simulated path runs the torch row loop on CUDA", RuntimeWarning, stacklevel=3)
 
 
-def use_kernel(policy: Policy, device: torch.device, window: int | None = None) -> bool:
+def use_kernel(policy: Policy, device: torch.device) -> bool:
     """Whether the simulated path's row recurrence of ``policy`` runs as the Triton kernel on ``device``
-    (called for policies that walk rows: score-based evicting ones and topk_h2); a sliding-window layer
-    (``window``) takes the torch loop (the kernel has no window)."""
+    (called for policies that walk rows: score-based evicting ones and topk_h2; sliding layers included)."""
     choice = os.environ.get("H2O_ROW_KERNEL", "auto")
     if choice not in CHOICES:
         raise ValueError(f"H2O_ROW_KERNEL={choice!r}: allowed: {', '.join(CHOICES)}")
-    if choice == "torch" or window is not None:
+    if choice == "torch":
         return False
     if not supports(policy):
         if choice == "triton":
@@ -230,9 +240,11 @@ def coverage() -> list[str]:
     return lines
 
 
-def score_rows(policy: Policy, logits, valid, pos, counts, keep, acc, out, start: int) -> None:
+def score_rows(policy: Policy, logits, valid, pos, counts, keep, acc, out, start: int, window: int | None = None
+               ) -> None:
     """In place, rows start..T-1: ``out`` (B, Hkv, 1, T, T) bool rows, ``acc`` (B, Hkv, T) fp32 scores, ``keep``
-    (B, Hkv, T) bool the state after row start-1. logits (B, Hkv, G, T, T) fp32, valid/pos (B, T)."""
+    (B, Hkv, T) bool the state after row start-1. logits (B, Hkv, G, T, T) fp32, valid/pos (B, T). ``window``:
+    a sliding-window layer's (as :func:`h2o.core.simulate.row_loop`)."""
     B, H, G, T, _ = logits.shape
     if start >= T:
         return
@@ -243,18 +255,22 @@ def score_rows(policy: Policy, logits, valid, pos, counts, keep, acc, out, start
         rows = torch.zeros(B, H, G, T, T, dtype=torch.int8, device=logits.device)
         acc_c = acc.contiguous()
         topk_rows_kernel[(B * H,)](logits, keep.to(torch.int8).contiguous(), acc_c, rows,
-                                   valid.to(torch.int8).contiguous(), par, H, T, G, start, *logits.stride()[:4],
-                                   BLOCK=triton.next_power_of_2(T))
+                                   valid.to(torch.int8).contiguous(), pos.contiguous(), par, H, T, G, start,
+                                   window or 0, *logits.stride()[:4], BLOCK=triton.next_power_of_2(T),
+                                   WINDOW=window is not None)
         out[..., start:, :] = rows[..., start:, :].bool()
         acc.copy_(acc_c)
         return
-    before = valid.long().cumsum(-1) - valid.long()
-    room = ((before < counts.total[:, None]) | ~valid).to(torch.int8).contiguous()  # (B, T)
+    if window is None:  # (B, T) int8: below budget (or a pad) at each row
+        before = valid.long().cumsum(-1) - valid.long()
+        room = ((before < counts.total[:, None]) | ~valid).to(torch.int8).contiguous()
+    else:  # (B,) the budgets: the kernel counts what each head holds
+        room = counts.total.contiguous()
     rows = torch.zeros(B, H, T, T, dtype=torch.int8, device=logits.device)
     acc_c = acc.contiguous()
     score_rows_kernel[(B * H,)](logits, keep.to(torch.int8).contiguous(), acc_c, rows, pos.contiguous(),
                                 valid.to(torch.int8).contiguous(), room, par, H, T, G, start, float(form.decay),
-                                *logits.stride()[:4], BLOCK=triton.next_power_of_2(T), SCORE=form.score,
-                                PATTERN=form.pattern)
+                                window or 0, *logits.stride()[:4], BLOCK=triton.next_power_of_2(T),
+                                SCORE=form.score, PATTERN=form.pattern, WINDOW=window is not None)
     out[:, :, 0, start:] = rows[:, :, start:].bool()
     acc.copy_(acc_c)

@@ -34,12 +34,21 @@ def in_window(pos: torch.Tensor, window: int) -> torch.Tensor:
     return (pos[:, None, :] > pos[:, :, None] - window)[:, None, None]
 
 
-def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None, sinks: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """fp32 softmax over allowed keys (None: all); a row with none allowed is uniform (finite, like transformers'
-    eager)."""
+    eager). ``sinks`` (1, Hkv, G, 1, 1) fp32, learned sink logits (GPT-OSS ``s_aux``): one more logit per query
+    head in the denominator, attending to nothing (the probabilities then sum to less than 1)."""
     if allowed is not None:
         logits = logits.masked_fill(~allowed, torch.finfo(torch.float32).min)
-    return torch.softmax(logits, dim=-1)
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    return with_sinks(logits, sinks.view(*sinks.shape[:3], *[1] * (logits.dim() - 3)))
+
+
+def with_sinks(logits: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Softmax of ``logits`` (..., S) with one sink logit per row broadcast from ``sinks`` (..., 1), sink dropped."""
+    return torch.softmax(torch.cat([logits, sinks.expand(*logits.shape[:-1], 1)], -1), dim=-1)[..., :-1]
 
 
 @contextmanager
@@ -120,7 +129,7 @@ def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, seman
     if closed(policy, window):
         allowed = causal_valid(valid, window) if prompt_len else None
         return policy_allowed(policy, None, allowed, valid, prompt_len, window=window), None
-    return None, row_plan(policy, valid, prompt_len, window)
+    return None, row_plan(policy, valid, prompt_len)
 
 
 def reference_length(valid: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -128,7 +137,7 @@ def reference_length(valid: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return valid[:, :prompt_len].sum(-1) if prompt_len else valid.sum(-1)
 
 
-def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int, window: int | None = None) -> tuple[int, bool]:
+def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int, bool]:
     """(first row the row recurrence walks, whether a walked row can be a pad), on the host.
 
     The Triton kernel walks every row from the prompt on (below a budget a row evicts nothing; the kernel reads
@@ -137,7 +146,7 @@ def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int, window: int |
     host read per forward (free on the CPU), shared by the layers. A sliding window only delays the first
     eviction (fewer tokens are held), so the rows before ``start`` still evict nothing."""
     T = valid.shape[1]
-    if not policy.evicts or row_kernel.use_kernel(policy, valid.device, window):
+    if not policy.evicts or row_kernel.use_kernel(policy, valid.device):
         return min(prompt_len, T), True
     counts = policy.counts(reference_length(valid, prompt_len))
     filled = (valid.long().cumsum(-1) <= counts.total[:, None]).sum(-1)  # (B,) columns before a full cache
@@ -149,12 +158,13 @@ def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int, window: int |
 
 def simulated_attention(policy: Policy, query, key, value, valid, scaling: float,
                         prompt_len: int = 0, semantics: str = "h2o", plan: tuple | None = None,
-                        window: int | None = None, softcap: float | None = None):
+                        window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T).
 
     ``plan``: what :func:`forward_plan` built for this forward and window (None: built here). ``window``: the
     layer's sliding window (a token leaves the layer's cache once it is out of the window, before the policy
-    decides: the policy applies to the tokens inside it); ``softcap``: see :func:`scores`."""
+    decides: the policy applies to the tokens inside it); ``softcap``: see :func:`scores`; ``sinks``: see
+    :func:`masked_softmax`."""
     mask, rows = plan if plan is not None else (None, None)
     probs = None
     B, Hq, T, D = query.shape
@@ -167,9 +177,9 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
         if semantics == "reference":
             allowed = allowed & reference_allowed(logits, allowed, rows or reference_plan(policy, valid))
         elif not policy.is_full:
-            allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows, window, key)
+            allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows, window, sinks, key)
     if probs is None:
-        probs = masked_softmax(logits, allowed)  # (B, Hkv, G, T, T)
+        probs = masked_softmax(logits, allowed, sinks)  # (B, Hkv, G, T, T)
     out = grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
     return out.reshape(B, Hq, T, D).transpose(1, 2), probs.reshape(B, Hq, T, T)
 
@@ -199,11 +209,12 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows
 
 
 def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None,
-                     window: int | None = None, key: torch.Tensor | None = None
+                     window: int | None = None, sinks: torch.Tensor | None = None, key: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(:func:`policy_allowed`'s mask, and where the torch row loop computes them anyway, every row's attention
-    probabilities (B, Hkv, G, T, T) fp32, equal to ``masked_softmax(logits, mask)`` (None otherwise)): the layer
-    then skips a second softmax over the whole T x T. ``key`` (B, Hkv, T, D): for a score of the keys."""
+    probabilities (B, Hkv, G, T, T) fp32, equal to ``masked_softmax(logits, mask, sinks)`` (None otherwise)): the
+    layer then skips a second softmax over the whole T x T. With ``sinks`` the torch loop serves (the kernel's
+    softmax has none). ``key`` (B, Hkv, T, D): for a score of the keys (:meth:`Policy.cut_score`)."""
     T = valid.shape[1]
     counts = policy.counts(reference_length(valid, prompt_len))
     if policy.evicts and policy.compress == "prefill":
@@ -220,10 +231,10 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
         return torch.where(decoding, policy.restrict(logits, None, allowed, counts), allowed), None
 
     # rows < start need no eviction: the prompt, and (torch loop) the steps before any sequence's budget is full
-    start, padded = rows if rows is not None else row_plan(policy, valid, prompt_len, window)
+    start, padded = rows if rows is not None else row_plan(policy, valid, prompt_len)
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
-    first = masked_softmax(logits[..., :start, :], allowed[..., :start, :])  # (B, Hkv, G, start, T)
+    first = masked_softmax(logits[..., :start, :], allowed[..., :start, :], sinks)  # (B, Hkv, G, start, T)
     probs = first * valid[:, None, None, :start, None]
     acc = probs.new_zeros(B, Hkv, T)  # (B, Hkv, T) accumulated attention
     policy.accumulate(acc, probs, valid[:, :start])
@@ -234,8 +245,8 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
         keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
-    if row_kernel.use_kernel(policy, logits.device, window):  # one fused kernel per layer (CUDA)
-        row_kernel.score_rows(policy, logits, valid, pos, counts, keep, acc, out, start)
+    if sinks is None and row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
+        row_kernel.score_rows(policy, logits, valid, pos, counts, keep, acc, out, start, window)
         return out, None
     if not policy.needs_scores:  # a position-only policy on a sliding layer: the loop writes the rows only
         with serial(logits.device):
@@ -244,7 +255,7 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     seen = torch.empty_like(logits)  # (B, Hkv, G, T, T) every row's attention probabilities
     seen[..., :start, :] = first
     with serial(logits.device):
-        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, seen, window)
+        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, seen, window, sinks)
     return out, seen
 
 
@@ -292,12 +303,13 @@ def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window:
     return (held | itself)[:, None, None]
 
 
-def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded=True, seen=None, window=None):
+def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded=True, seen=None, window=None,
+             sinks=None):
     """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention.
     ``padded`` False: no row from ``start`` on is a pad (their weighting is skipped). ``seen`` (B, Hkv, G, T, T):
     each row's attention probabilities are written there (policies that read the scores). ``window``: first the
     held tokens out of the row's window leave; the budget is then full where a (sequence, KV head) still holds
-    ``total`` tokens (its own count: the window frees slots head by head).
+    ``total`` tokens (its own count: the window frees slots head by head). ``sinks``: :func:`masked_softmax`'s.
 
     The eviction is :func:`h2o.core.policies.select_slot`'s decision in column order (:func:`column_key`): one
     ``where`` and one ``argmin`` per row. Per-row inputs are laid out row-major once, so each row reads them with
@@ -314,6 +326,7 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
     now = pos.t().contiguous()  # (T, B)
     low = const(torch.finfo(torch.float32).min, logits.dtype, logits.device)
     gone = const(-1, torch.int64, logits.device)
+    sink_row = None if sinks is None else sinks.view(1, *sinks.shape[1:3], 1)  # (1, Hkv, G, 1)
     if window is not None:
         edge = (pos - window).t().contiguous().view(T, B, 1, 1)  # (T, B, 1, 1): row i keeps positions > edge
         limit = bcast(counts.total)  # (B, 1, 1)
@@ -337,7 +350,8 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
                                   keep[:, :, None, None, :], counts)[..., 0, :]  # (B, Hkv, G, T)
         out.select(-2, i).copy_(row)
         if policy.needs_scores:  # masked_softmax of the row, in place of its two ops
-            p = torch.softmax(torch.where(row, logits.select(-2, i), low), -1)  # (B, Hkv, G, T)
+            p = torch.where(row, logits.select(-2, i), low)  # (B, Hkv, G, T)
+            p = torch.softmax(p, -1) if sink_row is None else with_sinks(p, sink_row)
             if seen is not None:
                 seen.select(-2, i).copy_(p)
             p = p.unsqueeze(-2)  # (B, Hkv, G, 1, T)

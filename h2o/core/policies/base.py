@@ -99,7 +99,8 @@ class KernelForm:
 
 
 COMPRESS = ("decode", "prefill")  # Policy.compress
-RULE = ("priority", "restrict", "score", "accumulate", "accumulate_prompt", "cut_score")  # the methods whose answers are the policy's decisions
+# the methods whose answers are the policy's decisions
+RULE = ("priority", "restrict", "score", "accumulate", "accumulate_prompt", "cut_score")
 
 
 def declared(policy: "Policy", form: str):
