@@ -34,7 +34,8 @@ OURS = {
     "full": ("full", {}),
     "streaming_llm": ("streaming_llm", {"sinks": 4}),
     "observed_attention": ("h2_only", {"score": "mean"}),
-    "tova": ("tova", {}), "snapkv": None, "pyramidkv": None, "adakv_snapkv": None, "knorm": None, "keydiff": None,
+    "tova": ("tova", {}), "snapkv": ("snapkv", {}), "pyramidkv": None, "adakv_snapkv": None,
+    "knorm": ("knorm", {}), "keydiff": ("keydiff", {}),
     "expected_attention": None, "random": ("random", {"seed": 0}),
     # a diagnostic of the decoding timing, not a kvpress method: StreamingLLMPress with its kept tokens left in
     # position order (tools/parity/kvpress_side.py)
@@ -115,7 +116,7 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
     import torch
     import transformers
 
-    from h2o.core.policies import make_policy
+    from h2o.core.policies import Policy, make_policy
 
     torch.set_num_threads(threads)
     done = read_done(out)
@@ -124,7 +125,7 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
              and (OURS.get(m) or EXTRA.get(m)) for r in ratios]
     if decode:
         jobs += [(m, r, "decode") for m in methods if m in DECODE and OURS.get(m) and m not in DECODE_ONLY
-                 for r in ratios]
+                 and Policy.registry[OURS[m][0]].compress == "decode" for r in ratios]  # ours has a decode form
     with out.open("a") as f:
         for method, ratio, timing in jobs:
             name, options = (OURS.get(method) or EXTRA[method])
@@ -133,7 +134,8 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
                     if (method, ratio, timing, p["id"]) in done or (timing == "decode" and kind == "needle"):
                         continue
                     L = len(p["context"])
-                    policy = make_policy(name, **({} if name == "full" else {"budget": kept(L, ratio)}), **options)
+                    budget = {} if name == "full" else {"budget": kept(L, ratio), "compress": timing}
+                    policy = make_policy(name, **budget, **options)
                     ctx = torch.tensor([p["context"]])
                     t0 = time.perf_counter()
                     rec = {"side": "h2o", "method": method, "policy": policy.describe(), "ratio": ratio,
