@@ -34,7 +34,7 @@ OURS = {
     "full": ("full", {}),
     "streaming_llm": ("streaming_llm", {"sinks": 4}),
     "observed_attention": ("h2_only", {"score": "mean"}),
-    "tova": ("tova", {}), "snapkv": ("snapkv", {}), "pyramidkv": None, "adakv_snapkv": None,
+    "tova": ("tova", {}), "snapkv": ("snapkv", {}), "pyramidkv": ("pyramidkv", {}), "adakv_snapkv": None,
     "knorm": ("knorm", {}), "keydiff": ("keydiff", {}),
     "expected_attention": None, "random": ("random", {"seed": 0}),
     # a diagnostic of the decoding timing, not a kvpress method: StreamingLLMPress with its kept tokens left in
@@ -43,6 +43,7 @@ OURS = {
 }
 EXTRA = {"h2o": ("h2o", {})}  # ours without a kvpress counterpart, shown beside the nearest one (observed_attention)
 DECODE = ("streaming_llm", "streaming_llm_ordered", "knorm", "keydiff", "random")  # with a decoding timing here
+RATIO_BUDGET = ("pyramidkv",)  # ours given the share kept 1 - r: its layer budgets start from L * (1 - r) unrounded
 DECODE_ONLY = {"streaming_llm_ordered": "streaming_llm"}  # diagnostic rows: ours is the named method's record
 NEEDLE_Q = "\n\nQuestion: What is the magic number mentioned in the text above?\nAnswer: The magic number is"
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +135,8 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
                     if (method, ratio, timing, p["id"]) in done or (timing == "decode" and kind == "needle"):
                         continue
                     L = len(p["context"])
-                    budget = {} if name == "full" else {"budget": kept(L, ratio), "compress": timing}
+                    share = 1 - ratio if name in RATIO_BUDGET else kept(L, ratio)  # kvpress's arithmetic
+                    budget = {} if name == "full" else {"budget": share, "compress": timing}
                     policy = make_policy(name, **budget, **options)
                     ctx = torch.tensor([p["context"]])
                     t0 = time.perf_counter()

@@ -38,13 +38,14 @@ from .simulate import serial
 
 class EvictingLayer(BatchHooks, DynamicLayer):
     def __init__(self, policy: Policy, ref_len: int | None = None, quant=None, layer_idx: int = 0,
-                 rerotate: KeyShifter | None = None):
+                 rerotate: KeyShifter | None = None, num_layers: int = 1):
         super().__init__()
         self.policy = policy
         # positions inside the cache (h2o.core.rerotate): the held keys renumbered after each forward's eviction
         self.rerotation = KeyRerotation(rerotate) if rerotate is not None else None
         self.tok_before: list[int] = []  # per sequence: tokens seen before the current forward
         self.quant, self.layer_idx = quant, layer_idx  # quant: slots hold packed rows (h2o.core.quant)
+        self.num_layers = num_layers  # the model's layers (a per-layer budget, Policy.layer_counts)
         self.served = None  # quant: weak reference to the last keys handed out by update
         # quant.sink: the first real token's (key, value) as computed (B, Hkv, 1, D), sink_real (B,) whether the
         # sequence has one; fresh: the first forward's keys and values until its pads are known (capture_sink)
@@ -299,7 +300,7 @@ class EvictingLayer(BatchHooks, DynamicLayer):
     def fix_budget(self):
         """The budget per sequence (on the host, then copied once) from the tokens seen, or ``ref_len``."""
         ref = self.host_tok if self.ref_len is None else [self.ref_len] * len(self.host_tok)
-        counts = self.policy.counts(torch.tensor(ref))
+        counts = self.policy.layer_counts(self.policy.counts(torch.tensor(ref)), self.layer_idx, self.num_layers)
         self.host_total, self.host_counts, self.decoder = counts.total.tolist(), counts, None
         self.counts = counts.map(lambda x: x.to(self.n_tok.device))
 
@@ -355,7 +356,8 @@ class EvictingCache(CacheBatchHooks, Cache):
         cannot be rotated); the model is then given :meth:`next_position` onwards as its position ids."""
         if rerotate is not None and quant is not None:
             raise PolicyError("rerotate: positions inside the cache rotate stored keys, not packed rows (quant)")
-        super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i, rerotate) for i in range(num_layers)])
+        super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i, rerotate, num_layers)
+                                 for i in range(num_layers)])
         self.policy, self.quant = policy, quant
 
     def next_position(self) -> int:

@@ -158,13 +158,14 @@ def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int,
 
 def simulated_attention(policy: Policy, query, key, value, valid, scaling: float,
                         prompt_len: int = 0, semantics: str = "h2o", plan: tuple | None = None,
-                        window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None):
+                        window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
+                        layer: tuple[int, int] | None = None):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T).
 
     ``plan``: what :func:`forward_plan` built for this forward and window (None: built here). ``window``: the
     layer's sliding window (a token leaves the layer's cache once it is out of the window, before the policy
     decides: the policy applies to the tokens inside it); ``softcap``: see :func:`scores`; ``sinks``: see
-    :func:`masked_softmax`."""
+    :func:`masked_softmax`; ``layer``: (this layer's index, the model's layers), for per-layer budgets."""
     mask, rows = plan if plan is not None else (None, None)
     probs = None
     B, Hq, T, D = query.shape
@@ -177,7 +178,8 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
         if semantics == "reference":
             allowed = allowed & reference_allowed(logits, allowed, rows or reference_plan(policy, valid))
         elif not policy.is_full:
-            allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows, window, sinks, key)
+            allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows, window, sinks, key,
+                                              layer)
     if probs is None:
         probs = masked_softmax(logits, allowed, sinks)  # (B, Hkv, G, T, T)
     out = grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
@@ -209,14 +211,17 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows
 
 
 def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None,
-                     window: int | None = None, sinks: torch.Tensor | None = None, key: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     window: int | None = None, sinks: torch.Tensor | None = None, key: torch.Tensor | None = None,
+                     layer: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(:func:`policy_allowed`'s mask, and where the torch row loop computes them anyway, every row's attention
     probabilities (B, Hkv, G, T, T) fp32, equal to ``masked_softmax(logits, mask, sinks)`` (None otherwise)): the
     layer then skips a second softmax over the whole T x T. With ``sinks`` the torch loop serves (the kernel's
-    softmax has none). ``key`` (B, Hkv, T, D): for a score of the keys (:meth:`Policy.cut_score`)."""
+    softmax has none). ``key`` (B, Hkv, T, D): for a score of the keys (:meth:`Policy.cut_score`); ``layer``:
+    (index, layers) for a per-layer budget (:meth:`Policy.layer_counts`)."""
     T = valid.shape[1]
     counts = policy.counts(reference_length(valid, prompt_len))
+    if layer is not None:
+        counts = policy.layer_counts(counts, *layer)
     if policy.evicts and policy.compress == "prefill":
         return compressed_once(policy, logits, allowed, valid, prompt_len, counts, window, key), None
     if closed(policy, window):

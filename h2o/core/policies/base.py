@@ -194,6 +194,11 @@ class Policy:
         total = torch.clamp(heavy + recent, min=1)
         return Counts(total=total, heavy=heavy, recent=total - heavy, length=length)
 
+    def layer_counts(self, counts: Counts, layer: int, layers: int) -> Counts:
+        """The budget of layer ``layer`` of ``layers`` from :meth:`counts` (both paths ask per layer). Default:
+        the same for every layer; a per-layer budget (pyramidkv) overrides this."""
+        return counts
+
     @property
     def is_full(self) -> bool:
         """True when the policy never drops anything (full cache, or a 100% ratio budget)."""
