@@ -106,3 +106,16 @@ def test_naive_references_are_not_blind():
         return (-cos).topk(n, -1).indices.sort(-1).values
 
     assert any(not torch.equal(raw_anchor(k), naive_keydiff(k, n)) for k in keys)
+
+
+def test_simulated_forward_without_a_prompt_is_refused_in_one_line():
+    """A prefill-timed policy with no prompt would cut nothing (the full cache, silently): refused."""
+    from h2o.core.policies import PolicyError
+
+    model = tiny_model("llama_gqa")
+    for name in ["snapkv", "knorm", "h2o"]:
+        with pytest.raises(PolicyError, match=f"compress=prefill: {name} compresses a prompt at its end"):
+            with attach(model, make_policy(name, budget=0.3, compress="prefill")):
+                pass
+    with attach(model, make_policy("snapkv", budget=1.0)):  # a full budget compresses nothing anyway
+        pass
