@@ -26,9 +26,9 @@ def model(request):
     return tiny_model(request.param, seed=2)
 
 
-@pytest.mark.parametrize("name", list(METHODS))
-def test_both_paths_agree_on_a_padded_batch(model, name):
-    policy = make_policy(name, budget=0.3, **METHODS[name])
+def padded_paths(model, policy):
+    """The padded :func:`batch` with a prompt of P columns through both paths; asserts they agree on the real
+    rows (a pad row's output is not defined alike). Returns (simulated logits, full-cache logits, the cache)."""
     x, mask = batch()
     with torch.no_grad():
         with attach(model, policy, prompt_len=P):
@@ -39,8 +39,15 @@ def test_both_paths_agree_on_a_padded_batch(model, name):
             real = [model(x[:, :P], attention_mask=mask[:, :P], cache=cache).logits]
             real += [model(x[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache).logits for t in range(P, L)]
     real = torch.cat(real, 1)
-    for b, n in enumerate(PADS):  # real rows only (a pad row's output is not defined alike)
+    for b, n in enumerate(PADS):
         torch.testing.assert_close(real[b, n:], sim[b, n:], atol=1e-4, rtol=0)
+    return sim, full, cache
+
+
+@pytest.mark.parametrize("name", list(METHODS))
+def test_both_paths_agree_on_a_padded_batch(model, name):
+    policy = make_policy(name, budget=0.3, **METHODS[name])
+    sim, full, cache = padded_paths(model, policy)
     assert not torch.allclose(sim[:, P:], full[:, P:], atol=1e-3)  # the cut changes what follows
     kept = [int(policy.counts(torch.tensor([P - n])).total) + L - P for n in PADS]
     assert cache.held_tokens()[:, :, 0].tolist() == [kept] * len(cache.layers)

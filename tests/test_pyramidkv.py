@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from h2o import attach, make_policy
+from h2o import make_policy
 from h2o.assets.models import TINY_ARCHS, tiny_model
 from tests.test_parity import ids
-from tests.test_prefill_methods import PADS, batch
+from tests.test_prefill_methods import L, P, padded_paths
 from tests.test_snapkv import eager, held_after, naive_snapkv
 
 OPTS = {"window": 4, "beta": 2}  # a pyramid on short prompts: k / beta >= window
@@ -46,11 +46,11 @@ def test_the_pyramid_applies_and_keeps_about_the_same_total():
 
 def test_each_layer_keeps_snapkv_at_its_budget():
     model = tiny_model("llama_gqa", seed=3)
-    L, hkv = 40, model.config.num_key_value_heads
-    ctx = ids(1, L)
+    hkv = model.config.num_key_value_heads
+    ctx = ids(1, 40)
     policy = make_policy("pyramidkv", budget=0.7, **OPTS)
     held = held_after(model, policy, ctx)
-    n = [kvpress_budget(L, 1 - 0.7, i, len(held), 4, 2) for i in range(len(held))]
+    n = [kvpress_budget(40, 1 - 0.7, i, len(held), 4, 2) for i in range(len(held))]
     assert n[0] > n[-1]  # the test is not uniform budgets
     for i, attn in enumerate(eager(model, ctx)):
         assert torch.equal(held[i], naive_snapkv(attn[0], n[i], hkv, w=4)), i
@@ -59,19 +59,6 @@ def test_each_layer_keeps_snapkv_at_its_budget():
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_both_paths_agree_on_a_padded_batch(arch):
-    model = tiny_model(arch, seed=2)
-    policy = make_policy("pyramidkv", budget=0.7, **OPTS)
-    x, mask = batch()
-    L, P = x.shape[1], 24
-    with torch.no_grad():
-        with attach(model, policy, prompt_len=P):
-            sim = model(x, attention_mask=mask).logits
-        with attach(model, policy, mode="real") as h:
-            cache = h.new_cache()
-            real = [model(x[:, :P], attention_mask=mask[:, :P], cache=cache).logits]
-            real += [model(x[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache).logits for t in range(P, L)]
-    real = torch.cat(real, 1)
-    for b, n in enumerate(PADS):
-        torch.testing.assert_close(real[b, n:], sim[b, n:], atol=1e-4, rtol=0)
+    _, _, cache = padded_paths(tiny_model(arch, seed=2), make_policy("pyramidkv", budget=0.7, **OPTS))
     held = cache.held_tokens()[:, :, 0] - (L - P)  # (layers, B) the prompt's tokens kept
     assert (held[0] > held[-1]).all()

@@ -286,10 +286,10 @@ def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, cou
         probs = masked_softmax(logits[..., :prompt_len, :], allowed[..., :prompt_len, :])  # (B, Hkv, G, P, T)
         policy.accumulate_prompt(acc, probs * valid[:, None, None, :prompt_len, None], valid[:, :prompt_len],
                                  now[:, None] - pos[:, :prompt_len])
-    if policy.reads_keys:
-        acc = policy.cut_score(acc, key, keep)
     if window is not None:  # the window first: what left it is gone before the policy decides
         keep = keep & (posH > bcast(now - window))
+    if policy.reads_keys:
+        acc = policy.cut_score(acc, key, keep)
     keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
     held = keep[:, :, None, None, :] | (col >= prompt_len)  # (B, Hkv, 1, 1, T)
     return torch.where((col < prompt_len)[:, None], allowed, allowed & held)
