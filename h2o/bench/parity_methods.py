@@ -7,7 +7,8 @@ OURS = {
     "full": ("full", {}),
     "streaming_llm": ("streaming_llm", {"sinks": 4}),
     "observed_attention": ("h2_only", {"score": "mean"}),
-    "tova": ("tova", {}), "snapkv": None, "pyramidkv": None, "adakv_snapkv": None, "knorm": None, "keydiff": None,
+    "tova": ("tova", {}), "snapkv": ("snapkv", {}), "pyramidkv": ("pyramidkv", {}), "adakv_snapkv": None,
+    "knorm": ("knorm", {}), "keydiff": ("keydiff", {}),
     "expected_attention": None, "random": ("random", {"seed": 0}),
     # a diagnostic of the decoding timing, not a kvpress method: StreamingLLMPress with its kept tokens left in
     # position order (tools/parity/kvpress_side.py)
@@ -15,6 +16,7 @@ OURS = {
 }
 EXTRA = {"h2o": ("h2o", {})}  # ours without a kvpress counterpart, shown beside the nearest one (observed_attention)
 DECODE = ("streaming_llm", "streaming_llm_ordered", "knorm", "keydiff", "random")  # with a decoding timing here
+RATIO_BUDGET = ("pyramidkv",)  # ours given the share kept 1 - r: its layer budgets start from L * (1 - r) unrounded
 DECODE_ONLY = {"streaming_llm_ordered": "streaming_llm"}  # diagnostic rows: ours is the named method's record
 
 

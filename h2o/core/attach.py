@@ -159,6 +159,9 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
     if semantics == "reference" and (mode != "simulated" or policy.name not in ("h2o", "h2_only")):
         raise PolicyError(f"semantics=reference: only for policy h2o in mode simulated (got {policy.name}, {mode})")
+    if mode == "simulated" and policy.compress == "prefill" and not prompt_len and not policy.is_full:
+        raise PolicyError(f"compress=prefill: {policy.name} compresses a prompt at its end, and this forward has no "
+                          f"prompt (prompt_len=0); allowed: a task with a prompt, or compress=decode")
     modules = attention_modules(model)
     if not modules:
         raise PolicyError(f"{type(model).__name__}: no attention module with layer_idx found")
