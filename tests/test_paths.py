@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from h2o import POLICIES, attach, make_policy
+from h2o import attach, make_policy
+from h2o.core.policies import REAL_POLICIES  # the policies with an evicting cache
 from h2o.assets.models import TINY_ARCHS, tiny_model
 
 ATOL = 1e-4
@@ -41,7 +42,7 @@ def simulated(model, policy, ids, prompt_len=0):
         return model(ids).logits
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", REAL_POLICIES)
 def test_full_budget_is_the_unmodified_model(model, name):
     ids = tokens(24, 0)
     ref = plain_logits(model, ids)
@@ -52,7 +53,7 @@ def test_full_budget_is_the_unmodified_model(model, name):
 
 
 @pytest.mark.parametrize("ratio", [0.1, 0.2, 0.5])
-@pytest.mark.parametrize("name", [p for p in POLICIES if p != "full"])
+@pytest.mark.parametrize("name", [p for p in REAL_POLICIES if p != "full"])
 def test_token_by_token_cache_equals_simulated_mask(model, name, ratio):
     L = 40
     ids = tokens(L, 1)
@@ -65,7 +66,7 @@ def test_token_by_token_cache_equals_simulated_mask(model, name, ratio):
 
 
 @pytest.mark.parametrize("ratio", [0.1, 0.2, 0.5])
-@pytest.mark.parametrize("name", [p for p in POLICIES if p != "full"])
+@pytest.mark.parametrize("name", [p for p in REAL_POLICIES if p != "full"])
 def test_prefill_then_decode_equals_mask_with_prompt_rows_unmasked(model, name, ratio):
     L, P = 48, 30
     ids = tokens(L, 2)
