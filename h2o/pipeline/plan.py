@@ -135,7 +135,7 @@ def prepare(cfg: DictConfig) -> Plan:
         raise ConfigError(" ".join(str(exc).split()[:40])) from None
     built = build("policy", cfg.policy)
     cfg, policy = reference_spelling(cfg, built)
-    named = built if policy is built else build("policy", cfg.policy)  # the policy the record's folder names
+    named = build("policy", cfg.policy) if isinstance(policy, H2OReference) else policy  # the record's policy
     task = build("task", cfg.task)
     model = build("model", cfg.model)
     policy.quant = build_quant(cfg, model)

@@ -28,5 +28,6 @@ def as_reference(policy) -> H2OReference:
         raise PolicyError(f"semantics=reference: the paper code's mask rule exists for policy h2o or h2_only with "
                           f"score=sum only (got {got}); it is the policy h2o_reference")
     ref = H2OReference(heavy=policy.heavy, recent=policy.recent)
-    ref.quant = policy.quant
+    if policy.quant is not None:
+        ref.quant = policy.quant
     return ref
