@@ -1,9 +1,10 @@
-"""``python -m analysis {tables,figures,report} [--runs runs] [--out analysis/out]``.
+"""``python -m analysis {tables,figures,report,models} [--runs runs] [--out analysis/out]``.
 
 Tables go to ``<out>/tables/<name>.md`` and ``.tex`` (the Markdown is also printed), figures to
-``<out>/figures/<name>.png`` and ``.pdf``, the report to ``<out>/REPORT.md``. Prints the paths
+``<out>/figures/<name>.png`` and ``.pdf``, the report to ``<out>/REPORT.md``, the two-model table of
+``experiment=models`` to ``<out>/models_results.md`` (``--out docs`` for the docs page). Prints the paths
 written. With no finished run under ``--runs``, ``tables`` and ``figures`` print one line and exit
-0 (nothing to do is not an error); ``report`` still writes the report (every paper number "not run").
+0 (nothing to do is not an error); ``report`` and ``models`` still write their page (everything "not run").
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def check_paths(runs: str, out: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["tables", "figures", "report"])
+    parser.add_argument("what", choices=["tables", "figures", "report", "models"])
     parser.add_argument("--runs", default="runs", help="root of the run records (default: runs)")
     parser.add_argument("--out", default="analysis/out", help="output root (default: analysis/out)")
     args = parser.parse_args(argv)
@@ -40,11 +41,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {bad}", file=sys.stderr)
         return 2
     df = load_runs(args.runs)
-    if args.what == "report":
+    if args.what in ("report", "models"):
+        from analysis.models_table import render
         from analysis.report import report
-        path = Path(args.out) / "REPORT.md"
+        path = Path(args.out) / ("REPORT.md" if args.what == "report" else "models_results.md")
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(report(df))
+        path.write_text((report if args.what == "report" else render)(df))
         print(f"{len(df)} finished runs under {args.runs}/; wrote {path}")
         return 0
     if df.empty:

