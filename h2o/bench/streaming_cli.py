@@ -136,7 +136,7 @@ def validate(args) -> tuple[list[str], list[int]]:
     try:
         names = [parse_policy(spec)[0] for spec in specs]
     except ValueError as err:
-        raise ConfigError(f"{flag}={args.policies!r}: {err}") from None
+        raise ConfigError(f"{flag}={args.policy or args.policies!r}: {err}") from None
     choice(flag, names, REAL_POLICIES)
     budgets = split_list("--budgets", args.budgets, positive_int, "a cache size in tokens (an int >= 1)")
     check(is_number(args.heavy_share), f"--heavy-share={args.heavy_share!r}: expected a number in [0, 1] (1/3 ok)")
