@@ -83,7 +83,7 @@ def test_h2o_reference_keeps_the_reference_guards():
     mask = torch.ones(1, 24, dtype=torch.long)
     mask[0, :3] = 0
     with torch.no_grad(), attach(model, make_policy("h2o_reference")):
-        with pytest.raises(ValueError, match="on unpadded input") as e:
+        with pytest.raises(ValueError, match="needs unpadded input") as e:
             model(ids(24), attention_mask=mask)
     assert "\n" not in str(e.value)
     for bad, needle in ((make_policy("local"), "got local"), (make_policy("h2o", score="mean"), "score=mean")):

@@ -161,8 +161,9 @@ def reference_spelling(cfg: DictConfig, policy: Policy) -> tuple[DictConfig, Pol
     from h2o.assets.policy_config import notice
 
     if cfg.semantics == "reference":
+        reference = as_reference(policy)  # a policy out of its scope: the error, without the notice
         notice(f"semantics=reference is spelled policy=h2o_reference now (same run folder); policy={policy.name}")
-        return cfg, as_reference(policy)
+        return cfg, reference
     if not isinstance(policy, H2OReference):
         return cfg, policy
     check(cfg.semantics == "auto", f"semantics={cfg.semantics}: policy=h2o_reference is the paper code's mask "

@@ -98,8 +98,9 @@ def lm_policy(policy: str | Policy, args: dict, semantics: str = "simulated") ->
     if isinstance(policy, str):
         policy = build_policy(policy, "--model_args ", **options)
     if semantics == "reference":
+        reference = as_reference(policy)
         notice(f"--model_args semantics=reference is spelled policy=h2o_reference now; policy={policy.name}")
-        policy = as_reference(policy)
+        policy = reference
     return policy
 
 
