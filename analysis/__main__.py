@@ -9,25 +9,18 @@ written. With no finished run under ``--runs``, ``tables`` and ``figures`` print
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
+from analysis.paths import folder_error, one_line, writable_error
 from analysis.records import load_runs
 
 
 def check_paths(runs: str, out: str) -> str | None:
     """The rules of h2o.core.validate for this CLI (analysis imports nothing of h2o): ``--runs`` is a folder
-    or absent, ``--out`` a folder that exists or can be created. Returns the one-line error, or None."""
-    if Path(runs).exists() and not Path(runs).is_dir():
-        return f"--runs={runs!r}: a file, not a folder; expected the root of the run records"
-    probe = Path(out).absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        why = "is a file, not a folder" if not probe.is_dir() else "is not writable"
-        return f"--out={out!r}: {probe} {why}; expected a writable folder"
-    return None
+    (as h2o.pipeline.wandb_sync requires: a missing one is a typo, not an empty study), ``--out`` a folder
+    that exists or can be created. Returns the one-line error, or None."""
+    return folder_error("--runs", runs, "the root of the run records (e.g. runs/)") or writable_error("--out", out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("what", choices=["tables", "figures", "report", "models"])
     parser.add_argument("--runs", default="runs", help="root of the run records (default: runs)")
     parser.add_argument("--out", default="analysis/out", help="output root (default: analysis/out)")
-    args = parser.parse_args(argv)
+    args = one_line(parser).parse_args(argv)
     bad = check_paths(args.runs, args.out)
     if bad:
         print(f"error: {bad}", file=sys.stderr)

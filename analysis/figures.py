@@ -309,4 +309,6 @@ def all_figures(df: pd.DataFrame, out: str | Path) -> list[Path]:
     if df.empty:
         return []
     df = annotate(df)
-    return budget_figures(df, out) + figure_streaming(df, out) + figure2(df, out)
+    from analysis.niah import figure_niah  # needle-in-a-haystack heatmaps (analysis/niah.py)
+
+    return budget_figures(df, out) + figure_streaming(df, out) + figure2(df, out) + figure_niah(df, out)

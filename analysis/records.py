@@ -59,6 +59,10 @@ def record_row(metrics_file: Path) -> dict:
         metrics = {}
     if not isinstance(metrics, dict):
         raise ValueError(f'"metrics" must be an object, got {type(metrics).__name__}')
+    budget = rec.get("budget")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
+                               or not math.isfinite(budget)):
+        raise ValueError(f'"budget" must be a number or null, got {budget!r}')
     row = _flatten(rec)
     for key, value in _flatten(metrics).items():
         row[f"metric_{key}" if key in row else key] = value

@@ -200,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.streaming_study", description=__doc__.split("\n")[0])
     p.add_argument("root", help="folder with the live window samples (searched recursively)")
     p.add_argument("--out", default="analysis/out/streaming")
-    args = p.parse_args(argv)
+    from analysis.paths import one_line
+
+    args = one_line(p).parse_args(argv)
     data = load(Path(args.root))
     if not data:
         print(f"no streaming run records and no live window samples under {args.root}", file=sys.stderr)

@@ -5,7 +5,8 @@ x semantics where they vary) x policy, columns the budgets run (the full cache i
 cells the metric with its 95% interval, picked by :data:`analysis.protocol.RULE` (one protocol
 per cell; a table that shows several tags its cells ``(p1)``, ``(p2)`` and spells them out).
 Metrics: multiple choice ``acc_mean`` (the paper code's per-token mean rule; ``acc``, lm-eval's
-summed rule, for records that lack it), summarization ``rouge2``, perplexity ``ppl``.
+summed rule, for records that lack it), summarization ``rouge2``, perplexity ``ppl``, retrieval
+(needle in a haystack, RULER) ``acc``.
 Plus ``benchmark`` (Tables 3-5 style, ``make bench`` records). Budgets are total cache ratios;
 H2O rows keep only the paper's even split (heavy == recent).
 """
@@ -22,7 +23,7 @@ POLICIES = ["full", "local", "strided", "fixed", "streaming_llm", "topk", "h2o",
 LABELS = {"streaming_llm": "StreamingLLM", "strided_h2": "strided+H2", "fixed_h2": "fixed+H2",
           "topk": "top-k", "topk_h2": "top-k+H2", "h2_only": "H2 only", "h2o": "H2O"}
 KIND_METRICS = {"multiple_choice": ["acc_mean", "acc"], "summarization": ["rouge2"],
-                "perplexity": ["ppl"], "streaming": ["ppl"]}
+                "perplexity": ["ppl"], "streaming": ["ppl"], "retrieval": ["acc"]}
 
 
 def label(policy: str) -> str:

@@ -318,6 +318,7 @@ def test_report(df):
 
 
 def test_report_on_empty_runs(tmp_path, capsys):
+    (tmp_path / "no").mkdir()  # an empty runs root (a missing one is an error: tests/test_hardening_three.py)
     assert main(["report", "--runs", str(tmp_path / "no"), "--out", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"0 finished runs under {tmp_path / 'no'}/; wrote " \
         f"{tmp_path / 'REPORT.md'}\n"
@@ -348,6 +349,7 @@ def test_tables_and_figures_written(runs, tmp_path, capsys):
 
 @pytest.mark.parametrize("what", ["tables", "figures"])
 def test_cli_without_runs(tmp_path, what, capsys):
+    (tmp_path / "no").mkdir()
     assert main([what, "--runs", str(tmp_path / "no"), "--out", str(tmp_path)]) == 0
     out = capsys.readouterr()
     assert out.err == "" and out.out.count("\n") == 1 and "no finished runs" in out.out

@@ -87,6 +87,62 @@ BAD = [
     ("sweep-range-step-zero", ["-m", *TINY, "seed=range(0,1,0)"], ["range"], {}),
     ("sweep-dir-is-a-file", ["-m", *TINY, "seed=0,1", "hydra.sweep.dir={tmp}/afile"], ["hydra.sweep.dir", "afile",
                                                                                        "not a folder"], {}),
+    # round three (issue 26): loads, tracebacks, silent acceptance, messages that did not name the input
+    ("device-map-cpu-on-gpu-config", ["model=opt-6.7b", "model.device_map=cpu", "threads=1"],
+     ["device_map='cpu'", "gpus=1", "allowed", "model.resources.gpus=0"], {}),
+    ("params-zero", [*TINY, "model.params=0"], ["model.params=0", "an integer > 0", "null"], {}),
+    ("params-float", [*TINY, "model.params=6.7e9"], ["model.params=6700000000.0", "an int or null"], {}),
+    ("include-path-null", [*TINY, "task=bb_copa", "task.include_path=null"],
+     ["task.include_path=null", "bb_copa", "built-in", "allowed: task.include_path=tasks"], {}),
+    ("include-path-5000-chars", [*TINY, "task.include_path=" + "a" * 5000],
+     ["task.include_path='aaaa", "(5000 characters)", "File name too long"], {}),
+    ("runs-dir-5000-chars", [*TINY, "runs_dir=" + "r" * 5000], ["runs_dir='rrrr", "(5000 characters)", "too long"],
+     {}),
+    ("lock-mode-bogus", TINY, ["H2O_LOCK='bogus'", "allowed: auto, flock, file"], {"H2O_LOCK": "bogus"}),
+    ("lock-stale-text", TINY, ["H2O_LOCK_STALE_S='abc'", "a number > 0"], {"H2O_LOCK_STALE_S": "abc"}),
+    ("budget-no-token-at-longest-context", [*TINY, "policy.budget=1e-9"],
+     ["budget=1e-09", "heavy part", "x 4096 positions", "tiny-llama", "needs at least 1",
+      "allowed: a ratio >= 0.000489"], {}),
+    ("streaming-ratio-below-sinks", [*TINY, "policy=streaming_llm", "policy.budget=0.001"],
+     ["budget=0.001", "x 4096 positions", "= 4.1 tokens", "needs at least 5", "allowed: a ratio >= 0.00122"], {}),
+    ("local-ratio-no-token", [*TINY, "policy=local", "policy.budget=0.0002"],
+     ["budget=0.0002", "0.819 tokens", "needs at least 1", ">= 0.000244"], {}),
+    ("topk-heavy-recent-unused", [*TINY, "policy=topk", "policy.heavy=0.1", "policy.recent=0.1"],
+     ["policy.heavy=0.1, policy.recent=0.1", "topk reads only the whole budget", "allowed: policy.budget=0.2"], {}),
+    ("local-heavy-recent-unused", [*TINY, "policy=local", "policy.heavy=3", "policy.recent=5"],
+     ["policy.heavy=3", "local reads only", "policy.budget=8"], {}),
+    ("decay-unused-without-score-decay", [*TINY, "policy.decay=0.5"],
+     ["policy.decay=0.5", "policy.score=decay", "score=sum"], {}),
+    ("experiment-as-a-path", [*TINY, "experiment=../model/tiny-llama"],
+     ["experiment=../model/tiny-llama", "not a path", "allowed", "table1"], {}),
+    ("policy-as-a-path", [*TINY, "policy=../policy/h2o"], ["policy=../policy/h2o", "not a path", "streaming_llm"], {}),
+    ("remove-task-group", [*TINY, "~task", "task.limit=1"], ["~task", "removes the whole task group", "bb_copa"], {}),
+    ("budget-5000-digits", [*TINY, "policy.budget=" + "1" * 5000],
+     ["policy.budget=11111111...", "(5000 digits)", "allowed", "2**40"], {}),
+    ("unknown-flag", [*TINY, "--bogus"], ["--bogus", "unknown option", "allowed", "--multirun"], {}),
+    # methods (tova, random): the whole budget, no split; random's seed
+    ("tova-heavy-recent-unused", [*TINY, "policy=tova", "policy.heavy=0.1", "policy.recent=0.1"],
+     ["policy.heavy=0.1", "tova reads only the whole budget", "policy.budget=0.2"], {}),
+    ("tova-budget-no-token", [*TINY, "policy=tova", "policy.budget=1e-5"],
+     ["budget=1e-05", "x 4096 positions", "tova needs at least 1", "allowed: a ratio >= 0.000244"], {}),
+    ("tova-unknown-option", [*TINY, "policy=tova", "+policy.score=mean"],
+     ["policy.score", "no such option for policy=tova", "allowed:", "heavy_share"], {}),
+    ("random-heavy-recent-unused", [*TINY, "policy=random", "policy.heavy=2", "policy.recent=2"],
+     ["policy.heavy=2", "random reads only", "policy.budget=4"], {}),
+    ("random-seed-negative", [*TINY, "policy=random", "policy.seed=-1"], ["seed=-1", "[0, 2**31 - 1)"], {}),
+    ("random-seed-text", [*TINY, "policy=random", "policy.seed=abc"], ["seed='abc'", "an int"], {}),
+    ("compress-unknown", [*TINY, "+policy.compress=later"], ["compress='later'", "allowed", "prefill"], {}),
+    ("compress-prefill-on-topk", [*TINY, "policy=topk", "+policy.compress=prefill"],
+     ["compress=prefill", "topk keeps the whole cache"], {}),
+    # models (gemma3-270m, experiment=models): perplexity's BOS switch, the packaged model's config
+    ("ppl-add-bos-not-bool", [*TINY, "task=austen_ppl", "+task.add_bos_token=maybe"],
+     ["task.add_bos_token='maybe'", "true/false or null"], {}),
+    ("gemma-cpu-run-of-gpu-request", ["model=gemma3-270m", "model.device_map=cpu", "model.resources.gpus=1",
+                                      "threads=1"], ["device_map='cpu'", "gpus=1", "model.resources.gpus=0"], {}),
+    ("gemma-params-zero", ["model=gemma3-270m", "model.params=0", "threads=1"], ["model.params=0", "an integer > 0"],
+     {}),
+    ("models-experiment-unknown-model", ["-m", "experiment=models", "model=gemma4"], ["model=gemma4", "allowed",
+                                                                                    "gemma3-270m"], {}),
 ]
 
 
@@ -122,7 +178,7 @@ def test_bad_input_one_line_exit_2_nothing_loaded(case, args, words, env, capsys
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error:") and len(err.splitlines()) == 1, err
+    assert err.startswith("error:") and len(err.splitlines()) == 1 and len(err) < 1000, err
     assert all(w in err for w in words), (words, err)
     assert not models_spec._LOADED
     assert not (tmp_path / "runs").exists() and not (tmp_path / "ro" / "runs").exists()
@@ -233,12 +289,16 @@ def one_line_exit_2(code, capsys, words):
 
 SWEEP_BAD = [
     (["model=tiny-llama", "policy.budget=0.2,1.5"], ["budget=1.5", "(0, 1]"]),
+    (["model=tiny-llama", "policy=local,topk", "policy.heavy=0.1", "policy.recent=0.1"], ["local reads only"]),
+    (["model=tiny-llama", "experiment=../model/tiny-llama"], ["not a path", "allowed"]),
     (["model=tiny-llama", "+foo=1"], ["foo", "no such config key"]),
     (["model=tiny-llama", "experiment_name=x:y"], ["experiment_name='x:y'", "allowed"]),
+    (["model=tiny-llama", "--bogus"], ["--bogus", "unknown option"]),
 ]
 
 
-@pytest.mark.parametrize("args, words", SWEEP_BAD, ids=["budget", "unknown-key", "experiment-name"])
+@pytest.mark.parametrize("args, words", SWEEP_BAD, ids=["budget", "unused-split", "experiment-path", "unknown-key",
+                                                        "experiment-name", "unknown-flag"])
 def test_sweep_dry_run_bad_input(args, words, capsys, tmp_path, monkeypatch):
     from h2o.pipeline.sweep import main
 
@@ -251,6 +311,7 @@ BENCH_BAD = [
     (["--budget", "abc"], ["--budget='abc'", "'abc' is not"]),
     (["--repeats", "0"], ["--repeats=0", ">= 1"]),
     (["--prompt", "0"], ["--prompt='0'", "an int >= 1"]),
+    (["--prompt", "64", "--budget", "0.01"], ["budget=0.01", "x 64 positions (--prompt 64", "allowed: a ratio >="]),
     (["--baselines", "foo"], ["--baselines", "'foo'", "sdpa"]),
     (["--policies", "lru"], ["--policies", "'lru'", "h2o"]),
     (["--repeats", "abc"], ["--repeats", "invalid int"]),
@@ -308,6 +369,8 @@ LM_EVAL_BAD = [
     ("pretrained=tiny:opt,quant=kvquant,quant_per_channel_keys=false,quant_nonuniform=false",
      ["quant.pre_rope=true", "no rotary"]),
     ("pretrained=tiny:llama,quant=kvquant,quant_calibration=/nowhere.pt", ["'/nowhere.pt': no such file"]),
+    ("pretrained=tiny:llama,policy=topk,heavy=0.1,recent=0.1", ["--model_args heavy=0.1", "topk reads only"]),
+    ("pretrained=tiny:llama,policy=h2o,budget=1e-9", ["budget=1e-09", "x 4096 positions", "allowed: a ratio >="]),
 ]
 
 
@@ -327,9 +390,64 @@ def test_analysis_cli_bad_paths(capsys, tmp_path):
     from analysis.__main__ import main
 
     (tmp_path / "afile").write_text("x")
+    for what in ("report", "models"):
+        one_line_exit_2(main([what, "--runs", str(tmp_path / "nonexistent"), "--out", str(tmp_path / "o")]), capsys,
+                        ["--runs=", "nonexistent", "no such folder"])
     one_line_exit_2(main(["tables", "--runs", str(tmp_path), "--out", str(tmp_path / "afile")]), capsys,
                     ["--out=", "afile", "not a folder"])
     one_line_exit_2(main(["tables", "--runs", str(tmp_path / "afile")]), capsys, ["--runs=", "not a folder"])
+    for argv, words in ((["tables", "--bogus"], ["python -m analysis", "--bogus"]),
+                        (["tabels"], ["python -m analysis", "'tabels'", "tables"])):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        one_line_exit_2(exit_.value.code, capsys, words)
+
+
+PARITY_BAD = [
+    (["--out", "{tmp}/afile/parity"], ["--out=", "afile", "not a folder"]),
+    (["--table", "{tmp}"], ["--table=", "expected a file path, not a folder"]),
+    (["--sides", "torch"], ["--sides", "'torch' unknown", "kvpress, h2o"]),
+    (["--sides", "kvpress", "--venv", "{tmp}/novenv"], ["--venv=", "novenv", "tools/parity/setup_venv.sh"]),
+    (["--threads", "0"], ["--threads='0'", "an int >= 1"]),
+    (["--ratios", "abc"], ["--ratios='abc'", "a number in (0, 1)"]),
+    (["--bogus"], ["python -m h2o.bench.parity", "unrecognized arguments: --bogus"]),
+]
+
+
+@pytest.mark.parametrize("args, words", PARITY_BAD, ids=[" ".join(a[:1]) + ("-" + a[1] if len(a) > 1 else "")
+                                                         for a, _ in PARITY_BAD])
+def test_parity_cli_bad_input(args, words, capsys, tmp_path, monkeypatch):
+    """``python -m h2o.bench.parity`` (make parity): bad values stop before the model loads or anything is written."""
+    from h2o.bench import parity
+
+    (tmp_path / "afile").write_text("x")
+    no_load(monkeypatch)
+    one_line_exit_2(parity.main([a.replace("{tmp}", str(tmp_path)) for a in args]), capsys, words)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+RESULTS_BAD = [
+    (["--studies", "{tmp}/nonexistent"], ["--studies=", "nonexistent", "no such folder"]),
+    (["--studies", "{tmp}", "--out", "{tmp}/afile/pages"], ["--out=", "afile", "not a folder"]),
+    (["--studies", "s" * 5000], ["--studies='ssss", "(5000 characters)", "File name too long"]),
+    (["--collect", "{tmp}/nope", "{tmp}/dest"], ["--collect RUNS=", "nope", "no such folder"]),
+    (["--collect", "{tmp}", "{tmp}/afile/dest"], ["--collect DEST=", "afile", "not a folder"]),
+    (["--collect", "{tmp}", "{tmp}/dest", "--studies", "{tmp}/nonexistent"], ["--studies=", "no such folder"]),
+]
+
+
+@pytest.mark.parametrize("args, words", RESULTS_BAD, ids=["studies-missing", "out-under-a-file", "studies-5000",
+                                                          "collect-runs-missing", "collect-dest-under-a-file",
+                                                          "collect-then-bad-studies"])
+def test_results_pages_cli_bad_input(args, words, capsys, tmp_path):
+    """``python -m analysis.results_pages`` (make docs-results): every path checked before anything is written."""
+    from analysis import results_pages
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "metrics.json").write_text(json.dumps({"model": "m", "metrics": {}}))
+    one_line_exit_2(results_pages.main([a.replace("{tmp}", str(tmp_path)) for a in args]), capsys, words)
+    assert not (tmp_path / "dest").exists() and not (tmp_path / "pages").exists()
 
 
 # --------------------------------------------------------------------------------------- record identity

@@ -60,11 +60,15 @@ def test_experiment_lists_the_papers_grid(exp):
 
 
 def test_default_spends_its_time_on_one_budget():
-    """The CPU default: 4 policies at 20% on bb_copa (64 questions, 5-shot) and 16 Austen windows, 8 runs."""
+    """The CPU default: 4 policies at 20% on the needle task (1,024 tokens x 5 depths x 4 samples) and 16 Austen
+    windows, 8 runs; the Austen runs keep their folders (records of earlier defaults stay readable)."""
     sweep = expand(["experiment=default"], multirun=True)
     assert len({p.path for p in sweep.plans}) == len(sweep.plans) == 8
     assert {p.policy.name for p in sweep.plans} == {"full", "local", "streaming_llm", "h2o"}
     assert {p.policy.budget for p in sweep.plans if p.policy.name != "full"} == {0.2}
-    sizes = {p.task.name: (p.task.shots, getattr(p.task, "limit", None), getattr(p.task, "n_windows", None))
-             for p in sweep.plans}
-    assert sizes == {"bb_copa": (5, 64, None), "austen_ppl": (0, None, 16)}
+    sizes = {p.task.name: (p.task.shots, getattr(p.task, "n_windows", None), getattr(p.task, "lengths", None),
+                           len(getattr(p.task, "depths", [])) * getattr(p.task, "samples", 0)) for p in sweep.plans}
+    assert sizes == {"niah": (0, None, [1024], 20), "austen_ppl": (0, 16, None, 0)}
+    ppl = sorted(str(p.path).split("/default/", 1)[1] for p in sweep.plans if p.task.name == "austen_ppl")
+    assert ppl == [f"smollm2-135m/austen_ppl/shots0/{name}/{b}" for name, b in
+                   [("full", "1.0"), ("h2o", "0.2"), ("local", "0.2"), ("streaming_llm", "0.2")]]

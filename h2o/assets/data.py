@@ -242,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m h2o.assets.data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--force", action="store_true", help="fetch and convert again even if cached")
     parser.add_argument("--no-moby", action="store_true", help="skip Moby-Dick")
-    args = parser.parse_args(argv)
+    from h2o.core.validate import one_line
+
+    args = one_line(parser).parse_args(argv)
     try:
         paths = fetch_all(force=args.force, moby=not args.no_moby)
     except FetchError as exc:

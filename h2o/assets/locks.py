@@ -30,14 +30,27 @@ MODES = ("auto", "flock", "file")
 
 
 def lock_mode() -> str:
+    """``H2O_LOCK``; a ConfigError (checked at the start of a run, h2o.pipeline.plan) unless one of MODES."""
+    from h2o.core.validate import ConfigError
+
     mode = os.environ.get("H2O_LOCK", "auto")
     if mode not in MODES:
-        raise ValueError(f"H2O_LOCK={mode!r}: allowed: {', '.join(MODES)}")
+        raise ConfigError(f"H2O_LOCK={mode!r}: allowed: {', '.join(MODES)} (or unset: auto)")
     return mode
 
 
 def stale_after() -> float:
-    return float(os.environ.get("H2O_LOCK_STALE_S", "600"))
+    """``H2O_LOCK_STALE_S`` in seconds; a ConfigError unless a number > 0."""
+    from h2o.core.validate import ConfigError, is_number
+
+    text = os.environ.get("H2O_LOCK_STALE_S", "600")
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not is_number(value) or value <= 0:
+        raise ConfigError(f"H2O_LOCK_STALE_S={text!r}: expected seconds, a number > 0 (or unset: 600)")
+    return value
 
 
 # ------------------------------------------------------------------------------------------ durable writes

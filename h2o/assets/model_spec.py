@@ -41,6 +41,7 @@ class ModelSpec:
     params: int | None = None  # parameter count (weights' bytes = params x the dtype's size)
 
     def __post_init__(self):
+        check_cpu_run(self.device_map, self.resources)
         if not self.name or not self.pretrained:
             raise ConfigError(f"model: name and pretrained are required (got {self.name!r}, {self.pretrained!r})")
         if self.dtype not in DTYPES:
@@ -213,6 +214,16 @@ def check_device(device_map: Any) -> None:
             have = f"{n} CUDA device(s)" if n else "no CUDA device"
             raise ConfigError(f"model.device_map={device_map!r}: this machine has {have}; allowed: null, cpu, auto"
                               + (f", cuda:0-{n - 1}" if n else ""))
+
+
+def check_cpu_run(device_map: Any, resources: Any) -> None:
+    """ConfigError when ``device_map`` names the CPU only (``cpu``, or a dict of cpu/disk) but ``resources`` asks
+    for GPUs: a GPU config run on the CPU by mistake."""
+    values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    gpus = resources.get("gpus") if isinstance(resources, dict) else None
+    check(not (values and all(v in ("cpu", "disk") for v in values) and gpus),
+          f"model.device_map={device_map!r} with model.resources.gpus={gpus}: a CPU run of a GPU config; allowed: "
+          f"add model.resources.gpus=0 (a CPU run), or model.device_map=auto (a GPU run)")
 
 
 def release() -> None:

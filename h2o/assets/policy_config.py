@@ -42,10 +42,13 @@ def policy_options(name: str, options: dict, where: str = "policy.") -> dict:
 
 
 def build_policy(name: str, where: str = "policy.", **options):
-    """The policy ``policy=<name> policy.<key>=<value> ...`` composes to in Hydra (conf/policy/<name>.yaml)."""
+    """The policy ``policy=<name> policy.<key>=<value> ...`` composes to in Hydra (conf/policy/<name>.yaml), with
+    Hydra's check that no option given goes unread (``Policy.check_unused``)."""
     from h2o.core.policies import make_policy
 
-    return make_policy(**policy_options(name, options, where))
+    policy = make_policy(**policy_options(name, options, where))
+    policy.check_unused(options, where)
+    return policy
 
 
 def at_budget(name: str, budget, where: str = "policy.", **options):

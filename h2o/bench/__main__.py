@@ -46,10 +46,12 @@ def validate(args) -> None:
     check_device(args.device)
     for flag in ("prompt", "gen", "batch"):
         split_list(f"--{flag}", getattr(args, flag), positive_int, "an int >= 1")
+    longest = max(split_list("--prompt", args.prompt, positive_int, "an int >= 1"))
     policies = choice("--policies", split_list("--policies", args.policies, str, "a policy name"), REAL_POLICIES)
     for name in policies:
         for b in split_list("--budget", args.budget, budget_value, "a ratio in (0, 1] or a token count"):
-            at_budget(name, b, "--policies ")  # as Hydra's policy=<name> policy.budget=<b>
+            policy = at_budget(name, b, "--policies ")  # as Hydra's policy=<name> policy.budget=<b>
+            policy.check_reach(longest, f"--prompt {longest}, the longest")
     if args.baselines not in ("", "none"):
         choice("--baselines", args.baselines.split(","), BASELINES)
     for flag, low in (("repeats", 1), ("warmup", 0), ("max_batch_cap", 1), ("threads", 0),

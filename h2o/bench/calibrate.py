@@ -37,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--out", default=None, help="default: <cache>/kvquant/<name>.pt")
-    args = p.parse_args(argv)
+    from h2o.core.validate import one_line
+
+    args = one_line(p).parse_args(argv)
     if args.window < 2 or args.windows < 1:
         print(f"error: --window={args.window}, --windows={args.windows}: expected >= 2 and >= 1", file=sys.stderr)
         return 2

@@ -8,7 +8,8 @@
    eager, on SmolLM2 (if cached; else the tiny LLaMA, said so in the record);
 4. max_batch: the largest batch of full and h2o 20% (512-token prompts, 16 tokens generated) within 10% of the GPU's
    memory, found by running under ``torch.cuda.set_per_process_memory_fraction`` (h2o.bench.max_batch; on the CPU
-   an estimate, so labelled), beside the KV-only figure.
+   an estimate, so labelled), beside the KV-only figure;
+5. row_kernels: which policies' simulated rows run the Triton kernel, and which the torch loop (one line each).
 
     python -m h2o.bench.gpu_check --json runs/gpu_check.json          # needs CUDA; ~5 min on one GPU
     python -m h2o.bench.gpu_check --device cpu --quick --json out.json  # the same checks, small, on the CPU
@@ -145,6 +146,13 @@ def speed(model, name: str, device: str, prompt: int, steps: int, sim_tokens: in
             "simulated_vs_eager": {r["policy"]: r["metrics"]["vs_eager"] for r in sim}}
 
 
+def row_kernels() -> list[str]:
+    """Per registered policy that walks rows in the simulated path: the Triton kernel it declares, or the torch
+    row loop (a policy without a kernel form, also noticed once when it runs on CUDA)."""
+    from h2o.core.row_kernel import coverage
+    return coverage()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -176,6 +184,7 @@ def main(argv=None) -> int:
         "launches": lambda: launches(args.device),
         "speed": lambda: speed(*model(), args.device, *((32, 4, 64) if args.quick else (1024, 64, 1024))),
         "max_batch": lambda: max_batch(*model(), *((32, 4, 0.1) if args.quick else (512, 16, 0.1))),
+        "row_kernels": row_kernels,
     }
     for name, run in sections.items():  # one failing section is recorded and the others still run
         s0 = time.perf_counter()
@@ -186,6 +195,8 @@ def main(argv=None) -> int:
         print(f"gpu-check: {name} in {time.perf_counter() - s0:.0f} s", file=sys.stderr, flush=True)
         record["seconds"] = time.perf_counter() - t0
         write(out, record)  # after every section: a run cut short keeps what it measured ("finished": false)
+    for line in record["row_kernels"] if isinstance(record["row_kernels"], list) else ():
+        print(f"gpu-check: simulated rows of {line}")
     eq = record["equivalence"]
     record["equivalence_ok"] = isinstance(eq, list) and all(r["ok"] for r in eq)
     record["ok"] = record["equivalence_ok"] and record["launches"].get("ok", False) and \

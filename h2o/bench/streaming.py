@@ -15,7 +15,8 @@ Positions (``positions=``), once the text passes the model's context (8192 token
   ``budget + chunk - 1``. Keys are cached after the rotary embedding, so StreamingLLM re-assigns positions from
   keys stored before it; here the cached keys are moved instead: rotary embeddings are rotations, R(p + d) k =
   R(d) R(p) k, so after each chunk every kept key whose number changed (a token before it was evicted) is
-  rotated by the change d (negative) with the model's own inverse frequencies. For ``local`` this gives exactly
+  rotated by the change d (negative) with the model's own inverse frequencies (each evicting layer does it after
+  its policy's eviction: ``EvictingCache(..., rerotate=)``, :mod:`h2o.core.rerotate`). For ``local`` this gives exactly
   the true relative distances (the window is contiguous), so it equals ``"true"`` while that stays in range.
   For sinks and heavy hitters the distances are compressed to ranks, as in StreamingLLM.
 * ``"true"``: the true position of each token in the text (the model's default, ``seen + arange``). RoPE is
@@ -63,6 +64,7 @@ from tqdm import tqdm
 
 from h2o.core.attach import attach, attention_modules
 from h2o.core.cache import EvictingCache
+from h2o.core.rerotate import CachePositions, KeyShifter, rotary_module  # noqa: F401 (re-exported)
 from h2o.bench.measure import rss_bytes
 from h2o.bench.stream_parts import HEAVY_SHARE, Windows, build_policy, estimate, flatness
 from h2o.core.policies import Policy
@@ -73,85 +75,6 @@ from h2o.tasks.progress import partial_file
 POSITIONS = ("cache", "true")
 CHUNK = 1  # tokens per forward: one at a time, the authors' protocol
 WINDOW = 1000  # predicted tokens per sample
-STATIC_ROPE = ("default", "linear", "llama3", "yarn", "longrope")
-
-
-# ---------------------------------------------------------------------------------------- rotary
-def rotary_module(model):
-    """The model's rotary embedding module (it holds ``inv_freq``)."""
-    for m in model.modules():
-        if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq"):
-            return m
-    raise ValueError(f"positions='cache' needs a rotary model; {type(model).__name__} has no rotary embedding "
-                     f"(use positions='true')")
-
-
-class KeyShifter:
-    """Moves cached (already rotated) keys by ``delta`` positions: R(p + d) k = R(d) R(p) k."""
-
-    def __init__(self, model):
-        rot = rotary_module(model)
-        rope_type = getattr(rot, "rope_type", "default")
-        if rope_type not in STATIC_ROPE:
-            raise ValueError(f"positions='cache': rope type {rope_type!r} changes its frequencies with the length; "
-                             f"allowed: {', '.join(STATIC_ROPE)} (or positions='true')")
-        self.inv_freq = rot.inv_freq.detach().float()  # (R/2,): the first R dims of a head are rotated
-
-    def rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """keys (B, H, S, D), delta (B, H, S) int -> keys moved by delta positions (a new tensor), computed in
-        fp32 and rounded once to the keys' dtype. Callers rotate each key once from the key as it entered the
-        cache (``CachePositions``), never cumulatively: repeated half-precision rotations drift (bf16: 26% mean
-        relative error after 1,000 shifts)."""
-        half = self.inv_freq.numel()
-        ang = delta[..., None].float() * self.inv_freq.to(keys.device)  # (B, H, S, R/2)
-        cos, sin = ang.cos(), ang.sin()
-        x = keys.float()
-        x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1).to(keys.dtype)
-
-
-class CachePositions:
-    """Per-layer bookkeeping of ``positions="cache"``: after each chunk, renumber the kept keys 0..n-1."""
-
-    def __init__(self, model, n_layers: int):
-        self.shifter = KeyShifter(model)
-        self.prev: list[torch.Tensor | None] = [None] * n_layers  # (B, H, n) sorted true positions held
-        self.entered: list = [None] * n_layers  # (keys (B, H, n, D) as they entered, their number then), sorted
-        self.n = 0  # tokens held per KV head (equal across heads); the next chunk starts at position n
-
-    def after_chunk(self, cache, first_new: int) -> int:
-        """Renumber after a chunk whose first token had true position ``first_new``. Returns tokens held."""
-        held = None
-        for i, layer in enumerate(cache.layers):
-            pos = layer.pos  # (B, H, S) true positions, -1 empty
-            valid = pos >= 0
-            counts = valid.sum(-1)
-            n = int(counts.max())
-            if int(counts.min()) != n:
-                raise RuntimeError(f"layer {i}: heads hold different numbers of tokens ({counts.tolist()})")
-            new = pos >= first_new
-            entry_keys, entry = layer.keys, torch.where(new, self.n + pos - first_new, 0)  # number at entry
-            if self.prev[i] is not None:  # a kept old token: its key and number as it entered, found by position
-                old = torch.searchsorted(self.prev[i], pos.clamp(min=0).contiguous()).clamp(max=self.n - 1)
-                prev_keys, prev_entry = self.entered[i]
-                idx = old[..., None].expand(-1, -1, -1, prev_keys.shape[-1])
-                entry_keys = torch.where(new[..., None], layer.keys, prev_keys.gather(-2, idx))
-                entry = torch.where(new, entry, prev_entry.gather(-1, old))
-            key = torch.where(valid, pos, torch.iinfo(torch.int64).max)
-            sorted_pos, order = key.sort(-1)
-            rank = torch.empty_like(order)
-            rank.scatter_(-1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order))
-            delta = torch.where(valid, rank - entry, 0)
-            first = order[..., :n]
-            self.entered[i] = (entry_keys.gather(-2, first[..., None].expand(-1, -1, -1, entry_keys.shape[-1])),
-                               entry.gather(-1, first))
-            layer.keys.copy_(self.shifter.rotate(entry_keys, delta))  # once from the entered key, in fp32
-            self.prev[i] = sorted_pos[..., :n].contiguous()
-            held = n if held is None else held
-            if n != held:
-                raise RuntimeError(f"layer {i} holds {n} tokens, layer 0 {held}")
-        self.n = held
-        return held
 
 
 # ------------------------------------------------------------------------------------------ text
@@ -211,7 +134,7 @@ class Streamer:
         self.model, self.chunk, self.positions = model, chunk, positions
         self.device = next(model.parameters()).device
         self.pols = [build_policy(spec, budget, heavy_share) for spec in specs]
-        if any(p.quant is not None for p in self.pols):  # CachePositions rotates stored keys, not packed rows
+        if any(p.quant is not None for p in self.pols):  # the key rotation moves stored keys, not packed rows
             raise ValueError("streaming: a policy with quant set; the streamed cache is not quantized (allowed: none)")
         self.B = len(self.pols)
         self.ids = ids.to(self.device).expand(self.B, -1)
@@ -226,8 +149,8 @@ class Streamer:
         self.n_pred = self.ids.shape[1] - 1
         self.wall = 0.0
         ref_len = self.budget if isinstance(self.budget, int) else None
-        self.cache = EvictingCache(self.pol, len(attention_modules(model)), ref_len)
-        self.renum = CachePositions(model, len(self.cache.layers)) if positions == "cache" else None
+        rerotate = KeyShifter(model) if positions == "cache" else None  # positions inside the cache
+        self.cache = EvictingCache(self.pol, len(attention_modules(model)), ref_len, rerotate=rerotate)
 
     @property
     def done(self) -> bool:
@@ -237,7 +160,7 @@ class Streamer:
     def advance(self, until: int) -> None:
         """Feed chunks until ``until`` tokens have been predicted (or the text ends)."""
         until = min(until, self.n_pred)
-        ids, chunk, renum = self.ids, self.chunk, self.renum
+        ids, chunk, inside = self.ids, self.chunk, self.positions == "cache"
         t_in = time.perf_counter()
         with attach(self.model, self.pol, mode="real") as h:
             h.cache = self.cache
@@ -248,16 +171,17 @@ class Streamer:
                 q = x.shape[1]
                 t0, c0 = time.perf_counter(), time.process_time()
                 pos_ids = None
-                if renum is not None:
-                    pos_ids = torch.arange(renum.n, renum.n + q, device=self.device)[None].expand(self.B, -1)
-                    self.max_pos = max(self.max_pos, renum.n + q - 1)
+                if inside:
+                    n = self.cache.next_position()
+                    pos_ids = torch.arange(n, n + q, device=self.device)[None].expand(self.B, -1)
+                    self.max_pos = max(self.max_pos, n + q - 1)
                 out = self.model(input_ids=x, cache=self.cache, position_ids=pos_ids, use_cache=True)
                 nll = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten(), reduction="none")
                 nll = nll.view(self.B, q).cpu()  # (B, q)
-                if renum is not None:
-                    held = renum.after_chunk(self.cache, s)
+                if inside:
+                    held = self.cache.next_position()
                 else:
-                    held = int((self.cache.layers[0].pos[0, 0] >= 0).sum())
+                    held = int(self.cache.held_tokens(0)[0, 0])
                     self.max_pos = s + q - 1
                 if self.ctx and s + q > self.ctx:
                     past = nll[:, max(0, self.ctx - s - 1):]  # predicted tokens whose position is >= ctx

@@ -145,41 +145,17 @@ def shared_prefill(model, ids1, prefill_chunk: int = 1024):
         return cache, logits, time.perf_counter() - t0
 
 
-BATCH_STATE = ("keys", "values", "pos", "acc", "n_tok")
-
-
 def fork_cache(model, v: Variant, new_cache, snap: EvictingCache, logits1, batch: int):
-    """The variant's cache right after a prefill of ``batch`` copies of the snapshot's prompt (see module doc).
-
-    An evicting policy cuts the single sequence first (the cut is per sequence), then the kept slots are repeated:
-    a large batch never holds the whole prompt ``batch`` times."""
+    """The variant's cache right after a prefill of ``batch`` copies of the snapshot's prompt (see module doc):
+    an evicting cache forks it (:meth:`EvictingCache.fork`: the cut per sequence, then the kept slots repeated);
+    transformers' layers take the prompt's keys and values through their own ``update``."""
     rep = lambda t, n: t.repeat(n, *([1] * (t.dim() - 1)))  # noqa: E731 (a copy: its own storage)
-    T = int(snap.layers[0].n_tok[0])
+    T = snap.get_seq_length()  # one unpadded prompt: its tokens
     cache = new_cache(T)
+    if v.kind == "policy":
+        return cache.fork(snap, batch), rep(logits1, batch)
     for layer, s in zip(cache.layers, snap.layers):
-        if v.kind == "policy":
-            for name, value in vars(s).items():  # scalars (seen, n_new, ...) as the prefill left them
-                if name not in ("policy", "ref_len", "counts", "quant", "served") + BATCH_STATE:
-                    setattr(layer, name, value)
-            for name in BATCH_STATE:
-                setattr(layer, name, rep(getattr(s, name), 1))
-            if layer.quant is not None:  # the prompt's keys and values as the quantized cache stores them
-                layer.kv_dtype = s.keys.dtype
-                layer.keys, layer.values = layer.quant.pack_kv(s.keys, s.values, layer.layer_idx, 0)
-                if layer.quant.sink:  # position 0 kept as computed (slot 0 of the snapshot: one unpadded prompt)
-                    layer.sink = (s.keys[..., :1, :].clone(), s.values[..., :1, :].clone())
-                    layer.sink_real = s.pos[:, 0, 0] == 0
-            layer.adopt()  # host counts and budget from the copied state
-            if layer.cuts():
-                layer.cut()  # what real_attention does at the end of a prefill (chunk)
-            if batch > 1:
-                for name in BATCH_STATE:
-                    setattr(layer, name, rep(getattr(layer, name), batch))
-                if layer.sink is not None:
-                    layer.sink, layer.sink_real = tuple(rep(t, batch) for t in layer.sink), rep(layer.sink_real, batch)
-                layer.adopt()
-        else:  # transformers' layers take the prompt's keys and values through their own update()
-            layer.update(rep(s.keys, batch), rep(s.values, batch))
+        layer.update(rep(s.keys, batch), rep(s.values, batch))
     return cache, rep(logits1, batch)
 
 

@@ -5,11 +5,12 @@
     with attach(model, policy, mode="real") as h:                      # real: an evicting cache
         out = model.generate(input_ids, cache=h.new_cache(), max_new_tokens=64)
 
-Guards (one-line ``PolicyError``): the arguments' types; a model already attached (no nesting); a cache reused
-for a second ``generate`` (a cache is single-use: take ``h.new_cache()`` per generation); mode='real' without a
-cache. Non-finite values: each layer records on the device whether its attention output is finite (no host sync);
-one check per forward (= per decoding step), on the LM head's logits, stops the run before sampling with a
-``FloatingPointError`` naming the first bad layer and token (or "outside attention" when no layer was bad).
+Guards (one-line ``PolicyError``): the arguments' types; a model already attached (no nesting); an empty batch or
+sequence; a generate batch with a row of padding only; a cache reused for a second ``generate`` (a cache is
+single-use: take ``h.new_cache()`` per generation); mode='real' without a cache. Non-finite values: each layer
+records on the device whether its attention output is finite (no host sync); one check per forward (= per decoding
+step), on the LM head's logits, stops the run before sampling with a ``FloatingPointError`` naming the first bad
+layer and token (or "outside attention" when no layer was bad).
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ class Attached:
 
     def nonfinite_message(self, logits: torch.Tensor, peaks: list) -> str:
         rows = (~torch.isfinite(logits)).any(-1)  # (B, q)
-        offset = self.cache.layers[0].seen - logits.shape[1] if self.cache is not None else 0  # tokens before
+        offset = self.cache.get_seq_length() - logits.shape[1] if self.cache is not None else 0  # tokens before
         token = f"token {offset + int(rows.any(0).nonzero()[0])}" if bool(rows.any()) else "a token (logits finite)"
         layers = [i for i, peak in peaks if not math.isfinite(peak.item())]
         where = f"attention output in layer {layers[0]}" if layers else "logits, produced outside attention (MLP, " \
@@ -113,11 +114,27 @@ def attention_modules(model):
             and type(m).__name__.endswith("Attention")]
 
 
+def check_input(_model, args, kwargs) -> None:
+    """Forward pre-hook: PolicyError for an empty batch or sequence (transformers fails inside a reshape)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    x = ids if ids is not None else kwargs.get("inputs_embeds")
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and 0 in x.shape[:2]:
+        name = "input_ids" if ids is not None else "inputs_embeds"
+        raise PolicyError(f"{name} of shape {tuple(x.shape)}: an empty {'batch' if x.shape[0] == 0 else 'sequence'}; "
+                          f"a forward needs at least one row of at least one token")
+
+
 def single_use_generate(model, state: Attached):
     """``model.generate`` that refuses a cache already used (it would continue the old sequence silently)."""
     generate = model.generate
 
     def guarded(*args, **kwargs):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel():
+            empty = (~mask.bool().any(-1)).nonzero().flatten().tolist()  # one host read per generate call
+            if empty:
+                raise PolicyError(f"attention_mask row {empty[0]} of {mask.shape[0]} is all padding: nothing to "
+                                  f"generate from; allowed: rows with at least one real token (drop the empty ones)")
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if state.mode == "real" and cache is None:
             raise PolicyError("mode='real' needs a cache: model.generate(..., cache=h.new_cache())")
@@ -159,6 +176,7 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     previous = model.config._attn_implementation
     head = model.get_output_embeddings()
     hook = head.register_forward_hook(lambda _m, _i, logits: state.check_logits(logits)) if head is not None else None
+    entry = model.register_forward_pre_hook(check_input, with_kwargs=True)
     model.set_attn_implementation(attention.NAME)
     model.generate = single_use_generate(model, state)
     for m in modules:
@@ -171,4 +189,5 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         del model.generate  # the class's own again
         if hook is not None:
             hook.remove()
+        entry.remove()
         model.set_attn_implementation(previous)

@@ -85,48 +85,25 @@ ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S)
 
 def real_attention(state, module, query, key, value, attention_mask, scaling, window=None, softcap=None,
                    sinks=None):
-    """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D). ``window``: the layer's sliding
-    window, kept by the layer (its decoding steps drop what leaves it, :meth:`EvictingLayer.slide_in`)."""
+    """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D): the layer says what each block of
+    query rows may see and takes their attention probabilities (:meth:`EvictingLayer.begin`, ``visible``,
+    ``attended``, ``end_forward``); here the math. ``window``: the layer's sliding window (the layer drops what
+    leaves it); ``sinks``: learned sink logits (:func:`masked_softmax`)."""
     if state.cache is None:
         raise PolicyError("mode='real' needs a cache: pass cache=h.new_cache() to the model")
     layer = state.cache.layers[module.layer_idx]
     if not layer.serves(key):
         raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")
-    layer.window = window  # known from the first forward (a prefill or first token: appended, nothing to drop)
-    policy = state.policy
     B, Hq, q, D = query.shape
-    valid = new_valid(attention_mask, query) if layer.n_new or q > 1 else None  # (B, q); decoding: all valid
-    if layer.n_new:
-        layer.register_new(valid[:, -layer.n_new:])
-    if layer.fresh is not None:  # quant.sink, the first forward: its first real token kept as computed
-        key, value = layer.capture_sink(key, value, valid)
-    S = key.shape[-2]
-    every = window is None and all(h == S for h in layer.host_held)  # every slot holds a token (no empty or pad slot)
-    held = None if every and q == 1 else (layer.pos >= 0).view(B, -1, 1, 1, S)  # (B, Hkv, 1, 1, S)
+    key, value = layer.begin(key, value, q, lambda: new_valid(attention_mask, query), window)
     qg = grouped(query, key.shape[1])  # (B, Hkv, G, q, D)
     outs = []
     for r in range(0, q, ROWS):
         logits = scores(qg if q <= ROWS else qg[..., r:r + ROWS, :], key, scaling, softcap)  # (B, Hkv, G, r, S)
-        if q > 1:  # prefill (chunk): each new row sees the cache and the new columns up to itself
-            stop = r + ROWS - q
-            row_pos = layer.pos[:, :, None, -q + r:(stop if stop < 0 else None), None]  # (B, Hkv, 1, r, 1)
-            key_pos = layer.pos[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
-            allowed = held & (key_pos <= row_pos)
-            if window is not None:
-                allowed &= key_pos > row_pos - window
-        elif not policy.evicts and not policy.is_full:
-            allowed = layer.decoding().restrict(logits, layer.acc.view(B, -1, 1, 1, S), held)
-        else:
-            allowed = held
-        probs = masked_softmax(logits, allowed, sinks)  # (B, Hkv, G, r, S)
-        if q > 1:  # pad query rows add nothing
-            rows = valid[:, None, None, r:r + ROWS, None]
-            policy.accumulate(layer.acc, probs * rows, valid[:, r:r + ROWS])
-        elif policy.needs_scores:  # a decoding token is never a pad
-            policy.accumulate(layer.acc, probs)
+        probs = masked_softmax(logits, layer.visible(logits, r), sinks)  # (B, Hkv, G, r, S)
+        layer.attended(probs, r)
         outs.append(grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value))
-    if q > 1 and layer.cuts():
-        layer.cut()
+    layer.end_forward(q)
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).view(B, Hq, q, D).transpose(1, 2)
     state.flag(module.layer_idx, out)  # NaN/inf guard: no host sync here; Attached.check_logits reads it per step
     return out, (probs.view(B, Hq, q, -1) if q <= ROWS else None)

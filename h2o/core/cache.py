@@ -29,15 +29,21 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .policies import Counts, Policy, keep_top, select_slot
+from .policies import Counts, Policy, PolicyError, keep_top, select_slot
 from .policies.base import Decoder, bcast
+from .cache_batch import BatchHooks, CacheBatchHooks
+from .rerotate import KeyRerotation, KeyShifter, held_alike
 from .simulate import serial
 
 
-class EvictingLayer(DynamicLayer):
-    def __init__(self, policy: Policy, ref_len: int | None = None, quant=None, layer_idx: int = 0):
+class EvictingLayer(BatchHooks, DynamicLayer):
+    def __init__(self, policy: Policy, ref_len: int | None = None, quant=None, layer_idx: int = 0,
+                 rerotate: KeyShifter | None = None):
         super().__init__()
         self.policy = policy
+        # positions inside the cache (h2o.core.rerotate): the held keys renumbered after each forward's eviction
+        self.rerotation = KeyRerotation(rerotate) if rerotate is not None else None
+        self.tok_before: list[int] = []  # per sequence: tokens seen before the current forward
         self.quant, self.layer_idx = quant, layer_idx  # quant: slots hold packed rows (h2o.core.quant)
         self.served = None  # quant: weak reference to the last keys handed out by update
         # quant.sink: the first real token's (key, value) as computed (B, Hkv, 1, D), sink_real (B,) whether the
@@ -57,11 +63,16 @@ class EvictingLayer(DynamicLayer):
         self.n_new = 0  # columns appended by the last update (0 for a decoding step)
         self.zero: torch.Tensor | None = None  # (B, Hkv, 1) fp32 zeros: the score of a new slot at a decoding step
         self.window: int | None = None  # the layer's sliding window (None: a global layer)
+        # the current forward (begin): its new tokens, their non-pad columns (B, q) (None: a decoding token), the
+        # held slots (B, Hkv, 1, 1, S) bool (None: every slot)
+        self.q, self.valid, self.held = 0, None, None
+        self.compressed = False  # Policy.compress "prefill": the first forward's cut is done
 
     # ----------------------------------------------------------------- transformers API
     def update(self, key_states, value_states, *args, **kwargs):
         """key/value_states (B, Hkv, q, D). Returns the stored (B, Hkv, S, D) tensors."""
         q = key_states.shape[-2]
+        self.tok_before = self.host_tok or [0] * key_states.shape[0]
         if self.quant is not None:  # quant: store packed rows (B, Hkv, q, P) uint8 instead of the tensors
             self.kv_dtype = key_states.dtype
             if self.quant.sink and self.seen == 0:
@@ -72,7 +83,7 @@ class EvictingLayer(DynamicLayer):
         else:  # a decoding step: one real token in
             if self.window is not None:
                 self.slide_in(key_states, value_states)
-            elif not self.policy.evicts or self.policy.is_full:
+            elif not self.limited():
                 self.grow(key_states, value_states)
             else:
                 self.decode_in_place(key_states, value_states)
@@ -107,11 +118,54 @@ class EvictingLayer(DynamicLayer):
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("an evicting cache cannot be cropped (no assisted decoding)")  # abstract: n/a
 
-    def reorder_cache(self, beam_idx):
-        raise NotImplementedError("an evicting cache does not support beam search")  # abstract: n/a
+    # --------------------------------------------- the attention function's protocol
+    # One forward of ``q`` new tokens, per layer: ``begin`` (the new columns' pads known), then per block of query
+    # rows ``visible`` (what they may see) and ``attended`` (their attention probabilities), then ``end_forward``.
+    # Only the layer reads its positions, scores, budget and slots; the attention function does the math.
+    def begin(self, key, value, q: int, valid_of, window: int | None = None):
+        """The forward's ``q`` new tokens are in (``update``); ``valid_of()`` gives (B, q) bool their non-pad
+        columns (read only where needed: a decoding token is never a pad). ``window``: the layer's sliding
+        window (None: global). Registers the new positions (the budget is fixed on the first forward) and
+        returns the keys and values (B, Hkv, S, D) to attend to."""
+        self.window, self.q = window, q  # known from the first forward (a prefill or first token: appended)
+        self.valid = valid_of() if self.n_new or q > 1 else None  # (B, q); decoding: all valid
+        if self.n_new:
+            self.register_new(self.valid[:, -self.n_new:])
+        if self.fresh is not None:  # quant.sink, the first forward: its first real token kept as computed
+            key, value = self.capture_sink(key, value, self.valid)
+        B, S = key.shape[0], key.shape[-2]
+        every = window is None and all(h == S for h in self.host_held)  # every slot holds a token
+        self.held = None if every and q == 1 else (self.pos >= 0).view(B, -1, 1, 1, S)  # (B, Hkv, 1, 1, S)
+        return key, value
 
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("an evicting cache does not support num_return_sequences > 1")  # abstract: n/a
+    def visible(self, logits: torch.Tensor, r: int) -> torch.Tensor | None:
+        """What query rows r.. of this forward may see: logits (B, Hkv, G, rows, S) fp32 -> bool broadcastable to
+        them (None: every slot). A prefill (chunk) row sees the held slots and the new columns up to itself (and
+        within the window); a decoding row what the policy holds, or restricts to (top-k)."""
+        q = self.q
+        if q > 1:
+            rows = logits.shape[-2]
+            stop = r + rows - q
+            row_pos = self.pos[:, :, None, -q + r:(stop if stop < 0 else None), None]  # (B, Hkv, 1, rows, 1)
+            key_pos = self.pos[:, :, None, None, :]  # (B, Hkv, 1, 1, S)
+            allowed = self.held & (key_pos <= row_pos)
+            if self.window is not None:
+                allowed &= key_pos > row_pos - self.window
+            return allowed
+        if not self.policy.evicts and not self.policy.is_full:
+            B, S = logits.shape[0], logits.shape[-1]
+            return self.decoding().restrict(logits, self.acc.view(B, -1, 1, 1, S), self.held)
+        return self.held
+
+    def attended(self, probs: torch.Tensor, r: int) -> None:
+        """The attention probabilities (B, Hkv, G, rows, S) of query rows r.. (as :meth:`visible` allowed) into
+        the scores; pad rows add nothing."""
+        if self.q > 1:
+            rows = probs.shape[-2]
+            valid = self.valid[:, r:r + rows]  # (B, rows)
+            self.policy.accumulate(self.acc, probs * valid[:, None, None, :, None], valid)
+        elif self.policy.needs_scores:  # a decoding token is never a pad
+            self.policy.accumulate(self.acc, probs)
 
     # ------------------------------------------------------------------------- storage
     def append(self, key_states, value_states):
@@ -161,8 +215,8 @@ class EvictingLayer(DynamicLayer):
         self.acc.scatter_(-1, slot, 0.0)
 
     def limited(self) -> bool:
-        """Whether the budget can drop a token (an evicting policy below 100%)."""
-        return self.policy.evicts and not self.policy.is_full
+        """Whether the budget can drop a token (an evicting policy below 100%, not compressed once already)."""
+        return self.policy.evicts and not self.policy.is_full and not self.compressed
 
     def cuts(self) -> bool:
         """Whether a prefill (chunk) ends with :meth:`cut`: a budget that drops tokens, or a sliding window."""
@@ -201,7 +255,7 @@ class EvictingLayer(DynamicLayer):
             if self.window is not None and self.policy.evicts:
                 self.decoder = Decoder(self.policy, self.counts)
             else:
-                self.decoder = self.policy.decoder(self.counts, self.host_counts)
+                self.decoder = self.policy.decoding(self.counts, self.host_counts)
         return self.decoder
 
     def grow(self, key_states, value_states):
@@ -245,16 +299,18 @@ class EvictingLayer(DynamicLayer):
         ref = self.host_tok if self.ref_len is None else [self.ref_len] * len(self.host_tok)
         counts = self.policy.counts(torch.tensor(ref))
         self.host_total, self.host_counts, self.decoder = counts.total.tolist(), counts, None
-        self.counts = Counts(*(x.to(self.n_tok.device) for x in (counts.total, counts.heavy, counts.recent,
-                                                                 counts.length)))
+        self.counts = counts.map(lambda x: x.to(self.n_tok.device))
 
-    def adopt(self):
-        """Re-derive the host counts and the budget from the device state (``n_tok``, ``pos``) after it was
-        copied in from elsewhere (a forked prefill); one host sync."""
-        self.host_tok = self.n_tok.tolist()
-        self.host_held = (self.pos[:, 0] >= 0).sum(-1).tolist()
-        self.room, self.room_list = None, []
-        self.fix_budget()
+    def end_forward(self, q: int) -> None:
+        """After the attention of a forward of ``q`` new tokens: a prefill (chunk) is cut back to the budget; with
+        positions inside the cache, the held keys are renumbered (:class:`h2o.core.rerotate.KeyRerotation`)."""
+        if q > 1 and self.cuts():
+            self.cut()
+        self.compressed = self.policy.compress == "prefill"  # compressed once: every later token is kept
+        if self.rerotation is not None:
+            tok = self.tok_before
+            first_new = tok[0] if len(set(tok)) == 1 else torch.tensor(tok)
+            self.keys.copy_(self.rerotation.renumber(self.pos, self.keys, first_new))
 
     def cut(self):
         """After a prefill (chunk): keep the budget, free the rest. Slots are in position order here. A sliding
@@ -287,12 +343,29 @@ class EvictingLayer(DynamicLayer):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes + sink
 
 
-class EvictingCache(Cache):
+class EvictingCache(CacheBatchHooks, Cache):
     """One :class:`EvictingLayer` per decoder layer. Use through :func:`h2o.core.attach` (mode="real")."""
 
-    def __init__(self, policy: Policy, num_layers: int, ref_len: int | None = None, quant=None):
-        super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i) for i in range(num_layers)])
+    def __init__(self, policy: Policy, num_layers: int, ref_len: int | None = None, quant=None,
+                 rerotate: KeyShifter | None = None):
+        """``rerotate``: positions inside the cache (:mod:`h2o.core.rerotate`; not with ``quant``: packed rows
+        cannot be rotated); the model is then given :meth:`next_position` onwards as its position ids."""
+        if rerotate is not None and quant is not None:
+            raise PolicyError("rerotate: positions inside the cache rotate stored keys, not packed rows (quant)")
+        super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i, rerotate) for i in range(num_layers)])
         self.policy, self.quant = policy, quant
+
+    def next_position(self) -> int:
+        """Positions inside the cache (``rerotate``): the tokens every layer holds, the next token's number."""
+        return held_alike([layer.rerotation for layer in self.layers])
+
+    def held_tokens(self, layer: int | None = None) -> torch.Tensor:
+        """(L, B, Hkv) int64 tokens each layer holds per sequence and KV head (slots with ``pos >= 0``; ``layer``:
+        that layer's (B, Hkv) alone); beside :meth:`nbytes` (the slots stored, empty ones included) it shows what
+        padding to the largest costs."""
+        if layer is not None:
+            return (self.layers[layer].pos >= 0).sum(-1)
+        return torch.stack([(one.pos >= 0).sum(-1) for one in self.layers])
 
     def nbytes(self) -> int:
         """Bytes of keys and values held by all layers (quant: plus its offline constants, once)."""

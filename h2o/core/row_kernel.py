@@ -18,25 +18,24 @@ topk_h2 (restricting: the whole cache is kept) has its own kernel: per row, the 
 bisection on the values' int32 image (33 counts over the row), ties in column order as
 :func:`h2o.core.policies.topk.top_rank`.
 
-Choice: ``H2O_ROW_KERNEL=auto`` (default: Triton on CUDA for the policies above, else the torch loop), ``triton``,
-``torch``.
+What runs is what a policy declares (:meth:`h2o.core.policies.Policy.kernel_form`: the kernel, its protected set
+and its per-sequence parameters); a policy that walks rows without a kernel form runs the torch loop, on CUDA with
+a one-line notice (:func:`notice`; ``make gpu-check`` lists the coverage, :func:`coverage`).
+
+Choice: ``H2O_ROW_KERNEL=auto`` (default: Triton on CUDA for the policies that declare a form, else the torch
+loop), ``triton``, ``torch``.
 """
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
-from .policies import Counts, Policy
-from .policies.combine import WithHeavy
-from .policies.fixed import Fixed, pattern
-from .policies.h2o import H2O
-from .policies.score import SCORES
-from .policies.strided import Strided, stride_of
-from .policies.topk_h2 import TopKH2
+from .policies import Policy
+from .policies.base import KernelForm, declared
 
 CHOICES = ("auto", "triton", "torch")
-PATTERNS = {None: 0, Strided: 1, Fixed: 2}  # the protected set: h2o's recent window, strided, fixed
 
 try:
     import triton
@@ -170,33 +169,43 @@ if triton is not None:
         tl.store(acc_ptr + bh * T + cols, acc, mask=inb)
 
 
-def pattern_of(policy: Policy):
-    """The pattern class whose protected set the kernel computes (None: h2o's recent window), or False."""
-    if isinstance(policy, H2O) and type(policy).priority is H2O.priority:
-        return None
-    if isinstance(policy, WithHeavy) and type(policy).priority is WithHeavy.priority:
-        if policy.base is None:  # no recent part: nothing protected, as h2o's empty window
-            return None
-        if type(policy.base) in (Strided, Fixed):
-            return type(policy.base)
-    return False
+def form_of(policy: Policy) -> KernelForm | None:
+    """The kernel form the policy declares for its rule (:func:`declared`), or None."""
+    make = declared(policy, "kernel_form")
+    return make() if make is not None else None
 
 
 def supports(policy: Policy) -> bool:
-    """h2o, h2_only, strided_h2, fixed_h2 with any score (not subclasses that change the priority), topk_h2."""
-    if type(policy) is TopKH2:
-        return True
-    return pattern_of(policy) is not False and getattr(policy, "score_kind", None) in SCORES
+    """Whether the policy declares a kernel form (h2o, h2_only, strided_h2, fixed_h2 with any score, topk_h2)."""
+    return form_of(policy) is not None
+
+
+NOTICED: set[str] = set()  # policies told once per process that the torch loop serves them on CUDA
+
+
+def notice(policy: Policy) -> None:
+    """The one-line notice, once per policy: a score-based policy without a kernel form runs the torch row loop
+    on CUDA (a few ops per row and layer: slower, the same results)."""
+    if policy.name not in NOTICED:
+        NOTICED.add(policy.name)
+        warnings.warn(f"policy={policy.name}: no Triton row kernel form declared (Policy.kernel_form); the "
+                      f"simulated path runs the torch row loop on CUDA", RuntimeWarning, stacklevel=3)
 
 
 def use_kernel(policy: Policy, device: torch.device) -> bool:
+    """Whether the simulated path's row recurrence of ``policy`` runs as the Triton kernel on ``device``
+    (called for policies that walk rows: score-based evicting ones and topk_h2; sliding layers included)."""
     choice = os.environ.get("H2O_ROW_KERNEL", "auto")
     if choice not in CHOICES:
         raise ValueError(f"H2O_ROW_KERNEL={choice!r}: allowed: {', '.join(CHOICES)}")
-    if choice == "torch" or not supports(policy):
+    if choice == "torch":
+        return False
+    if not supports(policy):
         if choice == "triton":
-            raise ValueError(f"H2O_ROW_KERNEL=triton: the kernel implements h2o, h2_only, strided_h2, fixed_h2 "
-                             f"and topk_h2, not {policy.name}")
+            raise ValueError(f"H2O_ROW_KERNEL=triton: the kernel implements {', '.join(covered())} (the "
+                             f"policies declaring Policy.kernel_form), not {policy.name}")
+        if device.type == "cuda":
+            notice(policy)
         return False
     if choice == "triton":
         if triton is None:
@@ -205,18 +214,30 @@ def use_kernel(policy: Policy, device: torch.device) -> bool:
     return triton is not None and device.type == "cuda"
 
 
-def parameters(policy: Policy, counts: Counts) -> torch.Tensor:
-    """(B, 4) int64 per sequence: window or block, stride or summaries, grid on, protected count (see the kernel)."""
-    kind = pattern_of(policy)
-    zero = torch.zeros_like(counts.total)
-    if kind is None:
-        return torch.stack([counts.recent, zero, zero, zero], -1)
-    base = policy.base.counts(counts.length)
-    n_keep = (base.total.clamp(max=counts.recent) - 1).clamp(min=0)  # the arriving token is not held yet
-    if kind is Strided:
-        return torch.stack([base.recent, stride_of(base), (base.heavy > 0).long(), n_keep], -1)
-    block, c = pattern(base)
-    return torch.stack([block, torch.minimum(c, block), zero, n_keep], -1)
+def walks_rows(policy: Policy) -> bool:
+    """Whether the simulated path walks the rows of ``policy`` (the torch loop or this kernel): score-based
+    evicting policies without a closed form, and restricting ones that read the scores."""
+    if policy.is_full or policy.position_only:
+        return False
+    return policy.evicts or policy.needs_scores
+
+
+def covered() -> list[str]:
+    """The registered policies (default options) whose rows the kernel runs."""
+    return [name for name, cls in sorted(Policy.registry.items()) if supports(cls(budget=0.2))]
+
+
+def coverage() -> list[str]:
+    """One line per registered policy that walks rows (default options, a 20% budget): the kernel, or the
+    torch loop."""
+    lines = []
+    for name, cls in sorted(Policy.registry.items()):
+        policy = cls(budget=0.2)
+        if walks_rows(policy):
+            form = form_of(policy)
+            lines.append(f"{name}: Triton row kernel ({form.kind})" if form is not None else
+                         f"{name}: no kernel form declared, the torch row loop serves it on CUDA")
+    return lines
 
 
 def score_rows(policy: Policy, logits, valid, pos, counts, keep, acc, out, start: int, window: int | None = None
@@ -227,11 +248,12 @@ def score_rows(policy: Policy, logits, valid, pos, counts, keep, acc, out, start
     B, H, G, T, _ = logits.shape
     if start >= T:
         return
+    form = form_of(policy)
     logits = logits.contiguous()
-    if type(policy) is TopKH2:  # out (B, Hkv, G, T, T): a row per query head
+    par = form.params(counts).contiguous()  # (B, 4) or (B, 2)
+    if form.kind == "restrict":  # out (B, Hkv, G, T, T): a row per query head
         rows = torch.zeros(B, H, G, T, T, dtype=torch.int8, device=logits.device)
         acc_c = acc.contiguous()
-        par = torch.stack([counts.total, counts.heavy], -1).contiguous()  # (B, 2)
         topk_rows_kernel[(B * H,)](logits, keep.to(torch.int8).contiguous(), acc_c, rows,
                                    valid.to(torch.int8).contiguous(), pos.contiguous(), par, H, T, G, start,
                                    window or 0, *logits.stride()[:4], BLOCK=triton.next_power_of_2(T),
@@ -246,11 +268,9 @@ def score_rows(policy: Policy, logits, valid, pos, counts, keep, acc, out, start
         room = counts.total.contiguous()
     rows = torch.zeros(B, H, T, T, dtype=torch.int8, device=logits.device)
     acc_c = acc.contiguous()
-    score = SCORES.index(policy.score_kind)
     score_rows_kernel[(B * H,)](logits, keep.to(torch.int8).contiguous(), acc_c, rows, pos.contiguous(),
-                                valid.to(torch.int8).contiguous(), room, parameters(policy, counts).contiguous(),
-                                H, T, G, start, float(policy.decay), window or 0, *logits.stride()[:4],
-                                BLOCK=triton.next_power_of_2(T), SCORE=score, PATTERN=PATTERNS[pattern_of(policy)],
-                                WINDOW=window is not None)
+                                valid.to(torch.int8).contiguous(), room, par, H, T, G, start, float(form.decay),
+                                window or 0, *logits.stride()[:4], BLOCK=triton.next_power_of_2(T),
+                                SCORE=form.score, PATTERN=form.pattern, WINDOW=window is not None)
     out[:, :, 0, start:] = rows[:, :, start:].bool()
     acc.copy_(acc_c)

@@ -12,12 +12,13 @@ the prompt's length, as in generation; without a prompt, of the sequence's lengt
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
 from . import row_kernel
 from .policies import Policy, keep_top
-from .policies.base import bcast, const
+from .policies.base import bcast, const, declared
 from .policies.h2o import reference_mask
 
 
@@ -216,6 +217,8 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     softmax has none)."""
     T = valid.shape[1]
     counts = policy.counts(reference_length(valid, prompt_len))
+    if policy.evicts and policy.compress == "prefill":
+        return compressed_once(policy, logits, allowed, valid, prompt_len, counts, window), None
     if closed(policy, window):
         held = closed_form(policy, valid, counts, max(prompt_len - 1, 0), window)  # (B, 1, 1, T, T)
         if not prompt_len:
@@ -256,6 +259,32 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     return out, seen
 
 
+def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, counts, window: int | None = None
+                    ) -> torch.Tensor:
+    """``compress="prefill"``: the prompt's rows see their prefix; the cache is cut once to the budget at the end
+    of the prompt, as the real path's cut (the window first, then the top ``total`` by priority, the scores of the
+    prompt's rows); every later token is kept, so a later row sees what the cut kept and every newer token
+    (inside the window). Without a prompt nothing is cut. -> (B, Hkv | 1, 1, T, T) bool."""
+    allowed = causal_valid(valid, window) if allowed is None else allowed  # (B, 1, 1, T, T)
+    if not prompt_len:
+        return allowed
+    B, T = valid.shape
+    Hkv = 1 if logits is None else logits.shape[1]
+    col = torch.arange(T, device=valid.device)
+    posH = positions(valid)[:, None, :].expand(B, Hkv, T)
+    keep = (valid & (col < prompt_len))[:, None, :].expand(B, Hkv, T)
+    acc = torch.zeros(B, Hkv, T, device=valid.device)  # (B, Hkv, T) the prompt rows' scores
+    if policy.needs_scores:
+        probs = masked_softmax(logits[..., :prompt_len, :], allowed[..., :prompt_len, :])  # (B, Hkv, G, P, T)
+        policy.accumulate(acc, probs * valid[:, None, None, :prompt_len, None], valid[:, :prompt_len])
+    now = keep[:, 0].sum(-1) - 1
+    if window is not None:  # the window first: what left it is gone before the policy decides
+        keep = keep & (posH > bcast(now - window))
+    keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
+    held = keep[:, :, None, None, :] | (col >= prompt_len)  # (B, Hkv, 1, 1, T)
+    return torch.where((col < prompt_len)[:, None], allowed, allowed & held)
+
+
 def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window: int | None = None
                 ) -> torch.Tensor:
     """(B, 1, 1, T, T) bool rows of a position-only policy, all at once (:meth:`Policy.held_rows`): row i sees
@@ -263,7 +292,8 @@ def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window:
     on a pad), as in :func:`row_loop`. ``window``: only for :func:`closed` policies."""
     pos = positions(valid)  # (B, T)
     now = pos.cummax(-1).values  # (B, T): the newest token at each row, -1 before the first
-    held = policy.held_rows(pos, now, counts, first, *(() if window is None else (window,)))  # (B, T, T)
+    rows = declared(policy, "held_rows") or partial(Policy.held_rows, policy)  # the closed form of this rule
+    held = rows(pos, now, counts, first, *(() if window is None else (window,)))  # (B, T, T)
     itself = (pos[:, None, :] == now[:, :, None]) & valid[:, None, :]
     return (held | itself)[:, None, None]
 

@@ -98,6 +98,22 @@ def check_name(key: str, value: Any) -> str:
     return text
 
 
+def abbrev(value: Any, limit: int = 200, quote: bool = True) -> str:
+    """``repr(value)`` (``str`` with ``quote=False``), cut to ``limit`` characters with its length named: a
+    5,000-character path stays a short line."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(str(value))} characters)"
+
+
+def path_error(path: str | os.PathLike) -> str | None:
+    """Why the file system refuses to look ``path`` up (e.g. "File name too long"), None when it can."""
+    try:
+        Path(path).expanduser().exists()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
 def nearest_existing(path: Path) -> Path:
     probe = Path(path).expanduser().absolute()
     while not probe.exists() and probe != probe.parent:
@@ -108,8 +124,10 @@ def nearest_existing(path: Path) -> Path:
 def output_dir(flag: str, path: str | os.PathLike, shown: Any = None) -> Path:
     """ConfigError unless the folder ``path`` exists or can be created (its nearest existing ancestor is a
     writable folder, no file on the way). The message names ``flag=shown`` (default: the path)."""
-    name = f"{flag}={str(path if shown is None else shown)!r}"
+    name = f"{flag}={abbrev(str(path if shown is None else shown))}"
     check(str(path).strip() != "", f"{name}: empty; expected a folder path")
+    why = path_error(path)
+    check(why is None, f"{name}: {why}; expected a writable folder")
     probe = nearest_existing(Path(path))
     check(probe.is_dir(), f"{name}: {probe} is a file, not a folder; expected a writable folder")
     check(os.access(probe, os.W_OK | os.X_OK), f"{name}: {probe} is not writable; expected a writable folder")
@@ -164,6 +182,13 @@ class ArgParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # noqa: D102 - argparse API
         raise ConfigError(f"{self.prog}: {message}")
+
+
+def one_line(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """A plain argparse ``parser`` whose errors exit 2 with one line ``error: <prog>: ...`` (no usage): for the
+    CLIs that return their exit status without :func:`guard`."""
+    parser.error = lambda message: sys.exit(fail(ConfigError(f"{parser.prog}: {message}")))
+    return parser
 
 
 def fail(exc: BaseException) -> int:

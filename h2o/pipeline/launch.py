@@ -30,6 +30,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from h2o.assets.model_spec import ConfigError
+from h2o.assets.resources import check_fits_request
 from h2o.pipeline.plan import Plan, build
 from h2o.pipeline.records import CONF, finished, run_dir
 from h2o.pipeline.sweep import BAD_INPUT, Sweep, expand
@@ -121,6 +122,8 @@ def run_minutes(plan: Plan, cluster: DictConfig) -> float:
     task = plan.task
     if task.kind == "perplexity":
         mtok = task.n_windows * task.window / 1e6
+    elif task.kind == "retrieval":  # long-context prompts, sized by their own grid (h2o.tasks.long_context)
+        mtok = task.tokens() / 1e6
     else:
         size = cluster.task_size.get(task.name) or cluster.default_task_size
         mtok = float(size.mtok)
@@ -303,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = cluster_config(cluster_args)
         sweep = expand(overrides, multirun=True)
+        for plan in sweep.plans:  # the weights vs what each array task asks of its node
+            check_fits_request(plan.model)
         works = classify(sweep)
         sweep_dir = Path(sweep.sweep_dir).resolve()
         from h2o.pipeline.status import in_flight

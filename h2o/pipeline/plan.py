@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from h2o.assets.locks import lock_mode, stale_after
 from h2o.assets.model_spec import ConfigError, ModelSpec
 from h2o.core.policies import Policy, PolicyError
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
@@ -68,6 +69,7 @@ def check_keys(cfg: DictConfig) -> None:
         missing = [k for k in group_defaults(group, str(cfg[group].name)) if k not in cfg[group]]
         check(not missing, f"{group}.{missing[0] if missing else ''}: missing (removed?); every key of "
                            f"conf/{group}/{cfg[group].name}.yaml is required")
+    lock_mode(), stale_after()  # the lock settings a run reads when it claims its folder
     check_name("experiment_name", cfg.experiment_name)
     check(is_int(cfg.seed) and 0 <= cfg.seed < 2**32, f"seed={cfg.seed!r}: expected an int in [0, 2**32)")
     threads = cfg.threads
@@ -134,10 +136,14 @@ def prepare(cfg: DictConfig) -> Plan:
     except OmegaConfBaseException as exc:  # e.g. an interpolation to a removed key
         raise ConfigError(" ".join(str(exc).split()[:40])) from None
     built = build("policy", cfg.policy)
+    built.check_unused(cfg.policy)
     cfg, policy = reference_spelling(cfg, built)
     named = build("policy", cfg.policy) if isinstance(policy, H2OReference) else policy  # the record's policy
     task = build("task", cfg.task)
     model = build("model", cfg.model)
+    longest = model.max_positions()
+    if longest:
+        policy.check_reach(longest, f"the longest context of {model.name}")
     policy.quant = build_quant(cfg, model)
     if not isinstance(task, TaskSpec):
         raise ConfigError(f"task={cfg.task.name}: _target_ must build an h2o.tasks.base.TaskSpec")

@@ -36,9 +36,9 @@ from typing import Any, Iterator
 
 from h2o.assets.locks import append_line, folder_lock
 from h2o.assets.paths import CONF, REPO, atomic_write_text
-from h2o.core.validate import SAFE, ConfigError, check, check_name
+from h2o.core.validate import SAFE, ConfigError, check, check_name, is_number
 
-IGNORED = {"_target_", "name", "batch_size", "device_map", "resources"}  # never in <extras>
+IGNORED = {"_target_", "name", "batch_size", "device_map", "resources", "params"}  # never in <extras>
 IN_PATH = {"task": {"shots"}, "policy": {"budget", "heavy", "recent"}, "model": set()}
 PACKAGES = ("torch", "transformers", "lm_eval", "hydra-core", "omegaconf", "hydra-submitit-launcher", "submitit",
             "datasets", "accelerate", "rouge-score", "wandb", "tokenizers", "numpy", "h2o-harness")
@@ -192,13 +192,15 @@ COMPLETE = ("model", "task", "policy", "metrics", "n_samples", "wall_s")  # fiel
 
 
 def finished(path: Path) -> bool:
-    """A run is finished when its metrics.json parses and holds every field of COMPLETE (an empty or torn
-    file, as a node crash can leave on a shared filesystem, does not count: the run is redone)."""
+    """A run is finished when its metrics.json parses and holds every field of COMPLETE, ``metrics`` an object and
+    ``budget`` a number or null, as the analysis reads it (an empty or torn file, as a node crash can leave on a
+    shared filesystem, does not count: the run is redone)."""
     try:
         record = json.loads((Path(path) / "metrics.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(record, dict) and all(k in record for k in COMPLETE) and isinstance(record["metrics"], dict)
+    return (isinstance(record, dict) and all(k in record for k in COMPLETE) and isinstance(record["metrics"], dict)
+            and (record.get("budget") is None or is_number(record["budget"])))
 
 
 @contextlib.contextmanager

@@ -34,7 +34,8 @@ from h2o.pipeline.plan import Plan, prepare
 from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl,
                                   slurm_job_id, write_json, write_jsonl)
 from h2o.assets.paths import atomic_write_text
-from h2o.core.validate import fail
+from h2o.assets.resources import check_fits_here
+from h2o.core.validate import ConfigError, fail
 from h2o.pipeline.sweep import BAD_INPUT, expand, status
 from h2o.tasks.progress import recording, resumed
 
@@ -44,6 +45,8 @@ CRASH_ENV = "H2O_TEST_CRASH_AT"
 SWEEP_ENV = "H2O_SWEEP_ID"  # set by main() for a multirun; every job row of the sweep carries it
 PASSTHROUGH = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc",
                "--version", "--resolve", "--package", "-p", "--run", "-r")
+FLAGS = ("-m", "--multirun", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
+         "--experimental-rerun", *PASSTHROUGH)  # what Hydra's command line takes
 _executed = 0  # runs executed (not skipped) by this process
 
 
@@ -139,6 +142,7 @@ def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
 
     try:
         plan = prepare(cfg)
+        check_fits_here(plan.model)
     except BAD_INPUT as exc:
         if not multirun:
             sys.exit(fail(exc))
@@ -180,10 +184,16 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     multirun = "-m" in argv or "--multirun" in argv
     sweep_dir = None
+    unknown = [a for a in argv if a.startswith("-") and a.split("=")[0] not in FLAGS]
+    if unknown:
+        return fail(ConfigError(f"{unknown[0]}: unknown option; allowed: key=value overrides, -m/--multirun, "
+                                f"--help, --cfg job, --info and Hydra's other flags (see --help)"))
     if not any(a.split("=")[0] in PASSTHROUGH for a in argv):
         overrides = [a for a in argv if not a.startswith("-")]
         try:
             sweep = expand(overrides, multirun)
+            for model in {plan.model.key(): plan.model for plan in sweep.plans}.values():
+                check_fits_here(model)  # before any job loads anything
         except BAD_INPUT as exc:
             return fail(exc)
         if multirun:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.core.validate import BadInput, ConfigError, fail, output_dir
+from h2o.core.validate import BadInput, ConfigError, abbrev, check, fail, output_dir
 from h2o.pipeline.plan import Plan, prepare
 from h2o.pipeline.records import CONF, finished, runs_root
 
@@ -117,6 +117,29 @@ def one_line(exc: BaseException) -> str:
     return text if len(text) < 400 else text[:397] + "..."
 
 
+DIGITS = 4300  # Python's limit of digits for reading an int (sys.get_int_max_str_digits)
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """ConfigError for an override Hydra would misreport: a group removed whole (``~task``), a group choice given
+    as a path (``experiment=../model/x``: Hydra reads the file and blames a key of it), or a number longer than
+    Python reads (Hydra's message does not name the key)."""
+    for text in overrides:
+        key, sep, value = text.partition("=")
+        name = key.lstrip("~+")
+        group = "." not in name and (CONF / name).is_dir()
+        allowed = ", ".join(sorted(f.stem for f in (CONF / name).glob("*.yaml"))) if group else ""
+        if group and key.startswith("~"):
+            raise ConfigError(f"{key}: removes the whole {name} group, which every run needs; allowed: "
+                              f"{name}=<name> to choose another ({allowed})")
+        if group and sep and ("/" in value or "\\" in value or ".." in value):
+            raise ConfigError(f"{name}={value}: a config name, not a path; allowed: {allowed}")
+        digits = max((len(m) for m in re.findall(r"\d+", value)), default=0)
+        if digits > DIGITS:
+            raise ConfigError(f"{key}={value[:8]}... ({digits} digits): too long a number to read; allowed: "
+                              f"budgets and counts up to 2**40 (13 digits)")
+
+
 def job_overrides(overrides: list[str], multirun: bool) -> tuple[list[list[str]], str]:
     """The jobs' override lists and the resolved sweep dir (Hydra's BasicSweeper.split_arguments)."""
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -145,13 +168,14 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
     ready = GlobalHydra.instance().is_initialized()  # e.g. inside a test's initialize_config_dir
     with nullcontext() if ready else initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         try:
+            check_overrides(overrides)
             jobs, sweep_dir = job_overrides(overrides, multirun)
             plans, compose = [], Composer()
             for job in jobs:
                 try:
                     plans.append(prepare(compose(job)))
                 except BAD_INPUT as exc:
-                    raise type(exc)(f"{exc}  [job: {' '.join(job)}]") from None
+                    raise type(exc)(f"{exc}  [job: {' '.join(abbrev(a, 80, quote=False) for a in job)}]") from None
         except BAD_INPUT:
             raise
         except (HydraException, OmegaConfBaseException, ValueError, TypeError) as exc:  # range(0,1,0): ValueError
@@ -190,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     overrides = [a for a in argv if not a.startswith("-")]
     try:
+        flag = next((a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")), None)
+        check(flag is None, f"{flag}: unknown option; allowed: key=value overrides (every job is listed)")
         sweep = expand(overrides, multirun=True)
     except BAD_INPUT as exc:
         return fail(exc)

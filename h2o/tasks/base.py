@@ -85,6 +85,14 @@ def adds_bos(tokenizer, add_bos_token: bool | None) -> bool:
     return bos is not None and tokenizer.encode("a", **kwargs)[:1] == [bos]
 
 
+def clamped(policy, lengths: list[int]) -> int:
+    """How many requests of these reference lengths the policy's budget rounds a part of to zero (it is raised:
+    h2o.core.policies.base.Policy.short): metrics.json ``clamped_requests``. Host ints, no device read."""
+    import torch
+
+    return int(policy.short(torch.tensor(lengths, dtype=torch.long)).sum()) if lengths else 0
+
+
 def positive_or_none(name: str, value) -> None:
     check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
           f"{name}={value!r}: expected a positive int or null")

@@ -9,7 +9,8 @@ lm-eval 0.4.13 fills its model registry only by importing modules (no entry-poin
 arguments (pretrained, policy and its options, semantics, scoring, quant and its ``quant_*`` options, checked
 against the head size and rotary embeddings in the model's config), ``--batch_size``, ``--include_path`` and
 ``--output_path`` are checked first (h2o.core.validate): a bad one is one line and exit status 2, before any
-model loads.
+model loads. A RULER task (``--tasks niah_single_2``, ``ruler``, ...) gets its essay haystack from the project's
+books through h2o.tasks.ruler_offline (``H2O_RULER_HAYSTACK=austen | moby_dick | essays``, default austen).
 """
 from __future__ import annotations
 
@@ -20,24 +21,29 @@ def validate(args) -> None:
     from pathlib import Path
 
     from h2o.assets.model_spec import check_pretrained
-    from h2o.core.validate import check, output_dir
+    from h2o.core.validate import abbrev, check, output_dir, path_error
     from h2o.assets.model_spec import ModelSpec
     from h2o.tasks.batching import check_batch_size, from_text
     from h2o.tasks.lm_eval_model import QUANT_PREFIX, SCORING, lm_policy, make_lm_quant
 
     if getattr(args, "include_path", None):
-        check(Path(args.include_path).is_dir(), f"--include_path={args.include_path!r}: no such folder")
+        why = path_error(args.include_path)
+        check(why is None and Path(args.include_path).is_dir(),
+              f"--include_path={abbrev(args.include_path)}: {why or 'no such folder'}; expected a folder of task YAMLs")
     if getattr(args, "output_path", None):
         output_dir("--output_path", Path(args.output_path).parent)
     if getattr(args, "model", None) != "h2o":
         return
     options = dict(args.model_args or {}) if isinstance(args.model_args or {}, dict) else {}
     check_pretrained(options.get("pretrained", "smollm2-135m"), "--model_args pretrained")
-    lm_policy(options.get("policy", "full"), dict(options), options.get("semantics", "simulated"))
+    policy = lm_policy(options.get("policy", "full"), dict(options), options.get("semantics", "simulated"))
+    pretrained = str(options.get("pretrained", "smollm2-135m"))
+    longest = ModelSpec(pretrained, pretrained).max_positions()
+    if longest:
+        policy.check_reach(longest, "the model's longest context")
     check(options.get("scoring", "sum") in SCORING,
           f"--model_args scoring={options.get('scoring')!r}: allowed: {', '.join(SCORING)}")
     check_batch_size(from_text(getattr(args, "batch_size", 1)), "--batch_size", schedule=True)
-    pretrained = options.get("pretrained", "smollm2-135m")
     quant = make_lm_quant(options.get("quant", "none"), {k: v for k, v in options.items()
                                                          if k.startswith(QUANT_PREFIX)}, pretrained)
     if quant is not None:
@@ -56,10 +62,23 @@ def main() -> int:
     args = parser.parse_args()
     try:
         validate(args)
+        if uses_ruler(getattr(args, "tasks", None)):  # RULER's essay haystack: a book, offline ($H2O_RULER_HAYSTACK)
+            from h2o.tasks.ruler_offline import from_env
+
+            from_env()
     except BadInput as exc:
         return fail(exc)
     parser.execute(args)
     return 0
+
+
+def uses_ruler(tasks) -> bool:
+    """Whether lm-eval's ``--tasks`` (a comma-separated text or a list) name a RULER task or group."""
+    from h2o.tasks.long_context import ruler_folder
+    from h2o.tasks.multiple_choice import yaml_task_names
+
+    names = tasks.split(",") if isinstance(tasks, str) else list(tasks or [])
+    return bool({n.strip() for n in names} & {*yaml_task_names(ruler_folder()), "ruler"})
 
 
 if __name__ == "__main__":

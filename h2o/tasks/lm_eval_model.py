@@ -19,7 +19,15 @@ Only the model call changes:
   simulated eviction mask; the budget is a ratio of each request's own length (context + continuation, less
   the last token, which is never an input).
 * generation requests: ``model.generate`` inside ``attach(model, policy, mode="real")`` with a fresh evicting
-  cache per call; the budget is a ratio of each prompt's length.
+  cache per call (left-padded batches); the budget is a ratio of each prompt's length, and each generated row's
+  ``(prompt tokens, budget tokens)`` is kept in ``budgets`` (in the order lm-eval generates).
+Every policy runs through the harness's attention function and cache, ``full`` included (no pass-through to the
+plain model): at 100% budget generations equal lm-eval's ``hf`` model token for token and log-likelihoods agree
+within float noise (tests/test_long_context.py).
+
+The prompt and the question: a generation request's ``doc`` may carry a ``question`` field whose text ends the
+request's context (h2o.tasks.niah does). :meth:`H2OLM.question_tokens` gives how many trailing prompt tokens are
+that question (0 when the doc has none): the newest queries a prefill-time compression scores from.
 
 Padding fix: HFLM right-pads a log-likelihood batch with zeros and passes no attention mask, so a policy would
 take its budget of the padded length. ``_loglikelihood_tokens`` records every request's exact input, and
@@ -55,6 +63,7 @@ from lm_eval.models.huggingface import HFLM
 from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
+from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 
 SEMANTICS = ("simulated", "reference")
@@ -155,13 +164,10 @@ class H2OLM(HFLM):
         self._known: set[tuple[int, ...]] = set()
         self.cont_tokens: dict[tuple[str, str], int] = {}  # (context, continuation) -> continuation tokens
         self._per_token = False
-        self.stats = {"rows": 0, "tokens": 0, "unmatched_rows": 0}
+        self.stats = {"rows": 0, "tokens": 0, "unmatched_rows": 0, "clamped": 0}  # clamped: h2o.tasks.base.clamped
         self.sizings: list[Sizing] = []  # batch sizes chosen for batch_size=auto (h2o.tasks.batching)
-
-    @property
-    def passthrough(self) -> bool:
-        """True when the policy drops nothing: the model runs unmodified."""
-        return self.policy.is_full and self.policy.quant is None and self.semantics == "simulated"
+        self.budgets: list[tuple[int, int]] = []  # per generated row: (prompt tokens, cache budget in tokens)
+        self.questions: dict[str, str] = {}  # generation context -> the question that ends it (doc["question"])
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -229,9 +235,8 @@ class H2OLM(HFLM):
         self.stats["tokens"] += int(lengths.sum())
         if attn_mask is not None:
             return super()._model_call(inps, attn_mask, labels)
+        self.stats["clamped"] += clamped(self.policy, lengths.tolist())
         with torch.no_grad():
-            if self.passthrough:  # scoring forwards build no KV cache (use_cache=False): nothing reads it
-                return self.model(inps, use_cache=False).logits
             if self.semantics == "reference":  # the paper code's rule: one unpadded sequence at a time
                 out = None
                 for b, n in enumerate(lengths.tolist()):
@@ -247,9 +252,29 @@ class H2OLM(HFLM):
             return from_left_padding(logits, lengths)
 
     # ---------------------------------------------------------------------- generation (real cache)
+    def generate_until(self, requests, disable_tqdm: bool = False):
+        for req in requests:  # the question that ends each context, where the task's doc names one
+            question = (getattr(req, "doc", None) or {}).get("question")
+            if isinstance(question, str) and question and req.args[0].endswith(question):
+                self.questions[req.args[0]] = question
+        return super().generate_until(requests, disable_tqdm)
+
+    def question_tokens(self, context: str) -> int:
+        """Trailing tokens of ``context``'s encoding that are its request's question (0: none known). The question
+        is encoded as the end of the prompt: tokens(context) - tokens(context less the question)."""
+        question = self.questions.get(context)
+        if not question:
+            return 0
+        return len(self.tok_encode(context)) - len(self.tok_encode(context[:-len(question)]))
+
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        """context (B, T) left-padded (attention_mask in generation_kwargs) -> (B, T + new) token ids."""
-        if self.policy.is_full and self.policy.quant is None:
-            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        """context (B, T) left-padded (attention_mask in generation_kwargs) -> (B, T + new) token ids, through the
+        evicting cache (every policy, full included)."""
         with attach(self.model, self.policy, mode="real") as h:
-            return super()._model_generate(context, max_length, stop, cache=h.new_cache(), **generation_kwargs)
+            cache = h.new_cache()
+            out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
+        mask = generation_kwargs.get("attention_mask")
+        prompt = (mask.sum(-1) if mask is not None else torch.full((context.shape[0],), context.shape[1])).tolist()
+        held = prompt if self.policy.is_full else cache.layers[0].host_total  # a full policy never evicts
+        self.budgets.extend(zip(prompt, held))
+        return out

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from h2o.assets.model_spec import ConfigError
 from h2o.assets.paths import REPO, TASKS
+from h2o.core.validate import abbrev, path_error
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 
@@ -101,6 +102,8 @@ class LmEvalTask(TaskSpec):
         check(self.add_bos_token in (None, True, False),
               f"task.add_bos_token={self.add_bos_token!r}: allowed: true, false, null (the tokenizer's default)")
         if self.include_path is not None:
+            why = path_error(self.include_path) if isinstance(self.include_path, str) else "not a path"
+            check(why is None, f"task.include_path={abbrev(self.include_path)}: {why}; expected a folder of task YAMLs")
             folder = task_folder(self.include_path)
             check(folder.is_dir(), f"task.include_path={self.include_path!r}: no such folder")
             names = yaml_task_names(folder)
@@ -111,6 +114,9 @@ class LmEvalTask(TaskSpec):
             check(n_train is None or self.shots <= n_train, f"task.shots={self.shots}: task {self.lm_eval_task} has "
                                                             f"{n_train} train examples (the few-shot pool); allowed: 0-{n_train}")
         else:
+            check(self.lm_eval_task not in yaml_task_names(TASKS),
+                  f"task.include_path=null: {self.lm_eval_task} is a task of this project (tasks/), not one of "
+                  f"lm-eval's built-in tasks; allowed: task.include_path=tasks")
             check_hub_data(self.name, f"lm-eval task {self.lm_eval_task}", (self.lm_eval_task,))
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
@@ -134,6 +140,7 @@ class LmEvalTask(TaskSpec):
         samples = [sample_row(s, lm.n_cont_tokens) for s in out["samples"][self.lm_eval_task]]
         metrics.update(mean_accuracy(samples))
         info = {"mean_seq_len": round(lm.stats["tokens"] / max(lm.stats["rows"], 1), 1),
+                "clamped_requests": lm.stats["clamped"],
                 "headline": HEADLINE[self.scoring], "lm_eval_task": self.lm_eval_task,
                 **record(self.batch_size, lm.sizings if isinstance(self.batch_size, str) else
                          [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}

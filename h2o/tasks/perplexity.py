@@ -109,6 +109,8 @@ class PerplexityTask(TaskSpec):
     def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
         from tqdm import tqdm
 
+        from h2o.tasks.base import clamped
+
         from h2o.tasks.progress import RequestLog
 
         wins = self.windows(tokenizer).to(model.device)  # (N, W)
@@ -133,4 +135,5 @@ class PerplexityTask(TaskSpec):
         metrics = {"ppl": math.exp(nll), "nll_per_token": nll, "nll_per_token_stderr": se,
                    "ppl_ci95_low": math.exp(nll - 1.96 * se), "ppl_ci95_high": math.exp(nll + 1.96 * se)}
         return Result(metrics, samples, {"window": self.window, "tokens_scored": count,
+                                         "clamped_requests": clamped(policy, [self.window] * len(samples)),
                                          **record(self.batch_size, [sizing])})

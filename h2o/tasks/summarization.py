@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from transformers import StoppingCriteria
 
-from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none, stderr
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, clamped, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, choose, record
 
 DATASETS = {  # name -> (hub path, config, article field, summary field); bb_xsum is offline (h2o.assets.data)
@@ -215,6 +215,7 @@ class SummarizationTask(TaskSpec):
             metrics.update({k: sum(s[k] for s in samples) / len(samples), f"{k}_stderr": stderr([s[k] for s in samples])})
         info = {"mean_prompt_tokens": round(sum(s["prompt_tokens"] for s in samples) / len(samples), 1),
                 "kv_bytes_per_seq": round(sum(kv_bytes) / len(kv_bytes)), "shots_used": len(shots),
+                "clamped_requests": clamped(policy, [s["prompt_tokens"] for s in samples]),
                 **record(self.batch_size, [sizing])}
         return Result(metrics, samples, info)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
@@ -69,14 +69,62 @@ class Counts:
     recent: torch.Tensor
     length: torch.Tensor  # the reference length the ratios were taken of
 
+    def fields(self) -> tuple[torch.Tensor, ...]:
+        return self.total, self.heavy, self.recent, self.length
+
+    def map(self, fn) -> "Counts":
+        """``fn`` applied to each field (a device move, a batch selection)."""
+        return Counts(*(fn(x) for x in self.fields()))
+
     def repeat(self, n: int) -> "Counts":
         """Each sequence's counts ``n`` times in a row: (B,) -> (B * n,), to judge n states of one sequence at once."""
-        return Counts(*(x[:, None].expand(-1, n).reshape(-1) for x in (self.total, self.heavy, self.recent,
-                                                                         self.length)))
+        return self.map(lambda x: x[:, None].expand(-1, n).reshape(-1))
+
+
+@dataclass(frozen=True)
+class KernelForm:
+    """What the simulated path's Triton row kernel runs for a policy (:mod:`h2o.core.row_kernel`).
+
+    ``kind``: "evict" (the held token of lowest score among those the protected set leaves is dropped) or
+    "restrict" (the whole cache kept; heavy hitters, then each query's top logits). ``params(counts)``: per
+    sequence int64 (B, 4) for "evict" (window or block, stride or summaries, grid on, protected count) or (B, 2)
+    for "restrict" (total, heavy). "evict" only: ``pattern`` the protected set (0: a recent window of
+    ``params[:, 0]`` tokens, 1: strided, 2: fixed), ``score`` an index of :data:`.score.SCORES`, ``decay``."""
+
+    kind: str
+    params: Callable[[Counts], torch.Tensor]
+    pattern: int = 0
+    score: int = 0
+    decay: float = 0.0
+
+
+COMPRESS = ("decode", "prefill")  # Policy.compress
+RULE = ("priority", "restrict", "score", "accumulate")  # the methods whose answers are the policy's decisions
+
+
+def declared(policy: "Policy", form: str):
+    """``policy``'s bound method ``form`` (a faster form of its rule: ``kernel_form``, ``decoder``,
+    ``held_rows``), or None if a class below the one that declares it redefines the rule (a subclass that
+    changes ``priority`` does not inherit a kernel or a closed form made for its parent's)."""
+    mro = type(policy).__mro__
+    at = next((c for c in mro if form in vars(c)), None)
+    if at is None:
+        return None
+    for name in RULE:
+        rule = next((c for c in mro if name in vars(c)), None)
+        if rule is not None and not issubclass(at, rule):
+            return None
+    return getattr(policy, form)
 
 
 class Policy:
-    """Base class. Subclasses set ``name`` and override :meth:`priority` (evicting) or :meth:`restrict`."""
+    """Base class. Subclasses set ``name`` and override :meth:`priority` (evicting) or :meth:`restrict`.
+
+    Every form of a policy's rule is declared on its class: the definition (:meth:`priority` / :meth:`restrict`,
+    :meth:`accumulate`), and where it has them its closed form (:meth:`held_rows`, with ``position_only``), its
+    incremental decoder (:meth:`decoder`) and its Triton kernel parameters (:meth:`kernel_form`). The paths read
+    the faster forms through :func:`declared`, so a subclass that changes the rule falls back to the definition.
+    """
 
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = True  # False: keeps the whole cache and restricts each query (top-k)
@@ -91,11 +139,15 @@ class Policy:
     # takes one older token per row as one arrives. Else the simulated path runs the row loop on sliding layers
     window_closed_form: ClassVar[bool] = False
     quant = None  # the KV quantizer the policy's cache stores with (h2o.core.quant; set by the run's `quant`)
+    splits: ClassVar[bool] = True  # the rule reads the heavy and recent parts apart (False: only their sum)
+    # when an evicting policy compresses: "decode" (the budget kept at every step as the sequence grows) or
+    # "prefill" (kvpress's protocol: cut once to the budget at the end of the prompt, every later token kept)
+    compress: str = "decode"
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
-        if cls.name:
+        if vars(cls).get("name"):  # its own name: a subclass inheriting one does not replace its parent
             Policy.registry[cls.name] = cls
 
     def __init__(self, budget: BudgetPart = 1.0, heavy: BudgetPart | None = None,
@@ -124,12 +176,67 @@ class Policy:
         self.heavy, self.recent = heavy, recent
         self.budget = heavy + recent
 
+    def timed(self, compress: str) -> "Policy":
+        """This policy with the compression timing ``compress`` (:data:`COMPRESS`); returns it."""
+        if compress not in COMPRESS:
+            raise PolicyError(f"compress={compress!r}: allowed: {', '.join(COMPRESS)}")
+        if compress != "decode" and not self.evicts:
+            raise PolicyError(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
+                              f"allowed: decode")
+        self.compress = compress
+        return self
+
     # ----------------------------------------------------------------- budget
     def counts(self, length: torch.Tensor) -> Counts:
         """Budget in tokens for reference lengths ``length`` (B,). At least the query itself is kept."""
         heavy, recent = to_count(self.heavy, length), to_count(self.recent, length)
         total = torch.clamp(heavy + recent, min=1)
         return Counts(total=total, heavy=heavy, recent=total - heavy, length=length)
+
+    def needs(self) -> list[tuple[str, BudgetPart, int]]:
+        """(name, part, tokens) for each budget part the rule reads and the tokens it needs from it: each part
+        that is not 0 needs one token; a policy that reads only the whole budget needs it to hold one."""
+        if not self.splits:
+            return [("budget", self.budget, 1)]
+        return [(name, part, 1) for name, part in (("heavy", self.heavy), ("recent", self.recent)) if part]
+
+    def short(self, length: torch.Tensor) -> torch.Tensor:
+        """(B,) bool: the reference lengths (B,) at which a ratio part rounds below what it needs (:meth:`needs`),
+        so :meth:`counts` raises it (the cache keeps less than the rule asks: the query alone, no heavy hitter,
+        fewer sinks). Runs count these requests (metrics.json ``clamped_requests``); host tensors, no device read."""
+        out = torch.zeros(length.shape, dtype=torch.bool)
+        for _, part, need in self.needs():
+            if isinstance(part, float):
+                out |= to_count(part, length.cpu()) < need
+        return out
+
+    def check_reach(self, longest: int, where: str) -> None:
+        """PolicyError when a ratio part gives less than it needs even at ``longest`` tokens (the model's longest
+        context, named by ``where``): every request would be clamped (:meth:`short`)."""
+        for name, part, need in self.needs():
+            if isinstance(part, float) and int(to_count(part, torch.tensor([longest]))[0]) < need:
+                scale = part / self.budget if isinstance(self.budget, float) and self.budget > 0 else 1.0
+                least = need / (longest * scale)
+                of = "" if name == "budget" else f" (its {name} part {part:.3g})"
+                raise PolicyError(f"budget={self.budget:g}{of}: {part:.3g} x {longest} positions ({where}) = "
+                                  f"{part * longest:.3g} tokens; {self.name} needs at least {need} there; "
+                                  f"allowed: a ratio >= {float(f'{least * 1.0005:.3g}'):g} or a token count")
+
+    def check_unused(self, options, prefix: str = "policy.") -> None:
+        """PolicyError for an option (a mapping as given) the rule does not read: the same computation as without
+        it, which a run would record in a second folder. The API takes them (tests pass ``decay`` to every score)."""
+        import inspect
+
+        given = [k for k in ("heavy", "recent") if not self.splits and options.get(k) is not None]
+        if given:
+            raise PolicyError(f"{', '.join(f'{prefix}{k}={options[k]}' for k in given)}: {self.name} reads only the "
+                              f"whole budget, no heavy/recent split; allowed: {prefix}budget={self.budget:g} (their "
+                              f"sum) with heavy and recent null")
+        default = inspect.signature(type(self).__init__).parameters.get("decay")
+        score = options.get("score", "sum")
+        if default is not None and score != "decay" and options.get("decay", default.default) != default.default:
+            raise PolicyError(f"{prefix}decay={options['decay']}: read only with {prefix}score=decay (here score="
+                              f"{score}); allowed: {prefix}score=decay, or decay left at {default.default}")
 
     @property
     def is_full(self) -> bool:
@@ -178,6 +285,16 @@ class Policy:
         with fewer ops (:class:`h2o.core.policies.protected.Protected`)."""
         return Decoder(self, counts)
 
+    def decoding(self, counts: Counts, host: Counts) -> "Decoder":
+        """The decoder the evicting cache uses: :meth:`decoder` where declared for this rule, else the default."""
+        make = declared(self, "decoder")
+        return make(counts, host) if make is not None else Decoder(self, counts)
+
+    def kernel_form(self) -> KernelForm | None:
+        """The simulated path's Triton row kernel for this policy (:class:`KernelForm`); None: the torch row
+        loop serves it (on CUDA with a one-line notice, :func:`h2o.core.row_kernel.use_kernel`)."""
+        return None
+
     # ---------------------------------------------------- restricting policies
     def restrict(self, logits: torch.Tensor, acc: torch.Tensor, allowed: torch.Tensor,
                  counts: Counts) -> torch.Tensor:
@@ -188,7 +305,8 @@ class Policy:
         raise NotImplementedError(f"{type(self).__name__} is not a restricting policy")  # abstract
 
     def describe(self) -> dict:
-        return {"policy": self.name, "budget": self.budget, "heavy": self.heavy, "recent": self.recent}
+        out = {"policy": self.name, "budget": self.budget, "heavy": self.heavy, "recent": self.recent}
+        return out if self.compress == "decode" else {**out, "compress": self.compress}  # the default unnamed
 
     def __repr__(self):
         return f"{type(self).__name__}(heavy={self.heavy}, recent={self.recent})"

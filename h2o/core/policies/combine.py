@@ -3,10 +3,11 @@
 The budget's recent part goes to the pattern (which splits it again into its own window and structure); the
 heavy part to the tokens of highest accumulated attention among those the pattern does not keep.
 """
+import torch
 
-from .base import Counts, Policy, bcast, keep_top
+from .base import Counts, KernelForm, Policy, bcast, declared, keep_top
 from .protected import Protected
-from .score import Scored
+from .score import Scored, window_form
 
 
 class WithHeavy(Scored):
@@ -33,3 +34,20 @@ class WithHeavy(Scored):
     def decoder(self, counts: Counts, host: Counts):
         """Decoding steps: the protected set kept as state (:mod:`.protected`), the same decisions."""
         return super().decoder(counts, host) if self.base is None else Protected(self, counts, host)
+
+    def kernel_form(self) -> KernelForm | None:
+        """The row kernel: the pattern's protected set where the pattern declares its kernel constants
+        (``kernel_pattern``, ``kernel_consts``); without a recent part, nothing protected (an empty window)."""
+        base = self.base
+        if base is None:
+            return window_form(self)
+        consts = declared(base, "kernel_consts")
+        if consts is None:
+            return None
+
+        def params(counts: Counts) -> torch.Tensor:  # (B, 4)
+            part = base.counts(counts.length)
+            n_keep = (part.total.clamp(max=counts.recent) - 1).clamp(min=0)  # the arriving token is not held yet
+            return torch.stack([*consts(part), n_keep], -1)
+
+        return KernelForm("evict", params, pattern=base.kernel_pattern, **self.kernel_score())

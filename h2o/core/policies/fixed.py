@@ -39,6 +39,13 @@ class Fixed(Policy):
     def decoder(self, counts: Counts, host: Counts):
         return Tiered(self, counts)
 
+    kernel_pattern = 2  # the row kernel's protected set of this pattern plus heavy hitters (KernelForm.pattern)
+
+    def kernel_consts(self, counts: Counts) -> list[torch.Tensor]:
+        """The row kernel's per-sequence constants (B,) each: block, summaries per block, (unused) 0."""
+        block, c = pattern(counts)
+        return [block, torch.minimum(c, block), torch.zeros_like(block)]
+
     def demotions(self, counts: Counts):
         """Host: how many held tokens outside the kept set can rank above what it keeps, per step (see
         :mod:`.protected`), for the arriving positions ``now`` (B,): when ``now`` starts a block, the older

@@ -5,6 +5,7 @@ from .h2o import H2O
 
 class H2Only(H2O):
     name = "h2_only"
+    splits = False  # the whole budget is heavy
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, score="sum", decay=0.99):
         Policy.__init__(self, budget, heavy, recent, heavy_share)

@@ -11,7 +11,7 @@ grouped-query attention. 20% budget = 10% heavy + 10% recent by default. ``score
 import torch
 
 from .base import Counts, const, recent_window
-from .score import Scored
+from .score import Scored, window_form
 
 
 class H2O(Scored):
@@ -25,6 +25,10 @@ class H2O(Scored):
         window = recent_window(pos, now, counts.recent)
         score = self.score(pos, acc, now)
         return torch.where(window, const(float("inf"), score.dtype, score.device), score)  # (B, H, S) fp32
+
+    def kernel_form(self):
+        """The row kernel: the recent window protected, the lowest score dropped."""
+        return window_form(self)
 
 
 def reference_mask(logits: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:

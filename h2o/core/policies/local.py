@@ -7,6 +7,7 @@ class Local(Policy):
 
     name = "local"
     position_only = True
+    splits = False
     window_closed_form = True  # the budget's window within the layer's window
 
     def priority(self, pos, acc, now, counts: Counts):

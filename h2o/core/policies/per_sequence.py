@@ -12,6 +12,8 @@ from .base import Counts, Policy, PolicyError
 
 
 class PerSequence(Policy):
+    per_sequence = True  # its state belongs to sequence b of the batch: a reordered batch would mix the rules
+
     def __init__(self, policies: list[Policy]):
         if not policies or not all(p.evicts and not p.is_full for p in policies):
             raise PolicyError("PerSequence: needs evicting policies with a budget (not full, not top-k)")

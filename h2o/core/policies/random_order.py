@@ -30,6 +30,7 @@ def uniform(pos: torch.Tensor, seed: int) -> torch.Tensor:
 
 class Random(Policy):
     name = "random"
+    splits = False  # the whole budget is drawn
     needs_scores = True  # see the module docstring: the row loop's probabilities, not a score
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, seed: int = 0):

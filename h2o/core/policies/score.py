@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Policy, PolicyError, bcast, const
+from .base import Counts, KernelForm, Policy, PolicyError, bcast, const
 
 SCORES = ("sum", "mean", "decay")
 
@@ -54,6 +54,21 @@ class Scored(Policy):
         acc.mul_(bcast(self.decay ** v.sum(-1)).to(acc.dtype))
         acc += (probs * (self.decay ** after).to(probs.dtype)[:, None, None, :, None]).sum((2, 3))
 
+    def kernel_score(self) -> dict:
+        """The score options as the row kernel's :class:`KernelForm` fields."""
+        return {"score": SCORES.index(self.score_kind), "decay": self.decay}
+
     def describe(self) -> dict:
         out = {**super().describe(), "score": self.score_kind}
         return {**out, "decay": self.decay} if self.score_kind == "decay" else out
+
+
+def window_params(counts: Counts) -> torch.Tensor:
+    """(B, 4) int64 row-kernel parameters of a recent window of ``counts.recent`` tokens (pattern 0)."""
+    zero = torch.zeros_like(counts.total)
+    return torch.stack([counts.recent, zero, zero, zero], -1)
+
+
+def window_form(policy: Scored) -> KernelForm:
+    """The row kernel of heavy hitters with a recent window protected (h2o, h2_only, a pattern without a part)."""
+    return KernelForm("evict", window_params, pattern=0, **policy.kernel_score())

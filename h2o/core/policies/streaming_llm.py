@@ -9,6 +9,7 @@ from .base import TIER, Counts, Policy, PolicyError, bcast
 class StreamingLLM(Policy):
     name = "streaming_llm"
     position_only = True
+    splits = False
     window_closed_form = True  # the sinks are the oldest tokens: the first to leave a window
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, sinks: int = 4):
@@ -22,6 +23,9 @@ class StreamingLLM(Policy):
     def priority(self, pos, acc, now, counts: Counts):
         sinks = bcast((counts.total - 1).clamp(max=self.sinks))
         return (pos < sinks).double() * TIER + pos.double()  # (B, H, S): sinks first, then newest
+
+    def needs(self):
+        return [("budget", self.budget, self.sinks + 1)]  # the sinks and the query
 
     def describe(self):
         return {**super().describe(), "sinks": self.sinks}

@@ -38,6 +38,12 @@ class Strided(Policy):
     def decoder(self, counts: Counts, host: Counts):
         return Tiered(self, counts)
 
+    kernel_pattern = 1  # the row kernel's protected set of this pattern plus heavy hitters (KernelForm.pattern)
+
+    def kernel_consts(self, counts: Counts) -> list[torch.Tensor]:
+        """The row kernel's per-sequence constants (B,) each: window, stride, grid on (holds tokens)."""
+        return [counts.recent, stride_of(counts), (counts.heavy > 0).long()]
+
     def demotions(self, counts: Counts):
         """Host: how many held tokens outside the kept set can rank above what it keeps, per step (see
         :mod:`.protected`): none. Only the oldest window token ``x`` falls (grid membership is fixed); if ``x`` was

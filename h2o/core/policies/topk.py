@@ -54,6 +54,7 @@ class Selecting(Decoder):
 class TopK(Policy):
     name = "topk"
     evicts = False
+    splits = False  # k is the whole budget
 
     def restrict(self, logits, acc, allowed, counts: Counts):
         return allowed & (top_rank(logits, allowed) < per_seq(counts.total, logits))  # (..., q, S)

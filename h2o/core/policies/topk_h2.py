@@ -6,19 +6,26 @@ two parts never overlap, so a query sees exactly as many keys as under top-k. Li
 """
 import torch
 
-from .base import Counts, const
+from .base import Counts, KernelForm, const
 from .topk import TopK, per_seq, top_mask, top_rank
 
 
 class TopKH2(TopK):
     name = "topk_h2"
     evicts = False
+    splits = True  # the heavy part first, then top-k up to the whole budget
     needs_scores = True
 
     def restrict(self, logits, acc, allowed, counts: Counts):
         hitters = top_rank(acc.expand_as(logits), allowed) < per_seq(counts.heavy, logits)  # (..., q, S)
         first = logits.float().masked_fill(hitters, float("inf"))  # heavy hitters rank first, then by logit
         return allowed & (top_rank(first, allowed) < per_seq(counts.total, logits))  # (..., q, S)
+
+    decoder = TopK.decoder  # the same decoder: it calls select, which carries this rule
+
+    def kernel_form(self):
+        """The row kernel "restrict": the heavy hitters, then each query head's top logits up to the budget."""
+        return KernelForm("restrict", lambda counts: torch.stack([counts.total, counts.heavy], -1))
 
     def select(self, logits, acc, allowed, total: int, heavy: int):
         hitters = top_mask(acc, allowed, heavy)  # (B, Hkv, 1, 1, S): the same for every query head and row

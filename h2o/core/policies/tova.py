@@ -19,6 +19,7 @@ from .base import Counts, Policy, bcast, const
 
 class TOVA(Policy):
     name = "tova"
+    splits = False  # the whole budget is scored
     needs_scores = True
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):

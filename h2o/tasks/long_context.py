@@ -1,0 +1,171 @@
+"""Long-context retrieval through lm-eval's ``generate_until`` and the real evicting cache (conf/task/niah.yaml,
+conf/task/ruler_*.yaml).
+
+* ``niah``: the project's needle-in-a-haystack task (tasks/niah.yaml, h2o.tasks.niah): ``lengths`` x ``depths``
+  cells of ``samples`` docs each, from the book ``text``.
+* RULER (lm-eval's own ``ruler`` tasks, e.g. ``niah_single_2``): ``lengths`` are its ``max_seq_lengths``; the
+  essay haystack is the book ``text`` through h2o.tasks.ruler_offline (``essays``: lm-eval's own, from the hub);
+  ``limit`` docs per length (lm-eval draws 500 per length).
+
+The model is h2o.tasks.lm_eval_model.H2OLM around the loaded model: each left-padded batch of prompts is
+prefilled with full attention, then the cache keeps the policy's budget (a ratio of each prompt) while decoding
+(the paper's protocol); the tokens kept per prompt are recorded (``kept_ratio``). Greedy, no chat template, no BOS
+(``add_bos_token``, as multiple choice). Per-request results go to lm-eval's request cache inside the run
+(h2o.tasks.progress.lm_eval_cache): an interrupted run resumes where it stopped.
+
+Metrics: ``acc`` (the mean per-sample score: exact match of the number for niah, lm-eval's ``string_match`` for
+RULER) with ``acc_stderr``; ``info.cells``: accuracy per (length, depth) for niah, per length for RULER. Samples:
+doc id, length (and depth, measured needle depth, prompt tokens, question tokens for niah), target, generation,
+``acc``.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none, stderr
+from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
+
+NIAH = "niah"
+TEXTS = ("austen", "moby_dick")
+
+
+def ruler_folder():
+    """lm-eval's own ``ruler`` task folder (loaded alone: TaskManager(include_defaults=False) is instant)."""
+    from pathlib import Path
+
+    import lm_eval.tasks
+
+    return Path(lm_eval.tasks.__file__).parent / "ruler"
+
+
+@dataclass
+class LongContextTask(TaskSpec):
+    name: str
+    lm_eval_task: str = NIAH
+    lengths: list = field(default_factory=lambda: [1024])
+    depths: list = field(default_factory=lambda: [0.1, 0.5, 0.9])  # niah only
+    samples: int = 2  # niah: docs per (length, depth) cell
+    limit: int | None = None  # RULER: docs per length
+    text: str = "austen"  # the haystack: austen | moby_dick (RULER also: essays, lm-eval's own from the hub)
+    max_gen_toks: int | None = None  # None: the task's own (niah 12, RULER 128)
+    seed: int = 0  # niah: the dataset's draw (keys, numbers, haystack starts)
+    shots: int = 0  # no in-context examples (the run folder's shots<k> component)
+    batch_size: BatchSize = 1
+    add_bos_token: bool | None = False
+    clip_to_model: bool = False  # true: lengths beyond the model's positions are dropped (the record has those run)
+
+    kind = "retrieval"
+    semantics = ("real",)
+
+    def __post_init__(self):
+        self.lengths, self.depths = list(self.lengths), list(self.depths)
+        check(bool(self.lengths) and all(isinstance(n, int) and not isinstance(n, bool) and n > 0
+                                         for n in self.lengths),
+              f"task.lengths={self.lengths!r}: expected a list of token counts (ints > 0)")
+        check(all(isinstance(d, (int, float)) and not isinstance(d, bool) and 0 <= d <= 1 for d in self.depths)
+              and bool(self.depths), f"task.depths={self.depths!r}: expected a list of fractions in [0, 1]")
+        positive_or_none("task.samples", self.samples)
+        positive_or_none("task.limit", self.limit)
+        positive_or_none("task.max_gen_toks", self.max_gen_toks)
+        check(self.shots == 0, f"task.shots={self.shots!r}: long-context tasks take no in-context examples; allowed: 0")
+        check_batch_size(self.batch_size)
+        texts = TEXTS if self.is_niah else (*TEXTS, "essays")
+        check(self.text in texts, f"task.text={self.text!r}: allowed: {', '.join(texts)}")
+        if not self.is_niah:
+            from h2o.tasks.multiple_choice import yaml_task_names
+
+            names = yaml_task_names(ruler_folder())
+            check(self.lm_eval_task in names, f"task.lm_eval_task={self.lm_eval_task!r}: allowed: niah, "
+                                              f"{', '.join(n for n in names if n != 'ruler')}")
+
+    @property
+    def is_niah(self) -> bool:
+        return self.lm_eval_task == NIAH
+
+    def check_model(self, model) -> None:
+        """Lengths within the model's positions (read from its config.json; unknown, e.g. a hub checkpoint not
+        cached yet: not checked here). ``clip_to_model`` keeps those that fit, so one grid serves every model."""
+        max_pos = model.max_positions()
+        if self.clip_to_model and max_pos is not None:
+            fit = [n for n in self.lengths if n <= max_pos]
+            check(bool(fit), f"task.lengths={self.lengths}: none fits model {model.name}'s {max_pos} positions")
+            self.lengths = fit
+        check(max_pos is None or max(self.lengths) <= max_pos,
+              f"task.lengths={self.lengths}: beyond model {model.name}'s {max_pos} positions; allowed: <= {max_pos}")
+
+    def tokens(self) -> int:
+        """Prompt tokens of one run, plus the generated tokens as scored-token equivalents (the time estimates of
+        h2o.pipeline.launch): niah lengths x depths x samples; RULER lengths x limit (500 without a limit)."""
+        gen = self.max_gen_toks or (12 if self.is_niah else 128)
+        docs = len(self.depths) * self.samples if self.is_niah else (self.limit or 500)
+        return docs * sum(n + gen for n in self.lengths)
+
+    def add_bos(self, tokenizer) -> bool:
+        return adds_bos(tokenizer, self.add_bos_token)
+
+    def metadata(self, tokenizer) -> dict:
+        """What lm-eval hands the task's dataset function (TaskManager(metadata=...))."""
+        path = getattr(tokenizer, "name_or_path", None)
+        check(bool(path), "the tokenizer has no name_or_path: long-context tasks size their prompts by it")
+        if self.is_niah:
+            return {"tokenizer": path, "lengths": self.lengths, "depths": self.depths, "samples": self.samples,
+                    "text": self.text, "seed": self.seed}
+        return {"tokenizer": path, "max_seq_lengths": self.lengths}
+
+    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        cpu0 = time.process_time()
+        from lm_eval import simple_evaluate
+        from lm_eval.tasks import TaskManager
+
+        from h2o.assets.paths import TASKS
+        from h2o.tasks.lm_eval_model import H2OLM
+        from h2o.tasks.progress import lm_eval_cache
+
+        haystack = {"haystack": self.text}
+        if not self.is_niah:
+            from h2o.tasks.ruler_offline import use_haystack
+
+            haystack = use_haystack(self.text)  # before the task's modules load
+        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, batch_size=self.batch_size,
+                   add_bos_token=self.add_bos_token)
+        folder = TASKS if self.is_niah else ruler_folder()
+        tm = TaskManager(include_path=str(folder), include_defaults=False, metadata=self.metadata(tokenizer))
+        gen = {"max_gen_toks": self.max_gen_toks} if self.max_gen_toks else None
+        with lm_eval_cache() as cache:
+            out = simple_evaluate(model=lm, tasks=[self.lm_eval_task], limit=self.limit, task_manager=tm,
+                                  log_samples=True, gen_kwargs=gen, random_seed=seed, numpy_random_seed=seed,
+                                  torch_random_seed=seed, fewshot_random_seed=seed, use_cache=cache)
+        samples = [self.sample_row(s, lm) for s in out["samples"][self.lm_eval_task]]
+        scores = [s["acc"] for s in samples]
+        metrics = {"acc": sum(scores) / len(scores), "acc_stderr": stderr(scores)}
+        prompt, held = (sum(x) for x in zip(*lm.budgets)) if lm.budgets else (0, 0)
+        info = {"cells": cells(samples, self.is_niah), "lm_eval_task": self.lm_eval_task, **haystack,
+                "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
+                "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
+                "cpu_s": round(time.process_time() - cpu0, 1),  # this process's CPU time in the task, all threads
+                **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
+        return Result(metrics, samples, info)
+
+    def sample_row(self, s: dict, lm) -> dict:
+        doc, generation = s["doc"], s["filtered_resps"][0]
+        if self.is_niah:
+            context = s["arguments"][0][0]
+            return {"doc_id": s["doc_id"], "length": doc["length"], "depth": doc["depth"],
+                    "needle_depth": doc["needle_depth"], "prompt_tokens": doc["prompt_tokens"],
+                    "question_tokens": lm.question_tokens(context), "target": doc["answer"],
+                    "generation": generation, "acc": float(s["exact_match"])}
+        length = int(doc["max_length"])
+        return {"doc_id": s["doc_id"], "length": length, "target": doc["outputs"], "generation": generation,
+                "acc": float(s[str(length)])}
+
+
+def cells(samples: list[dict], by_depth: bool) -> list[dict]:
+    """Accuracy per (length, depth) cell (per length without depths), in the order first seen."""
+    groups: dict[tuple, list[float]] = {}
+    for s in samples:
+        groups.setdefault((s["length"], s["depth"]) if by_depth else (s["length"],), []).append(s["acc"])
+    keys = ("length", "depth") if by_depth else ("length",)
+    return [{**dict(zip(keys, k)), "n": len(v), "acc": sum(v) / len(v)} for k, v in groups.items()]
