@@ -160,7 +160,8 @@ def table_benchmark(df: pd.DataFrame) -> Table | None:
 def all_tables(df: pd.DataFrame) -> list[Table]:
     """The paper's tables (always, 'not run' where no record fits) and every experiment's own."""
     from analysis.paper_tables import all_paper_tables
+    from analysis.quant_tables import quant_tables
     df = annotate(df) if len(df) else df
     bench = table_benchmark(df) if len(df) else None
-    return all_paper_tables(df) + (experiment_tables(df) if len(df) else []) + \
+    return all_paper_tables(df) + (experiment_tables(df) + quant_tables(df) if len(df) else []) + \
         ([bench] if bench else [])

@@ -350,7 +350,7 @@ STREAM_BAD = [
 
 @pytest.mark.parametrize("args, words", STREAM_BAD, ids=[" ".join(a) for a, _ in STREAM_BAD])
 def test_streaming_cli_bad_input(args, words, capsys, tmp_path, monkeypatch):
-    from h2o.bench.streaming import main
+    from h2o.bench.streaming_cli import main
 
     cli_bad_input(main, args, words, capsys, tmp_path, monkeypatch)
 

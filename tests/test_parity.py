@@ -152,7 +152,8 @@ def test_table_from_records(tmp_path):
         return {**r, "exact": exact} if exact is not None else r
 
     kv = [rec("kvpress", "full", 0.0, "ppl", 2.0), rec("kvpress", "streaming_llm", 0.8, "ppl", 4.0),
-          rec("kvpress", "knorm", 0.8, "ppl", 3.0), rec("kvpress", "knorm", 0.8, "needle", 1.0, exact=True)]
+          rec("kvpress", "expected_attention", 0.8, "ppl", 3.0),
+          rec("kvpress", "expected_attention", 0.8, "needle", 1.0, exact=True)]
     ours = [rec("h2o", "full", 0.0, "ppl", 2.0), rec("h2o", "streaming_llm", 0.8, "ppl", 4.0)]
     (tmp_path / "kvpress.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kv))
     (tmp_path / "ours.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ours))
@@ -162,8 +163,8 @@ def test_table_from_records(tmp_path):
     e2 = f"{torch.tensor(2.0).exp():.3f}"  # exp(4 / 2)
     assert f"perplexity kvpress {torch.tensor(1.0).exp():.3f}, ours {torch.tensor(1.0).exp():.3f}" in text
     assert f"| streaming_llm | `streaming_llm` sinks=4 | {e2} | {e2} |" in text
-    assert f"| knorm | - | {torch.tensor(1.5).exp():.3f} | not built yet |" in text
-    assert "| knorm | - | 1/1 (0.500) | not built yet |" in text
+    assert f"| expected_attention | - | {torch.tensor(1.5).exp():.3f} | not built yet |" in text
+    assert "| expected_attention | - | 1/1 (0.500) | not built yet |" in text
     assert "20% kept (19)" in text
     assert "vs ours: streaming_llm 20%: 0.0e+00." in text  # the per-prompt gap of the one method both ran  # int(100 * (1 - 0.8)): 1 - 0.8 is just below 0.2
 

@@ -64,9 +64,9 @@ def test_batched_and_interleaved_streams_equal_separate_ones(model, monkeypatch)
 
 
 def test_cli_bad_input_exits_2_before_loading(capsys):
-    assert streaming.main(["--policies", "h2o:score=max"]) == 2
+    assert streaming_cli.main(["--policies", "h2o:score=max"]) == 2
     assert "score='max'" in capsys.readouterr().err
-    assert streaming.main(["--chunk", "0"]) == 2
+    assert streaming_cli.main(["--chunk", "0"]) == 2
 
 
 def test_wall_time_estimate_and_per_sequence_checks():

@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from h2o.assets.packaged import ModelUnavailableError  # noqa: F401 (defined there, beside the packaged models)
 from h2o.assets.paths import cache_dir
 
 SMOLLM2_NAME = "smollm2-135m"
@@ -41,10 +42,6 @@ _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
 }
-
-
-class ModelUnavailableError(FileNotFoundError):
-    """The requested model is neither local nor downloadable; the message is one line."""
 
 
 def _unavailable(name: str, why: str) -> ModelUnavailableError:

@@ -99,9 +99,11 @@ def _log(msg: str) -> None:
     print(f"[h2o.assets.packaged] {msg}", file=sys.stderr, flush=True)
 
 
-def _unavailable(spec: Packaged, why: str):
-    from h2o.assets.models import ModelUnavailableError
+class ModelUnavailableError(FileNotFoundError):
+    """The requested model is neither local nor downloadable; the message is one line (h2o.assets.models)."""
 
+
+def _unavailable(spec: Packaged, why: str):
     return ModelUnavailableError(f"model {spec.name!r} is not available ({why})")
 
 

@@ -26,6 +26,16 @@ def cache_dir() -> Path:
     return path
 
 
+def calibration_file(model: str, given: str | None = None) -> Path:
+    """kvquant's calibration file for ``model`` (a conf/model name or pretrained id): ``given`` when set (a
+    relative path is taken inside the cache folder), else ``<cache>/kvquant/<model>.pt`` with ``:`` as ``-``
+    (``tiny:llama`` -> ``tiny-llama.pt``), where ``python -m h2o.bench.calibrate --model <model>`` writes it."""
+    if given:
+        path = Path(str(given)).expanduser()
+        return path if path.is_absolute() else cache_dir() / path
+    return cache_dir() / "kvquant" / f"{model.replace(':', '-')}.pt"
+
+
 CACHE_DIR: Path = Path(os.environ.get("H2O_CACHE") or Path.home() / ".cache" / "h2o").expanduser()
 
 

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     from h2o.assets.models import load_model
-    from h2o.assets.paths import cache_dir
+    from h2o.assets.paths import calibration_file
     device_map = args.device if args.device else None
     model, _ = load_model(args.model, dtype=args.dtype, device_map=device_map)
     if args.sim_only:
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                             kv_limit="full" if args.kv_limit_mib == "full" else int(float(args.kv_limit_mib) * 2**20)
                             or None, max_batch_cap=args.max_batch_cap,
                             seed=args.seed, model_name=args.model, quants=args.quant.split(","),
-                            calibration=str(cache_dir() / "kvquant" / f"{args.model}.pt"))
+                            calibration=str(calibration_file(args.model)))
     write_rows(records, args.json)
     return 0
 

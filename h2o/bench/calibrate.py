@@ -28,7 +28,7 @@ def calibration_windows(tokenizer, window: int, n: int, stride: int = 50, offset
 
 
 def main(argv: list[str] | None = None) -> int:
-    from h2o.assets.paths import cache_dir
+    from h2o.assets.paths import calibration_file
     from h2o.core.quant import BITS
 
     p = argparse.ArgumentParser(prog="python -m h2o.bench.calibrate", description=__doc__.split("\n")[0])
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                                           "windows": args.windows})
     from pathlib import Path
 
-    name = args.name or args.model.replace(":", "-")
-    out = Path(args.out) if args.out else cache_dir() / "kvquant" / f"{name}.pt"
+    out = Path(args.out) if args.out else calibration_file(args.name or args.model)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
     torch.save(cal, tmp)

@@ -27,22 +27,9 @@ import sys
 import time
 from pathlib import Path
 
+from h2o.bench.parity_methods import DECODE, DECODE_ONLY, EXTRA, OURS, RATIO_BUDGET, kept
 from h2o.core.validate import ArgParser, check, choice, guard, output_dir, output_file, positive_int, split_list
 
-# kvpress method -> the harness policy with the same rule ((name, options), None: not built yet)
-OURS = {
-    "full": ("full", {}),
-    "streaming_llm": ("streaming_llm", {"sinks": 4}),
-    "observed_attention": ("h2_only", {"score": "mean"}),
-    "tova": ("tova", {}), "snapkv": None, "pyramidkv": None, "adakv_snapkv": None, "knorm": None, "keydiff": None,
-    "expected_attention": None, "random": ("random", {"seed": 0}),
-    # a diagnostic of the decoding timing, not a kvpress method: StreamingLLMPress with its kept tokens left in
-    # position order (tools/parity/kvpress_side.py)
-    "streaming_llm_ordered": ("streaming_llm", {"sinks": 4}),
-}
-EXTRA = {"h2o": ("h2o", {})}  # ours without a kvpress counterpart, shown beside the nearest one (observed_attention)
-DECODE = ("streaming_llm", "streaming_llm_ordered", "knorm", "keydiff", "random")  # with a decoding timing here
-DECODE_ONLY = {"streaming_llm_ordered": "streaming_llm"}  # diagnostic rows: ours is the named method's record
 NEEDLE_Q = "\n\nQuestion: What is the magic number mentioned in the text above?\nAnswer: The magic number is"
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,11 +62,6 @@ def make_prompts(tokenizer, text: str, contexts: int, needles: int, context_len:
                               "question": tokenizer(NEEDLE_Q, add_special_tokens=False).input_ids,
                               "answer": tokenizer(f" {number}.", add_special_tokens=False).input_ids})
     return out
-
-
-def kept(context_len: int, ratio: float) -> int:
-    """kvpress's tokens kept for ``compression_ratio`` ratio: ``int(L * (1 - r))``."""
-    return int(context_len * (1 - ratio))
 
 
 # ----------------------------------------------------------------------------------------------- our side
@@ -115,7 +97,7 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
     import torch
     import transformers
 
-    from h2o.core.policies import make_policy
+    from h2o.core.policies import Policy, make_policy
 
     torch.set_num_threads(threads)
     done = read_done(out)
@@ -124,7 +106,7 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
              and (OURS.get(m) or EXTRA.get(m)) for r in ratios]
     if decode:
         jobs += [(m, r, "decode") for m in methods if m in DECODE and OURS.get(m) and m not in DECODE_ONLY
-                 for r in ratios]
+                 and Policy.registry[OURS[m][0]].compress == "decode" for r in ratios]  # ours has a decode form
     with out.open("a") as f:
         for method, ratio, timing in jobs:
             name, options = (OURS.get(method) or EXTRA[method])
@@ -133,7 +115,9 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
                     if (method, ratio, timing, p["id"]) in done or (timing == "decode" and kind == "needle"):
                         continue
                     L = len(p["context"])
-                    policy = make_policy(name, **({} if name == "full" else {"budget": kept(L, ratio)}), **options)
+                    share = 1 - ratio if name in RATIO_BUDGET else kept(L, ratio)  # kvpress's arithmetic
+                    budget = {} if name == "full" else {"budget": share, "compress": timing}
+                    policy = make_policy(name, **budget, **options)
                     ctx = torch.tensor([p["context"]])
                     t0 = time.perf_counter()
                     rec = {"side": "h2o", "method": method, "policy": policy.describe(), "ratio": ratio,

@@ -12,6 +12,8 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from h2o.bench.parity_methods import DECODE_ONLY, EXTRA, OURS, kept
+
 
 def load(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
@@ -48,8 +50,6 @@ def cell(s: dict | None, key: str, built: bool) -> str:
 
 def largest_gap(groups: dict, method: str, ratio: float, timing: str, kind: str) -> float | None:
     """max over the prompts both sides ran of |NLL/token kvpress - NLL/token ours| (None: no common prompt)."""
-    from h2o.bench.parity import DECODE_ONLY
-
     sides = [{r["prompt"]: r["nll"] / r["n_tokens"] for r in groups.get((side, m, ratio, timing), [])
               if r["kind"] == kind} for side, m in (("kvpress", method), ("h2o", DECODE_ONLY.get(method, method)))]
     common = sides[0].keys() & sides[1].keys()
@@ -57,8 +57,6 @@ def largest_gap(groups: dict, method: str, ratio: float, timing: str, kind: str)
 
 
 def write_table(out: Path, table: Path, prompts: dict) -> None:
-    from h2o.bench.parity import DECODE_ONLY, EXTRA, OURS, kept
-
     groups = defaultdict(list)
     for r in load(out / "kvpress.jsonl") + load(out / "ours.jsonl"):
         groups[(r["side"], r["method"], r["ratio"], r["timing"])].append(r)

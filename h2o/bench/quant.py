@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--budget", type=float, default=0.2)
     p.add_argument("--schemes", default=",".join(SCHEMES), help="simulated one-pass rows ('' for none)")
-    p.add_argument("--calibration", default=None, help="kvquant file (default: <cache>/kvquant/<model>.pt)")
+    p.add_argument("--calibration", default=None, help="kvquant file (default: <cache>/kvquant/<model>.pt; relative: inside <cache>)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--json", default=None)
     p.add_argument("--hf", default="", help="transformers QuantizedCache rows, e.g. hqq4,hqq2 (full budget, fed "
@@ -164,11 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --long-scored={args.long_scored}: allowed 1-{args.long - 1} (below --long)", file=sys.stderr)
         return 2
     from h2o.assets.models import load_model
-    from h2o.assets.paths import cache_dir
+    from h2o.assets.paths import calibration_file
     from h2o.core.policies import make_policy
     from h2o.tasks.perplexity import PerplexityTask
 
-    calibration = args.calibration or str(cache_dir() / "kvquant" / f"{args.model}.pt")
+    calibration = str(calibration_file(args.model, args.calibration))
     try:
         quants = {s: quant_of(s, calibration) for s in filter(None, args.schemes.split(","))}
     except (ValueError, KeyError) as exc:

@@ -291,11 +291,7 @@ class StreamingTask(TaskSpec):
         return Result(metrics, samples, {"chunk": self.chunk, "positions": self.positions, "text": self.text})
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The CLI (:mod:`h2o.bench.streaming_cli`): ``python -m h2o.bench.streaming --help``."""
-    from h2o.bench.streaming_cli import main as cli_main
-    return cli_main(argv)
+if __name__ == "__main__":  # ``python -m h2o.bench.streaming --help``: the CLI, which imports this module
+    from h2o.bench.streaming_cli import main
 
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -163,6 +163,9 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     semantics = "reference" if isinstance(policy, H2OReference) else "h2o"
     if semantics == "reference" and mode != "simulated":
         raise PolicyError(f"policy=h2o_reference (the paper code's mask rule): mode={mode}; allowed: mode=simulated")
+    if mode == "simulated" and policy.compress == "prefill" and not prompt_len and not policy.is_full:
+        raise PolicyError(f"compress=prefill: {policy.name} compresses a prompt at its end, and this forward has no "
+                          f"prompt (prompt_len=0); allowed: a task with a prompt, or compress=decode")
     modules = attention_modules(model)
     if not modules:
         raise PolicyError(f"{type(model).__name__}: no attention module with layer_idx found")

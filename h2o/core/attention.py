@@ -64,7 +64,8 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
             key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
                                          prompt_len=state.prompt_len, semantics=state.semantics, plan=plan,
-                                         window=window, softcap=softcap, sinks=sinks)
+                                         window=window, softcap=softcap, sinks=sinks,
+                                         layer=(module.layer_idx, state.num_layers))
         state.flag(module.layer_idx, out)
         state.observe(module, probs)
         return out, probs

@@ -38,13 +38,14 @@ from .simulate import serial
 
 class EvictingLayer(BatchHooks, DynamicLayer):
     def __init__(self, policy: Policy, ref_len: int | None = None, quant=None, layer_idx: int = 0,
-                 rerotate: KeyShifter | None = None):
+                 rerotate: KeyShifter | None = None, num_layers: int = 1):
         super().__init__()
         self.policy = policy
         # positions inside the cache (h2o.core.rerotate): the held keys renumbered after each forward's eviction
         self.rerotation = KeyRerotation(rerotate) if rerotate is not None else None
         self.tok_before: list[int] = []  # per sequence: tokens seen before the current forward
         self.quant, self.layer_idx = quant, layer_idx  # quant: slots hold packed rows (h2o.core.quant)
+        self.num_layers = num_layers  # the model's layers (a per-layer budget, Policy.layer_counts)
         self.served = None  # quant: weak reference to the last keys handed out by update
         # quant.sink: the first real token's (key, value) as computed (B, Hkv, 1, D), sink_real (B,) whether the
         # sequence has one; fresh: the first forward's keys and values until its pads are known (capture_sink)
@@ -163,7 +164,9 @@ class EvictingLayer(BatchHooks, DynamicLayer):
         if self.q > 1:
             rows = probs.shape[-2]
             valid = self.valid[:, r:r + rows]  # (B, rows)
-            self.policy.accumulate(self.acc, probs * valid[:, None, None, :, None], valid)
+            at = self.pos.shape[-1] - self.q + r
+            left = (self.n_tok - 1)[:, None] - self.pos[:, 0, at:at + rows]  # (B, rows) tokens after each row
+            self.policy.accumulate_prompt(self.acc, probs * valid[:, None, None, :, None], valid, left)
         elif self.policy.needs_scores:  # a decoding token is never a pad
             self.policy.accumulate(self.acc, probs)
 
@@ -297,7 +300,7 @@ class EvictingLayer(BatchHooks, DynamicLayer):
     def fix_budget(self):
         """The budget per sequence (on the host, then copied once) from the tokens seen, or ``ref_len``."""
         ref = self.host_tok if self.ref_len is None else [self.ref_len] * len(self.host_tok)
-        counts = self.policy.counts(torch.tensor(ref))
+        counts = self.policy.layer_counts(self.policy.counts(torch.tensor(ref)), self.layer_idx, self.num_layers)
         self.host_total, self.host_counts, self.decoder = counts.total.tolist(), counts, None
         self.counts = counts.map(lambda x: x.to(self.n_tok.device))
 
@@ -319,7 +322,8 @@ class EvictingLayer(BatchHooks, DynamicLayer):
             self.expire(self.n_tok - 1)
         valid = self.pos >= 0
         if self.limited():
-            keep = keep_top(self.policy.priority(self.pos, self.acc, self.n_tok - 1, self.counts), valid,
+            acc = self.policy.cut_score(self.acc, self.read()[0], valid) if self.policy.reads_keys else self.acc
+            keep = keep_top(self.policy.priority(self.pos, acc, self.n_tok - 1, self.counts), valid,
                             self.counts.total)  # (B, H, S)
             self.host_held = [min(h, t) for h, t in zip(self.host_held, self.host_total)]
         else:
@@ -352,7 +356,8 @@ class EvictingCache(CacheBatchHooks, Cache):
         cannot be rotated); the model is then given :meth:`next_position` onwards as its position ids."""
         if rerotate is not None and quant is not None:
             raise PolicyError("rerotate: positions inside the cache rotate stored keys, not packed rows (quant)")
-        super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i, rerotate) for i in range(num_layers)])
+        super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i, rerotate, num_layers)
+                                 for i in range(num_layers)])
         self.policy, self.quant = policy, quant
 
     def next_position(self) -> int:

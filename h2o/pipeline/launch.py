@@ -10,6 +10,8 @@ folder: ``policy=full`` crossed with budgets), runs still pending or running fro
 and runs that never evict (local/h2o/... at budget 1.0 with the
 default semantics), which are the full run by construction: their cell is served by the ``full`` record of the
 same model, task and settings (listed as ``served`` in ``<sweep dir>/launch.json``; analysis reads full there).
+The rule for each state is :mod:`h2o.pipeline.jobs`'s, the same for the local runner and ``make status``;
+``h2o-run -m ... hydra/launcher=slurm`` hands its command line to this module.
 
 Resources come from the model (``conf/model/*.yaml`` ``resources``), the site's settings and task sizes from
 ``conf/cluster.yaml``. A chunk holds up to ``cluster.chunk`` runs of one model, cut earlier when its estimated
@@ -27,15 +29,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from h2o.assets.model_spec import ConfigError
 from h2o.assets.resources import check_fits_request
-from h2o.pipeline.plan import Plan, build
-from h2o.pipeline.records import CONF, finished, run_dir
-from h2o.pipeline.sweep import BAD_INPUT, Sweep, expand
+from h2o.pipeline.jobs import LAUNCH_FILE, Work, classify, mark_in_flight, served_runs, summary
+from h2o.pipeline.plan import Plan
+from h2o.pipeline.records import CONF
+from h2o.pipeline.sweep import BAD_INPUT, expand
 
-LAUNCH_FILE = "launch.json"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 
@@ -67,48 +69,6 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
     flags = [a for a in argv if a.startswith("-")]
     cluster = [a for a in argv if not a.startswith("-") and a.startswith("cluster.")]
     return flags, cluster, [a for a in argv if not a.startswith("-") and not a.startswith("cluster.")]
-
-
-# ------------------------------------------------------------------------------------------- the work
-@dataclass
-class Work:
-    """One job of the sweep and what becomes of it: todo, done, dup, served (by ``served_by``), or queued (in an
-    earlier submission's array task that is still pending or running)."""
-
-    index: int
-    overrides: list[str]
-    plan: Plan
-    state: str
-    served_by: Path | None = None
-
-
-def full_path(plan: Plan) -> Path:
-    """The folder of the ``full`` run with this run's model, task and settings."""
-    cfg = plan.cfg.copy()
-    with open_dict(cfg):
-        cfg.policy = OmegaConf.load(CONF / "policy" / "full.yaml")
-    return run_dir(cfg, build("policy", cfg.policy), plan.task.semantics[0])
-
-
-def never_evicts(plan: Plan) -> bool:
-    """A non-full policy that keeps every token (ratio budget 1.0) under the default semantics: the full run."""
-    return plan.policy.name != "full" and plan.policy.is_full and plan.semantics == plan.task.semantics[0]
-
-
-def classify(sweep: Sweep) -> list[Work]:
-    """Each job's state: ``done`` (finished record), ``dup`` (an earlier job's folder), ``served`` (never evicts
-    and the full run is finished or in this sweep), else ``todo``."""
-    paths = {plan.path for plan in sweep.plans}
-    seen, out = set(), []
-    for i, (job, plan) in enumerate(zip(sweep.jobs, sweep.plans)):
-        served = full_path(plan) if never_evicts(plan) else None
-        if served is not None and not (served in paths or finished(served)):
-            served = None  # no full run to serve it: run it
-        state = ("dup" if plan.path in seen else "done" if finished(plan.path) else
-                 "served" if served is not None else "todo")
-        seen.add(plan.path)
-        out.append(Work(i, list(job), plan, state, served))
-    return out
 
 
 # ------------------------------------------------------------------------------------------- estimates
@@ -235,10 +195,7 @@ def arrays(works: list[Work], cluster: DictConfig, sweep_dir: str) -> list[Array
 
 
 def describe(works: list[Work], arrs: list[Array], cluster: DictConfig) -> str:
-    n = {s: sum(w.state == s for w in works) for s in ("todo", "done", "dup", "served", "queued")}
-    lines = [f"{len(works)} jobs: {n['todo']} to run, {n['done']} finished already, {n['dup']} duplicates, "
-             f"{n['served']} served by the full run (budget 1.0 never evicts)"
-             + (f", {n['queued']} pending or running from an earlier submission" if n["queued"] else "")]
+    lines = [summary(works)]
     total_gpu_h = 0.0
     for i, a in enumerate(arrs):
         gpus, mem, cpus = a.key
@@ -308,14 +265,9 @@ def main(argv: list[str] | None = None) -> int:
         sweep = expand(overrides, multirun=True)
         for plan in sweep.plans:  # the weights vs what each array task asks of its node
             check_fits_request(plan.model)
-        works = classify(sweep)
+        works = classify(sweep.jobs, sweep.plans)
         sweep_dir = Path(sweep.sweep_dir).resolve()
-        from h2o.pipeline.status import in_flight
-
-        busy = in_flight(sweep_dir.parent)  # submitted before and still pending or running: not again
-        for w in works:
-            if w.state == "todo" and str(w.plan.path) in busy:
-                w.state = "queued"
+        mark_in_flight(works, sweep_dir.parent)  # submitted before and still pending or running: not again
         arrs = arrays(works, cluster, str(sweep_dir))
         if not dry and cluster.offline:
             check_assets(works)
@@ -333,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     experiment = sweep.plans[0].cfg.experiment_name
     sweep_dir.mkdir(parents=True, exist_ok=True)
     submitted = submit(arrs, cluster, sweep_dir, experiment)
-    served = [{"run": str(w.plan.path), "served_by": str(w.served_by)} for w in works if w.state == "served"]
+    served = [{"run": run, "served_by": full} for run, full in served_runs(works).items()]
     from h2o.pipeline.records import write_json
 
     write_json(sweep_dir / LAUNCH_FILE, {"experiment": experiment, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

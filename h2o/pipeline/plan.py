@@ -188,10 +188,10 @@ def build_quant(cfg: DictConfig, model: ModelSpec):
     if node is None or node.name == "none":
         return None
     calibration = node.get("calibration")
-    if calibration and not Path(str(calibration)).expanduser().is_absolute():
-        from h2o.assets.paths import cache_dir
+    if calibration:
+        from h2o.assets.paths import calibration_file
 
-        node = OmegaConf.merge(node, {"calibration": str(cache_dir() / str(calibration))})
+        node = OmegaConf.merge(node, {"calibration": str(calibration_file(model.name, str(calibration)))})
     quant = build("quant", node)
     quant.check_geometry(*model.geometry())
     return quant

@@ -2,13 +2,14 @@
 
     h2o-run task=bb_copa policy=h2o policy.budget=0.2 task.limit=20
     h2o-run -m experiment=default                          # the experiment's sweep, basic launcher
-    h2o-run -m experiment=table1 hydra/launcher=slurm      # one Slurm array job per run
+    h2o-run -m experiment=table1 hydra/launcher=slurm      # = make sweep EXP=table1 LAUNCHER=slurm
 
 Order of work: compose and validate every job (bad values: one line, exit status 2, no model loaded); skip a
 run whose folder already has metrics.json; load the model (reused across the jobs of a sweep); attach the
 policy; run the task; write config.yaml, samples.jsonl, env.json, then metrics.json last (atomically); mirror
 to wandb if ``logger=wandb`` (its failures are printed, never raised; after a multirun, the experiment's summary
-run, h2o.pipeline.wandb_summary). In a multirun a failing job is recorded in
+run, h2o.pipeline.wandb_summary). A multirun skips the jobs served by the full run (h2o.pipeline.jobs; listed in
+``<sweep dir>/served.json``), as the Slurm path does. In a multirun a failing job is recorded in
 ``<sweep dir>/failures.jsonl`` and the sweep goes on; the failures are printed at the end (exit status 1).
 Every job's outcome goes to ``<sweep dir>/jobs.jsonl``.
 
@@ -30,13 +31,14 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from h2o.pipeline.jobs import SERVED_FILE, classify, read_served, served_runs, summary
 from h2o.pipeline.plan import Plan, prepare
 from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl,
                                   slurm_job_id, write_json, write_jsonl)
 from h2o.assets.paths import atomic_write_text
 from h2o.assets.resources import check_fits_here
 from h2o.core.validate import ConfigError, fail
-from h2o.pipeline.sweep import BAD_INPUT, expand, status
+from h2o.pipeline.sweep import BAD_INPUT, expand
 from h2o.tasks.progress import recording, resumed
 
 PARTIAL = "partial"  # per-request results of an unfinished run (resume inside a run)
@@ -47,6 +49,7 @@ PASSTHROUGH = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "-
                "--version", "--resolve", "--package", "-p", "--run", "-r")
 FLAGS = ("-m", "--multirun", "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd",
          "--experimental-rerun", *PASSTHROUGH)  # what Hydra's command line takes
+SLURM = "hydra/launcher=slurm"  # conf/hydra/launcher/slurm.yaml: handed to h2o.pipeline.launch
 _executed = 0  # runs executed (not skipped) by this process
 
 
@@ -151,6 +154,10 @@ def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
     if finished(plan.path):
         log(f"skip, finished already: {plan.path}")
         return outcome("skipped", plan.path)
+    served_by = read_served(sweep_dir).get(str(plan.path)) if multirun else None
+    if served_by:  # never evicts: the full run's record is its value (h2o.pipeline.jobs)
+        log(f"skip, served by the full run {served_by}: {plan.path}")
+        return outcome("served", plan.path)
     with claim(plan.path) as mine:
         if not mine or finished(plan.path):
             log(f"skip, {'being run by another process' if not mine else 'finished already'}: {plan.path}")
@@ -182,6 +189,11 @@ def hydra_main(cfg: DictConfig) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Validate every job first, then hand the command line to Hydra; report a sweep's failures at the end."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if SLURM in argv:  # the Slurm path is h2o.pipeline.launch's (`make sweep LAUNCHER=slurm`), a program of its own
+        import subprocess
+
+        args = [a for a in argv if a not in ("-m", "--multirun", SLURM)]
+        return subprocess.call([sys.executable, "-m", "h2o.pipeline.launch", *args])
     multirun = "-m" in argv or "--multirun" in argv
     sweep_dir = None
     unknown = [a for a in argv if a.startswith("-") and a.split("=")[0] not in FLAGS]
@@ -197,15 +209,16 @@ def main(argv: list[str] | None = None) -> int:
         except BAD_INPUT as exc:
             return fail(exc)
         if multirun:
-            states = status(sweep)
-            log(f"{len(states)} jobs: {states.count('todo')} to run, {states.count('done')} finished already, "
-                f"{states.count('dup')} duplicates")
+            works = classify(sweep.jobs, sweep.plans)
+            log(summary(works))
             sweep_id = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
             os.environ[SWEEP_ENV] = sweep_id  # each job row carries it: the summary counts this process's jobs
             if not any(a.startswith("hydra.sweep.dir=") for a in overrides):
                 # a folder of its own per sweep process, not only per second: <experiment>/<date_time>-<pid>-<rand>
                 argv.append(f"hydra.sweep.dir={sweep.sweep_dir}-{sweep_id}")
             sweep_dir = Path(next(a for a in argv if a.startswith("hydra.sweep.dir=")).split("=", 1)[1])
+            sweep_dir.mkdir(parents=True, exist_ok=True)
+            write_json(sweep_dir / SERVED_FILE, served_runs(works))  # read by each job (attempt)
     sys.argv = [sys.argv[0], *argv]
     hydra_main()
     if sweep_dir is None:
@@ -217,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     mine = lambda rows: [r for r in rows if r.get("sweep_id") == os.environ.get(SWEEP_ENV)]  # noqa: E731
     jobs = mine(read_jsonl(sweep_dir / "jobs.jsonl"))
     failures = mine(read_jsonl(sweep_dir / "failures.jsonl"))
-    counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "busy", "failed")}
+    counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "served", "busy", "failed")}
     log(f"sweep {sweep_dir}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     for f in failures:
         log(f"FAILED job {f['job']} {' '.join(f['overrides'])}: {f['error']}")

@@ -5,7 +5,8 @@
 
 Nothing is loaded: each job's config is composed and checked by :func:`h2o.pipeline.plan.prepare`. ``h2o-run -m`` calls
 :func:`expand` first, so a bad value in any job stops the sweep before the first model load (exit status 2).
-Jobs that share a run folder (``policy=full`` crossed with budgets) are listed once, then as ``dup``.
+Jobs that share a run folder (``policy=full`` crossed with budgets) are listed once, then as ``dup``; a job served
+by the full run as ``served`` (h2o.pipeline.jobs).
 """
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from h2o.core.validate import BadInput, ConfigError, abbrev, check, fail, output_dir
+from h2o.pipeline.jobs import classify, summary
 from h2o.pipeline.plan import Plan, prepare
-from h2o.pipeline.records import CONF, finished, runs_root
+from h2o.pipeline.records import CONF, runs_root
 
 BAD_INPUT = BadInput  # ConfigError, PolicyError
 
@@ -186,27 +188,21 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
 
 
 def status(sweep: Sweep) -> list[str]:
-    """Per job: ``done`` (record finished), ``dup`` (same folder as an earlier job) or ``todo``."""
-    seen, out = set(), []
-    for plan in sweep.plans:
-        out.append("dup" if plan.path in seen else "done" if finished(plan.path) else "todo")
-        seen.add(plan.path)
-    return out
+    """Per job: ``dup``, ``done``, ``served`` or ``todo`` (:func:`h2o.pipeline.jobs.classify`)."""
+    return [w.state for w in classify(sweep.jobs, sweep.plans)]
 
 
 def describe(sweep: Sweep, root: Path | None = None) -> str:
     """The dry-run listing: one line per job, then a summary."""
-    states = status(sweep)
+    works = classify(sweep.jobs, sweep.plans)
     lines = [f"{'#':>4} {'status':6} {'model':14} {'task':12} {'shots':>5} {'policy':14} {'budget':8} run folder"]
-    for i, (plan, state) in enumerate(zip(sweep.plans, states)):
+    for i, (plan, state) in enumerate(zip(sweep.plans, (w.state for w in works))):
         p = plan.policy
         budget = "1.0" if p.name == "full" else str(p.budget)
         folder = plan.path.relative_to(root) if root and plan.path.is_relative_to(root) else plan.path
         lines.append(f"{i:>4} {state:6} {plan.model.name:14} {plan.task.name:12} {plan.task.shots:>5} "
                      f"{p.name:14} {budget:8} {folder}")
-    n = {s: states.count(s) for s in ("todo", "done", "dup")}
-    lines.append(f"{len(states)} jobs: {n['todo']} to run, {n['done']} finished already, "
-                 f"{n['dup']} duplicates of an earlier job (skipped)")
+    lines.append(summary(works))
     return "\n".join(lines)
 
 

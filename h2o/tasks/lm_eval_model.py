@@ -76,7 +76,7 @@ def make_lm_quant(quant: str = "none", options: dict | None = None, pretrained=N
     scheme, option or value is a one-line QuantError. ``options``: the ``quant_*`` arguments (prefix kept)."""
     import inspect
 
-    from h2o.assets.paths import cache_dir
+    from h2o.assets.paths import calibration_file
     from h2o.core.quant import SCHEMES, QuantError, make_quant
 
     opts = {k[len(QUANT_PREFIX):]: v for k, v in (options or {}).items()}
@@ -90,7 +90,7 @@ def make_lm_quant(quant: str = "none", options: dict | None = None, pretrained=N
             raise QuantError(f"--model_args {QUANT_PREFIX}{bad}: no such option for quant={quant}; allowed: "
                              f"{', '.join(QUANT_PREFIX + n for n in allowed)}")
     if quant == "kvquant" and "calibration" not in opts and isinstance(pretrained, str):
-        opts["calibration"] = str(cache_dir() / "kvquant" / f"{pretrained.replace(':', '-')}.pt")
+        opts["calibration"] = str(calibration_file(pretrained))
     return make_quant(quant, **opts)
 
 

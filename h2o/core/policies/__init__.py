@@ -16,7 +16,7 @@ def make_policy(name: str, **options) -> Policy:
     if not isinstance(name, str) or name not in Policy.registry:
         raise PolicyError(f"policy={name!r}: unknown; allowed: {', '.join(POLICIES)}")
     cls = Policy.registry[name]
-    compress = options.pop("compress", "decode")  # every evicting policy's timing (Policy.timed)
+    compress = options.pop("compress", cls.compress)  # every evicting policy's timing (Policy.timed)
     try:
         policy = cls(**options)
     except TypeError as e:  # an option the policy does not take

@@ -99,7 +99,8 @@ class KernelForm:
 
 
 COMPRESS = ("decode", "prefill")  # Policy.compress
-RULE = ("priority", "restrict", "score", "accumulate")  # the methods whose answers are the policy's decisions
+# the methods whose answers are the policy's decisions
+RULE = ("priority", "restrict", "score", "accumulate", "accumulate_prompt", "cut_score")
 
 
 def declared(policy: "Policy", form: str):
@@ -129,6 +130,7 @@ class Policy:
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = True  # False: keeps the whole cache and restricts each query (top-k)
     needs_scores: ClassVar[bool] = False  # True: uses accumulated attention ``acc``
+    reads_keys: ClassVar[bool] = False  # True: at a cut, :meth:`cut_score` is given the held keys
     # True: the priority ignores ``acc`` and a token the cache dropped would never be among the ``total - 1`` older
     # tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
     # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop)
@@ -238,6 +240,11 @@ class Policy:
             raise PolicyError(f"{prefix}decay={options['decay']}: read only with {prefix}score=decay (here score="
                               f"{score}); allowed: {prefix}score=decay, or decay left at {default.default}")
 
+    def layer_counts(self, counts: Counts, layer: int, layers: int) -> Counts:
+        """The budget of layer ``layer`` of ``layers`` from :meth:`counts` (both paths ask per layer). Default:
+        the same for every layer; a per-layer budget (pyramidkv) overrides this."""
+        return counts
+
     @property
     def is_full(self) -> bool:
         """True when the policy never drops anything (full cache, or a 100% ratio budget)."""
@@ -278,6 +285,19 @@ class Policy:
         query heads of each KV head, rows in order, pad rows zeroed; valid (B, r) bool real rows (None: all).
         One sum over heads and rows. Both paths call this; score variants override it (:mod:`.score`)."""
         acc += probs.sum((2, 3))
+
+    def accumulate_prompt(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None,
+                          left: torch.Tensor) -> None:
+        """:meth:`accumulate` for the rows of a multi-token forward (a prompt), told where each row lies: left
+        (B, r) int64 the tokens after the row up to the forward's last (0: the prompt's last token; pad rows
+        any value). Default: :meth:`accumulate` (a score that needs the rows' places overrides this: snapkv)."""
+        self.accumulate(acc, probs, valid)
+
+    def cut_score(self, acc: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """The state :meth:`priority` reads at a cut (the end of a prompt), given the held keys (B, H, S, D)
+        after RoPE and held (B, H, S) bool. Default: ``acc`` as it is; a score of the keys (knorm, keydiff)
+        returns its own (B, H, S) fp32."""
+        return acc
 
     def decoder(self, counts: Counts, host: Counts) -> "Decoder":
         """The priority at the decoding steps of one evicting-cache layer (counts on the device and on the host).

@@ -1,0 +1,25 @@
+"""The methods ``make parity`` compares: each kvpress press beside the harness policy with the same rule, shared
+by the driver (:mod:`h2o.bench.parity`) and its table (:mod:`h2o.bench.parity_table`)."""
+from __future__ import annotations
+
+# kvpress method -> the harness policy with the same rule ((name, options), None: not built yet)
+OURS = {
+    "full": ("full", {}),
+    "streaming_llm": ("streaming_llm", {"sinks": 4}),
+    "observed_attention": ("h2_only", {"score": "mean"}),
+    "tova": ("tova", {}), "snapkv": ("snapkv", {}), "pyramidkv": ("pyramidkv", {}), "adakv_snapkv": None,
+    "knorm": ("knorm", {}), "keydiff": ("keydiff", {}),
+    "expected_attention": None, "random": ("random", {"seed": 0}),
+    # a diagnostic of the decoding timing, not a kvpress method: StreamingLLMPress with its kept tokens left in
+    # position order (tools/parity/kvpress_side.py)
+    "streaming_llm_ordered": ("streaming_llm", {"sinks": 4}),
+}
+EXTRA = {"h2o": ("h2o", {})}  # ours without a kvpress counterpart, shown beside the nearest one (observed_attention)
+DECODE = ("streaming_llm", "streaming_llm_ordered", "knorm", "keydiff", "random")  # with a decoding timing here
+RATIO_BUDGET = ("pyramidkv",)  # ours given the share kept 1 - r: its layer budgets start from L * (1 - r) unrounded
+DECODE_ONLY = {"streaming_llm_ordered": "streaming_llm"}  # diagnostic rows: ours is the named method's record
+
+
+def kept(context_len: int, ratio: float) -> int:
+    """kvpress's tokens kept for ``compression_ratio`` ratio: ``int(L * (1 - r))``."""
+    return int(context_len * (1 - ratio))

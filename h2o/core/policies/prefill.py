@@ -1,0 +1,24 @@
+"""The base of the methods defined only at the end of a prompt (kvpress's presses: snapkv, knorm, keydiff): the
+whole budget is scored (no recent window), the timing is ``compress="prefill"`` and ``decode`` is refused in one
+line (docs/methods.md: their decoding forms are not built)."""
+import torch
+
+from .base import Counts, Policy, PolicyError
+
+
+class PrefillOnly(Policy):
+    compress = "prefill"
+
+    def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
+        super().__init__(budget, heavy, recent, heavy_share)
+        zero = 0.0 if isinstance(self.budget, float) else 0
+        Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent window: the whole budget is scored
+
+    def timed(self, compress: str) -> Policy:
+        if compress == "decode":
+            raise PolicyError(f"compress=decode: {self.name} is defined at the end of a prompt only (kvpress's "
+                              f"rule); allowed: prefill")
+        return super().timed(compress)
+
+    def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
+        return acc  # (B, H, S) fp32: the score at the cut (:meth:`Policy.cut_score` or the accumulated one)
