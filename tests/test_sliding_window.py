@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from h2o import POLICIES, PolicyError, attach, make_policy
+from h2o import PolicyError, attach, make_policy
+from h2o.core.policies import REAL_POLICIES  # the policies with an evicting cache
 from h2o.assets.models import SLIDING_ARCHS, SLIDING_WINDOW as W, tiny_model
 from h2o.core import attention
 
@@ -124,7 +125,7 @@ def test_local_with_a_budget_of_the_window_is_the_plain_model_on_mistral(budget)
     assert not close(simulated(model, make_policy("local", budget=W - 4), ids, mask), ref, 1e-3)  # not vacuous
 
 
-@pytest.mark.parametrize("name", POLICIES)
+@pytest.mark.parametrize("name", REAL_POLICIES)
 def test_every_policy_is_the_same_in_both_paths(model, name):
     """Prefill + decode (left-padded batch) against the simulated mask with the prompt's rows unmasked, and token
     by token from the first token against the simulated mask; a sliding layer holds at most min(budget, W)."""

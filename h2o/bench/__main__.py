@@ -14,7 +14,8 @@ from h2o.assets.model_spec import DTYPES, check_device, check_pretrained
 from h2o.bench.simulated import simulated_forward
 from h2o.bench.throughput import benchmark
 from h2o.bench.variants import BASELINES
-from h2o.core.policies import POLICIES, make_policy
+from h2o.assets.policy_config import at_budget
+from h2o.core.policies import REAL_POLICIES
 from h2o.core.validate import (ArgParser, budget_value, check, choice, guard, is_number,
                                output_file, positive_int, split_list)
 
@@ -46,10 +47,11 @@ def validate(args) -> None:
     for flag in ("prompt", "gen", "batch"):
         split_list(f"--{flag}", getattr(args, flag), positive_int, "an int >= 1")
     longest = max(split_list("--prompt", args.prompt, positive_int, "an int >= 1"))
-    policies = choice("--policies", split_list("--policies", args.policies, str, "a policy name"), POLICIES)
+    policies = choice("--policies", split_list("--policies", args.policies, str, "a policy name"), REAL_POLICIES)
     for name in policies:
         for b in split_list("--budget", args.budget, budget_value, "a ratio in (0, 1] or a token count"):
-            make_policy(name, budget=b).check_reach(longest, f"--prompt {longest}, the longest")
+            policy = at_budget(name, b, "--policies ")  # as Hydra's policy=<name> policy.budget=<b>
+            policy.check_reach(longest, f"--prompt {longest}, the longest")
     if args.baselines not in ("", "none"):
         choice("--baselines", args.baselines.split(","), BASELINES)
     for flag, low in (("repeats", 1), ("warmup", 0), ("max_batch_cap", 1), ("threads", 0),

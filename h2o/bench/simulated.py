@@ -8,7 +8,7 @@ from contextlib import nullcontext
 import torch
 
 from h2o.core.attach import attach
-from h2o.core.policies import make_policy
+from h2o.assets.policy_config import at_budget
 from h2o.bench.measure import PeakRSS, median, sync
 from h2o.bench.report import variant_label
 
@@ -37,7 +37,7 @@ def simulated_forward(model, T: int = 1024, policies=(("h2o", 0.2),), repeats: i
                 model.set_attn_implementation("eager")
                 ctx = nullcontext()
             else:
-                ctx = attach(model, make_policy(v[0]) if v[0] == "full" else make_policy(v[0], budget=v[1]))
+                ctx = attach(model, at_budget(v[0], v[1], "--policies "))
             n = T if rnd >= 0 else min(T, 64)
             with ctx, PeakRSS() as mem:
                 sync(device)

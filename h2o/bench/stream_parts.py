@@ -7,15 +7,19 @@ import statistics
 import torch
 
 from h2o.bench.measure import rss_bytes
-from h2o.core.policies import Policy, make_policy
+from h2o.assets import policy_config
+from h2o.core.policies import Policy
 
 HEAVY_SHARE = 1 / 3  # the authors' streaming split: heavy 32 + recent 64 at 96 tokens
 
 
 def parse_policy(spec: str) -> tuple[str, dict]:
-    """``"h2o:heavy_share=1/2:score=decay:decay=0.99"`` -> ("h2o", {"heavy_share": 0.5, "score": "decay", ...}).
-
-    Values: int, float, a fraction ``a/b``, else a string. The spec is also the run's label."""
+    """A policy spec -> (name, options), spelled as lm-eval's model_args: ``"h2o,heavy_share=0.5,score=decay"``
+    (the keys of conf/policy/h2o.yaml, values read as Hydra reads them: h2o.assets.policy_config); or the older
+    ``"h2o:heavy_share=1/2:score=decay"`` (values: int, float, a fraction ``a/b``, else a string; a notice).
+    The spec is also the run's label."""
+    if ":" not in spec:
+        return policy_config.parse(spec, "--policy")
     name, *opts = spec.split(":")
     options = {}
     for opt in opts:
@@ -23,6 +27,8 @@ def parse_policy(spec: str) -> tuple[str, dict]:
         if not eq or not key:
             raise ValueError(f"policy spec {spec!r}: option {opt!r} is not key=value")
         options[key] = spec_value(value)
+    new = ",".join([name, *(f"{k}={v}" for k, v in options.items())])
+    policy_config.notice(f"policy spec {spec!r} is spelled --policy {new} now")
     return name, options
 
 
@@ -42,13 +48,14 @@ def spec_value(value: str):
 
 
 def build_policy(spec: str | Policy, budget: int | None, heavy_share: float = HEAVY_SHARE) -> Policy:
-    """A policy from a spec (:func:`parse_policy`) with a budget in tokens; ``heavy_share`` unless the spec sets it."""
+    """A policy from a spec (:func:`parse_policy`) with a budget in tokens and ``heavy_share`` unless the spec sets
+    them; built as Hydra builds ``policy=<name> policy.<key>=<value>`` (h2o.assets.policy_config)."""
     if isinstance(spec, Policy):
         return spec
     name, options = parse_policy(spec)
-    if name == "full":
-        return make_policy(name, **options)
-    return make_policy(name, **{"budget": budget, "heavy_share": heavy_share, **options})
+    if name != "full":
+        options = {"heavy_share": heavy_share, **options}
+    return policy_config.at_budget(name, options.pop("budget", budget), "--policy ", **options)
 
 
 class Windows:

@@ -1,8 +1,10 @@
 """``python -m h2o.bench.streaming``: explore streaming from the command line; prints, writes no run record.
 
 Run records come from the experiment only: ``make stream`` = ``h2o-run -m experiment=streaming`` (one run per
-policy x budget x chunk, under runs/streaming/). Here: each budget x policy spec (``name[:option=value...]``, e.g.
-``h2o:heavy_share=1/2:score=decay:decay=0.99``) streams the text; ``--compare-chunk 32`` repeats each run in chunks
+policy x budget x chunk, under runs/streaming/). Here: each budget x policy streams the text: ``--policies`` names,
+or ``--policy`` (repeated) with options spelled as lm-eval's model_args and Hydra's keys (``--policy
+h2o,heavy_share=0.5,score=decay`` <-> ``policy=h2o policy.heavy_share=0.5 policy.score=decay``; the older
+``h2o:heavy_share=1/2:score=decay`` still works); ``--compare-chunk 32`` repeats each run in chunks
 and prints the difference; ``--batch`` streams the policies of one budget as one batch (the weights read once per
 step: what the long-stream study used); ``--interleave`` advances all runs a window at a time in turns; ``--live``
 appends each window's sample to a file as it ends (``python -m analysis.streaming_study`` reads them); ``--json``
@@ -21,7 +23,7 @@ from tqdm import tqdm
 from h2o.bench.stream_parts import HEAVY_SHARE, build_policy, hms, parse_policy, spec_value
 from h2o.assets.model_spec import check_pretrained
 from h2o.bench.streaming import CHUNK, POSITIONS, WINDOW, Streamer, drive, load_text, text_ids
-from h2o.core.policies import POLICIES
+from h2o.core.policies import REAL_POLICIES
 from h2o.core.validate import (ArgParser, ConfigError, check, choice, guard, is_number, output_dir, output_file,
                                positive_int, split_list)
 
@@ -90,7 +92,7 @@ def run(model, tokenizer, text: str = "austen", tokens: int = 20000, policies=("
 def job_label(spec, budget, chunk) -> str:
     """A file-name-safe label of one run: ``h2o_heavy_share1-2_96_c1``."""
     label = spec if isinstance(spec, str) else spec.name
-    return f"{label.replace(':', '_').replace('=', '').replace('/', '-')}_{budget}_c{chunk}"
+    return f"{label.replace(':', '_').replace(',', '_').replace('=', '').replace('/', '-')}_{budget}_c{chunk}"
 
 
 def print_row(rec: dict, out=None) -> None:
@@ -119,6 +121,7 @@ def print_comparison(base: dict, other: dict, out=None) -> None:
 
 
 TEXTS = ("austen", "moby", "moby_dick", "pg19")
+POLICY_NAMES = "h2o,streaming_llm,local"
 
 
 def validate(args) -> tuple[list[str], list[int]]:
@@ -126,12 +129,15 @@ def validate(args) -> tuple[list[str], list[int]]:
     check_pretrained(args.model, "--model")
     check(args.text in TEXTS or Path(args.text).is_file(), f"--text={args.text!r}: allowed: "
                                                            f"{', '.join(TEXTS)} or an existing text file")
-    specs = split_list("--policies", args.policies, str, "a policy spec (name[:option=value...])")
+    check(not (args.policy and args.policies), f"--policy {args.policy[0] if args.policy else ''} and --policies "
+                                               f"{args.policies}: give one of them")
+    flag = "--policy" if args.policy else "--policies"
+    specs = args.policy or split_list("--policies", args.policies or POLICY_NAMES, str, "a policy name")
     try:
         names = [parse_policy(spec)[0] for spec in specs]
     except ValueError as err:
-        raise ConfigError(f"--policies={args.policies!r}: {err}") from None
-    choice("--policies", names, POLICIES)
+        raise ConfigError(f"{flag}={args.policy or args.policies!r}: {err}") from None
+    choice(flag, names, REAL_POLICIES)
     budgets = split_list("--budgets", args.budgets, positive_int, "a cache size in tokens (an int >= 1)")
     check(is_number(args.heavy_share), f"--heavy-share={args.heavy_share!r}: expected a number in [0, 1] (1/3 ok)")
     for spec in specs:
@@ -154,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default="austen", help="austen, moby, pg19 or a text file")
     p.add_argument("--tokens", type=int, default=20000, help="tokens to stream (up to 1M and more)")
-    p.add_argument("--policies", default="h2o,streaming_llm,local",
-                   help="policy specs, comma-separated: name[:option=value...], e.g. h2o:heavy_share=1/2:score=mean")
+    p.add_argument("--policies", default=None, help=f"policy names, comma-separated (default {POLICY_NAMES})")
+    p.add_argument("--policy", action="append", default=None,
+                   help="a policy with options (repeat for more): name,key=value,..., e.g. h2o,heavy_share=0.5")
     p.add_argument("--budgets", default="96,192,384", help="cache sizes in tokens, comma-separated")
     p.add_argument("--heavy-share", type=spec_value, default=HEAVY_SHARE,
                    help="heavy hitters' share of the cache unless a spec sets it (default 1/3: 32 + 64 at 96)")

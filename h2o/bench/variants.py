@@ -11,6 +11,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
 from h2o.core.attach import attach
+from h2o.assets.policy_config import at_budget
 from h2o.core.policies import Policy, make_policy
 from h2o.bench.report import variant_label
 
@@ -25,7 +26,7 @@ class Variant:
     policy: str  # record's policy: a harness policy name, "hf_sdpa", "hf_eager" or "hf_sliding"
     budget: float | int = 1.0
     attn: str = "sdpa"  # attention implementation of the unmodified model (baselines)
-    obj: Policy | None = field(default=None, compare=False)  # a built policy (else make_policy(policy, budget))
+    obj: Policy | None = field(default=None, compare=False)  # a built policy (else at_budget(policy, budget))
     quant: str = "none"  # KV quantization of a policy variant: none, uniform4, kvquant3, ... (h2o.bench.quant)
     calibration: str | None = field(default=None, compare=False)  # kvquant's calibration file
 
@@ -41,7 +42,7 @@ class Variant:
     def build(self) -> Policy:
         if self.obj is not None:
             return self.obj
-        return make_policy(self.policy) if self.policy == "full" else make_policy(self.policy, budget=self.budget)
+        return at_budget(self.policy, self.budget, "--policies ")
 
     @property
     def label(self) -> str:

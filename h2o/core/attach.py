@@ -25,6 +25,7 @@ from . import attention
 from .cache import EvictingCache
 from .model_settings import refuse_unsupported
 from .policies import Policy, PolicyError
+from .policies.h2o_reference import H2OReference, as_reference
 from .quant import Quantizer
 
 MODES = ("simulated", "real")
@@ -37,7 +38,7 @@ class Attached:
 
     policy: Policy
     mode: str = "simulated"
-    semantics: str = "h2o"  # "reference": the paper code's mask rule (simulated h2o only)
+    semantics: str = "h2o"  # "reference" for policy h2o_reference: the paper code's mask rule (simulated only)
     prompt_len: int = 0  # simulated: the first prompt_len columns are a prompt (rows see their whole prefix)
     num_layers: int = 0
     cache: EvictingCache | None = None
@@ -148,7 +149,8 @@ def single_use_generate(model, state: Attached):
 @contextmanager
 def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o", prompt_len: int = 0,
            quant: Quantizer | None = None):
-    """``quant`` (default: ``policy.quant``): keys and values as a quantized cache holds them, in both paths."""
+    """``quant`` (default: ``policy.quant``): keys and values as a quantized cache holds them, in both paths.
+    ``semantics="reference"`` is the older spelling of policy h2o_reference (for an h2o or h2_only policy)."""
     if not isinstance(policy, Policy):
         raise PolicyError(f"policy={policy!r}: expected a Policy, e.g. h2o.make_policy('h2o', budget=0.2)")
     if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 0:
@@ -157,8 +159,10 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         raise PolicyError(f"mode={mode!r}: allowed: {', '.join(MODES)}")
     if semantics not in SEMANTICS:
         raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
-    if semantics == "reference" and (mode != "simulated" or policy.name not in ("h2o", "h2_only")):
-        raise PolicyError(f"semantics=reference: only for policy h2o in mode simulated (got {policy.name}, {mode})")
+    policy = as_reference(policy) if semantics == "reference" else policy  # the older spelling of h2o_reference
+    semantics = "reference" if isinstance(policy, H2OReference) else "h2o"
+    if semantics == "reference" and mode != "simulated":
+        raise PolicyError(f"policy=h2o_reference (the paper code's mask rule): mode={mode}; allowed: mode=simulated")
     if mode == "simulated" and policy.compress == "prefill" and not prompt_len and not policy.is_full:
         raise PolicyError(f"compress=prefill: {policy.name} compresses a prompt at its end, and this forward has no "
                           f"prompt (prompt_len=0); allowed: a task with a prompt, or compress=decode")

@@ -19,7 +19,7 @@ import torch
 from . import row_kernel
 from .policies import Policy, keep_top
 from .policies.base import bcast, const, declared
-from .policies.h2o import H2O, reference_mask
+from .policies.h2o import reference_mask
 
 
 def positions(valid: torch.Tensor) -> torch.Tensor:
@@ -189,8 +189,8 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
 def reference_plan(policy: Policy, valid: torch.Tensor) -> tuple[int, int]:
     """(heavy, recent) in tokens for the paper code's rule, checked once per forward: one host read (is the input
     unpadded); the counts are taken of the length T on the host."""
-    if not isinstance(policy, H2O) or not bool(valid.all()):
-        raise ValueError(f"semantics=reference: needs policy h2o/h2_only on unpadded input, got {policy.name}")
+    if not bool(valid.all()):
+        raise ValueError("policy=h2o_reference (semantics=reference): needs unpadded input, one sequence at a time")
     counts = policy.counts(torch.tensor([valid.shape[1]]))  # (1,) on the CPU: no device read
     return counts.heavy.tolist()[0], counts.recent.tolist()[0]
 

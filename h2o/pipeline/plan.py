@@ -18,11 +18,10 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from h2o.assets.locks import lock_mode, stale_after
 from h2o.assets.model_spec import ConfigError, ModelSpec
 from h2o.core.policies import Policy, PolicyError
+from h2o.core.policies.h2o_reference import H2OReference, as_reference
 from h2o.core.validate import check, check_types, is_int, output_dir
 from h2o.pipeline.records import check_name, check_reusable, group_defaults, identity, run_dir
 from h2o.tasks.base import TaskSpec
-
-REFERENCE_POLICIES = ("h2o", "h2_only")
 
 
 def build(group: str, node: DictConfig) -> Any:
@@ -116,7 +115,7 @@ class Plan:
         d = self.policy.describe()
         extra = {k: v for k, v in d.items() if k not in ("policy", "budget", "heavy", "recent")}
         return {"experiment": self.cfg.experiment_name, "model": self.model.name, "task": self.task.name,
-                "task_kind": self.task.kind, "policy": self.policy.name, "budget": self.policy.budget,
+                "task_kind": self.task.kind, "policy": self.cfg.policy.name, "budget": self.policy.budget,
                 "heavy": self.policy.heavy, "recent": self.policy.recent, "shots": self.task.shots,
                 "semantics": self.semantics, "seed": self.cfg.seed, "evicts": bool(self.policy.evicts),
                 "limit": self.cfg.task.get("limit"),
@@ -136,8 +135,10 @@ def prepare(cfg: DictConfig) -> Plan:
         cfg = with_task_overrides(cfg)
     except OmegaConfBaseException as exc:  # e.g. an interpolation to a removed key
         raise ConfigError(" ".join(str(exc).split()[:40])) from None
-    policy = build("policy", cfg.policy)
-    policy.check_unused(cfg.policy)
+    built = build("policy", cfg.policy)
+    built.check_unused(cfg.policy)
+    cfg, policy = reference_spelling(cfg, built)
+    named = build("policy", cfg.policy) if isinstance(policy, H2OReference) else policy  # the record's policy
     task = build("task", cfg.task)
     model = build("model", cfg.model)
     longest = model.max_positions()
@@ -146,16 +147,39 @@ def prepare(cfg: DictConfig) -> Plan:
     policy.quant = build_quant(cfg, model)
     if not isinstance(task, TaskSpec):
         raise ConfigError(f"task={cfg.task.name}: _target_ must build an h2o.tasks.base.TaskSpec")
+    if isinstance(policy, H2OReference) and "reference" not in task.semantics:
+        raise ConfigError(f"policy=h2o_reference: the paper code's mask rule is for one-pass scoring; task "
+                          f"{task.name} ({task.kind}) runs {', '.join(task.semantics)}")
     semantics = task.resolve_semantics(cfg.semantics)
-    if semantics == "reference" and policy.name not in REFERENCE_POLICIES:
-        raise ConfigError(f"semantics=reference: the paper code's mask rule exists for policy "
-                          f"{' or '.join(REFERENCE_POLICIES)} only (got {policy.name})")
     task.check_model(model)
     task.check_policy(policy)
-    path = run_dir(cfg, policy, task.semantics[0])
+    path = run_dir(cfg, named, task.semantics[0])
     check_writable(path, cfg.runs_dir)
-    check_reusable(path, identity(cfg, policy, semantics))
+    check_reusable(path, identity(cfg, named, semantics))
     return Plan(cfg, model, task, policy, semantics, path)
+
+
+def reference_spelling(cfg: DictConfig, policy: Policy) -> tuple[DictConfig, Policy]:
+    """(the record's config, the policy that runs). The paper code's mask rule is spelled ``policy=h2o_reference``
+    or, older, ``policy=h2o|h2_only semantics=reference`` (a notice); both run an h2o_reference policy and share
+    one record, spelled as the older one (``<h2o|h2_only>/<budget>/...semantics=reference``: the folders and
+    identities of the records made before h2o_reference existed)."""
+    from h2o.assets.policy_config import notice
+
+    if cfg.semantics == "reference":
+        reference = as_reference(policy)  # a policy out of its scope: the error, without the notice
+        notice(f"semantics=reference is spelled policy=h2o_reference now (same run folder); policy={policy.name}")
+        return cfg, reference
+    if not isinstance(policy, H2OReference):
+        return cfg, policy
+    check(cfg.semantics == "auto", f"semantics={cfg.semantics}: policy=h2o_reference is the paper code's mask "
+                                   f"rule, its own semantics; allowed: semantics=auto")
+    record = cfg.copy()
+    with open_dict(record):
+        split = {k: cfg.policy[k] for k in ("budget", "heavy", "recent", "heavy_share")}
+        record.policy = OmegaConf.merge(group_defaults("policy", "h2o"), split)
+        record.semantics = "reference"
+    return record, policy
 
 
 def build_quant(cfg: DictConfig, model: ModelSpec):

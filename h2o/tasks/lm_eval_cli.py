@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import sys
 
-POLICY_KEYS = ("budget", "heavy", "recent", "heavy_share", "sinks")
-
-
 def validate(args) -> None:
     """BadInput (one line) for a bad h2o model argument or path of a parsed lm-eval command line."""
     from pathlib import Path
 
     from h2o.assets.model_spec import check_pretrained
-    from h2o.core.policies import make_policy
     from h2o.core.validate import abbrev, check, output_dir, path_error
     from h2o.assets.model_spec import ModelSpec
     from h2o.tasks.batching import check_batch_size, from_text
-    from h2o.tasks.lm_eval_model import QUANT_PREFIX, SCORING, SEMANTICS, make_lm_quant
+    from h2o.tasks.lm_eval_model import QUANT_PREFIX, SCORING, lm_policy, make_lm_quant
 
     if getattr(args, "include_path", None):
         why = path_error(args.include_path)
@@ -40,14 +36,11 @@ def validate(args) -> None:
         return
     options = dict(args.model_args or {}) if isinstance(args.model_args or {}, dict) else {}
     check_pretrained(options.get("pretrained", "smollm2-135m"), "--model_args pretrained")
-    policy = make_policy(options.get("policy", "full"), **{k: options[k] for k in POLICY_KEYS if k in options})
-    policy.check_unused(options, "--model_args ")
+    policy = lm_policy(options.get("policy", "full"), dict(options), options.get("semantics", "simulated"))
     pretrained = str(options.get("pretrained", "smollm2-135m"))
     longest = ModelSpec(pretrained, pretrained).max_positions()
     if longest:
         policy.check_reach(longest, "the model's longest context")
-    check(options.get("semantics", "simulated") in SEMANTICS,
-          f"--model_args semantics={options.get('semantics')!r}: allowed: {', '.join(SEMANTICS)}")
     check(options.get("scoring", "sum") in SCORING,
           f"--model_args scoring={options.get('scoring')!r}: allowed: {', '.join(SCORING)}")
     check_batch_size(from_text(getattr(args, "batch_size", 1)), "--batch_size", schedule=True)

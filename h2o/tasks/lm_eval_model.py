@@ -1,10 +1,12 @@
 """lm-eval model ``h2o``: Hugging Face's ``HFLM`` with a KV-cache policy around the model call.
 
     python -m h2o.tasks.lm_eval_cli --model h2o \
-        --model_args pretrained=smollm2-135m,policy=h2o,heavy=0.1,recent=0.1 --tasks bb_copa --include_path tasks
+        --model_args pretrained=smollm2-135m,policy=h2o,budget=0.2,heavy_share=0.5 --tasks bb_copa --include_path tasks
 
-model_args beyond HFLM's: ``policy`` (a name of h2o.POLICIES, default full), ``budget`` | ``heavy`` + ``recent``,
-``heavy_share``, ``sinks`` (streaming_llm), ``semantics`` (simulated | reference), ``scoring`` (sum | mean),
+model_args beyond HFLM's: ``policy`` (a name of h2o.POLICIES, default full) and its options, spelled as in Hydra
+(``policy=h2o policy.budget=0.2`` <-> ``policy=h2o,budget=0.2``: the keys and defaults of conf/policy/<name>.yaml,
+h2o.assets.policy_config), ``semantics`` (simulated; ``reference``: the older spelling of policy=h2o_reference),
+``scoring`` (sum | mean),
 ``quant`` (none | uniform | kvquant, h2o.core.quant) with its options spelled ``quant_<option>``:
 ``quant=uniform,quant_bits=4,quant_group_size=64`` or ``quant=kvquant,quant_bits=3,quant_sink=false``
 (kvquant's ``quant_calibration`` defaults to ``<cache>/kvquant/<pretrained>.pt``, fitted by
@@ -59,8 +61,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from h2o.core.attach import attach
-from h2o.core.policies import make_policy
-from h2o.core.policies import Policy, PolicyError
+from h2o.core.policies import POLICIES, Policy, PolicyError
+from h2o.core.policies.h2o_reference import H2OReference, as_reference
 from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 
@@ -90,6 +92,25 @@ def make_lm_quant(quant: str = "none", options: dict | None = None, pretrained=N
     if quant == "kvquant" and "calibration" not in opts and isinstance(pretrained, str):
         opts["calibration"] = str(calibration_file(pretrained))
     return make_quant(quant, **opts)
+
+
+def lm_policy(policy: str | Policy, args: dict, semantics: str = "simulated") -> Policy:
+    """``--model_args policy=<name>,<key>=<value>,...`` -> the policy Hydra builds from ``policy=<name>
+    policy.<key>=<value>`` (h2o.assets.policy_config); takes every policy option out of ``args`` (a Policy
+    object is used as it is). ``semantics=reference`` (older spelling, a notice) -> policy h2o_reference."""
+    from h2o.assets.policy_config import build_policy, group_file, notice
+
+    keys = {k for name in POLICIES for k in group_file(name)} - {"name"}
+    options = {k: args.pop(k) for k in list(args) if k in keys}
+    if semantics not in SEMANTICS:
+        raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
+    if isinstance(policy, str):
+        policy = build_policy(policy, "--model_args ", **options)
+    if semantics == "reference":
+        reference = as_reference(policy)
+        notice(f"--model_args semantics=reference is spelled policy=h2o_reference now; policy={policy.name}")
+        policy = reference
+    return policy
 
 
 def resolve_pretrained(pretrained):
@@ -124,17 +145,12 @@ def from_left_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
 
 @register_model("h2o")
 class H2OLM(HFLM):
-    def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", budget=None, heavy=None,
-                 recent=None, heavy_share=None, sinks=None, semantics: str = "simulated", scoring: str = "sum",
-                 quant: str = "none", **kwargs):
-        if isinstance(policy, str):
-            options = {k: v for k, v in dict(budget=budget, heavy=heavy, recent=recent, heavy_share=heavy_share,
-                                             sinks=sinks).items() if v is not None}
-            policy = make_policy(policy, **options)
+    def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", semantics: str = "simulated",
+                 scoring: str = "sum", quant: str = "none", **kwargs):
+        policy = lm_policy(policy, kwargs, semantics)
         quantizer = make_lm_quant(quant, {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)},
                                   pretrained)
-        if semantics not in SEMANTICS:
-            raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
+        semantics = "reference" if isinstance(policy, H2OReference) else semantics
         if scoring not in SCORING:
             raise PolicyError(f"scoring={scoring!r}: allowed: {', '.join(SCORING)}")
         check_batch_size(from_text(kwargs.get("batch_size", 1)), "batch_size", schedule=True)
@@ -224,7 +240,7 @@ class H2OLM(HFLM):
             if self.semantics == "reference":  # the paper code's rule: one unpadded sequence at a time
                 out = None
                 for b, n in enumerate(lengths.tolist()):
-                    with attach(self.model, self.policy, semantics="reference"):
+                    with attach(self.model, self.policy):
                         logits = self.model(inps[b:b + 1, :n], use_cache=False).logits  # (1, n, V)
                     if out is None:
                         out = logits.new_zeros(inps.shape[0], inps.shape[1], logits.shape[-1])

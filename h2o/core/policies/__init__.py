@@ -8,6 +8,7 @@ for _m in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_m.name}")
 
 POLICIES = sorted(Policy.registry)
+REAL_POLICIES = [n for n in POLICIES if n != "h2o_reference"]  # with an evicting cache (h2o_reference: simulated only)
 
 
 def make_policy(name: str, **options) -> Policy:
@@ -23,4 +24,4 @@ def make_policy(name: str, **options) -> Policy:
     return policy.timed(compress)
 
 
-__all__ = ["Counts", "Policy", "PolicyError", "POLICIES", "make_policy", "keep_top", "select_slot"]
+__all__ = ["Counts", "Policy", "PolicyError", "POLICIES", "REAL_POLICIES", "make_policy", "keep_top", "select_slot"]

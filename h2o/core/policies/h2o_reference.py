@@ -1,0 +1,33 @@
+"""h2o_reference: the paper code's H2O mask rule for OPT and GPT-NeoX (:func:`.h2o.reference_mask`).
+
+Same budget and heavy/recent split as :class:`.h2o.H2O`, another rule: the scores come from unmasked attention,
+the heavy set and the recent band overlap, rows before ``heavy`` are never restricted (see ``reference_mask``).
+Simulated only (one pass over one unpadded sequence at a time); the sum score only.
+
+``semantics=reference`` with policy h2o or h2_only is the older spelling of this policy (:func:`as_reference`).
+"""
+from .base import PolicyError
+from .h2_only import H2Only
+from .h2o import H2O
+
+
+class H2OReference(H2O):
+    name = "h2o_reference"
+
+    def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
+        super().__init__(budget, heavy, recent, heavy_share)
+
+
+def as_reference(policy) -> H2OReference:
+    """The paper code's rule on ``policy``'s heavy/recent split: h2o and h2_only (score sum), or an h2o_reference
+    as it is; any other policy is a one-line PolicyError (the one guard of the rule's scope)."""
+    if isinstance(policy, H2OReference):
+        return policy
+    if type(policy) not in (H2O, H2Only) or policy.score_kind != "sum":
+        got = policy.name if type(policy) not in (H2O, H2Only) else f"{policy.name} score={policy.score_kind}"
+        raise PolicyError(f"semantics=reference: the paper code's mask rule exists for policy h2o or h2_only with "
+                          f"score=sum only (got {got}); it is the policy h2o_reference")
+    ref = H2OReference(heavy=policy.heavy, recent=policy.recent).timed(policy.compress)
+    if policy.quant is not None:
+        ref.quant = policy.quant
+    return ref
