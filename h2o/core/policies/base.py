@@ -30,55 +30,12 @@ from typing import Callable, ClassVar
 
 import torch
 
-from ..validate import MAX_TOKENS, BadInput
+from .budget import BudgetPart, Counts, PolicyError, check_part, to_count  # noqa: F401 (re-exported)
+from .checks import BudgetChecks
 
-BudgetPart = float | int
 TIER = float(2**40)  # priority tiers: tier * TIER + position, exact in float64 (positions < 2**40)
 TIER_INT = 2**40  # the same tiers as an int64 key (decoding steps: no float64 conversion)
 CELLS = 2**24  # held_rows: (rows x slots) priorities judged at once per sequence, bounds the memory
-
-
-class PolicyError(BadInput):
-    """Bad policy input: the message is one line naming the value and what is allowed."""
-
-
-def check_part(name: str, value) -> BudgetPart:
-    """Validate one budget part: a ratio in (0, 1] (0 allowed for heavy/recent parts) or a token count >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise PolicyError(f"{name}={value!r}: expected a ratio in (0, 1] or a token count (int >= 1)")
-    if isinstance(value, float) and not 0.0 <= value <= 1.0:
-        raise PolicyError(f"{name}={value}: a ratio must be in (0, 1]; use an int for an absolute token count")
-    if isinstance(value, int) and not 0 <= value <= MAX_TOKENS:
-        raise PolicyError(f"{name}={value}: a token count must be in [0, 2**40]")
-    return value
-
-
-def to_count(part: BudgetPart, length: torch.Tensor) -> torch.Tensor:
-    """Tokens of a budget part for sequences of ``length`` (B,): ``floor(r * L)`` for a ratio, else the count."""
-    if isinstance(part, float):
-        return torch.floor(part * length.double() + 1e-9).long()  # 1e-9: 0.29 * 100 is 28.999999999999996
-    return torch.full_like(length, part)
-
-
-@dataclass
-class Counts:
-    """Per-sequence budget in tokens, each (B,) int64. ``total`` includes the query token itself."""
-
-    total: torch.Tensor
-    heavy: torch.Tensor
-    recent: torch.Tensor
-    length: torch.Tensor  # the reference length the ratios were taken of
-
-    def fields(self) -> tuple[torch.Tensor, ...]:
-        return self.total, self.heavy, self.recent, self.length
-
-    def map(self, fn) -> "Counts":
-        """``fn`` applied to each field (a device move, a batch selection)."""
-        return Counts(*(fn(x) for x in self.fields()))
-
-    def repeat(self, n: int) -> "Counts":
-        """Each sequence's counts ``n`` times in a row: (B,) -> (B * n,), to judge n states of one sequence at once."""
-        return self.map(lambda x: x[:, None].expand(-1, n).reshape(-1))
 
 
 @dataclass(frozen=True)
@@ -118,7 +75,7 @@ def declared(policy: "Policy", form: str):
     return getattr(policy, form)
 
 
-class Policy:
+class Policy(BudgetChecks):
     """Base class. Subclasses set ``name`` and override :meth:`priority` (evicting) or :meth:`restrict`.
 
     Every form of a policy's rule is declared on its class: the definition (:meth:`priority` / :meth:`restrict`,
@@ -194,51 +151,6 @@ class Policy:
         heavy, recent = to_count(self.heavy, length), to_count(self.recent, length)
         total = torch.clamp(heavy + recent, min=1)
         return Counts(total=total, heavy=heavy, recent=total - heavy, length=length)
-
-    def needs(self) -> list[tuple[str, BudgetPart, int]]:
-        """(name, part, tokens) for each budget part the rule reads and the tokens it needs from it: each part
-        that is not 0 needs one token; a policy that reads only the whole budget needs it to hold one."""
-        if not self.splits:
-            return [("budget", self.budget, 1)]
-        return [(name, part, 1) for name, part in (("heavy", self.heavy), ("recent", self.recent)) if part]
-
-    def short(self, length: torch.Tensor) -> torch.Tensor:
-        """(B,) bool: the reference lengths (B,) at which a ratio part rounds below what it needs (:meth:`needs`),
-        so :meth:`counts` raises it (the cache keeps less than the rule asks: the query alone, no heavy hitter,
-        fewer sinks). Runs count these requests (metrics.json ``clamped_requests``); host tensors, no device read."""
-        out = torch.zeros(length.shape, dtype=torch.bool)
-        for _, part, need in self.needs():
-            if isinstance(part, float):
-                out |= to_count(part, length.cpu()) < need
-        return out
-
-    def check_reach(self, longest: int, where: str) -> None:
-        """PolicyError when a ratio part gives less than it needs even at ``longest`` tokens (the model's longest
-        context, named by ``where``): every request would be clamped (:meth:`short`)."""
-        for name, part, need in self.needs():
-            if isinstance(part, float) and int(to_count(part, torch.tensor([longest]))[0]) < need:
-                scale = part / self.budget if isinstance(self.budget, float) and self.budget > 0 else 1.0
-                least = need / (longest * scale)
-                of = "" if name == "budget" else f" (its {name} part {part:.3g})"
-                raise PolicyError(f"budget={self.budget:g}{of}: {part:.3g} x {longest} positions ({where}) = "
-                                  f"{part * longest:.3g} tokens; {self.name} needs at least {need} there; "
-                                  f"allowed: a ratio >= {float(f'{least * 1.0005:.3g}'):g} or a token count")
-
-    def check_unused(self, options, prefix: str = "policy.") -> None:
-        """PolicyError for an option (a mapping as given) the rule does not read: the same computation as without
-        it, which a run would record in a second folder. The API takes them (tests pass ``decay`` to every score)."""
-        import inspect
-
-        given = [k for k in ("heavy", "recent") if not self.splits and options.get(k) is not None]
-        if given:
-            raise PolicyError(f"{', '.join(f'{prefix}{k}={options[k]}' for k in given)}: {self.name} reads only the "
-                              f"whole budget, no heavy/recent split; allowed: {prefix}budget={self.budget:g} (their "
-                              f"sum) with heavy and recent null")
-        default = inspect.signature(type(self).__init__).parameters.get("decay")
-        score = options.get("score", "sum")
-        if default is not None and score != "decay" and options.get("decay", default.default) != default.default:
-            raise PolicyError(f"{prefix}decay={options['decay']}: read only with {prefix}score=decay (here score="
-                              f"{score}); allowed: {prefix}score=decay, or decay left at {default.default}")
 
     def layer_counts(self, counts: Counts, layer: int, layers: int) -> Counts:
         """The budget of layer ``layer`` of ``layers`` from :meth:`counts` (both paths ask per layer). Default:
