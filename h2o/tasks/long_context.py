@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none, stderr
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, clamped, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 
 NIAH = "niah"
@@ -145,6 +145,7 @@ class LongContextTask(TaskSpec):
         info = {"cells": cells(samples, self.is_niah), "lm_eval_task": self.lm_eval_task, **haystack,
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
+                "clamped_requests": clamped(policy, [n for n, _ in lm.budgets]),  # a ratio of each prompt
                 "cpu_s": round(time.process_time() - cpu0, 1),  # this process's CPU time in the task, all threads
                 **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
         return Result(metrics, samples, info)
