@@ -15,6 +15,7 @@ import torch
 from h2o.pipeline.records import read_jsonl
 
 TINY = ["model=tiny-llama", "threads=1"]
+NIAH = ["task=niah", "task.lengths=[1024]"]
 HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
@@ -143,6 +144,56 @@ BAD = [
      {}),
     ("models-experiment-unknown-model", ["-m", "experiment=models", "model=gemma4"], ["model=gemma4", "allowed",
                                                                                     "gemma3-270m"], {}),
+    # long-context tasks (conf/task/niah.yaml, ruler_*.yaml): grid, haystack, generation, seed
+    ("niah-lengths-zero", [*TINY, *NIAH, "task.lengths=[0]"], ["task.lengths=[0]", "ints > 0"], {}),
+    ("niah-lengths-text", [*TINY, *NIAH, "task.lengths=abc"], ["task.lengths=['a', 'b', 'c']", "ints > 0"], {}),
+    ("niah-lengths-float", [*TINY, *NIAH, "task.lengths=[1.5]"], ["task.lengths=[1.5]", "ints > 0"], {}),
+    ("niah-length-over-positions", [*TINY, *NIAH, "task.lengths=[8192]"],
+     ["task.lengths=[8192]", "tiny-llama's 4096 positions", "allowed: <= 4084"], {}),
+    ("niah-length-plus-generation-over-positions", [*TINY, *NIAH, "task.lengths=[4096]"],
+     ["task.lengths=[4096]", "with 12 generated tokens", "allowed: <= 4084"], {}),
+    ("niah-clip-none-fits", [*TINY, *NIAH, "task.lengths=[4096]", "+task.clip_to_model=true"],
+     ["task.lengths=[4096]", "none fits", "allowed: <= 4084"], {}),
+    ("niah-depths-over-one", [*TINY, *NIAH, "task.depths=[1.5]"], ["task.depths=[1.5]", "[0, 1]"], {}),
+    ("niah-depths-empty", [*TINY, *NIAH, "task.depths=[]"], ["task.depths=[]", "[0, 1]"], {}),
+    ("niah-samples-zero", [*TINY, *NIAH, "task.samples=0"], ["task.samples=0", "positive int"], {}),
+    ("niah-samples-float", [*TINY, *NIAH, "task.samples=1.5"], ["task.samples=1.5", "an int"], {}),
+    ("niah-text-unknown", [*TINY, *NIAH, "task.text=pg19"], ["task.text='pg19'", "allowed: austen, moby_dick"], {}),
+    ("niah-text-essays", [*TINY, *NIAH, "task.text=essays"], ["task.text='essays'", "allowed: austen, moby_dick"],
+     {}),
+    ("niah-max-gen-toks-zero", [*TINY, *NIAH, "task.max_gen_toks=0"], ["task.max_gen_toks=0", "positive int"], {}),
+    ("niah-max-gen-toks-text", [*TINY, *NIAH, "task.max_gen_toks=abc"], ["task.max_gen_toks='abc'", "an int"], {}),
+    ("niah-max-gen-toks-over-positions", [*TINY, *NIAH, "task.max_gen_toks=5000"],
+     ["task.max_gen_toks=5000", "4096 positions", "allowed: < 4096"], {}),
+    ("niah-seed-negative", [*TINY, *NIAH, "task.seed=-1"], ["task.seed=-1", "an int >= 0"], {}),
+    ("niah-shots", [*TINY, *NIAH, "task.shots=3"], ["task.shots=3", "allowed: 0"], {}),
+    ("niah-batch-size-zero", [*TINY, *NIAH, "task.batch_size=0"], ["task.batch_size=0", "positive int, auto"], {}),
+    ("niah-lm-eval-task-unknown", [*TINY, *NIAH, "task.lm_eval_task=nope"],
+     ["task.lm_eval_task='nope'", "allowed: niah", "niah_single_2"], {}),
+    ("ruler-limit-zero", [*TINY, "task=ruler_niah_single_2", "task.limit=0"], ["task.limit=0", "positive int"], {}),
+    ("ruler-text-unknown", [*TINY, "task=ruler_niah_multikey_1", "task.text=pg19"],
+     ["task.text='pg19'", "allowed: austen, moby_dick, essays"], {}),
+    ("ruler-lengths-zero", [*TINY, "task=ruler_niah_single_1", "task.lengths=[0]"], ["task.lengths=[0]", "ints > 0"],
+     {}),
+    ("ruler-max-gen-toks-fills-length", [*TINY, "task=ruler_niah_single_2", "task.max_gen_toks=1024"],
+     ["task.max_gen_toks=1024", "task.lengths=[1024]", "allowed: < 1024"], {}),
+    # methods (snapkv, pyramidkv): observation window, pooling kernel, pyramid ratio, prompt-only compression
+    ("snapkv-window-zero", [*TINY, "policy=snapkv", "policy.window=0"], ["window=0", "int >= 1"], {}),
+    ("snapkv-window-text", [*TINY, "policy=snapkv", "policy.window=abc"], ["window='abc'", "int >= 1"], {}),
+    ("snapkv-kernel-even", [*TINY, "policy=snapkv", "policy.kernel=4"], ["kernel=4", "odd int >= 1"], {}),
+    ("snapkv-kernel-zero", [*TINY, "policy=snapkv", "policy.kernel=0"], ["kernel=0", "odd int >= 1"], {}),
+    ("snapkv-compress-decode", [*TINY, "policy=snapkv", "policy.compress=decode"],
+     ["compress=decode", "end of a prompt", "allowed: prefill"], {}),
+    ("pyramidkv-beta-below-one", [*TINY, "policy=pyramidkv", "policy.beta=0.5"], ["beta=0.5", "number >= 1"], {}),
+    ("pyramidkv-beta-text", [*TINY, "policy=pyramidkv", "policy.beta=abc"], ["beta='abc'", "number >= 1"], {}),
+    ("pyramidkv-kernel-even", [*TINY, "policy=pyramidkv", "policy.kernel=4"], ["kernel=4", "odd int >= 1"], {}),
+    ("tova-heavy-alone", [*TINY, "policy=tova", "policy.heavy=0.1"], ["heavy=0.1", "give both or neither"], {}),
+    # the paper code's rule: one-pass scoring only
+    ("h2o-reference-generation", [*TINY, "policy=h2o_reference", "task=bb_xsum"],
+     ["policy=h2o_reference", "one-pass scoring", "bb_xsum"], {}),
+    ("h2o-reference-niah", [*TINY, "policy=h2o_reference", *NIAH], ["policy=h2o_reference", "niah (retrieval)"], {}),
+    ("h2o-reference-semantics-real", [*TINY, "policy=h2o_reference", "semantics=real"],
+     ["semantics=real", "allowed: semantics=auto"], {}),
 ]
 
 
@@ -608,5 +659,5 @@ def test_each_sweep_process_has_its_own_folder_and_summary(tmp_path, monkeypatch
     capsys.readouterr()
     assert main(["-m", *TINY, *PPL, runs, shared, "seed=0,1"]) == 0
     err = capsys.readouterr().err
-    assert "0 done, 2 skipped, 0 busy, 0 failed" in err and "FAILED" not in err
+    assert "0 done, 2 skipped, 0 served, 0 busy, 0 failed" in err and "FAILED" not in err
     assert len(read_jsonl(tmp_path / "shared" / "jobs.jsonl")) == 3

@@ -147,11 +147,16 @@ def test_short_marks_the_lengths_a_part_rounds_to_zero():
     assert make_policy("full").short(lengths).tolist() == [False] * 3
 
 
+NIAH = ["task=niah", "task.lengths=[512]", "task.depths=[0.5]", "task.samples=2", "task.batch_size=1"]
+
+
 @pytest.mark.parametrize("args, clamped", [
     (["task=austen_ppl", "task.n_windows=2", "task.window=48", "policy.budget=0.01"], 2),  # heavy: 0.24 tokens
     (["task=austen_ppl", "task.n_windows=2", "task.window=48", "policy.budget=0.5"], 0),
     (["task=bb_copa", "task.limit=2", "task.shots=0", "policy.budget=0.005"], 4),  # 2 docs x 2 choices, < 400 tokens
-], ids=["ppl-clamped", "ppl-not", "copa-clamped"])
+    (NIAH + ["policy.budget=0.001"], 2),  # heavy 0.0005 x ~512 prompt tokens = 0.26; x 4096 positions = 2: accepted
+    (NIAH + ["policy.budget=0.5"], 0),
+], ids=["ppl-clamped", "ppl-not", "copa-clamped", "niah-clamped", "niah-not"])
 def test_clamped_requests_in_the_record(args, clamped, tmp_path, monkeypatch):
     from h2o.assets.data import write_task
     from h2o.pipeline.run import main
@@ -163,6 +168,8 @@ def test_clamped_requests_in_the_record(args, clamped, tmp_path, monkeypatch):
     assert record["clamped_requests"] == clamped
     if record["task_kind"] == "multiple_choice":
         assert record["n_samples"] == 2 and record["mean_seq_len"] < 400
+    if record["task_kind"] == "retrieval":  # the reference lengths are the prompts (about 512 tokens each)
+        assert record["n_samples"] == 2 and 400 < record["mean_prompt_tokens"] < 600
 
 
 # ---------------------------------------------------------------------------------------------- analysis

@@ -24,7 +24,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none, stderr
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, clamped, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 
 NIAH = "niah"
@@ -69,6 +69,8 @@ class LongContextTask(TaskSpec):
         positive_or_none("task.samples", self.samples)
         positive_or_none("task.limit", self.limit)
         positive_or_none("task.max_gen_toks", self.max_gen_toks)
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
+              f"task.seed={self.seed!r}: expected an int >= 0")
         check(self.shots == 0, f"task.shots={self.shots!r}: long-context tasks take no in-context examples; allowed: 0")
         check_batch_size(self.batch_size)
         texts = TEXTS if self.is_niah else (*TEXTS, "essays")
@@ -86,19 +88,37 @@ class LongContextTask(TaskSpec):
 
     def check_model(self, model) -> None:
         """Lengths within the model's positions (read from its config.json; unknown, e.g. a hub checkpoint not
-        cached yet: not checked here). ``clip_to_model`` keeps those that fit, so one grid serves every model."""
+        cached yet: not checked here), a niah prompt with its generated tokens (past them lm-eval drops the prompt's
+        start, the needle with it at depth 0); a RULER length already holds them. ``clip_to_model`` keeps the
+        lengths that fit, so one grid serves every model."""
+        gen = self.gen_tokens
+        if not self.is_niah:  # a RULER length holds the prompt and the generated tokens (lm-eval's rule)
+            check(gen < min(self.lengths), f"task.max_gen_toks={gen}: leaves no prompt in task.lengths="
+                                           f"{self.lengths}; allowed: < {min(self.lengths)}")
         max_pos = model.max_positions()
-        if self.clip_to_model and max_pos is not None:
-            fit = [n for n in self.lengths if n <= max_pos]
-            check(bool(fit), f"task.lengths={self.lengths}: none fits model {model.name}'s {max_pos} positions")
+        if max_pos is None:
+            return
+        check(gen < max_pos, f"task.max_gen_toks={gen}: leaves no prompt in model {model.name}'s {max_pos} "
+                             f"positions; allowed: < {max_pos}")
+        room = max_pos - (gen if self.is_niah else 0)  # the longest length that fits (else lm-eval cuts the prompt)
+        plus = f" with {gen} generated tokens" if self.is_niah else ""
+        if self.clip_to_model:
+            fit = [n for n in self.lengths if n <= room]
+            check(bool(fit), f"task.lengths={self.lengths}: none fits model {model.name}'s {max_pos} positions"
+                             f"{plus}; allowed: <= {room}")
             self.lengths = fit
-        check(max_pos is None or max(self.lengths) <= max_pos,
-              f"task.lengths={self.lengths}: beyond model {model.name}'s {max_pos} positions; allowed: <= {max_pos}")
+        check(max(self.lengths) <= room, f"task.lengths={self.lengths}: beyond model {model.name}'s {max_pos} "
+                                         f"positions{plus}; allowed: <= {room}")
+
+    @property
+    def gen_tokens(self) -> int:
+        """Tokens generated per request: ``max_gen_toks`` or the task's own (niah 12, RULER 128)."""
+        return self.max_gen_toks or (12 if self.is_niah else 128)
 
     def tokens(self) -> int:
         """Prompt tokens of one run, plus the generated tokens as scored-token equivalents (the time estimates of
         h2o.pipeline.launch): niah lengths x depths x samples; RULER lengths x limit (500 without a limit)."""
-        gen = self.max_gen_toks or (12 if self.is_niah else 128)
+        gen = self.gen_tokens
         docs = len(self.depths) * self.samples if self.is_niah else (self.limit or 500)
         return docs * sum(n + gen for n in self.lengths)
 
@@ -145,6 +165,7 @@ class LongContextTask(TaskSpec):
         info = {"cells": cells(samples, self.is_niah), "lm_eval_task": self.lm_eval_task, **haystack,
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
+                "clamped_requests": clamped(policy, [n for n, _ in lm.budgets]),  # a ratio of each prompt
                 "cpu_s": round(time.process_time() - cpu0, 1),  # this process's CPU time in the task, all threads
                 **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
         return Result(metrics, samples, info)
