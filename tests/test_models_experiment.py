@@ -115,5 +115,6 @@ def test_the_page_is_rendered_into_docs_from_the_records(records):
 
 
 def test_without_records_the_page_says_how_to_make_them(tmp_path):
+    (tmp_path / "none").mkdir()  # an empty runs folder (a missing one is refused)
     assert analysis_main(["models", "--runs", str(tmp_path / "none"), "--out", str(tmp_path)]) == 0
     assert "No finished run of experiment `models` yet" in (tmp_path / "models_results.md").read_text()

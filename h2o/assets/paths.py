@@ -19,6 +19,14 @@ CONF = REPO / "conf" if _CHECKOUT else REPO / "h2o" / "conf"
 TASKS = REPO / "tasks" if _CHECKOUT else REPO / "h2o" / "lm_tasks"
 
 
+def group_defaults(group: str, name: str) -> dict:
+    """The group file's own values (``conf/<group>/<name>.yaml``), {} if there is no such file."""
+    from omegaconf import OmegaConf
+
+    path = CONF / group / f"{name}.yaml"
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.exists() else {}
+
+
 def cache_dir() -> Path:
     """The cache folder (``$H2O_CACHE`` or ``~/.cache/h2o``), created if missing."""
     path = Path(os.environ.get("H2O_CACHE") or Path.home() / ".cache" / "h2o").expanduser()

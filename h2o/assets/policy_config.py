@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from h2o.assets.paths import CONF
+from h2o.assets.paths import CONF, group_defaults
 
 SKIP = ("_target_", "name")
 
@@ -21,7 +21,6 @@ SKIP = ("_target_", "name")
 def group_file(name: str) -> dict:
     """``conf/policy/<name>.yaml`` as a dict (less ``_target_``); PolicyError naming the allowed names."""
     from h2o.core.policies import POLICIES, PolicyError
-    from h2o.pipeline.records import group_defaults
 
     if not isinstance(name, str) or name not in POLICIES or not (CONF / "policy" / f"{name}.yaml").is_file():
         raise PolicyError(f"policy={name!r}: unknown; allowed: {', '.join(POLICIES)}")

@@ -20,7 +20,8 @@ from h2o.assets.model_spec import ConfigError, ModelSpec
 from h2o.core.policies import Policy, PolicyError
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
 from h2o.core.validate import check, check_types, is_int, output_dir
-from h2o.pipeline.records import check_name, check_reusable, group_defaults, identity, run_dir
+from h2o.assets.paths import group_defaults
+from h2o.pipeline.records import check_name, check_reusable, identity, run_dir
 from h2o.tasks.base import TaskSpec
 
 
@@ -47,8 +48,6 @@ def build(group: str, node: DictConfig) -> Any:
         if isinstance(exc, PolicyError) and not unknown:
             raise
         if unknown:
-            from h2o.pipeline.records import group_defaults
-
             allowed = [k for k in group_defaults(group, str(options.get("name"))) if k != "_target_"]
             raise ConfigError(f"{group}.{unknown.group(1)}: no such option for {group}={options.get('name')}; "
                               f"allowed: {', '.join(allowed) or '(see conf/' + group + ')'}") from None

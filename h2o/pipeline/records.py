@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from h2o.assets.locks import append_line, folder_lock
-from h2o.assets.paths import CONF, REPO, atomic_write_text
+from h2o.assets.paths import CONF, REPO, atomic_write_text, group_defaults  # noqa: F401 (CONF re-exported)
 from h2o.core.validate import SAFE, ConfigError, check, check_name, is_number
 
 IGNORED = {"_target_", "name", "batch_size", "device_map", "resources", "params"}  # never in <extras>
@@ -73,14 +73,6 @@ def budget_label(policy, hand_split: bool = False) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def group_defaults(group: str, name: str) -> dict:
-    """The group file's own values (``conf/<group>/<name>.yaml``), {} if there is no such file."""
-    from omegaconf import OmegaConf
-
-    path = CONF / group / f"{name}.yaml"
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.exists() else {}
-
-
 def extras(cfg, default_semantics: str) -> list[str]:
     """``key=value`` for every result-relevant setting that differs from its default (sorted)."""
     out = []
