@@ -69,7 +69,7 @@ status: install ## done / running / queued / failed / left of experiment EXP (ru
 prefetch: install ## download every model and data set of experiment EXP into the caches (login node, before a Slurm sweep)
 	$(PY) -m h2o.pipeline.prefetch experiment=$(EXP) $(ARGS)
 
-# Benchmarks: issue 12's targets as one run of experiment=bench (h2o/bench/targets.py), recorded under
+# Benchmarks: the decode, memory and simulated-forward targets as one run of experiment=bench (h2o/bench/targets.py), recorded under
 # runs/bench/ like every run (a finished record is not measured again: move it away or set ARGS=experiment_name=...).
 # Sizes: prompt,batch pairs. Measured 7 min 53 s - 8 min 31 s on 2 idle cores at these defaults (and 33 min with
 # BENCH_THREADS=1 beside four other jobs on 2 cores). On shared cores use BENCH_THREADS=1: two threads per process
@@ -83,7 +83,7 @@ BENCH_MEMORY ?= 1024,8
 BENCH_GEN ?= 8
 BENCH_SHORT_GEN ?= 64
 BENCH_REPEATS ?= 3
-bench: install ## issue 12's targets: decode throughput, KV bytes, largest batch (memory cap on CUDA, estimate on the CPU), simulated forward vs full and transformers' caches (BENCH_* sizes)
+bench: install ## the benchmark targets: decode throughput, KV bytes, largest batch (memory cap on CUDA, estimate on the CPU), simulated forward vs full and transformers' caches (BENCH_* sizes)
 	$(PY) -m h2o.pipeline.run experiment=bench threads=$(BENCH_THREADS) 'task.long=[$(BENCH_LONG)]' \
 		'task.short=[$(BENCH_SHORT)]' 'task.e2e=[$(BENCH_E2E)]' task.sim=$(BENCH_SIM) 'task.memory=[$(BENCH_MEMORY)]' \
 		task.gen_len=$(BENCH_GEN) task.short_gen=$(BENCH_SHORT_GEN) task.repeats=$(BENCH_REPEATS) $(if $(WANDB),logger=wandb) $(ARGS)

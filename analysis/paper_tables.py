@@ -1,7 +1,7 @@
 """The paper's tables, one :class:`analysis.layout.Spec` each, in the paper's rows and columns.
 
 Each reads only its own experiment's records (``conf/experiment/<name>.yaml``): Tables 1, 2, 6, 8,
-9, 10 (``table1`` ... ``table10``; Table 6's quantized rows need ``quant`` records, issue 14), HELM XSUM / CNN-DM at 0 and 5 shots (any experiment named
+9, 10 (``table1`` ... ``table10``; Table 6's quantized rows need ``quant`` records), HELM XSUM / CNN-DM at 0 and 5 shots (any experiment named
 ``helm*``), Self-BLEU (``self_bleu``). Accuracy is ``acc_mean`` (the paper code's per-token mean
 log-likelihood) in percent; the paper prints no HELM numbers (its Fig. 4 panels are curves).
 """

@@ -1,6 +1,6 @@
 """``python -m h2o.bench``: exploratory throughput measurements, printed (and ``--json``: the rows as JSON lines).
 
-Run records under runs/ come from the experiments only: ``make bench`` (``h2o-run experiment=bench``, issue 12's
+Run records under runs/ come from the experiments only: ``make bench`` (``h2o-run experiment=bench``, the benchmark
 targets, :mod:`h2o.bench.targets`) and ``h2o-run -m experiment=bench_tables`` (one run per policy)."""
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``make gpu-check``: everything issue 12 claims about a GPU, verified at once on one GPU, into one JSON.
+"""``make gpu-check``: the harness's GPU claims (kernels, launches, syncs, speed, memory), verified at once on
+one GPU, into one JSON.
 
 1. equivalence: on every tiny architecture, fp32/fp16/bf16, the simulated mask equals prefill + token-by-token
    decoding through the evicting cache (max |logit difference| within the dtype's tolerance);

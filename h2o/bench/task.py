@@ -57,7 +57,8 @@ def pair(key: str, value, what: str = "prompt, batch") -> None:
 
 @dataclass
 class TargetsTask(TaskSpec):
-    """``conf/task/bench_targets.yaml``: issue 12's targets in one run (``make bench``; :mod:`h2o.bench.targets`).
+    """``conf/task/bench_targets.yaml``: the benchmark targets (decode, KV bytes, largest batch, simulated forward)
+    in one run (``make bench``; :mod:`h2o.bench.targets`).
 
     The run's policy is measured against full, the ``compare`` policies and transformers' caches at every part;
     metrics: each target's measured ratio; ``targets``: {name: {value, target, met}}; samples: every variant's

@@ -319,7 +319,7 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
     The eviction is :func:`h2o.core.policies.select_slot`'s decision in column order (:func:`column_key`): one
     ``where`` and one ``argmin`` per row. Per-row inputs are laid out row-major once, so each row reads them with
     one ``select`` (this loop issues every op of the CPU path: for h2o ~39 aten ops per row, views included,
-    counted with torch.profiler; ~66 before)."""
+    counted with torch.profiler)."""
     T = logits.shape[-1]
     B = valid.shape[0]
     before = valid.long().cumsum(-1) - valid.long()  # (B, T) tokens before each column; the cache holds min(., K)
