@@ -21,7 +21,8 @@ from h2o.core.policies import make_policy
 from h2o.assets.model_spec import ConfigError
 from h2o.pipeline.plan import build, prepare
 from h2o.core.policies import PolicyError
-from h2o.pipeline.records import CONF, REPO, budget_label, fmt, read_jsonl, runs_root
+from h2o.assets.paths import CONF
+from h2o.pipeline.records import REPO, budget_label, fmt, read_jsonl, runs_root
 from h2o.pipeline.sweep import Composer, _compose, expand
 from h2o.pipeline.wandb_mirror import Settings, run_id
 from wandb_offline import read_runs  # tests/wandb_offline.py

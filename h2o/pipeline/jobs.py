@@ -20,10 +20,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf, open_dict
-
-from h2o.pipeline.plan import Plan, build
-from h2o.pipeline.records import CONF, finished, read_jsonl, run_dir
+from h2o.pipeline.records import finished, read_jsonl
+from h2o.pipeline.spec import RunSpec
 
 LAUNCH_FILE = "launch.json"  # <sweep dir>/launch.json: one Slurm submission (h2o.pipeline.launch)
 SERVED_FILE = "served.json"  # <sweep dir>/served.json: {run folder: the full run's folder} of a local sweep
@@ -38,30 +36,22 @@ class Work:
 
     index: int
     overrides: list[str]
-    plan: Plan
+    plan: RunSpec
     state: str
     served_by: Path | None = None
 
 
-def full_path(plan: Plan) -> Path:
-    """The folder of the ``full`` run with this run's model, task and settings."""
-    cfg = plan.cfg.copy()
-    with open_dict(cfg):
-        cfg.policy = OmegaConf.load(CONF / "policy" / "full.yaml")
-    return run_dir(cfg, build("policy", cfg.policy), plan.task.semantics[0])
-
-
-def never_evicts(plan: Plan) -> bool:
+def never_evicts(plan: RunSpec) -> bool:
     """A non-full policy that keeps every token (ratio budget 1.0) under the default semantics: the full run."""
     return plan.policy.name != "full" and plan.policy.is_full and plan.semantics == plan.task.semantics[0]
 
 
-def classify(jobs: list[list[str]], plans: list[Plan]) -> list[Work]:
+def classify(jobs: list[list[str]], plans: list[RunSpec]) -> list[Work]:
     """Each job's state (``dup`` > ``done`` > ``served`` > ``todo``, see the module's docstring)."""
     paths = {plan.path for plan in plans}
     seen, out = set(), []
     for i, (job, plan) in enumerate(zip(jobs, plans)):
-        served = full_path(plan) if never_evicts(plan) else None
+        served = plan.full_path() if never_evicts(plan) else None
         if served is not None and not (served in paths or finished(served)):
             served = None  # no full run to serve it: run it
         state = ("dup" if plan.path in seen else "done" if finished(plan.path) else

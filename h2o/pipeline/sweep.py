@@ -16,10 +16,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.core.validate import BadInput, ConfigError, abbrev, check, fail, output_dir
+from h2o.assets.paths import CONF
+from h2o.cli.args import fail
+from h2o.cli.paths import abbrev, output_dir
+from h2o.core.validate import BadInput, ConfigError, check
 from h2o.pipeline.jobs import classify, summary
-from h2o.pipeline.plan import Plan, prepare
-from h2o.pipeline.records import CONF, runs_root
+from h2o.pipeline.records import runs_root
+from h2o.pipeline.spec import RunSpec, prepare
 
 BAD_INPUT = BadInput  # ConfigError, PolicyError
 
@@ -27,7 +30,7 @@ BAD_INPUT = BadInput  # ConfigError, PolicyError
 @dataclass
 class Sweep:
     jobs: list[list[str]]  # the override list of each job, in launch order
-    plans: list[Plan]
+    plans: list[RunSpec]
     sweep_dir: str  # hydra.sweep.dir, resolved (multirun only)
 
 
@@ -185,6 +188,16 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
     if multirun:
         output_dir("hydra.sweep.dir", sweep_dir)
     return Sweep(jobs, plans, sweep_dir)
+
+
+SETTING = ("cluster.", "hydra.launcher.")  # two spellings of a Slurm setting: cluster.chunk=4, hydra.launcher.chunk=4
+
+
+def split_args(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
+    """(flags, cluster settings: cluster.* or hydra.launcher.*, Hydra overrides)."""
+    flags = [a for a in argv if a.startswith("-")]
+    cluster = [a for a in argv if not a.startswith("-") and a.startswith(SETTING)]
+    return flags, cluster, [a for a in argv if not a.startswith("-") and not a.startswith(SETTING)]
 
 
 def status(sweep: Sweep) -> list[str]:
