@@ -96,7 +96,7 @@ def build(group: str, node: DictConfig) -> Any:
     try:
         factory = get_method(target)
     except Exception as exc:  # noqa: BLE001 - hydra raises several kinds
-        raise ConfigError(f"{group}._target_={target!r}: cannot import ({exc})") from None
+        raise ConfigError(f"{group}._target_={target!r}: cannot import ({' '.join(str(exc).split())})") from None
     if isinstance(factory, type):
         check_types(factory, options, group)
     try:
