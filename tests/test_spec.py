@@ -235,3 +235,9 @@ def test_spec_reads_hydra_internals_only_where_its_sweep_module_says_why():
     doc = ast.get_docstring(ast.parse((REPO / "h2o/pipeline/sweep.py").read_text(encoding="utf-8")))
     assert "hydra._internal" in doc and "public" in doc
     assert "structured-config schema" in (spec.__doc__ or "")
+
+
+def test_no_module_over_400_lines():
+    long = {p.relative_to(REPO).as_posix(): n for p in [*(REPO / "h2o").rglob("*.py"), *(REPO / "analysis").rglob("*.py")]
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400}
+    assert long == {}

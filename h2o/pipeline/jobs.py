@@ -9,6 +9,10 @@ Before anything runs, each job is one of:
   of this sweep: it is not run; tables show the full record's value in its cell (analysis/tables.py);
 * ``todo``: the rest (a never-evicting job with no full run to serve it runs itself).
 
+Every launcher reads these states from :func:`classify`: ``h2o-run -m`` (basic, submitit_local) skips the served
+jobs (``<sweep dir>/served.json``, read by each job: h2o.pipeline.job), the Slurm launcher submits the ``todo``
+ones only, ``make status`` and the dry listing count them. A single run (``h2o-run`` without ``-m``) runs as asked.
+
 Once a sweep was submitted to Slurm, :func:`place` puts each run to be had (``todo`` or ``done``) in one of
 :data:`STATES` from runs/, the submissions' ``launch.json`` and ``failures.jsonl``, and the scheduler (``sacct``).
 """

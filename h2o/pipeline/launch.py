@@ -11,7 +11,9 @@ and runs that never evict (local/h2o/... at budget 1.0 with the
 default semantics), which are the full run by construction: their cell is served by the ``full`` record of the
 same model, task and settings (listed as ``served`` in ``<sweep dir>/launch.json``; analysis reads full there).
 The rule for each state is :mod:`h2o.pipeline.jobs`'s, the same for the local runner and ``make status``;
-``h2o-run -m ... hydra/launcher=slurm`` hands its command line to this module.
+``h2o-run -m ... hydra/launcher=slurm`` (what ``make sweep LAUNCHER=slurm`` runs) calls :func:`main` with its command
+line, in the same process. A setting of conf/cluster.yaml is spelled ``cluster.<key>=...`` or
+``hydra.launcher.<key>=...``.
 
 Resources come from the model (``conf/model/*.yaml`` ``resources``), the site's settings and task sizes from
 ``conf/cluster.yaml``. A chunk holds up to ``cluster.chunk`` runs of one model, cut earlier when its estimated
