@@ -35,12 +35,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from h2o.assets.locks import lock_mode, stale_after
-from h2o.assets.model_spec import ConfigError, ModelSpec
+from h2o.assets.model_spec import ModelSpec
 from h2o.assets.paths import group_defaults
 from h2o.cli.paths import check_name, output_dir
 from h2o.core.policies import Policy, PolicyError
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
-from h2o.core.validate import check, is_int, is_number
+from h2o.core.validate import ConfigError, check, is_int, is_number
 from h2o.pipeline.records import check_reusable, identity, run_dir
 from h2o.tasks.base import TaskSpec
 
@@ -216,9 +216,6 @@ class RunSpec:
         return run_dir(cfg, build("policy", cfg.policy), self.task.semantics[0])
 
 
-Plan = RunSpec  # the name the runner, the launcher and the job classifier use for a checked run
-
-
 def prepare(cfg: DictConfig) -> RunSpec:
     """Check ``cfg`` once into its :class:`RunSpec` (see the module's docstring for the order)."""
     from omegaconf.errors import OmegaConfBaseException
@@ -292,4 +289,4 @@ def build_quant(cfg: DictConfig, model: ModelSpec):
     return quant
 
 
-__all__ = ["RunSpec", "Plan", "Settings", "prepare", "build", "ConfigError", "PolicyError"]
+__all__ = ["RunSpec", "Settings", "prepare", "build", "ConfigError", "PolicyError"]
