@@ -134,7 +134,8 @@ class Streamer:
         self.model, self.chunk, self.positions = model, chunk, positions
         self.device = next(model.parameters()).device
         self.pols = [build_policy(spec, budget, heavy_share) for spec in specs]
-        if any(p.quant is not None for p in self.pols):  # the key rotation moves stored keys, not packed rows
+        # a quantizer set the older way (policy.quant): the key rotation moves stored keys, not packed rows
+        if any(p.quant is not None for p in self.pols):
             raise ValueError("streaming: a policy with quant set; the streamed cache is not quantized (allowed: none)")
         self.B = len(self.pols)
         self.ids = ids.to(self.device).expand(self.B, -1)
@@ -266,16 +267,18 @@ class StreamingTask(TaskSpec):
     def check_policy(self, policy) -> None:
         check(policy.is_full or isinstance(policy.budget, int),
               f"policy.budget={policy.budget!r}: streaming needs a cache size in tokens (an int, e.g. 128)")
-        if policy.quant is not None:  # its key shifter rotates stored keys, not packed rows
-            check(False, f"quant={policy.quant.label()}: the streaming task's cache is not quantized (its key "
-                  "shifter moves stored keys, packed rows cannot be moved); allowed: quant=none")
+
+    def check_quant(self, quant) -> None:
+        check(quant is None, f"quant={quant and quant.label()}: the streaming task's cache is not quantized (its "
+                             f"key shifter moves stored keys, packed rows cannot be moved); allowed: quant=none")
 
     def add_bos(self, tokenizer) -> bool:
         """The text is encoded with the tokenizer's special tokens (``text_ids``): BOS where the tokenizer adds it."""
         return adds_bos(tokenizer, None)
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         self.check_policy(policy)
+        self.check_quant(quant)
         ids = text_ids(tokenizer, load_text(self.text), self.tokens)
         live = partial_file("windows.jsonl")
         if live is not None:

@@ -20,6 +20,7 @@ from . import row_kernel
 from .policies import Policy, keep_top
 from .policies.base import bcast, const, declared
 from .policies.h2o import reference_mask
+from .policies.h2o_reference import H2OReference
 
 
 def positions(valid: torch.Tensor) -> torch.Tensor:
@@ -116,13 +117,13 @@ def closed(policy: Policy, window: int | None) -> bool:
     return policy.position_only and (window is None or policy.window_closed_form)
 
 
-def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, semantics: str = "h2o",
-                 window: int | None = None) -> tuple[torch.Tensor | None, tuple[int, bool] | None]:
+def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, window: int | None = None
+                 ) -> tuple[torch.Tensor | None, tuple[int, bool] | None]:
     """What every layer of a forward with this sliding ``window`` (None: a global layer) shares, built once per
     forward and window by the attention function: (the mask of a policy that does not read the scores (full,
     position-only in closed form), (B, 1, 1, T, T), else None; the row plan of the others (:func:`row_plan`), or
-    under ``semantics="reference"`` its (heavy, recent) (:func:`reference_plan`), else None)."""
-    if semantics == "reference":
+    for policy h2o_reference its (heavy, recent) (:func:`reference_plan`), else None)."""
+    if isinstance(policy, H2OReference):
         return None, reference_plan(policy, valid)
     if policy.is_full:
         return causal_valid(valid, window), None
@@ -157,7 +158,7 @@ def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int,
 
 
 def simulated_attention(policy: Policy, query, key, value, valid, scaling: float,
-                        prompt_len: int = 0, semantics: str = "h2o", plan: tuple | None = None,
+                        prompt_len: int = 0, plan: tuple | None = None,
                         window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
                         layer: tuple[int, int] | None = None):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T).
@@ -171,11 +172,12 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]
     logits = scores(grouped(query, Hkv), key, scaling, softcap)  # (B, Hkv, G, T, T)
-    if mask is not None and semantics == "h2o":
+    reference = isinstance(policy, H2OReference)  # the paper code's rule, not the evicting cache's
+    if mask is not None and not reference:
         allowed = mask
     else:
         allowed = causal_valid(valid, window)  # (B, 1, 1, T, T)
-        if semantics == "reference":
+        if reference:
             allowed = allowed & reference_allowed(logits, allowed, rows or reference_plan(policy, valid))
         elif not policy.is_full:
             allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows, window, sinks, key,

@@ -97,7 +97,6 @@ class Policy(BudgetChecks):
     # outranks it from then on or no older one does (local, streaming_llm, strided; docs/attention.md): the window
     # takes one older token per row as one arrives. Else the simulated path runs the row loop on sliding layers
     window_closed_form: ClassVar[bool] = False
-    quant = None  # the KV quantizer the policy's cache stores with (h2o.core.quant; set by the run's `quant`)
     splits: ClassVar[bool] = True  # the rule reads the heavy and recent parts apart (False: only their sum)
     # when an evicting policy compresses: "decode" (the budget kept at every step as the sequence grows) or
     # "prefill" (kvpress's protocol: cut once to the budget at the end of the prompt, every later token kept)
@@ -134,6 +133,19 @@ class Policy(BudgetChecks):
             raise PolicyError("heavy = recent = 0: the budget must be > 0")
         self.heavy, self.recent = heavy, recent
         self.budget = heavy + recent
+
+    @property
+    def quant(self):
+        """The quantizer set by the older spelling ``policy.quant = q`` (None unless set): storage is the cache's
+        option, ``attach(model, policy, quant=q)``, which reads this only when given none."""
+        return vars(self).get("_quant")
+
+    @quant.setter
+    def quant(self, quantizer) -> None:
+        from ..notice import notice
+
+        notice("policy.quant = q is spelled attach(model, policy, quant=q) now (the cache's option)")
+        self._quant = quantizer
 
     def timed(self, compress: str) -> "Policy":
         """This policy with the compression timing ``compress`` (:data:`COMPRESS`); returns it."""
