@@ -54,7 +54,7 @@ CASES = [  # (Hydra overrides, model_args / streaming spec less the budget)
 
 @pytest.mark.parametrize("overrides,spec", CASES, ids=[c[1] for c in CASES])
 def test_every_option_is_spelled_alike_in_hydra_lm_eval_and_the_streaming_cli(hydra, overrides, spec):
-    from h2o.bench.stream_parts import build_policy
+    from h2o.tasks.streaming_parts import build_policy
 
     want = hydra([*overrides, "policy.budget=96", "policy.heavy_share=0.5"])
     assert same(lm_eval(f"policy={spec},budget=96,heavy_share=0.5"), want)
