@@ -35,12 +35,13 @@ def snapkv_scores(attn: torch.Tensor, hkv: int, w: int = W, kernel: int = 5) -> 
 
 
 def naive_adakv(scores: torch.Tensor, n: int, alpha: float) -> torch.Tensor:
-    """scores (Hkv, L) -> (Hkv, L) bool kept: each head's top int(alpha n) raised to the dtype's maximum, then the
-    Hkv (L - n) lowest of the layer's scores removed."""
+    """scores (Hkv, L) -> (Hkv, L) bool kept: each head's top int(alpha n) (at least 1 if alpha > 0) raised to the
+    dtype's maximum, then the Hkv (L - n) lowest of the layer's scores removed."""
     hkv, n_pos = scores.shape
     s = scores.clone()
+    safe = max(1, int(n * alpha)) if alpha > 0 else 0
     for k in range(hkv):
-        s[k, s[k].topk(int(n * alpha)).indices] = torch.finfo(s.dtype).max
+        s[k, s[k].topk(safe).indices] = torch.finfo(s.dtype).max
     kept = torch.ones(hkv * n_pos, dtype=torch.bool)
     kept[(-s.flatten()).topk(hkv * (n_pos - n)).indices] = False
     return kept.view(hkv, n_pos)

@@ -4,7 +4,7 @@
 
 Rule at a cut (docs/methods.md): with the inner policy's priorities ``s`` (B, H, S) and its per-head budget ``n``
 (the inner's ``counts``, per layer where the inner has per-layer budgets), each head's top ``n_safe =
-int(alpha_safeguard * n)`` tokens are kept whatever their score (kvpress raises them to the dtype's maximum), then
+int(alpha_safeguard * n)`` tokens (at least 1 if alpha_safeguard > 0) are kept whatever their score (kvpress raises them to the dtype's maximum), then
 the ``H * n`` highest of the layer's ``H * S`` scores are kept: the layer keeps as many tokens as the inner policy,
 shared unevenly by its heads. The scores are compared across heads as they are (the inner score must be
 comparable across heads, as kvpress says). Ties: newer first, then the lower head (kvpress: ``topk``'s order).
@@ -114,8 +114,10 @@ class AdaKV(Policy):
 
     # the rule of this wrapper: one top-k over the layer's heads
     def safe(self, total: torch.Tensor) -> torch.Tensor:
-        """(B,) tokens each head keeps whatever its scores: ``int(alpha_safeguard * n)`` of its budget ``n``."""
-        return torch.floor(total.double() * self.alpha_safeguard).long()  # float64: Python's float product
+        """(B,) tokens each head keeps whatever its scores: ``int(alpha_safeguard * n)`` of its budget ``n``
+        (``n >= 1``), at least 1 when ``alpha_safeguard > 0`` (kvpress 0.5.5's floor)."""
+        safe = torch.floor(total.double() * self.alpha_safeguard).long()  # float64: Python's float product
+        return safe.clamp(min=1) if self.alpha_safeguard > 0 else safe
 
     def keep(self, prio, pos, valid, counts: Counts, arriving=None) -> torch.Tensor:
         """prio (B, H, S) of the held slots ``valid`` (B, H, S) bool at positions ``pos`` (B, H, S) -> (B, H, S)
