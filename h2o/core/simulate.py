@@ -17,7 +17,7 @@ from functools import partial
 import torch
 
 from . import row_kernel
-from .policies import Policy, keep_top
+from .policies import Policy
 from .policies.base import bcast, const, declared
 from .policies.h2o import reference_mask
 from .policies.h2o_reference import H2OReference
@@ -249,7 +249,7 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
         now = keep[:, 0].sum(-1) - 1
         if window is not None:  # the window first: what left it is gone before the policy decides
             keep &= posH > bcast(now - window)
-        keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
+        keep = policy.keep(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), posH, keep, counts)
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
     if sinks is None and row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
@@ -292,7 +292,7 @@ def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, cou
         keep = keep & (posH > bcast(now - window))
     if policy.reads_keys:
         acc = policy.cut_score(acc, key, keep)
-    keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
+    keep = policy.keep(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), posH, keep, counts)
     held = keep[:, :, None, None, :] | (col >= prompt_len)  # (B, Hkv, 1, 1, T)
     return torch.where((col < prompt_len)[:, None], allowed, allowed & held)
 
@@ -318,7 +318,9 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
     held tokens out of the row's window leave; the budget is then full where a (sequence, KV head) still holds
     ``total`` tokens (its own count: the window frees slots head by head). ``sinks``: :func:`masked_softmax`'s.
 
-    The eviction is :func:`h2o.core.policies.select_slot`'s decision in column order (:func:`column_key`): one
+    A :attr:`~h2o.core.policies.Policy.pooled` policy (Ada-KV) adds the row's token to every head, then cuts the
+    whole layer back to its budget (:meth:`~h2o.core.policies.Policy.keep`, the token kept), as the cache does.
+    Otherwise the eviction is :func:`h2o.core.policies.select_slot`'s decision in column order (:func:`column_key`): one
     ``where`` and one ``argmin`` per row. Per-row inputs are laid out row-major once, so each row reads them with
     one ``select`` (this loop issues every op of the CPU path: for h2o ~39 aten ops per row, views included,
     counted with torch.profiler)."""
@@ -342,7 +344,12 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
         tok = toks[i].view(B, 1)  # (B, 1)
         if window is not None:  # out of the window: gone before the policy decides (a pad row: nothing leaves)
             keep &= posH > edge[i]
-        if policy.evicts:
+        if policy.pooled:  # the token enters every head, then the layer is cut back to its budget
+            keep.select(2, i).copy_(tok)
+            prio = policy.priority(torch.where(keep, posH, gone), acc, now[i], counts)  # (B, Hkv, T)
+            keep.copy_(policy.keep(prio, posH, keep, counts, arriving=posH == now[i].view(B, 1, 1)))
+            row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
+        elif policy.evicts:
             held = torch.where(keep, posH, gone)  # the state as the cache sees it: -1 = not held
             prio = policy.priority(held, acc, now[i], counts)  # (B, Hkv, T)
             fill = fills[i] if window is None else torch.where(

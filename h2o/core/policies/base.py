@@ -98,6 +98,9 @@ class Policy(BudgetChecks):
     # takes one older token per row as one arrives. Else the simulated path runs the row loop on sliding layers
     window_closed_form: ClassVar[bool] = False
     splits: ClassVar[bool] = True  # the rule reads the heavy and recent parts apart (False: only their sum)
+    # True: a layer's budget is shared by its KV heads (Ada-KV): every eviction is a cut of the whole layer by
+    # :meth:`keep` (a decoding step too), heads hold uneven counts, the evicting cache stores them padded
+    pooled: ClassVar[bool] = False
     # when an evicting policy compresses: "decode" (the budget kept at every step as the sequence grows) or
     # "prefill" (kvpress's protocol: cut once to the budget at the end of the prompt, every later token kept)
     compress: str = "decode"
@@ -179,6 +182,14 @@ class Policy(BudgetChecks):
         """(B, H, S) float, higher = keep (float64 where tiers are added to positions). Called on valid slots only;
         ties are broken towards older tokens."""
         raise NotImplementedError(f"{type(self).__name__} is not an evicting policy")  # abstract
+
+    def keep(self, prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, counts: Counts,
+             arriving: torch.Tensor | None = None) -> torch.Tensor:
+        """A cut (the end of a prompt): prio (B, H, S) of the held slots ``valid`` (B, H, S) bool -> (B, H, S) bool
+        the kept ones. Default: each head's ``total`` highest, newer first on ties (slots in position order, as
+        at a cut). A :attr:`pooled` policy decides for the whole layer, decoding steps too (``arriving``: the
+        arriving token's slots, kept; ``pos`` for its ties, slots in any order)."""
+        return keep_top(prio, valid, counts.total)
 
     def held_rows(self, pos: torch.Tensor, now: torch.Tensor, counts: Counts, first: int,
                   window: int | None = None) -> torch.Tensor:
