@@ -9,7 +9,7 @@ OURS = {
     "observed_attention": ("h2_only", {"score": "mean"}),
     "tova": ("tova", {}), "snapkv": ("snapkv", {}), "pyramidkv": ("pyramidkv", {}), "adakv_snapkv": None,
     "knorm": ("knorm", {}), "keydiff": ("keydiff", {}),
-    "expected_attention": None, "random": ("random", {"seed": 0}),
+    "expected_attention": ("expected_attention", {}), "random": ("random", {"seed": 0}),
     # a diagnostic of the decoding timing, not a kvpress method: StreamingLLMPress with its kept tokens left in
     # position order (tools/parity/kvpress_side.py)
     "streaming_llm_ordered": ("streaming_llm", {"sinks": 4}),
