@@ -1,6 +1,7 @@
 """expected_attention: the queries before RoPE against the model's own projection, the cut against a naive loop of
 kvpress's ExpectedAttentionPress rule (which fails on broken variants), both paths equal on every RoPE family with a
 left-padded batch (GQA, multi-query, sliding windows, partial rotary) and a quantized cache, refusals in one line."""
+import functools
 import math
 
 import pytest
@@ -72,9 +73,17 @@ def rotation(p: int, inv_freq: torch.Tensor, D: int) -> torch.Tensor:
     return M
 
 
-def naive_scores(model, context, n_future=512, n_sink=4, covariance=True, after_rope=False, vnorm=True):
+@functools.cache
+def future_rotation(L: int, n: int, inv_freq: tuple, D: int) -> torch.Tensor:
+    """(D, D) the rotations of positions L .. L + n - 1 averaged, one matrix at a time."""
+    return sum(rotation(p, torch.tensor(inv_freq), D) for p in range(L, L + n)) / n
+
+
+def naive_scores(model, context, n_future=512, n_sink=4, covariance=True, after_rope=False, vnorm=True,
+                 future=True):
     """Per layer (Hkv, L) ExpectedAttentionPress's scores for one unpadded prompt (1, L), written out from its
-    definition in float64 with loops. ``after_rope``: the broken variant with statistics of the rotated queries."""
+    definition in float64 with loops. Broken variants: ``after_rope`` (statistics of the rotated queries), ``future``
+    False (the statistics not rotated to the future positions)."""
     from transformers import DynamicCache
 
     seen, hooks = hidden_inputs(model)
@@ -94,7 +103,7 @@ def naive_scores(model, context, n_future=512, n_sink=4, covariance=True, after_
         Hkv = keys.shape[0]
         if after_rope:
             q = torch.stack([torch.stack([rotation(t, inv_freq, D) @ q[h, t] for t in range(L)]) for h in range(Hq)])
-        R = sum(rotation(p, inv_freq, D) for p in range(L, L + n_future)) / n_future
+        R = future_rotation(L, n_future, tuple(inv_freq.tolist()), D) if future else torch.eye(D).double()
         s = torch.zeros(Hkv, L, dtype=torch.float64)
         for h in range(Hq):
             rows = q[h, n_sink:]
@@ -116,36 +125,40 @@ def kept_by(scores, n):
     return [s.topk(n, -1).indices.sort(-1).values for s in scores]
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "gpt_neox"])
-def test_cut_is_kvpress_rule(arch):
+@pytest.mark.parametrize("arch,vnorm", [("llama_gqa", True), ("llama_gqa", False), ("gpt_neox", True)])
+def test_cut_is_kvpress_rule(arch, vnorm):
     """The evicting cache keeps, per layer and KV head, the n keys of highest naive score; its scores equal the
     naive ones; the logits after the prompt equal kvpress's protocol done by hand with those keys kept."""
     model = tiny_model(arch, seed=3)
     ctx, cont, n = ids(1, 40), ids(2, 9), 16
-    naive = naive_scores(model, ctx)
-    policy = make_policy("expected_attention", budget=n)
+    naive = naive_scores(model, ctx, vnorm=vnorm)
+    policy = make_policy("expected_attention", budget=n, use_vnorm=vnorm)
     got = []
     score = policy.query_score
     policy.query_score = lambda *a: got.append(score(*a)) or got[-1]
     with torch.no_grad(), attach(model, policy, mode="real") as h:
         cache = h.new_cache()
         model(ctx, cache=cache)
+        held = [layer.pos[0].sort(-1).values for layer in cache.layers]  # (Hkv, n) per layer
         rest = model(cont, cache=cache).logits[0]
-    for i, layer in enumerate(cache.layers):
+    for i, kept in enumerate(kept_by(naive, n)):
         torch.testing.assert_close(got[i][0].double(), naive[i], rtol=1e-4, atol=1e-7)
-        assert torch.equal(layer.pos[0].sort(-1).values, kept_by(naive, n)[i]), i
+        assert torch.equal(held[i], kept), i
     _, ref_rest = reference(model, ctx, cont, lambda i, attn: kept_by(naive, n)[i])
     torch.testing.assert_close(rest, ref_rest, atol=1e-5, rtol=1e-5)
 
 
 def test_naive_reference_is_not_blind():
-    """Broken variants (statistics after RoPE; no covariance term; no value norms) keep other positions."""
+    """Broken variants keep other positions: the statistics not rotated to the future positions, no covariance
+    term, no value norms; and (where the value norms do not decide alone) statistics after RoPE."""
     model = tiny_model("llama_gqa", seed=3)
     ctx, n = ids(1, 40), 16
-    right = kept_by(naive_scores(model, ctx), n)
-    for broken in (dict(after_rope=True), dict(covariance=False), dict(vnorm=False)):
-        wrong = kept_by(naive_scores(model, ctx, **broken), n)
-        assert any(not torch.equal(a, b) for a, b in zip(right, wrong)), broken
+    right = {vnorm: kept_by(naive_scores(model, ctx, vnorm=vnorm), n) for vnorm in (True, False)}
+    for vnorm, broken in [(True, dict(future=False)), (True, dict(covariance=False)), (True, dict(vnorm=False)),
+                          (False, dict(after_rope=True))]:
+        base = {"vnorm": vnorm, **broken}
+        wrong = kept_by(naive_scores(model, ctx, **base), n)
+        assert any(not torch.equal(a, b) for a, b in zip(right[vnorm], wrong)), base
 
 
 @pytest.fixture(scope="module", params=ROPE_ARCHS)
@@ -212,6 +225,10 @@ def test_refusals_in_one_line():
     assert "\n" not in str(e.value)
     with attach(opt, make_policy("expected_attention", budget=1.0)):  # a full budget undoes nothing: allowed
         pass
+    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(PolicyError, match="rope type 'dynamic', whose frequencies change with the length"):
+        with attach(dynamic, make_policy("expected_attention", budget=0.5), prompt_len=8):
+            pass
 
 
 def test_a_forked_prefill_is_refused():

@@ -105,8 +105,11 @@ def rope_taps(model, modules, policy_name: str) -> dict[int, RopeTap]:
     """{layer index: :class:`RopeTap`} for the attention ``modules``, hooks not yet registered; PolicyError in
     one line where the queries before RoPE cannot be had (module doc)."""
     kind = getattr(modules[0].config, "model_type", type(model).__name__)
-    refuse = lambda why: PolicyError(f"policy={policy_name}: model_type={kind} {why}; allowed: a model with "  # noqa: E731
-                                     f"rotary embeddings in rotate-half layout (Llama, Mistral, Qwen, Gemma, GPT-NeoX)")
+
+    def refuse(why: str) -> PolicyError:
+        return PolicyError(f"policy={policy_name}: model_type={kind} {why}; allowed: a model with rotary embeddings "
+                           f"in rotate-half layout (Llama, Mistral, Qwen, Gemma, GPT-NeoX)")
+
     rotary = rotary_of(model)
     takes = all("position_embeddings" in inspect.signature(m.forward).parameters for m in modules)
     if rotary is None or not takes:
