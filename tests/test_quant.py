@@ -146,9 +146,11 @@ PAIRS = [(a, s) for a in TINY_ARCHS for s in ("uniform4-g8", "kvquant3", "unifor
 FIRST = ["fixed", "fixed_h2", "full", "h2_only", "h2o", "local", "streaming_llm", "strided", "strided_h2", "topk",
          "topk_h2"]
 ADDED = ["keydiff", "knorm", "pyramidkv", "random", "snapkv", "tova", "adakv"]  # appended in the order added
-LATER = [n for n in ADDED if n in REAL_POLICIES] + [n for n in REAL_POLICIES if n not in FIRST + ADDED]
+ROTARY = {"expected_attention": ("llama_gqa", "kvquant3")}  # policies that need rotary embeddings: a RoPE model
+LATER = [n for n in ADDED if n in REAL_POLICIES] + [n for n in REAL_POLICIES if n not in FIRST + ADDED + list(ROTARY)]
 COMBOS = [(*pair, FIRST[i % len(FIRST)]) for i, pair in enumerate(PAIRS)]
 COMBOS += [(*PAIRS[(len(PAIRS) + i) % len(PAIRS)], name) for i, name in enumerate(LATER)]
+COMBOS += [(*pair, name) for name, pair in ROTARY.items()]
 
 
 @pytest.mark.parametrize("arch,scheme,name", COMBOS)

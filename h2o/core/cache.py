@@ -68,6 +68,7 @@ class EvictingLayer(BatchHooks, DynamicLayer):
         # held slots (B, Hkv, 1, 1, S) bool (None: every slot)
         self.q, self.valid, self.held = 0, None, None
         self.compressed = False  # Policy.compress "prefill": the first forward's cut is done
+        self.queries = None  # Policy.reads_queries: the prompt's query statistics, from its forward to its cut
 
     # ----------------------------------------------------------------- transformers API
     def update(self, key_states, value_states, *args, **kwargs):
@@ -125,15 +126,19 @@ class EvictingLayer(BatchHooks, DynamicLayer):
     # One forward of ``q`` new tokens, per layer: ``begin`` (the new columns' pads known), then per block of query
     # rows ``visible`` (what they may see) and ``attended`` (their attention probabilities), then ``end_forward``.
     # Only the layer reads its positions, scores, budget and slots; the attention function does the math.
-    def begin(self, key, value, q: int, valid_of, window: int | None = None):
+    def begin(self, key, value, q: int, valid_of, window: int | None = None, queries=None):
         """The forward's ``q`` new tokens are in (``update``); ``valid_of()`` gives (B, q) bool their non-pad
         columns (read only where needed: a decoding token is never a pad). ``window``: the layer's sliding
-        window (None: global). Registers the new positions (the budget is fixed on the first forward) and
-        returns the keys and values (B, Hkv, S, D) to attend to."""
+        window (None: global); ``queries``: the forward's queries with what turns them back before RoPE
+        (:class:`h2o.core.prerope.Queries`, a policy that reads them). Registers the new positions (the budget is
+        fixed on the first forward), keeps a prompt's query statistics for its cut, and returns the keys and
+        values (B, Hkv, S, D) to attend to."""
         self.window, self.q = window, q  # known from the first forward (a prefill or first token: appended)
         self.valid = valid_of() if self.n_new or q > 1 else None  # (B, q); decoding: all valid
         if self.n_new:
             self.register_new(self.valid[:, -self.n_new:])
+        if queries is not None and q > 1 and self.limited():  # the prompt's queries, pads excluded (pos -1)
+            self.queries = self.policy.query_stats(queries, q, self.pos[:, 0, -q:], self.n_tok)
         if self.fresh is not None:  # quant.sink, the first forward: its first real token kept as computed
             key, value = self.capture_sink(key, value, self.valid)
         B, S = key.shape[0], key.shape[-2]
@@ -344,9 +349,8 @@ class EvictingLayer(BatchHooks, DynamicLayer):
             self.expire(self.n_tok - 1)
         valid = self.pos >= 0
         if self.limited():
-            acc = self.policy.cut_score(self.acc, self.read()[0], valid) if self.policy.reads_keys else self.acc
-            keep = self.policy.keep(self.policy.priority(self.pos, acc, self.n_tok - 1, self.counts), self.pos,
-                                    valid, self.counts)  # (B, H, S)
+            prio = self.policy.priority(self.pos, self.cut_state(valid), self.n_tok - 1, self.counts)
+            keep = self.policy.keep(prio, self.pos, valid, self.counts)  # (B, H, S)
             if self.policy.pooled:  # heads hold uneven counts: the largest, read once
                 self.host_held = keep.sum(-1).amax(-1).tolist()
             else:
@@ -369,6 +373,18 @@ class EvictingLayer(BatchHooks, DynamicLayer):
         idx = order[..., None]
         self.keys = self.keys.gather(-2, idx.expand(-1, -1, -1, self.keys.shape[-1]))
         self.values = self.values.gather(-2, idx.expand(-1, -1, -1, self.values.shape[-1]))
+
+    def cut_state(self, valid: torch.Tensor) -> torch.Tensor:
+        """(B, H, S) what the priority reads at a cut, valid (B, H, S) the held slots: ``acc``, a score of the held
+        keys (:meth:`Policy.cut_score`), or of the prompt's query statistics against the held keys and values
+        (``Policy.reads_queries``; used once: the statistics are dropped)."""
+        if self.policy.reads_queries:
+            if self.queries is None:
+                raise PolicyError(f"policy={self.policy.name}: this cut has no query statistics (a prefill forked "
+                                  f"from another policy's cache); allowed: the prompt through this policy's cache")
+            stats, self.queries = self.queries, None
+            return self.policy.query_score(stats, *self.read(), self.pos, valid)
+        return self.policy.cut_score(self.acc, self.read()[0], valid) if self.policy.reads_keys else self.acc
 
     def nbytes(self) -> int:
         """Bytes of the keys and values held (quant: the packed rows: codes, scales, outliers, indices; the sink)."""

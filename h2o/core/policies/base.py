@@ -88,6 +88,9 @@ class Policy(BudgetChecks):
     evicts: ClassVar[bool] = True  # False: keeps the whole cache and restricts each query (top-k)
     needs_scores: ClassVar[bool] = False  # True: uses accumulated attention ``acc``
     reads_keys: ClassVar[bool] = False  # True: at a cut, :meth:`cut_score` is given the held keys
+    # True: the prompt's queries before RoPE go to the policy's ``query_stats`` (h2o.core.prerope.Queries), and at
+    # the cut ``query_score(stats, keys, values, pos, held)`` replaces ``acc`` (expected_attention)
+    reads_queries: ClassVar[bool] = False
     # True: the priority ignores ``acc`` and a token the cache dropped would never be among the ``total - 1`` older
     # tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
     # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop)
