@@ -16,13 +16,15 @@ from tests.test_policies import random_logits, run_mask
 
 
 def naive_scissorhands(logits: torch.Tensor, K: int, history: int, window: int, prompt: int = 0,
-                       count: str = "unimportant", threshold=None, steps_of_all: bool = False) -> torch.Tensor:
+                       count: str = "unimportant", threshold=None, steps_of_all: bool = False,
+                       once: bool = False) -> torch.Tensor:
     """logits (T, T) of one head -> (T, T) bool rows seen. A list of held tokens; each row attends to the held ones
     and itself (softmax over them), and every token it saw records whether its weight was below ``1/t`` (t: the
     tokens seen); a token's count is its records from the last ``history`` rows. Rows < prompt see their prefix
     and the prompt is then cut to the K of highest priority (newer first on ties); from then on, when K are held,
-    the arriving row drops the one of lowest priority (older first on ties). Priority: +inf for the ``window``
-    tokens before the arriving one, else minus the unimportant count (plus the important one).
+    the arriving row drops the one of lowest priority (older first on ties), or (``once``: compress=prefill) keeps
+    every newer token. Priority: +inf for the ``min(window, K - 1)`` tokens before the arriving one, else minus the
+    unimportant count (plus the important one).
     Broken variants for the test that this reference can fail: ``threshold`` (t -> a callable of (i, t)),
     ``steps_of_all`` (every record kept: no history window)."""
     T = logits.shape[-1]
@@ -30,7 +32,7 @@ def naive_scissorhands(logits: torch.Tensor, K: int, history: int, window: int, 
     keep, marks = [], {}
 
     def prio(j, now):
-        if j >= now - window:
+        if j >= now - min(window, K - 1):
             return float("inf")
         kept = marks[j] if steps_of_all else marks[j][-history:]
         n = sum(kept)
@@ -39,7 +41,7 @@ def naive_scissorhands(logits: torch.Tensor, K: int, history: int, window: int, 
     for i in range(T):
         if prompt and i == prompt and len(keep) > K:
             keep = sorted(sorted(keep, key=lambda j: (prio(j, prompt - 1), j), reverse=True)[:K])
-        if i >= prompt and len(keep) == K:
+        if i >= prompt and len(keep) == K and not (once and prompt):
             keep.remove(min(keep, key=lambda j: (prio(j, i), j)))
         keep.append(i)
         marks[i] = []
@@ -166,7 +168,7 @@ def test_prefill_cut_keeps_the_counts_of_the_prompts_last_queries():
     mask = run_mask(make_policy("scissorhands", budget=K, history=w, window=r, compress="prefill"), logits, P)
     for b in range(2):
         for h in range(3):
-            cut = naive_scissorhands(logits[b, h], K, w, r, prompt=P)[P, :P]  # what row P sees of the prompt
+            cut = naive_scissorhands(logits[b, h], K, w, r, prompt=P, once=True)[P, :P]  # row P's view of the prompt
             assert torch.equal(mask[b, h, P:, :P], cut.expand(30 - P, P))
             assert mask[b, h, P:, P:].equal(torch.ones(30 - P, 30 - P, dtype=torch.bool).tril())
 

@@ -32,7 +32,8 @@ Deliberate differences from the paper, and the options:
 * ``count="important"`` (off by default): count the steps where ``alpha >= 1/t`` and drop the *lowest* count
   instead. The two differ for tokens younger than the history window (fewer steps seen): the paper's count spares
   them, this one drops them first.
-* A budget of at most ``window + 1`` tokens protects everything held: the oldest goes (``local``'s rule).
+* A budget of at most ``window + 1`` tokens leaves only the oldest held token outside the window: it goes
+  (``local``'s rule); the window is ``min(window, total - 1)`` tokens.
 
 Timings: ``compress=decode`` (the paper's; default) and ``compress=prefill``: the prompt cut once to the budget by
 the counts of its last ``w`` queries, every later token kept (kvpress's protocol; kvpress has no Scissorhands).
@@ -87,7 +88,7 @@ class Scissorhands(Policy):
         steps = torch.cat([torch.ones(B, w, dtype=torch.bool, device=acc.device), valid], -1)  # (B, w + r)
         after = steps.flip(-1).cumsum(-1).flip(-1)  # steps at or after each column
         last = steps & (after <= w)  # the last w steps of each sequence, exactly w (acc's w come first)
-        idx = (~last).to(torch.uint8).argsort(-1, stable=True)[:, :w]  # (B, w) their columns, in order
+        idx = (~last).to(torch.uint8).argsort(dim=-1, stable=True)[:, :w]  # (B, w) their columns, in order
         acc.copy_(torch.cat([acc, rows], -1).gather(-1, idx[:, None, None, :].expand(B, H, S, w)))
 
     def priority(self, pos, acc, now, counts: Counts):
@@ -95,7 +96,8 @@ class Scissorhands(Policy):
         +(steps important); ``+inf`` for the arriving token ``now`` and the ``window`` tokens before it."""
         n = acc.sum(-1, dtype=torch.float32)  # (B, H, S) exact: at most 255 * w < 2**24
         score = -n if self.count == "unimportant" else n
-        recent = pos >= bcast(now - self.window)
+        window = (counts.total - 1).clamp(max=self.window)  # (B,) at least one held token left to drop
+        recent = pos >= bcast(now - window)
         return torch.where(recent, const(float("inf"), score.dtype, score.device), score)
 
     def describe(self):
