@@ -103,7 +103,7 @@ def table(table_rows: list[dict]) -> str:
 def print_rows(table_rows: list[dict], out=None) -> None:
     if not table_rows:
         return
-    r0 = table_rows[0]
+    r0 = table_rows[-1]  # a method's row (full's budget is 1)
     out = out or sys.stdout
     print(f"\n== methods: prompt {r0['prompt_len']} x batch {r0['batch_size']}, gen {r0['gen_len']}, budget "
           f"{r0['budget']:g} (each prefills; medians)", file=out)
