@@ -198,3 +198,19 @@ def test_a_shared_prefill_fork_is_refused_in_one_line():
     with attach(model, make_policy("scissorhands", budget=5), mode="real") as h:
         with pytest.raises(PolicyError, match="policy=scissorhands: keeps its own state per slot.*prefill=each"):
             h.new_cache(ref_len=20).fork(snap)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["policy.history=0"], ["history=0", "int >= 1"]),
+    (["policy.count=often"], ["count='often'", "allowed: unimportant, important"]),
+    (["policy.heavy=0.1", "policy.recent=0.1"], ["policy.heavy=0.1", "scissorhands reads only the whole budget"]),
+])
+def test_bad_options_through_the_runner(args, words, capsys, tmp_path, monkeypatch):
+    """h2o-run: one line, exit 2, before a model loads."""
+    from h2o.pipeline.run import main
+    from tests.test_hardening import no_load, one_line_exit_2
+
+    monkeypatch.chdir(tmp_path)
+    no_load(monkeypatch)
+    code = main(["model=tiny-llama", "policy=scissorhands", f"runs_dir={tmp_path}/runs", *args])
+    one_line_exit_2(code, capsys, words)

@@ -7,7 +7,8 @@ last ``w`` queries each token counts the steps at which it was unimportant,
 ``I_j = sum_{i in the window} 1[alpha_{i,j} < 1/t_i]``; when the cache is over its budget, the tokens of highest
 count are dropped, except the ``r`` most recent ones (the recent window, whose counts Algorithm 2 sets to zero:
 they are never dropped). The paper's settings: a history window of ``w = 400`` queries and a recent window of
-``r = 10`` tokens.
+``r = 10`` tokens. (Written from the paper as recalled: the reading corpora held its abstract and introduction
+only; check the constants against its Section 4.)
 
 Here, in both paths (the simulated row loop and the evicting cache, one eviction per arriving token):
 
