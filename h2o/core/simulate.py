@@ -247,7 +247,7 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
     first = masked_softmax(logits[..., :start, :], allowed[..., :start, :], sinks)  # (B, Hkv, G, start, T)
     probs = first * valid[:, None, None, :start, None]
-    acc = probs.new_zeros(B, Hkv, T)  # (B, Hkv, T) accumulated attention
+    acc = policy.new_state(B, Hkv, T, logits.device)  # (B, Hkv, T) accumulated attention (Policy.new_state)
     policy.accumulate(acc, probs, valid[:, :start])
     if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
         now = keep[:, 0].sum(-1) - 1
@@ -288,7 +288,7 @@ def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, cou
     pos = positions(valid)  # (B, T)
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (col < prompt_len))[:, None, :].expand(B, Hkv, T)
-    acc = torch.zeros(B, Hkv, T, device=valid.device)  # (B, Hkv, T) the prompt rows' scores
+    acc = policy.new_state(B, Hkv, T, valid.device)  # (B, Hkv, T) the prompt rows' scores (Policy.new_state)
     now = keep[:, 0].sum(-1) - 1
     if policy.needs_scores:
         probs = masked_softmax(logits[..., :prompt_len, :], allowed[..., :prompt_len, :])  # (B, Hkv, G, P, T)

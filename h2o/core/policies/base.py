@@ -16,6 +16,7 @@ fixed_h2: :mod:`.protected`; topk, topk_h2: a top-n without a sort), each tested
 State shapes used everywhere (S = cache slots, or sequence positions in the simulated path):
     pos   (B, H, S) int64  position of the token in its own sequence (pads excluded), -1 for an empty/pad slot
     acc   (B, H, S) fp32   accumulated attention the token received (summed over a KV head's query heads)
+                           (a policy may keep more per slot: (B, H, S, ...), :meth:`Policy.new_state`)
     now   (B,)      int64  position of the token that is arriving (the state is judged as if it were in)
     counts            per-sequence token counts of the budget, each (B,) int64 (see :class:`Counts`)
 
@@ -218,6 +219,11 @@ class Policy(BudgetChecks):
             out.append(keep_top(self.priority(cols, None, at, c), older, c.total - 1).view(B, n, S))
         return out[0] if len(out) == 1 else torch.cat(out, 1)
 
+    def new_state(self, B: int, H: int, S: int, device: torch.device) -> torch.Tensor:
+        """The state ``acc`` of ``S`` new slots (nothing attended yet): (B, H, S) fp32 zeros. A policy that keeps
+        more per slot returns (B, H, S, ...) zeros; both paths move it along axis 2 (:func:`along_slots`)."""
+        return torch.zeros(B, H, S, dtype=torch.float32, device=device)
+
     def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Add query rows to the accumulated attention, in place: acc (B, H, S), probs (B, H, G, r, S) of the G
         query heads of each KV head, rows in order, pad rows zeroed; valid (B, r) bool real rows (None: all).
@@ -345,6 +351,14 @@ def select_slot(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | Non
     tie = key == key.amin(-1, keepdim=True)
     oldest = torch.where(tie, pos, const(torch.iinfo(torch.int64).max, torch.int64, pos.device))
     return oldest.argmin(-1, keepdim=True)
+
+
+def along_slots(index: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """A slot index (B, H, S') for a gather/scatter of ``state`` (B, H, S, ...) along its slot axis 2: as it is for
+    a (B, H, S) state, else broadcast over the trailing axes (:meth:`Policy.new_state`)."""
+    if state.dim() == 3:
+        return index
+    return index.view(*index.shape, *[1] * (state.dim() - 3)).expand(*index.shape, *state.shape[3:])
 
 
 def keep_top(prio: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
