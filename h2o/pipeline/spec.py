@@ -40,6 +40,7 @@ from h2o.assets.paths import group_defaults
 from h2o.cli.paths import check_name, output_dir
 from h2o.core.policies import Policy, PolicyError
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
+from h2o.core.quant import Quantizer
 from h2o.core.validate import ConfigError, check, is_int, is_number
 from h2o.pipeline.records import check_reusable, identity, run_dir
 from h2o.tasks.base import TaskSpec
@@ -192,7 +193,7 @@ class RunSpec:
     path: Path  # the record folder
     settings: Settings
     named: Policy  # the record's policy: ``policy`` but for h2o_reference, spelled h2o (reference_spelling)
-    quant: Any = None  # the KV quantizer (h2o.core.quant), None for quant=none
+    quant: Quantizer | None = None  # how the run's caches store keys and values (None: unquantized)
     identity: dict = dataclasses.field(default_factory=dict)  # records.identity: what its record must match
 
     def head(self) -> dict:
@@ -237,13 +238,13 @@ def prepare(cfg: DictConfig) -> RunSpec:
     if longest:
         policy.check_reach(longest, f"the longest context of {model.name}")
     quant = build_quant(cfg, model)
-    policy.quant = quant  # the cache and the simulated values store keys and values with it
     if isinstance(policy, H2OReference) and "reference" not in task.semantics:
         raise ConfigError(f"policy=h2o_reference: the paper code's mask rule is for one-pass scoring; task "
                           f"{task.name} ({task.kind}) runs {', '.join(task.semantics)}")
     semantics = task.resolve_semantics(cfg.semantics)
     task.check_model(model)
     task.check_policy(policy)
+    task.check_quant(quant)
     path = run_dir(cfg, named, task.semantics[0])
     output_dir("runs_dir", path, shown=settings.runs_dir)  # its nearest existing ancestor is a writable folder
     wanted = identity(cfg, named, semantics)
