@@ -177,7 +177,7 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         raise PolicyError(f"{type(model).__name__} is attached already: attach() does not nest; leave the outer "
                           f"`with attach(...)` first")
     refuse_unsupported(model, modules, policy)
-    state = Attached(policy, mode, prompt_len, num_layers=len(modules),
+    state = Attached(policy, mode, prompt_len=prompt_len, num_layers=len(modules),
                      quant=quant.bind(model) if quant is not None else None)
     previous = model.config._attn_implementation
     head = model.get_output_embeddings()
