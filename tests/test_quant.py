@@ -145,9 +145,12 @@ def test_attention_paths_hold_and_attend_to_the_same_values(gqa, calibrations, n
 PAIRS = [(a, s) for a in TINY_ARCHS for s in ("uniform4-g8", "kvquant3", "uniform2")]
 FIRST = ["fixed", "fixed_h2", "full", "h2_only", "h2o", "local", "streaming_llm", "strided", "strided_h2", "topk",
          "topk_h2"]
-LATER = [name for name in REAL_POLICIES if name not in FIRST]
+ADDED = ["keydiff", "knorm", "pyramidkv", "random", "snapkv", "tova", "adakv"]  # appended in the order added
+ROTARY = {"expected_attention": ("llama_gqa", "kvquant3")}  # policies that need rotary embeddings: a RoPE model
+LATER = [n for n in ADDED if n in REAL_POLICIES] + [n for n in REAL_POLICIES if n not in FIRST + ADDED + list(ROTARY)]
 COMBOS = [(*pair, FIRST[i % len(FIRST)]) for i, pair in enumerate(PAIRS)]
 COMBOS += [(*PAIRS[(len(PAIRS) + i) % len(PAIRS)], name) for i, name in enumerate(LATER)]
+COMBOS += [(*pair, name) for name, pair in ROTARY.items()]
 
 
 @pytest.mark.parametrize("arch,scheme,name", COMBOS)

@@ -115,6 +115,13 @@ def kv_bytes(cache: Cache) -> tuple[int, int]:
     return kv, meta
 
 
+def held_tokens(cache: Cache) -> int | None:
+    """Tokens an evicting cache holds (slots with a position, over layers, sequences and KV heads: beside the
+    bytes stored, which count empty slots of a padded layer too); None for transformers' caches."""
+    held = getattr(cache, "held_tokens", None)
+    return None if held is None else int(held().sum())
+
+
 def sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

@@ -7,10 +7,11 @@
 
 Guards (one-line ``PolicyError``): the arguments' types; a model already attached (no nesting); an empty batch or
 sequence; a generate batch with a row of padding only; a cache reused for a second ``generate`` (a cache is
-single-use: take ``h.new_cache()`` per generation); mode='real' without a cache. Non-finite values: each layer
-records on the device whether its attention output is finite (no host sync); one check per forward (= per decoding
-step), on the LM head's logits, stops the run before sampling with a ``FloatingPointError`` naming the first bad
-layer and token (or "outside attention" when no layer was bad).
+single-use: take ``h.new_cache()`` per generation); mode='real' without a cache; a policy that reads the queries
+before RoPE (expected_attention) on a model with no rotary embedding to undo (:mod:`h2o.core.prerope`).
+Non-finite values: each layer records on the device whether its attention output is finite (no host sync); one
+check per forward (= per decoding step), on the LM head's logits, stops the run before sampling with a
+``FloatingPointError`` naming the first bad layer and token (or "outside attention" when no layer was bad).
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from . import attention
 from .cache import EvictingCache
 from .model_settings import refuse_unsupported
 from .notice import notice
+from .prerope import rope_taps
 from .policies import Policy, PolicyError
 from .policies.h2o_reference import H2OReference, as_reference
 from .quant import Quantizer
@@ -48,6 +50,8 @@ class Attached:
     worst: torch.Tensor | None = field(default=None, repr=False)  # their running maximum: NaN/inf = a layer was bad
     # per sliding window (None: global layers): (attention mask, valid, forward plan) of the current forward
     memo: dict = field(default_factory=dict, repr=False)
+    # Policy.reads_queries: {layer index: the attention module's rotary (h2o.core.prerope.RopeTap)}
+    taps: dict = field(default_factory=dict, repr=False)
 
     def new_cache(self, ref_len: int | None = None) -> EvictingCache:
         """A fresh evicting cache for one generation (real mode). Budget ratios are taken of the prompt's
@@ -68,6 +72,12 @@ class Attached:
             valid = new_valid(attention_mask, query)
             memo = self.memo[window] = (attention_mask, valid, build(valid))
         return memo[1:]
+
+    def queries(self, module, query):
+        """The forward's queries (B, Hq, q, D) with what turns them back before RoPE, for a policy that reads
+        them (:class:`h2o.core.prerope.Queries`); None for the others."""
+        tap = self.taps.get(module.layer_idx)
+        return None if tap is None else tap.queries(query)
 
     def observe(self, module, probs):
         if self.observer is not None:
@@ -177,12 +187,16 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         raise PolicyError(f"{type(model).__name__} is attached already: attach() does not nest; leave the outer "
                           f"`with attach(...)` first")
     refuse_unsupported(model, modules, policy)
+    # the queries before RoPE (a policy that reads them): refused in one line on a model without a rotation to undo
+    taps = rope_taps(model, modules, policy.name) if policy.reads_queries and not policy.is_full else {}
     state = Attached(policy, mode, prompt_len=prompt_len, num_layers=len(modules),
-                     quant=quant.bind(model) if quant is not None else None)
+                     quant=quant.bind(model) if quant is not None else None, taps=taps)
     previous = model.config._attn_implementation
     head = model.get_output_embeddings()
     hook = head.register_forward_hook(lambda _m, _i, logits: state.check_logits(logits)) if head is not None else None
     entry = model.register_forward_pre_hook(check_input, with_kwargs=True)
+    rope = [m.register_forward_pre_hook(taps[m.layer_idx].capture, with_kwargs=True) for m in modules
+            if m.layer_idx in taps]  # each module's (cos, sin) as transformers passes it
     model.set_attn_implementation(attention.NAME)
     model.generate = single_use_generate(model, state)
     for m in modules:
@@ -196,4 +210,6 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         if hook is not None:
             hook.remove()
         entry.remove()
+        for handle in rope:
+            handle.remove()
         model.set_attn_implementation(previous)

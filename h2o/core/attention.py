@@ -66,11 +66,13 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
                                          prompt_len=state.prompt_len, plan=plan,
                                          window=window, softcap=softcap, sinks=sinks,
-                                         layer=(module.layer_idx, state.num_layers))
+                                         layer=(module.layer_idx, state.num_layers),
+                                         queries=state.queries(module, query))
         state.flag(module.layer_idx, out)
         state.observe(module, probs)
         return out, probs
-    return real_attention(state, module, query, key, value, attention_mask, scaling, window, softcap, sinks)
+    return real_attention(state, module, query, key, value, attention_mask, scaling, window, softcap, sinks,
+                          state.queries(module, query))
 
 
 def new_valid(attention_mask, query) -> torch.Tensor:
@@ -86,18 +88,19 @@ ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S)
 
 
 def real_attention(state, module, query, key, value, attention_mask, scaling, window=None, softcap=None,
-                   sinks=None):
+                   sinks=None, queries=None):
     """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D): the layer says what each block of
     query rows may see and takes their attention probabilities (:meth:`EvictingLayer.begin`, ``visible``,
     ``attended``, ``end_forward``); here the math. ``window``: the layer's sliding window (the layer drops what
-    leaves it); ``sinks``: learned sink logits (:func:`masked_softmax`)."""
+    leaves it); ``sinks``: learned sink logits (:func:`masked_softmax`); ``queries``: the forward's queries with
+    what turns them back before RoPE, for a policy that reads them (:mod:`h2o.core.prerope`)."""
     if state.cache is None:
         raise PolicyError("mode='real' needs a cache: pass cache=h.new_cache() to the model")
     layer = state.cache.layers[module.layer_idx]
     if not layer.serves(key):
         raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")
     B, Hq, q, D = query.shape
-    key, value = layer.begin(key, value, q, lambda: new_valid(attention_mask, query), window)
+    key, value = layer.begin(key, value, q, lambda: new_valid(attention_mask, query), window, queries)
     qg = grouped(query, key.shape[1])  # (B, Hkv, G, q, D)
     outs = []
     for r in range(0, q, ROWS):
