@@ -263,3 +263,20 @@ def test_positions_inside_the_cache_are_refused():
 
     with pytest.raises(PolicyError, match="policy=adakv gives heads uneven counts"):
         EvictingCache(make_policy("adakv"), 2, rerotate=KeyShifter(tiny_model("llama")))
+
+
+def test_the_run_record_carries_tokens_held_and_bytes_stored():
+    """A summarization run (real path, generate on a left-padded batch): the record's bytes stored exceed the bytes
+    the held tokens take by the padding; a per-head policy stores what it holds."""
+    from h2o.assets.model_spec import ModelSpec
+    from h2o.tasks.summarization import SummarizationTask
+
+    model, tok = ModelSpec("tiny-llama", "tiny:llama").load()
+    task = SummarizationTask("bb_xsum", "bb_xsum", shots=0, limit=2, max_new_tokens=4, doc_max_words=40,
+                             greedy=True, batch_size=2)
+    info = {name: task.run(model, tok, make_policy(name, **opts), "real", 0).info for name, opts in
+            (("adakv", {"inner": "knorm", "budget": 0.2}), ("knorm", {"budget": 0.2}))}
+    ada, per_head = info["adakv"], info["knorm"]
+    assert ada["kv_bytes_per_seq"] > ada["kv_held_bytes_per_seq"] > 0
+    assert per_head["kv_bytes_per_seq"] == per_head["kv_held_bytes_per_seq"]
+    assert ada["kv_tokens_per_seq"] == per_head["kv_tokens_per_seq"] > 0  # the same total, shared unevenly
