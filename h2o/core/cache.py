@@ -7,7 +7,8 @@ place by the arriving token: no shift, no re-gather. A later multi-token forward
 the cache and itself causally, then the cache is cut back to the budget (chunked prefill).
 
 Per-layer state (S = slots, ``budget`` once full; the largest budget of the batch when sequences differ):
-    keys, values (B, Hkv, S, D)   pos (B, Hkv, S) int64 (-1: empty or pad)   acc (B, Hkv, S) fp32
+    keys, values (B, Hkv, S, D)   pos (B, Hkv, S) int64 (-1: empty or pad)   acc (B, Hkv, S) fp32 (or per
+    slot (B, Hkv, S, ...): Policy.new_state)
     n_tok (B,) int64 tokens of each sequence seen (pads excluded)            counts: budget per sequence
 ``get_seq_length`` reports the logical length (tokens seen, pads included), so positions stay right.
 
@@ -29,8 +30,8 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .policies import Counts, Policy, PolicyError, select_slot
-from .policies.base import Decoder, bcast
+from .policies import Counts, Policy, PolicyError, keep_top, select_slot
+from .policies.base import Decoder, along_slots, bcast
 from .cache_batch import BatchHooks, CacheBatchHooks
 from .rerotate import KeyRerotation, KeyShifter, held_alike
 from .simulate import serial
@@ -62,12 +63,13 @@ class EvictingLayer(BatchHooks, DynamicLayer):
         self.room_list: list[bool] = []
         self.seen = 0  # columns seen, pads included
         self.n_new = 0  # columns appended by the last update (0 for a decoding step)
-        self.zero: torch.Tensor | None = None  # (B, Hkv, 1) fp32 zeros: the score of a new slot at a decoding step
+        self.zero: torch.Tensor | None = None  # (B, Hkv, 1, ...) the state of a new slot (Policy.new_state)
         self.window: int | None = None  # the layer's sliding window (None: a global layer)
         # the current forward (begin): its new tokens, their non-pad columns (B, q) (None: a decoding token), the
         # held slots (B, Hkv, 1, 1, S) bool (None: every slot)
         self.q, self.valid, self.held = 0, None, None
         self.compressed = False  # Policy.compress "prefill": the first forward's cut is done
+        self.queries = None  # Policy.reads_queries: the prompt's query statistics, from its forward to its cut
 
     # ----------------------------------------------------------------- transformers API
     def update(self, key_states, value_states, *args, **kwargs):
@@ -125,15 +127,19 @@ class EvictingLayer(BatchHooks, DynamicLayer):
     # One forward of ``q`` new tokens, per layer: ``begin`` (the new columns' pads known), then per block of query
     # rows ``visible`` (what they may see) and ``attended`` (their attention probabilities), then ``end_forward``.
     # Only the layer reads its positions, scores, budget and slots; the attention function does the math.
-    def begin(self, key, value, q: int, valid_of, window: int | None = None):
+    def begin(self, key, value, q: int, valid_of, window: int | None = None, queries=None):
         """The forward's ``q`` new tokens are in (``update``); ``valid_of()`` gives (B, q) bool their non-pad
         columns (read only where needed: a decoding token is never a pad). ``window``: the layer's sliding
-        window (None: global). Registers the new positions (the budget is fixed on the first forward) and
-        returns the keys and values (B, Hkv, S, D) to attend to."""
+        window (None: global); ``queries``: the forward's queries with what turns them back before RoPE
+        (:class:`h2o.core.prerope.Queries`, a policy that reads them). Registers the new positions (the budget is
+        fixed on the first forward), keeps a prompt's query statistics for its cut, and returns the keys and
+        values (B, Hkv, S, D) to attend to."""
         self.window, self.q = window, q  # known from the first forward (a prefill or first token: appended)
         self.valid = valid_of() if self.n_new or q > 1 else None  # (B, q); decoding: all valid
         if self.n_new:
             self.register_new(self.valid[:, -self.n_new:])
+        if queries is not None and q > 1 and self.limited():  # the prompt's queries, pads excluded (pos -1)
+            self.queries = self.policy.query_stats(queries, q, self.pos[:, 0, -q:], self.n_tok)
         if self.fresh is not None:  # quant.sink, the first forward: its first real token kept as computed
             key, value = self.capture_sink(key, value, self.valid)
         B, S = key.shape[0], key.shape[-2]
@@ -176,14 +182,14 @@ class EvictingLayer(BatchHooks, DynamicLayer):
     def append(self, key_states, value_states):
         B, H, q, _ = key_states.shape
         empty_pos = torch.full((B, H, q), -1, dtype=torch.long, device=key_states.device)
-        empty_acc = torch.zeros((B, H, q), dtype=torch.float32, device=key_states.device)
+        empty_acc = self.policy.new_state(B, H, q, key_states.device)
         if self.keys is None:
             self.keys, self.values, self.pos, self.acc = key_states, value_states, empty_pos, empty_acc
             self.n_tok = torch.zeros(B, dtype=torch.long, device=key_states.device)
         else:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
-            self.pos, self.acc = torch.cat([self.pos, empty_pos], -1), torch.cat([self.acc, empty_acc], -1)
+            self.pos, self.acc = torch.cat([self.pos, empty_pos], -1), torch.cat([self.acc, empty_acc], 2)
         self.n_new = q
         if self.decoder is not None:  # new slots: a decoder's state is rebuilt at the next step
             self.decoder.reset()
@@ -237,7 +243,7 @@ class EvictingLayer(BatchHooks, DynamicLayer):
             self.pos.scatter_(-1, slot, self.host_tok[0])
         else:
             self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand(slot.shape))
-        self.acc.scatter_(-1, slot, 0.0)
+        self.acc.scatter_(2, along_slots(slot, self.acc), 0)
 
     def limited(self) -> bool:
         """Whether the budget can drop a token (an evicting policy below 100%, not compressed once already)."""
@@ -288,11 +294,11 @@ class EvictingLayer(BatchHooks, DynamicLayer):
         budget with no empty slot. Its position and zero score are appended as they are (no registration)."""
         B, H = key_states.shape[:2]
         if self.zero is None or self.zero.shape[:2] != (B, H):
-            self.zero = torch.zeros(B, H, 1, dtype=self.acc.dtype, device=self.acc.device)
+            self.zero = self.policy.new_state(B, H, 1, self.acc.device)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.pos = torch.cat([self.pos, self.n_tok.view(-1, 1, 1).expand(B, H, 1)], -1)
-        self.acc = torch.cat([self.acc, self.zero], -1)
+        self.acc = torch.cat([self.acc, self.zero], 2)
         self.host_held = [h + 1 for h in self.host_held]
         if self.decoder is not None:  # a new slot: a decoder's state is rebuilt at the next step
             self.decoder.reset()
@@ -344,9 +350,8 @@ class EvictingLayer(BatchHooks, DynamicLayer):
             self.expire(self.n_tok - 1)
         valid = self.pos >= 0
         if self.limited():
-            acc = self.policy.cut_score(self.acc, self.read()[0], valid) if self.policy.reads_keys else self.acc
-            keep = self.policy.keep(self.policy.priority(self.pos, acc, self.n_tok - 1, self.counts), self.pos,
-                                    valid, self.counts)  # (B, H, S)
+            prio = self.policy.priority(self.pos, self.cut_state(valid), self.n_tok - 1, self.counts)
+            keep = self.policy.keep(prio, self.pos, valid, self.counts)  # (B, H, S)
             if self.policy.pooled:  # heads hold uneven counts: the largest, read once
                 self.host_held = keep.sum(-1).amax(-1).tolist()
             else:
@@ -365,10 +370,22 @@ class EvictingLayer(BatchHooks, DynamicLayer):
         order = keep.long().argsort(dim=-1, descending=True, stable=True)[..., :S]  # kept slots first, in order
         order = order.sort(-1).values
         self.pos = torch.where(keep.gather(-1, order), self.pos.gather(-1, order), -1)
-        self.acc = self.acc.gather(-1, order)
+        self.acc = self.acc.gather(2, along_slots(order, self.acc))
         idx = order[..., None]
         self.keys = self.keys.gather(-2, idx.expand(-1, -1, -1, self.keys.shape[-1]))
         self.values = self.values.gather(-2, idx.expand(-1, -1, -1, self.values.shape[-1]))
+
+    def cut_state(self, valid: torch.Tensor) -> torch.Tensor:
+        """(B, H, S) what the priority reads at a cut, valid (B, H, S) the held slots: ``acc``, a score of the held
+        keys (:meth:`Policy.cut_score`), or of the prompt's query statistics against the held keys and values
+        (``Policy.reads_queries``; used once: the statistics are dropped)."""
+        if self.policy.reads_queries:
+            if self.queries is None:
+                raise PolicyError(f"policy={self.policy.name}: this cut has no query statistics (a prefill forked "
+                                  f"from another policy's cache); allowed: the prompt through this policy's cache")
+            stats, self.queries = self.queries, None
+            return self.policy.query_score(stats, *self.read(), self.pos, valid)
+        return self.policy.cut_score(self.acc, self.read()[0], valid) if self.policy.reads_keys else self.acc
 
     def nbytes(self) -> int:
         """Bytes of the keys and values held (quant: the packed rows: codes, scales, outliers, indices; the sink)."""

@@ -118,6 +118,7 @@ class SummarizationTask(TaskSpec):
 
     kind = "summarization"
     semantics = ("real",)
+    quantizes = True
 
     def __post_init__(self):
         check(self.dataset in DATASETS, f"task.dataset={self.dataset!r}: allowed: {', '.join(DATASETS)}")
@@ -185,11 +186,10 @@ class SummarizationTask(TaskSpec):
                 article = " ".join(words[len(words) // 10 + 1:])
 
     # ----------------------------------------------------------------------------- generation
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         from rouge_score import rouge_scorer
         from tqdm import tqdm
 
-        from h2o.core.attach import attach
         from h2o.tasks.progress import RequestLog
 
         shots, test = self.examples()
@@ -198,7 +198,7 @@ class SummarizationTask(TaskSpec):
                                              f"in the model's context of {max_pos} tokens")
         prompts = [self.prompt(shots, r, tokenizer, max_pos - self.max_new_tokens) for r in test]
         scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
-        sizing = self.sizing(model, tokenizer, policy, prompts)  # before the seed: probing draws no sample
+        sizing = self.sizing(model, tokenizer, policy, prompts, quant)  # before the seed: probing draws no sample
         bs = sizing.size
         torch.manual_seed(seed)
         samples, kv_bytes, kv_held = [], [], []  # per sequence: bytes stored; (bytes, tokens) held
@@ -210,7 +210,7 @@ class SummarizationTask(TaskSpec):
                 samples.extend(log[start]["samples"])
                 continue
             batch = prompts[start:start + bs]
-            gens, foot, lens = self.generate(model, tokenizer, policy, batch, attach)
+            gens, foot, lens = self.generate(model, tokenizer, policy, batch, quant)
             kv_bytes.append(foot["bytes_stored"] / len(batch))
             kv_held.append([foot["bytes_held"] / len(batch), foot["tokens_held"] / len(batch)])
             done = []
@@ -232,21 +232,22 @@ class SummarizationTask(TaskSpec):
                 **record(self.batch_size, [sizing])}
         return Result(metrics, samples, info)
 
-    def sizing(self, model, tokenizer, policy, prompts: list[str]) -> Sizing:
+    def sizing(self, model, tokenizer, policy, prompts: list[str], quant=None) -> Sizing:
         """The batch size; ``auto`` probes with copies of the longest prompt generating all max_new_tokens."""
         if self.batch_size != "auto":
             return choose(self.batch_size, model, None, len(prompts))
-        from h2o.core.attach import attach
-
         longest = max(prompts, key=lambda t: len(tokenizer(t, **self.encode_kwargs()).input_ids))
-        return choose("auto", model, lambda b: self.generate(model, tokenizer, policy, [longest] * b, attach, True),
+        return choose("auto", model, lambda b: self.generate(model, tokenizer, policy, [longest] * b, quant, True),
                       len(prompts))
 
-    def generate(self, model, tokenizer, policy, prompts: list[str], attach,
+    def generate(self, model, tokenizer, policy, prompts: list[str], quant=None,
                  full_length: bool = False) -> tuple[list[str], dict, list[int]]:
         """Left-padded batch generation -> (texts cut at the stop, the cache's footprint at the end (tokens held,
-        bytes held and stored: :meth:`h2o.core.cache.EvictingCache.footprint`), prompt lengths);
-        ``full_length``: no stop, exactly max_new_tokens (the batch-size probe's worst case)."""
+        bytes held and stored: :meth:`h2o.core.cache.EvictingCache.footprint`), prompt lengths); ``quant``: the
+        quantizer the cache stores with; ``full_length``: no stop, exactly max_new_tokens (the batch-size probe's
+        worst case)."""
+        from h2o.core.attach import attach
+
         tokenizer.padding_side = "left"
         enc = tokenizer(prompts, return_tensors="pt", padding=True, **self.encode_kwargs()).to(model.device)  # (B, P)
         P = enc.input_ids.shape[1]
@@ -258,7 +259,7 @@ class SummarizationTask(TaskSpec):
             kw["min_new_tokens"] = self.max_new_tokens
         elif self.stop:
             kw["stopping_criteria"] = [StopOnText(tokenizer, self.stop, P)]
-        with attach(model, policy, mode="real") as h, torch.no_grad():
+        with attach(model, policy, mode="real", quant=quant) as h, torch.no_grad():
             cache = h.new_cache()
             out = model.generate(**enc, cache=cache, **kw)  # (B, P + new)
             foot = cache.footprint()
