@@ -186,16 +186,17 @@ def test_quantized_cache_holds_and_attends_to_the_same_values(compress):
     from tests.test_quant import Module
 
     gen = torch.Generator().manual_seed(3)
-    T, P = 30, 12
+    T, prompt = 30, 12
     q, k, v = torch.randn(2, 4, T, 16, generator=gen), torch.randn(2, 2, T, 16, generator=gen) * 2, \
         torch.randn(2, 2, T, 16, generator=gen)
     quant = Uniform(4, 8).bind(tiny_model("llama_gqa"))
     policy = make_policy("adakv", inner="h2o" if compress == "decode" else "knorm", budget=0.5, compress=compress)
-    sim, _ = h2o_attention(Module(Attached(policy, num_layers=1, quant=quant, prompt_len=P)), q, k, v, None)
+    sim, _ = h2o_attention(Module(Attached(policy, num_layers=1, quant=quant, prompt_len=prompt)), q, k, v, None)
     state = Attached(policy, "real", num_layers=1, quant=quant)
     layer = state.new_cache().layers[0]
-    outs = [h2o_attention(Module(state), q[..., :P, :], *layer.update(k[..., :P, :], v[..., :P, :]), None)[0]]
-    for t in range(P, T):
+    keys, values = layer.update(k[..., :prompt, :], v[..., :prompt, :])  # the prompt, then one token at a time
+    outs = [h2o_attention(Module(state), q[..., :prompt, :], keys, values, None)[0]]
+    for t in range(prompt, T):
         keys, values = layer.update(k[..., t:t + 1, :], v[..., t:t + 1, :])
         outs.append(h2o_attention(Module(state), q[..., t:t + 1, :], keys, values, None)[0])
     torch.testing.assert_close(torch.cat(outs, 1), sim, atol=1e-5, rtol=0)
