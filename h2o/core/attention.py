@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .policies import PolicyError
+from .policies.h2o_reference import H2OReference
 from .simulate import grouped, grouped_values, masked_softmax, scores, simulated_attention, forward_plan
 
 NAME = "h2o"
@@ -54,16 +55,16 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
         q = query.shape[-2]
         if state.prompt_len > q:
             raise PolicyError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
-        if window is not None and state.semantics == "reference":
-            raise PolicyError(f"semantics=reference: the paper code's rule has no sliding window; layer "
-                              f"{module.layer_idx} of {type(module).__name__} slides ({window}); allowed: semantics=h2o")
+        if window is not None and isinstance(state.policy, H2OReference):
+            raise PolicyError(f"policy=h2o_reference: the paper code's rule has no sliding window; layer "
+                              f"{module.layer_idx} of {type(module).__name__} slides ({window}); allowed: policy=h2o")
         window = window if window is not None and window < q else None  # a window past the sequence drops nothing
         valid, plan = state.per_forward(attention_mask, query, lambda v: forward_plan(
-            state.policy, v, state.prompt_len, state.semantics, window), window)
+            state.policy, v, state.prompt_len, window=window), window)
         if state.quant is not None:  # attend to the values a quantized cache would hold
             key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
-                                         prompt_len=state.prompt_len, semantics=state.semantics, plan=plan,
+                                         prompt_len=state.prompt_len, plan=plan,
                                          window=window, softcap=softcap, sinks=sinks,
                                          layer=(module.layer_idx, state.num_layers),
                                          queries=state.queries(module, query))
