@@ -37,7 +37,7 @@ class BenchmarkTask(TaskSpec):
               f"task.baselines={list(self.baselines)}: allowed: {', '.join(BASELINES)}")
         check(self.shots == 0, f"task.shots={self.shots}: a benchmark takes no in-context examples (0)")
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         variants = [Variant("policy", "full")] + ([] if policy.name == "full" else [Variant.of(policy)])
         variants += [v for v in make_variants([], [policy.budget], self.baselines)
                      if v.kind == "dynamic" or not policy.is_full]
@@ -123,7 +123,7 @@ class TargetsTask(TaskSpec):
                                   f"reference); allowed: {', '.join(p for p in POLICIES if p != 'full')} with a "
                                   f"budget below 1.0")
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         from h2o.bench.methods import rows
         from h2o.bench.targets import check_targets, run_targets
 

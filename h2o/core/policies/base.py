@@ -89,6 +89,9 @@ class Policy(BudgetChecks):
     evicts: ClassVar[bool] = True  # False: keeps the whole cache and restricts each query (top-k)
     needs_scores: ClassVar[bool] = False  # True: uses accumulated attention ``acc``
     reads_keys: ClassVar[bool] = False  # True: at a cut, :meth:`cut_score` is given the held keys
+    # True: the prompt's queries before RoPE go to the policy's ``query_stats`` (h2o.core.prerope.Queries), and at
+    # the cut ``query_score(stats, keys, values, pos, held)`` replaces ``acc`` (expected_attention)
+    reads_queries: ClassVar[bool] = False
     # True: the priority ignores ``acc`` and a token the cache dropped would never be among the ``total - 1`` older
     # tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
     # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop)
@@ -98,8 +101,10 @@ class Policy(BudgetChecks):
     # outranks it from then on or no older one does (local, streaming_llm, strided; docs/attention.md): the window
     # takes one older token per row as one arrives. Else the simulated path runs the row loop on sliding layers
     window_closed_form: ClassVar[bool] = False
-    quant = None  # the KV quantizer the policy's cache stores with (h2o.core.quant; set by the run's `quant`)
     splits: ClassVar[bool] = True  # the rule reads the heavy and recent parts apart (False: only their sum)
+    # True: a layer's budget is shared by its KV heads (Ada-KV): every eviction is a cut of the whole layer by
+    # :meth:`keep` (a decoding step too), heads hold uneven counts, the evicting cache stores them padded
+    pooled: ClassVar[bool] = False
     # when an evicting policy compresses: "decode" (the budget kept at every step as the sequence grows) or
     # "prefill" (kvpress's protocol: cut once to the budget at the end of the prompt, every later token kept)
     compress: str = "decode"
@@ -136,6 +141,19 @@ class Policy(BudgetChecks):
         self.heavy, self.recent = heavy, recent
         self.budget = heavy + recent
 
+    @property
+    def quant(self):
+        """The quantizer set by the older spelling ``policy.quant = q`` (None unless set): storage is the cache's
+        option, ``attach(model, policy, quant=q)``, which reads this only when given none."""
+        return vars(self).get("_quant")
+
+    @quant.setter
+    def quant(self, quantizer) -> None:
+        from ..notice import notice
+
+        notice("policy.quant = q is spelled attach(model, policy, quant=q) now (the cache's option)")
+        self._quant = quantizer
+
     def timed(self, compress: str) -> "Policy":
         """This policy with the compression timing ``compress`` (:data:`COMPRESS`); returns it."""
         if compress not in COMPRESS:
@@ -168,6 +186,14 @@ class Policy(BudgetChecks):
         """(B, H, S) float, higher = keep (float64 where tiers are added to positions). Called on valid slots only;
         ties are broken towards older tokens."""
         raise NotImplementedError(f"{type(self).__name__} is not an evicting policy")  # abstract
+
+    def keep(self, prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, counts: Counts,
+             arriving: torch.Tensor | None = None) -> torch.Tensor:
+        """A cut (the end of a prompt): prio (B, H, S) of the held slots ``valid`` (B, H, S) bool -> (B, H, S) bool
+        the kept ones. Default: each head's ``total`` highest, newer first on ties (slots in position order, as
+        at a cut). A :attr:`pooled` policy decides for the whole layer, decoding steps too (``arriving``: the
+        arriving token's slots, kept; ``pos`` for its ties, slots in any order)."""
+        return keep_top(prio, valid, counts.total)
 
     def held_rows(self, pos: torch.Tensor, now: torch.Tensor, counts: Counts, first: int,
                   window: int | None = None) -> torch.Tensor:
