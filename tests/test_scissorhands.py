@@ -185,3 +185,13 @@ def test_bad_options_through_the_runner(args, words, capsys, tmp_path, monkeypat
     no_load(monkeypatch)
     code = main(["model=tiny-llama", "policy=scissorhands", f"runs_dir={tmp_path}/runs", *args])
     one_line_exit_2(code, capsys, words)
+
+
+def test_adakv_over_scissorhands_both_paths():
+    """adakv's one top-k over the layer's heads reads this policy's state through its own (Policy.new_state)."""
+    model = tiny_model("llama_gqa")
+    policy = make_policy("adakv", budget=0.3, inner="scissorhands", compress="decode")
+    ids, P = tokens(36, 8), 18
+    real, cache = real_prefill_decode(model, policy, ids, prompt=P)
+    assert torch.allclose(real, simulated(model, policy, ids, prompt_len=P), atol=ATOL)
+    assert cache.layers[0].acc.dim() == 4

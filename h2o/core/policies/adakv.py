@@ -104,6 +104,9 @@ class AdaKV(Policy):
     def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
         return self.inner.priority(pos, acc, now, counts)
 
+    def new_state(self, B, H, S, device) -> torch.Tensor:
+        return self.inner.new_state(B, H, S, device)
+
     def accumulate(self, acc, probs, valid=None) -> None:
         self.inner.accumulate(acc, probs, valid)
 
