@@ -4,16 +4,20 @@
 Score, per sequence with L prompt tokens, for the keys j < L - w (w = ``window``): the attention of the last w
 queries (each a softmax over every key it sees, the window included), averaged over those w rows, average-pooled
 along positions (``kernel``, stride 1, zero padding ``kernel // 2``, every output divided by ``kernel``; the window
-columns are not pooled in), averaged over each KV head's G query heads. The window's own w tokens get the largest
-score + 1, so they are always kept and the budget includes them. Defaults: w = 64, kernel = 5 (kvpress's).
+columns are not pooled in), averaged over each KV head's G query heads. The budget includes the window (below).
+Defaults: w = 64, kernel = 5 (kvpress's).
 
 Sums over rows and heads and the pooling are linear, so ``acc`` accumulates the window rows' attention summed
 over the G heads, divided by ``w * G`` (:meth:`accumulate_prompt`, told each row's place), and the pooling runs
 once at the cut (:meth:`priority`), by position (pads and slot order do not matter).
 
-Where kvpress asserts ``L > w``, a prompt of at most ``w`` tokens here is all window: the newest ``n`` are kept
-(likewise a budget below ``w``: the window's ties go to the newest, kvpress's to topk's order).
-Per-sequence maximum for the window's score (kvpress: the batch's maximum; the same for one sequence).
+The window's own tokens get kvpress's score, the largest score of the sequence's scored keys (all its KV heads)
++ 1, so they are all kept while the budget ``n`` is at least ``w``. Below (``n < w``) kvpress keeps whichever
+``n`` of the tied window tokens ``torch.topk`` returns: a function of the whole row's comparisons (neither the
+newest nor the oldest), so :meth:`priority` calls ``topk`` on the row kvpress builds (the scores by position,
+then the window at that value) and keeps what it returns: the same tokens as kvpress on the same device. Where
+kvpress asserts ``L > w``, a prompt of at most ``w`` tokens here is all window: the newest ``n`` are kept.
+Per-sequence maximum (kvpress: the batch's; the same for one sequence).
 """
 import torch
 import torch.nn.functional as F
@@ -55,7 +59,24 @@ class SnapKV(PrefillOnly):
         score = pooled.gather(-1, pos.clamp(min=0))  # (B, H, S)
         top = torch.where(scored, score, -torch.inf).amax((1, 2), keepdim=True)  # (B, 1, 1)
         top = torch.where(torch.isfinite(top), top, 0.0) + 1  # a prompt of at most w tokens: all window
-        return torch.where(scored, score, top)
+        chosen = self.kvpress_topk(pooled, (now + 1).tolist(), counts.total.tolist())  # (B, H, L) bool
+        chosen = chosen.gather(-1, pos.clamp(min=0)) & (pos >= 0)  # (B, H, S) above every other priority
+        return torch.where(chosen, top + 1, torch.where(scored, score, top))
+
+    def kvpress_topk(self, pooled: torch.Tensor, lengths: list[int], keep: list[int]) -> torch.Tensor:
+        """pooled (B, H, L) scores by position; per sequence its prompt length and tokens kept -> (B, H, L) bool, the
+        positions kvpress's ``topk`` keeps on the row [scores of the first L_b - w positions, the window at their
+        maximum + 1]. False everywhere for a prompt of at most ``w`` tokens (then the newest ``n`` are kept) and where
+        nothing is dropped."""
+        chosen = torch.zeros(pooled.shape, dtype=torch.bool, device=pooled.device)
+        for b, (length, n) in enumerate(zip(lengths, keep)):
+            start = length - self.window
+            if start <= 0 or n >= length:
+                continue
+            row = pooled[b, :, :length].clone()  # (H, L_b)
+            row[:, start:] = row[:, :start].max() + 1
+            chosen[b].scatter_(-1, row.topk(n, dim=-1).indices, True)
+        return chosen
 
     def describe(self):
         return {**super().describe(), "window": self.window, "kernel": self.kernel}
