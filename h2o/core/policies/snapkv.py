@@ -12,18 +12,15 @@ over the G heads, divided by ``w * G`` (:meth:`accumulate_prompt`, told each row
 once at the cut (:meth:`priority`), by position (pads and slot order do not matter).
 
 The window's own tokens get kvpress's score, the largest score of the sequence's scored keys (all its KV heads)
-+ 1, so they are all kept while the budget ``n`` is at least ``w``. Below (``n < w``) kvpress keeps whichever
-``n`` of the tied window tokens ``torch.topk`` returns: a function of the whole row's comparisons (neither the
-newest nor the oldest), so :meth:`priority` calls ``topk`` on the row kvpress builds (the scores by position,
-then the window at that value) and keeps what it returns: the same tokens as kvpress on the same device. Where
-kvpress asserts ``L > w``, a prompt of at most ``w`` tokens here is all window: the newest ``n`` are kept.
-Per-sequence maximum (kvpress: the batch's; the same for one sequence).
++ 1, so they are all kept while the budget ``n`` is at least ``w``; below, kvpress's ``topk`` chooses among them
+(:func:`.prefill.kvpress_first`). Where kvpress asserts ``L > w``, a prompt of at most ``w`` tokens here is all
+window: the newest ``n`` are kept. Per-sequence maximum (kvpress: the batch's; the same for one sequence).
 """
 import torch
 import torch.nn.functional as F
 
 from .base import Counts, PolicyError, bcast
-from .prefill import PrefillOnly
+from .prefill import PrefillOnly, kvpress_first
 
 
 class SnapKV(PrefillOnly):
@@ -59,24 +56,8 @@ class SnapKV(PrefillOnly):
         score = pooled.gather(-1, pos.clamp(min=0))  # (B, H, S)
         top = torch.where(scored, score, -torch.inf).amax((1, 2), keepdim=True)  # (B, 1, 1)
         top = torch.where(torch.isfinite(top), top, 0.0) + 1  # a prompt of at most w tokens: all window
-        chosen = self.kvpress_topk(pooled, (now + 1).tolist(), counts.total.tolist())  # (B, H, L) bool
-        chosen = chosen.gather(-1, pos.clamp(min=0)) & (pos >= 0)  # (B, H, S) above every other priority
-        return torch.where(chosen, top + 1, torch.where(scored, score, top))
-
-    def kvpress_topk(self, pooled: torch.Tensor, lengths: list[int], keep: list[int]) -> torch.Tensor:
-        """pooled (B, H, L) scores by position; per sequence its prompt length and tokens kept -> (B, H, L) bool, the
-        positions kvpress's ``topk`` keeps on the row [scores of the first L_b - w positions, the window at their
-        maximum + 1]. False everywhere for a prompt of at most ``w`` tokens (then the newest ``n`` are kept) and where
-        nothing is dropped."""
-        chosen = torch.zeros(pooled.shape, dtype=torch.bool, device=pooled.device)
-        for b, (length, n) in enumerate(zip(lengths, keep)):
-            start = length - self.window
-            if start <= 0 or n >= length:
-                continue
-            row = pooled[b, :, :length].clone()  # (H, L_b)
-            row[:, start:] = row[:, :start].max() + 1
-            chosen[b].scatter_(-1, row.topk(n, dim=-1).indices, True)
-        return chosen
+        prio = torch.where(scored, score, top)  # (B, H, S) kvpress's row: the window at the maximum + 1
+        return kvpress_first(pos, prio, now, counts, skip=(now < self.window).tolist())  # at most w tokens: newest
 
     def describe(self):
         return {**super().describe(), "window": self.window, "kernel": self.kernel}
