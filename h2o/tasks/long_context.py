@@ -58,6 +58,7 @@ class LongContextTask(TaskSpec):
 
     kind = "retrieval"
     semantics = ("real",)
+    quantizes = True
 
     def __post_init__(self):
         self.lengths, self.depths = list(self.lengths), list(self.depths)
@@ -134,7 +135,7 @@ class LongContextTask(TaskSpec):
                     "text": self.text, "seed": self.seed}
         return {"tokenizer": path, "max_seq_lengths": self.lengths}
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         cpu0 = time.process_time()
         from lm_eval import simple_evaluate
@@ -149,7 +150,7 @@ class LongContextTask(TaskSpec):
             from h2o.tasks.ruler_offline import use_haystack
 
             haystack = use_haystack(self.text)  # before the task's modules load
-        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, batch_size=self.batch_size,
+        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, quant=quant, batch_size=self.batch_size,
                    add_bos_token=self.add_bos_token)
         folder = TASKS if self.is_niah else ruler_folder()
         tm = TaskManager(include_path=str(folder), include_defaults=False, metadata=self.metadata(tokenizer))
