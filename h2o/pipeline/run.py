@@ -37,6 +37,7 @@ from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_
                                   slurm_job_id, write_json, write_jsonl)
 from h2o.assets.paths import atomic_write_text
 from h2o.assets.resources import check_fits_here
+from h2o.core.policies.budget import Unsupported
 from h2o.core.validate import ConfigError, fail
 from h2o.pipeline.sweep import BAD_INPUT, expand
 from h2o.tasks.progress import recording, resumed
@@ -114,7 +115,7 @@ def mirror(cfg: DictConfig, plan: Plan, record: dict) -> None:
 
 
 def run_job(cfg: DictConfig) -> str:
-    """One Hydra job: returns its outcome (done, skipped, busy, failed)."""
+    """One Hydra job: returns its outcome (done, skipped, served, refused, busy, failed)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -146,6 +147,11 @@ def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
     try:
         plan = prepare(cfg)
         check_fits_here(plan.model)
+    except Unsupported as exc:  # a combination that does not exist: listed as refused by the dry run too
+        if not multirun:
+            sys.exit(fail(exc))
+        log(f"refused {entry['overrides']}: {exc}")
+        return outcome("refused")
     except BAD_INPUT as exc:
         if not multirun:
             sys.exit(fail(exc))
@@ -230,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     mine = lambda rows: [r for r in rows if r.get("sweep_id") == os.environ.get(SWEEP_ENV)]  # noqa: E731
     jobs = mine(read_jsonl(sweep_dir / "jobs.jsonl"))
     failures = mine(read_jsonl(sweep_dir / "failures.jsonl"))
-    counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "served", "busy", "failed")}
+    counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "served", "refused", "busy",
+                                                               "failed")}
     log(f"sweep {sweep_dir}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     for f in failures:
         log(f"FAILED job {f['job']} {' '.join(f['overrides'])}: {f['error']}")

@@ -166,6 +166,7 @@ class LongContextTask(TaskSpec):
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
                 "clamped_requests": clamped(policy, [n for n, _ in lm.budgets]),  # a ratio of each prompt
+                **kv_end(lm.held),
                 "cpu_s": round(time.process_time() - cpu0, 1),  # this process's CPU time in the task, all threads
                 **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
         return Result(metrics, samples, info)
@@ -181,6 +182,16 @@ class LongContextTask(TaskSpec):
         length = int(doc["max_length"])
         return {"doc_id": s["doc_id"], "length": length, "target": doc["outputs"], "generation": generation,
                 "acc": float(s[str(length)])}
+
+
+def kv_end(held: list[tuple[int, float, float]]) -> dict:
+    """The evicting cache at the end of each generation, mean per prompt (h2o.tasks.kv_held.cache_held): token x KV
+    head slots held, their bytes, and the bytes stored (padding and empty slots included)."""
+    if not held:
+        return {}
+    n = len(held)
+    return {"kv_tokens_end": round(sum(h[0] for h in held) / n, 1), "kv_bytes_end": round(sum(h[1] for h in held) / n),
+            "kv_bytes_stored": round(sum(h[2] for h in held) / n)}
 
 
 def cells(samples: list[dict], by_depth: bool) -> list[dict]:

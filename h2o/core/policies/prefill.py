@@ -3,7 +3,8 @@ whole budget is scored (no recent window), the timing is ``compress="prefill"`` 
 line (docs/methods.md: their decoding forms are not built)."""
 import torch
 
-from .base import Counts, Policy, PolicyError
+from .base import Counts, Policy
+from .budget import Unsupported
 
 
 class PrefillOnly(Policy):
@@ -16,7 +17,7 @@ class PrefillOnly(Policy):
 
     def timed(self, compress: str) -> Policy:
         if compress == "decode":
-            raise PolicyError(f"compress=decode: {self.name} is defined at the end of a prompt only (kvpress's "
+            raise Unsupported(f"compress=decode: {self.name} is defined at the end of a prompt only (kvpress's "
                               f"rule); allowed: prefill")
         return super().timed(compress)
 
