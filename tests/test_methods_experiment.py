@@ -23,11 +23,16 @@ DECODING = {"local", "streaming_llm", "h2o", "tova", "random"}
 
 
 @pytest.fixture(scope="module")
-def grid():
+def hydra_ctx():
     from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield expand(["experiment=methods", "runs_dir=/nonexistent-runs"], multirun=True)
+        yield
+
+
+@pytest.fixture(scope="module")
+def grid(hydra_ctx):
+    return expand(["experiment=methods", "runs_dir=/nonexistent-runs"], multirun=True)
 
 
 def timing(plan) -> str:
@@ -51,32 +56,29 @@ def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
     ctx = next(p for p in grid.plans if p.task.name == "austen_ctx")
     assert (ctx.task.window, ctx.task.context, ctx.task.n_windows, ctx.model.name) == (1152, 1024, 8, "smollm2-135m")
     text = describe(grid)
-    assert text.count(" refused ") == 72 and text.endswith("; 72 refused (not run)")
+    assert text.count("   - refused ") == 72 and text.endswith("; 72 refused (not run)")
     assert "compress=decode: snapkv is defined at the end of a prompt only" in text
     assert "compress=prefill: task austen_ppl scores sliding windows with no prompt" in text
 
 
-def test_the_cluster_grid_lists_the_papers_models_and_fig4_tasks():
-    from hydra import initialize_config_dir
+def test_the_cluster_grid_crosses_the_papers_models_and_fig4_tasks_with_every_method(hydra_ctx):
+    from omegaconf import OmegaConf
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        sweep = expand(["experiment=methods_cluster", "runs_dir=/nonexistent-runs"], multirun=True)
-    assert {p.model.name for p in sweep.plans} == {"opt-6.7b", "opt-13b", "opt-30b", "opt-66b", "llama-7b",
-                                                  "llama-13b", "gpt-neox-20b"}
-    assert {p.task.name for p in sweep.plans} == {"copa", "mathqa", "openbookqa", "piqa", "rte", "winogrande"}
-    per_cell = len({p.path for p in sweep.plans}) / 42
-    assert per_cell == 1 + 5 * 3 * 2 + 4 * 3  # full, decoding methods at both timings, prefill-only ones
-    assert not any(p.policy.name in PREFILL_ONLY and timing(p) == "decode" for p in sweep.plans)
+    params = OmegaConf.load(CONF / "experiment" / "methods_cluster.yaml").hydra.sweeper.params
+    fig4 = OmegaConf.load(CONF / "experiment" / "fig4.yaml").hydra.sweeper.params
+    assert (params.model, params.task) == (fig4.model, fig4.task)
+    sweep = expand(["experiment=methods_cluster", "model=opt-6.7b", "task=copa", "runs_dir=/nonexistent-runs"],
+                   multirun=True)  # one model x task cell of it
+    assert len({p.path for p in sweep.plans}) == 1 + 5 * 3 * 2 + 4 * 3  # full, decoding methods at both
+    assert len(sweep.refused) == 3 + 4 * 3  # full at prefill, the prefill-only methods at decode
+    assert {(p.task.shots, p.semantics) for p in sweep.plans} == {(5, "simulated")}
 
 
-def test_a_combination_that_does_not_exist_is_one_line_in_a_single_run():
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        with pytest.raises(Unsupported, match="compress=prefill: task austen_ppl scores sliding windows"):
-            expand(["task=austen_ppl", "policy=h2o", "+policy.compress=prefill"], multirun=False)
-        with pytest.raises(Unsupported, match="compress=decode: knorm is defined at the end of a prompt only"):
-            expand(["task=austen_ctx", "policy=knorm", "policy.compress=decode"], multirun=False)
+def test_a_combination_that_does_not_exist_is_one_line_in_a_single_run(hydra_ctx):
+    with pytest.raises(Unsupported, match="compress=prefill: task austen_ppl scores sliding windows"):
+        expand(["task=austen_ppl", "policy=h2o", "+policy.compress=prefill"], multirun=False)
+    with pytest.raises(Unsupported, match="compress=decode: knorm is defined at the end of a prompt only"):
+        expand(["task=austen_ctx", "policy=knorm", "policy.compress=decode"], multirun=False)
 
 
 # ------------------------------------------------------------------ context then continuation, both paths

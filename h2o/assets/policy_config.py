@@ -16,6 +16,7 @@ import sys
 from h2o.assets.paths import CONF, group_defaults
 
 SKIP = ("_target_", "name")
+TIMING = "compress"  # every policy takes it (Policy.timed), its file naming it or not (Hydra: ++policy.compress)
 
 
 def group_file(name: str) -> dict:
@@ -33,10 +34,10 @@ def policy_options(name: str, options: dict, where: str = "policy.") -> dict:
     from h2o.core.policies import PolicyError
 
     base = group_file(name)
-    bad = next((k for k in options if k not in base or k in SKIP), None)
+    bad = next((k for k in options if (k not in base and k != TIMING) or k in SKIP), None)
     if bad is not None:
         raise PolicyError(f"{where}{bad}: no such option for policy={name}; allowed: "
-                          f"{', '.join(k for k in base if k not in SKIP)}")
+                          f"{', '.join([k for k in base if k not in SKIP] + [TIMING] * (TIMING not in base))}")
     return {**base, **options}
 
 

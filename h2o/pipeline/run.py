@@ -31,7 +31,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from h2o.pipeline.jobs import SERVED_FILE, classify, read_served, served_runs, summary
+from h2o.pipeline.jobs import SERVED_FILE, classify, read_served, served_runs
 from h2o.pipeline.plan import Plan, prepare
 from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl,
                                   slurm_job_id, write_json, write_jsonl)
@@ -39,7 +39,7 @@ from h2o.assets.paths import atomic_write_text
 from h2o.assets.resources import check_fits_here
 from h2o.core.policies.budget import Unsupported
 from h2o.core.validate import ConfigError, fail
-from h2o.pipeline.sweep import BAD_INPUT, expand
+from h2o.pipeline.sweep import BAD_INPUT, expand, summary_line
 from h2o.tasks.progress import recording, resumed
 
 PARTIAL = "partial"  # per-request results of an unfinished run (resume inside a run)
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail(exc)
         if multirun:
             works = classify(sweep.jobs, sweep.plans)
-            log(summary(works))
+            log(summary_line(sweep, works))
             sweep_id = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
             os.environ[SWEEP_ENV] = sweep_id  # each job row carries it: the summary counts this process's jobs
             if not any(a.startswith("hydra.sweep.dir=") for a in overrides):

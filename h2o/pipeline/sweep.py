@@ -212,8 +212,13 @@ def describe(sweep: Sweep, root: Path | None = None) -> str:
         lines.append(f"{i:>4} {state:6} {plan.model.name:14} {plan.task.name:12} {plan.task.shots:>5} "
                      f"{p.name:14} {budget:8} {folder}")
     lines += [f"   - refused {' '.join(job)}: {why}" for job, why in sweep.refused]
-    lines.append(summary(works) + (f"; {len(sweep.refused)} refused (not run)" if sweep.refused else ""))
+    lines.append(summary_line(sweep, works))
     return "\n".join(lines)
+
+
+def summary_line(sweep: Sweep, works) -> str:
+    """:func:`h2o.pipeline.jobs.summary` and the refused jobs' count."""
+    return summary(works) + (f"; {len(sweep.refused)} refused (not run)" if sweep.refused else "")
 
 
 def main(argv: list[str] | None = None) -> int:
