@@ -15,7 +15,7 @@ from h2o.assets.models import tiny_model
 from h2o.core.policies.budget import Unsupported
 from h2o.pipeline.records import CONF
 from h2o.pipeline.sweep import describe, expand
-from h2o.tasks.kv_held import cache_held, geometry, simulated_held
+from h2o.tasks.kv_held import geometry, simulated_held
 from h2o.tasks.perplexity import PerplexityTask
 
 PREFILL_ONLY = {"snapkv", "pyramidkv", "knorm", "keydiff"}
@@ -113,9 +113,10 @@ def test_the_context_task_scores_what_the_evicting_cache_holds(model, name, opti
     real, cache, cut = real_path(model, policy, ids)
     assert sim == pytest.approx(real, rel=1e-5, abs=1e-4)
     held = simulated_held(model, policy, W, C)
-    assert held["kv_tokens_end"] == int(cache.held_tokens().sum()) == cache_held(cache)[0][0]
+    foot = cache.footprint()
+    assert held["kv_tokens_end"] == int(cache.held_tokens().sum()) == foot["tokens_held"]
     assert held["kv_tokens_cut"] == cut
-    assert held["kv_bytes_end"] == cache.nbytes() == cache_held(cache)[0][1]  # one sequence: nothing padded
+    assert held["kv_bytes_end"] == foot["bytes_held"] == foot["bytes_stored"]  # one sequence: nothing padded
     if name != "full":
         n = int(policy.counts(torch.tensor([C])).total)
         layers, heads, _, _ = geometry(model)

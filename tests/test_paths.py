@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from h2o import attach, make_policy
+from h2o import PolicyError, attach, make_policy
 from h2o.core.policies import REAL_POLICIES, Policy  # REAL_POLICIES: the policies with an evicting cache
 from h2o.assets.models import TINY_ARCHS, tiny_model
 
@@ -73,6 +73,10 @@ def test_prefill_then_decode_equals_mask_with_prompt_rows_unmasked(model, name, 
     L, P = 48, 30
     ids = tokens(L, 2)
     policy = make_policy(name, budget=ratio)
+    if policy.reads_queries and model.config.model_type == "opt":  # learned positions: no rotation to undo
+        with pytest.raises(PolicyError, match="has no rotary embedding"):
+            simulated(model, policy, ids, prompt_len=P)
+        return
     sim = simulated(model, policy, ids, prompt_len=P)
     real, cache = real_prefill_decode(model, policy, ids, prompt=P)
     assert torch.allclose(real, sim, atol=ATOL)

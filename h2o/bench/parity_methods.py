@@ -7,9 +7,11 @@ OURS = {
     "full": ("full", {}),
     "streaming_llm": ("streaming_llm", {"sinks": 4}),
     "observed_attention": ("h2_only", {"score": "mean"}),
-    "tova": ("tova", {}), "snapkv": ("snapkv", {}), "pyramidkv": ("pyramidkv", {}), "adakv_snapkv": None,
+    "tova": ("tova", {}), "snapkv": ("snapkv", {}), "pyramidkv": ("pyramidkv", {}),
+    # kvpress masks Ada-KV's removed keys (a fake key per head) and frees nothing; ours evicts, heads stored padded
+    "adakv_snapkv": ("adakv", {"inner": "snapkv"}),
     "knorm": ("knorm", {}), "keydiff": ("keydiff", {}),
-    "expected_attention": None, "random": ("random", {"seed": 0}),
+    "expected_attention": ("expected_attention", {}), "random": ("random", {"seed": 0}),
     # a diagnostic of the decoding timing, not a kvpress method: StreamingLLMPress with its kept tokens left in
     # position order (tools/parity/kvpress_side.py)
     "streaming_llm_ordered": ("streaming_llm", {"sinks": 4}),

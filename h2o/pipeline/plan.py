@@ -19,6 +19,7 @@ from h2o.assets.locks import lock_mode, stale_after
 from h2o.assets.model_spec import ConfigError, ModelSpec
 from h2o.core.policies import Policy, PolicyError
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
+from h2o.core.quant import Quantizer
 from h2o.core.validate import check, check_types, is_int, output_dir
 from h2o.assets.paths import group_defaults
 from h2o.pipeline.records import check_name, check_reusable, identity, run_dir
@@ -109,6 +110,7 @@ class Plan:
     policy: Policy
     semantics: str
     path: Path
+    quant: Quantizer | None = None  # how the run's caches store keys and values (None: unquantized)
 
     def head(self) -> dict:
         d = self.policy.describe()
@@ -120,7 +122,7 @@ class Plan:
                 "limit": self.cfg.task.get("limit"),
                 "policy_options": {k: v for k, v in OmegaConf.to_container(self.cfg.policy, resolve=True).items()
                                    if k not in ("_target_", "name")},
-                **({"quant": self.policy.quant.describe()} if self.policy.quant is not None else {}),
+                **({"quant": self.quant.describe()} if self.quant is not None else {}),
                 **extra}
 
 
@@ -143,7 +145,7 @@ def prepare(cfg: DictConfig) -> Plan:
     longest = model.max_positions()
     if longest:
         policy.check_reach(longest, f"the longest context of {model.name}")
-    policy.quant = build_quant(cfg, model)
+    quant = build_quant(cfg, model)
     if not isinstance(task, TaskSpec):
         raise ConfigError(f"task={cfg.task.name}: _target_ must build an h2o.tasks.base.TaskSpec")
     if isinstance(policy, H2OReference) and "reference" not in task.semantics:
@@ -152,10 +154,11 @@ def prepare(cfg: DictConfig) -> Plan:
     semantics = task.resolve_semantics(cfg.semantics)
     task.check_model(model)
     task.check_policy(policy)
+    task.check_quant(quant)
     path = run_dir(cfg, named, task.semantics[0])
     check_writable(path, cfg.runs_dir)
     check_reusable(path, identity(cfg, named, semantics))
-    return Plan(cfg, model, task, policy, semantics, path)
+    return Plan(cfg, model, task, policy, semantics, path, quant)
 
 
 def reference_spelling(cfg: DictConfig, policy: Policy) -> tuple[DictConfig, Policy]:

@@ -89,7 +89,7 @@ def execute(plan: Plan) -> dict:
     _crash_hook(plan.path)
     model, tokenizer = plan.model.load()
     with recording(plan.path / PARTIAL):  # per-request results kept across a preemption (h2o.tasks.progress)
-        result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.cfg.seed)
+        result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.cfg.seed, quant=plan.quant)
     ended = time.time()
     files = result.info.pop("files", {})  # extra record files of a task (observations.json)
     protocol = plan.task.protocol(tokenizer)  # every task setting that changes a number, BOS resolved

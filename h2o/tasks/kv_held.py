@@ -4,16 +4,14 @@ predicted from (a window's last token is never an input).
 
 * :func:`simulated_held`: a one-pass task (the simulated mask holds no cache) from the policy's per-layer budget,
   which is what the evicting cache holds after the same tokens (tests/test_methods_experiment.py checks it
-  against :meth:`h2o.core.cache.EvictingCache.held_tokens` and ``nbytes``). With a prompt of ``context`` tokens the
+  against :meth:`h2o.core.cache.EvictingCache.footprint`; a pooled policy, adakv, stores its heads padded, more
+  than these bytes held). With a prompt of ``context`` tokens the
   cut keeps ``min(n_l, C)`` tokens per layer ``l`` and KV head; at the end ``compress=decode`` still holds that,
   ``compress=prefill`` holds it plus the ``W - 1 - C`` continuation tokens fed. Without a prompt the budget is a
   ratio of the window and the end holds ``min(n_l, W - 1)``. A sliding-window layer holds at most its window.
-* :func:`cache_held`: an evicting cache after a generation, measured: the tokens its slots hold per row and their
-  bytes (each layer's stored bytes per slot times the slots that hold a token); ``stored`` is every slot's bytes,
-  padding and empty slots included (a padded batch, uneven heads), divided over the rows.
 
-Bytes count keys and values at the cache's element size (a quantized cache: :func:`cache_held` measures its
-packed rows; :func:`simulated_held` gives tokens only, bytes None).
+A generation measures its cache instead (:meth:`h2o.core.cache.EvictingCache.footprint`). Bytes count keys and
+values at the model's element size; with a KV quantizer :func:`simulated_held` gives tokens only (bytes None).
 """
 from __future__ import annotations
 
@@ -41,7 +39,7 @@ def per_layer(policy, reference: int, layers: int, most: int) -> list[int]:
     return [int(policy.layer_counts(counts, layer, layers).total[0]) for layer in range(layers)]
 
 
-def simulated_held(model, policy, window: int, context: int | None) -> dict:
+def simulated_held(model, policy, window: int, context: int | None, quant=None) -> dict:
     """``kv_tokens_cut`` / ``kv_tokens_end`` (token x KV head slots held per sequence, all layers) and
     ``kv_bytes_cut`` / ``kv_bytes_end``; ``*_cut`` is None without a prompt."""
     layers, kv, dim, windows = geometry(model)
@@ -58,22 +56,8 @@ def simulated_held(model, policy, window: int, context: int | None) -> dict:
                for n, w in zip(budget, windows)]
     else:
         end = [capped(min(n, fed), w) for n, w in zip(budget, windows)]
-    size = None if policy.quant is not None else 2 * dim * torch.empty((), dtype=model.dtype).element_size()
+    size = None if quant is not None else 2 * dim * torch.empty((), dtype=model.dtype).element_size()
     tokens = lambda held: None if held is None else kv * sum(held)  # noqa: E731
     nbytes = lambda held: None if held is None or size is None else tokens(held) * size  # noqa: E731
     return {"kv_tokens_cut": tokens(cut), "kv_tokens_end": tokens(end), "kv_bytes_cut": nbytes(cut),
             "kv_bytes_end": nbytes(end), "kv_tokens_end_per_layer": end}
-
-
-def cache_held(cache) -> list[tuple[int, float, float]]:
-    """Per row of an evicting cache: (token x KV head slots held, their bytes, stored bytes / rows)."""
-    rows = None
-    for layer in cache.layers:
-        if layer.pos is None:
-            continue
-        held = (layer.pos >= 0).sum((1, 2))  # (B,) tokens x heads held in this layer
-        per_slot = layer.nbytes() / layer.pos.numel()
-        share = layer.nbytes() / layer.pos.shape[0]
-        one = [(int(h), float(h) * per_slot, share) for h in held.tolist()]
-        rows = one if rows is None else [(a + x, b + y, c + z) for (a, b, c), (x, y, z) in zip(rows, one)]
-    return rows or []

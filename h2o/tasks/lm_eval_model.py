@@ -4,7 +4,8 @@
         --model_args pretrained=smollm2-135m,policy=h2o,budget=0.2,heavy_share=0.5 --tasks bb_copa --include_path tasks
 
 model_args beyond HFLM's: ``policy`` (a name of h2o.POLICIES, default full) and its options, spelled as in Hydra
-(``policy=h2o policy.budget=0.2`` <-> ``policy=h2o,budget=0.2``: the keys and defaults of conf/policy/<name>.yaml,
+(``policy=h2o policy.budget=0.2`` <-> ``policy=h2o,budget=0.2``: the keys and defaults of conf/policy/<name>.yaml
+and the other arguments the factory takes, e.g. ``compress=prefill`` <-> ``+policy.compress=prefill``;
 h2o.assets.policy_config), ``semantics`` (simulated; ``reference``: the older spelling of policy=h2o_reference),
 ``scoring`` (sum | mean),
 ``quant`` (none | uniform | kvquant, h2o.core.quant) with its options spelled ``quant_<option>``:
@@ -67,9 +68,9 @@ from lm_eval.models.huggingface import HFLM
 from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
+from h2o.core.quant import Quantizer
 from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
-from h2o.tasks.kv_held import cache_held
 
 SEMANTICS = ("simulated", "reference")
 SCORING = ("sum", "mean")
@@ -103,10 +104,12 @@ def lm_policy(policy: str | Policy, args: dict, semantics: str = "simulated") ->
     """``--model_args policy=<name>,<key>=<value>,...`` -> the policy Hydra builds from ``policy=<name>
     policy.<key>=<value>`` (h2o.assets.policy_config); takes every policy option out of ``args`` (a Policy
     object is used as it is). ``semantics=reference`` (older spelling, a notice) -> policy h2o_reference."""
-    from h2o.assets.policy_config import build_policy, group_file, notice
+    from h2o.assets.policy_config import build_policy, notice, option_keys, read_value
 
-    keys = {k for name in POLICIES for k in group_file(name)} - {"name"}
-    options = {k: args.pop(k) for k in list(args) if k in keys}
+    keys = {k for name in POLICIES for k in option_keys(name)}  # every policy's: another policy's is an error
+    # lm-eval reads numbers and true/false; a word is read as Hydra reads it (null -> None)
+    options = {k: read_value(k, v, f"--model_args {k}={v}") if isinstance(v, str) else v
+               for k, v in ((k, args.pop(k)) for k in list(args) if k in keys)}
     if semantics not in SEMANTICS:
         raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
     if isinstance(policy, str):
@@ -151,11 +154,12 @@ def from_left_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
 @register_model("h2o")
 class H2OLM(HFLM):
     def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", semantics: str = "simulated",
-                 scoring: str = "sum", quant: str = "none", **kwargs):
+                 scoring: str = "sum", quant: str | Quantizer | None = "none", **kwargs):
+        """``policy`` and ``quant``: names with their options in ``kwargs`` (model_args), or built objects."""
         policy = lm_policy(policy, kwargs, semantics)
-        quantizer = make_lm_quant(quant, {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)},
-                                  pretrained)
-        semantics = "reference" if isinstance(policy, H2OReference) else semantics
+        quant_args = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)}
+        quantizer = quant if quant is None or isinstance(quant, Quantizer) else make_lm_quant(quant, quant_args,
+                                                                                                pretrained)
         if scoring not in SCORING:
             raise PolicyError(f"scoring={scoring!r}: allowed: {', '.join(SCORING)}")
         check_batch_size(from_text(kwargs.get("batch_size", 1)), "batch_size", schedule=True)
@@ -163,16 +167,16 @@ class H2OLM(HFLM):
         if kwargs.get("device") in (None, "cuda") and not torch.cuda.is_available():
             kwargs["device"] = "cpu"
         super().__init__(pretrained=resolve_pretrained(pretrained), **kwargs)
-        if quantizer is not None:
-            policy.quant = quantizer.bind(self.model)  # checks the head size and rotary embeddings
-        self.policy, self.semantics, self.scoring = policy, semantics, scoring
+        # the quantizer every cache of this model stores with, bound: checks the head size and rotary embeddings
+        self.quant = quantizer.bind(self.model) if quantizer is not None else None
+        self.policy, self.scoring = policy, scoring
         self._known: dict[tuple[int, ...], set[int]] = {}  # each request's model input -> its context tokens
         self.cont_tokens: dict[tuple[str, str], int] = {}  # (context, continuation) -> continuation tokens
         self._per_token = False
         self.stats = {"rows": 0, "tokens": 0, "unmatched_rows": 0, "clamped": 0}  # clamped: h2o.tasks.base.clamped
         self.sizings: list[Sizing] = []  # batch sizes chosen for batch_size=auto (h2o.tasks.batching)
         self.budgets: list[tuple[int, int]] = []  # per generated row: (prompt tokens, cache budget in tokens)
-        self.held: list[tuple[int, float, float]] = []  # per generated row at its end: h2o.tasks.kv_held.cache_held
+        self.footprints: list[tuple[dict, int]] = []  # per generate call: the cache at its end, the rows
         self.questions: dict[str, str] = {}  # generation context -> the question that ends it (doc["question"])
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
@@ -265,10 +269,11 @@ class H2OLM(HFLM):
             return super()._model_call(inps, attn_mask, labels)
         self.stats["clamped"] += clamped(self.policy, lengths.tolist())
         with torch.no_grad():
-            if self.semantics == "reference":  # the paper code's rule: one unpadded sequence at a time
+            if isinstance(self.policy, H2OReference):  # the paper code's rule: one unpadded sequence at a time
                 out = None
                 for b, n in enumerate(lengths.tolist()):
-                    with attach(self.model, self.policy, prompt_len=prompts[b] if self.prefill else 0):
+                    with attach(self.model, self.policy, prompt_len=prompts[b] if self.prefill else 0,
+                                quant=self.quant):
                         logits = self.model(inps[b:b + 1, :n], use_cache=False).logits  # (1, n, V)
                     if out is None:
                         out = logits.new_zeros(inps.shape[0], inps.shape[1], logits.shape[-1])
@@ -276,14 +281,14 @@ class H2OLM(HFLM):
                 return out
             left, mask = to_left_padding(inps, lengths)  # (B, T) each
             if not self.prefill:
-                with attach(self.model, self.policy):
+                with attach(self.model, self.policy, quant=self.quant):
                     logits = self.model(left, attention_mask=mask.long(), use_cache=False).logits  # (B, T, V)
                 return from_left_padding(logits, lengths)
             after = lengths.cpu() - torch.tensor(prompts)  # (B,) continuation inputs: the prompt ends at T - after
             logits = None
             for c in sorted(set(after.tolist())):
                 rows = (after == c).nonzero().flatten().to(inps.device)
-                with attach(self.model, self.policy, prompt_len=inps.shape[1] - c):
+                with attach(self.model, self.policy, prompt_len=inps.shape[1] - c, quant=self.quant):
                     part = self.model(left[rows], attention_mask=mask[rows].long(), use_cache=False).logits
                 if logits is None:
                     logits = part.new_zeros(inps.shape[0], *part.shape[1:])  # (B, T, V)
@@ -309,12 +314,12 @@ class H2OLM(HFLM):
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         """context (B, T) left-padded (attention_mask in generation_kwargs) -> (B, T + new) token ids, through the
         evicting cache (every policy, full included)."""
-        with attach(self.model, self.policy, mode="real") as h:
+        with attach(self.model, self.policy, mode="real", quant=self.quant) as h:
             cache = h.new_cache()
             out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
         mask = generation_kwargs.get("attention_mask")
         prompt = (mask.sum(-1) if mask is not None else torch.full((context.shape[0],), context.shape[1])).tolist()
         held = prompt if self.policy.is_full else cache.layers[0].host_total  # a full policy never evicts
         self.budgets.extend(zip(prompt, held))
-        self.held.extend(cache_held(cache))
+        self.footprints.append((cache.footprint(), context.shape[0]))
         return out

@@ -58,6 +58,7 @@ class LongContextTask(TaskSpec):
 
     kind = "retrieval"
     semantics = ("real",)
+    quantizes = True
 
     def __post_init__(self):
         self.lengths, self.depths = list(self.lengths), list(self.depths)
@@ -134,7 +135,7 @@ class LongContextTask(TaskSpec):
                     "text": self.text, "seed": self.seed}
         return {"tokenizer": path, "max_seq_lengths": self.lengths}
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         cpu0 = time.process_time()
         from lm_eval import simple_evaluate
@@ -149,7 +150,7 @@ class LongContextTask(TaskSpec):
             from h2o.tasks.ruler_offline import use_haystack
 
             haystack = use_haystack(self.text)  # before the task's modules load
-        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, batch_size=self.batch_size,
+        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, quant=quant, batch_size=self.batch_size,
                    add_bos_token=self.add_bos_token)
         folder = TASKS if self.is_niah else ruler_folder()
         tm = TaskManager(include_path=str(folder), include_defaults=False, metadata=self.metadata(tokenizer))
@@ -166,7 +167,7 @@ class LongContextTask(TaskSpec):
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
                 "clamped_requests": clamped(policy, [n for n, _ in lm.budgets]),  # a ratio of each prompt
-                **kv_end(lm.held),
+                **kv_end(lm.footprints),
                 "cpu_s": round(time.process_time() - cpu0, 1),  # this process's CPU time in the task, all threads
                 **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
         return Result(metrics, samples, info)
@@ -184,14 +185,16 @@ class LongContextTask(TaskSpec):
                 "acc": float(s[str(length)])}
 
 
-def kv_end(held: list[tuple[int, float, float]]) -> dict:
-    """The evicting cache at the end of each generation, mean per prompt (h2o.tasks.kv_held.cache_held): token x KV
-    head slots held, their bytes, and the bytes stored (padding and empty slots included)."""
-    if not held:
+def kv_end(footprints: list[tuple[dict, int]]) -> dict:
+    """The evicting cache at the end of the generations (:meth:`h2o.core.cache.EvictingCache.footprint` of each
+    batch, its rows), per prompt: token x KV head entries held, their bytes, and the bytes stored (padding and the
+    empty slots of uneven heads included)."""
+    rows = sum(n for _, n in footprints)
+    if not rows:
         return {}
-    n = len(held)
-    return {"kv_tokens_end": round(sum(h[0] for h in held) / n, 1), "kv_bytes_end": round(sum(h[1] for h in held) / n),
-            "kv_bytes_stored": round(sum(h[2] for h in held) / n)}
+    per = lambda key: sum(f[key] for f, _ in footprints) / rows  # noqa: E731
+    return {"kv_tokens_end": round(per("tokens_held"), 1), "kv_bytes_end": round(per("bytes_held")),
+            "kv_bytes_stored": round(per("bytes_stored"))}
 
 
 def cells(samples: list[dict], by_depth: bool) -> list[dict]:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none, stderr
+from h2o.core.policies.h2o_reference import H2OReference
+from h2o.tasks.base import Result, TaskSpec, adds_bos, as_run, check, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, choose, record
 
 TEXTS = ("austen", "moby_dick")
@@ -54,6 +55,7 @@ class PerplexityTask(TaskSpec):
 
     kind = "perplexity"
     semantics = ("simulated", "reference")
+    quantizes = True
 
     def __post_init__(self):
         check(self.text in TEXTS, f"task.text={self.text!r}: allowed: {', '.join(TEXTS)}")
@@ -117,25 +119,25 @@ class PerplexityTask(TaskSpec):
             return torch.stack([torch.cat([bos, ids[s:s + self.window - 1]]) for s in starts])
         return torch.stack([ids[s:s + self.window] for s in starts])
 
-    def nll(self, model, policy, semantics: str, ids: torch.Tensor) -> torch.Tensor:
-        """(b, W) windows -> (b,) summed NLL of the scored tokens (:attr:`scored`), each window under the policy."""
+    def nll(self, model, policy, ids: torch.Tensor, quant=None) -> torch.Tensor:
+        """(b, W) windows -> (b,) summed NLL of the scored tokens (:attr:`scored`), each window under the policy
+        (and the KV quantizer ``quant``: the values a quantized cache holds)."""
         from h2o.core.attach import attach
 
         first = (self.context or 1) - 1  # the row predicting the first scored token
-        with attach(model, policy, semantics="reference" if semantics == "reference" else "h2o",
-                    prompt_len=self.context or 0), torch.no_grad():
+        with attach(model, policy, prompt_len=self.context or 0, quant=quant), torch.no_grad():
             logits = model(ids, use_cache=False).logits[:, first:-1].float()  # (b, scored, V)
         return torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, first + 1:],
                                                  reduction="none").sum(-1)  # (b,)
 
-    def sizing(self, model, policy, semantics: str, wins: torch.Tensor) -> Sizing:
-        """The batch size (reference semantics: one window at a time, the paper code's rule)."""
-        if semantics == "reference":
+    def sizing(self, model, policy, wins: torch.Tensor, quant=None) -> Sizing:
+        """The batch size (policy h2o_reference: one window at a time, the paper code's rule)."""
+        if isinstance(policy, H2OReference):
             return Sizing(1, "one_at_a_time", "semantics=reference scores one unpadded sequence at a time")
-        return choose(self.batch_size, model, lambda b: self.nll(model, policy, semantics, wins[:1].repeat(b, 1)),
+        return choose(self.batch_size, model, lambda b: self.nll(model, policy, wins[:1].repeat(b, 1), quant),
                       len(wins))
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         from tqdm import tqdm
 
         from h2o.tasks.base import clamped
@@ -143,8 +145,9 @@ class PerplexityTask(TaskSpec):
         from h2o.tasks.progress import RequestLog
 
         cpu0 = time.process_time()
+        policy = as_run(policy, semantics)
         wins = self.windows(tokenizer).to(model.device)  # (N, W)
-        sizing = self.sizing(model, policy, semantics, wins)
+        sizing = self.sizing(model, policy, wins, quant)
         bs = sizing.size
         samples = []
         log = RequestLog.open("windows")  # windows scored before an interruption (None outside a recorded run)
@@ -152,7 +155,7 @@ class PerplexityTask(TaskSpec):
             if log is not None and all(w in log for w in range(start, min(start + bs, len(wins)))):
                 samples.extend(log[w] for w in range(start, min(start + bs, len(wins))))
                 continue
-            nll = self.nll(model, policy, semantics, wins[start:start + bs])  # (b,)
+            nll = self.nll(model, policy, wins[start:start + bs], quant)  # (b,)
             for j, v in enumerate(nll.tolist()):
                 n = self.scored
                 samples.append({"window": start + j, "start_token": (start + j) * self.stride * self.window,
@@ -169,6 +172,6 @@ class PerplexityTask(TaskSpec):
         reference = self.context or self.window  # what a budget ratio is taken of
         return Result(metrics, samples, {"window": self.window, "context": self.context, "tokens_scored": count,
                                          "clamped_requests": clamped(policy, [reference] * len(samples)),
-                                         **simulated_held(model, policy, self.window, self.context),
+                                         **simulated_held(model, policy, self.window, self.context, quant),
                                          "cpu_s": round(time.process_time() - cpu0, 1),  # this process, all threads
                                          **record(self.batch_size, [sizing])})
