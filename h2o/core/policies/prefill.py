@@ -10,7 +10,8 @@ position) and ranks what it returns above everything else: the same tokens as kv
 model whose scores kvpress computes in the same dtype: fp32 here, the keys' dtype there)."""
 import torch
 
-from .base import Counts, Policy, PolicyError
+from .base import Counts, Policy
+from .budget import Unsupported
 
 
 def by_position(pos: torch.Tensor, prio: torch.Tensor) -> torch.Tensor:
@@ -47,7 +48,7 @@ class PrefillOnly(Policy):
 
     def timed(self, compress: str) -> Policy:
         if compress == "decode":
-            raise PolicyError(f"compress=decode: {self.name} is defined at the end of a prompt only (kvpress's "
+            raise Unsupported(f"compress=decode: {self.name} is defined at the end of a prompt only (kvpress's "
                               f"rule); allowed: prefill")
         return super().timed(compress)
 
