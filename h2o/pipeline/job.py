@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 from h2o.assets.paths import atomic_write_text
 from h2o.assets.resources import check_fits_here
 from h2o.cli.args import fail
+from h2o.core.policies.budget import Unsupported
 from h2o.core.validate import BadInput
 from h2o.pipeline.jobs import read_served
 from h2o.pipeline.records import (append_jsonl, claim, clear_partial, env_info, finished, slurm_job_id, write_json,
@@ -103,8 +104,8 @@ def mirror(plan: RunSpec, record: dict) -> None:
 
 
 def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
-    """Run one composed config unless it is finished or held; returns its outcome (done, skipped, busy,
-    failed). ``sweep_dir`` None: a single run (bad input exits 2, errors raise); else a sweep's job, whose
+    """Run one composed config unless it is finished or held; returns its outcome (done, skipped, served,
+    refused, busy, failed). ``sweep_dir`` None: a single run (bad input exits 2, errors raise); else a sweep's job, whose
     outcome goes to ``<sweep_dir>/jobs.jsonl`` (and failures.jsonl). Also the body of a Slurm array task's
     runs (h2o.pipeline.launch)."""
     multirun = sweep_dir is not None
@@ -123,6 +124,11 @@ def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
     try:
         plan = prepare(cfg)
         check_fits_here(plan.model)
+    except Unsupported as exc:  # a combination that does not exist: listed as refused by the dry run too
+        if not multirun:
+            sys.exit(fail(exc))
+        log(f"refused {entry['overrides']}: {exc}")
+        return outcome("refused")
     except BadInput as exc:
         if not multirun:
             sys.exit(fail(exc))

@@ -28,9 +28,9 @@ from h2o.assets.resources import check_fits_here
 from h2o.cli.args import fail
 from h2o.core.validate import ConfigError
 from h2o.pipeline.job import attempt, log
-from h2o.pipeline.jobs import SERVED_FILE, classify, served_runs, summary
+from h2o.pipeline.jobs import SERVED_FILE, classify, served_runs
 from h2o.pipeline.records import read_jsonl, write_json
-from h2o.pipeline.sweep import BAD_INPUT, expand
+from h2o.pipeline.sweep import BAD_INPUT, expand, summary_line
 
 SWEEP_ENV = "H2O_SWEEP_ID"  # set by main() for a multirun; every job row of the sweep carries it
 PASSTHROUGH = ("--help", "-h", "--hydra-help", "--info", "-i", "--cfg", "-c", "--shell-completion", "-sc",
@@ -41,7 +41,7 @@ SLURM = "hydra/launcher=slurm"  # conf/hydra/launcher/slurm.yaml: the Slurm arra
 
 
 def run_job(cfg: DictConfig) -> str:
-    """One Hydra job: returns its outcome (done, skipped, busy, failed)."""
+    """One Hydra job: returns its outcome (done, skipped, served, refused, busy, failed)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail(exc)
         if multirun:
             works = classify(sweep.jobs, sweep.plans)
-            log(summary(works))
+            log(summary_line(sweep, works))
             sweep_id = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
             os.environ[SWEEP_ENV] = sweep_id  # each job row carries it: the summary counts this process's jobs
             if not any(a.startswith("hydra.sweep.dir=") for a in overrides):
@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     mine = lambda rows: [r for r in rows if r.get("sweep_id") == os.environ.get(SWEEP_ENV)]  # noqa: E731
     jobs = mine(read_jsonl(sweep_dir / "jobs.jsonl"))
     failures = mine(read_jsonl(sweep_dir / "failures.jsonl"))
-    counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "served", "busy", "failed")}
+    counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "served", "refused", "busy",
+                                                               "failed")}
     log(f"sweep {sweep_dir}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     for f in failures:
         log(f"FAILED job {f['job']} {' '.join(f['overrides'])}: {f['error']}")
