@@ -82,6 +82,7 @@ class AdaKV(Policy):
         p = self.inner
         self.heavy, self.recent, self.budget = p.heavy, p.recent, p.budget
         self.splits, self.needs_scores, self.reads_keys = p.splits, p.needs_scores, p.reads_keys
+        self.reads_queries = p.reads_queries
         self.compress = p.compress
 
     def timed(self, compress: str) -> Policy:
@@ -112,6 +113,12 @@ class AdaKV(Policy):
 
     def cut_score(self, acc, keys, held) -> torch.Tensor:
         return self.inner.cut_score(acc, keys, held)
+
+    def query_stats(self, queries, rows, pos, length):
+        return self.inner.query_stats(queries, rows, pos, length)
+
+    def query_score(self, stats, keys, values, pos, held) -> torch.Tensor:
+        return self.inner.query_score(stats, keys, values, pos, held)
 
     # the rule of this wrapper: one top-k over the layer's heads
     def safe(self, total: torch.Tensor) -> torch.Tensor:
