@@ -124,8 +124,8 @@ NOTES = [
     "- Exact ties: kvpress keeps what `scores.topk(n)` returns, and where scores tie at the budget's edge that is "
     "torch's choice, neither the newest nor the oldest token. Ties are common in two places: knorm at layer 0 "
     "(RoPE is a rotation, so every occurrence of a token has the same key norm) and snapkv/pyramidkv with a budget "
-    "below the window (the window's tokens share one score). Ours runs the same `topk` on the same row "
-    "(h2o/core/policies/prefill.py, `kvpress_first`), so both keep the same tokens on the same device.",
+    "below the window (the window's tokens share one score), and Ada-KV's cut over those. Ours runs the same "
+    "`topk` on the same row (h2o/core/policies/kvpress_select.py), so both keep the same tokens on the same device.",
     "- `random`: kvpress draws from torch's generator, ours hashes (head, position): equal only in distribution.",
     "- Decode timing, `streaming_llm`: kvpress's DecodingPress re-scores a cache that ScorerPress gathered in top-k "
     "order, so position-based scores read slots as positions; `streaming_llm_ordered` (kvpress's press with the "
