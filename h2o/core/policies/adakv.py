@@ -126,8 +126,12 @@ class AdaKV(Policy):
         """prio (B, H, S) of the held slots ``valid`` (B, H, S) bool at positions ``pos`` (B, H, S) -> (B, H, S)
         bool the kept ones: each head's top ``n_safe``, then the layer's top ``H * total`` (B,). ``arriving``
         (B, H, S) bool (a decoding step's token): kept first. Slots may be in any order."""
-        if arriving is None:  # a cut: kvpress's own ops, so that exact ties go its way
-            return kvpress_adakv(prio, pos, valid, counts.total, self.safe(counts.total))
+        if arriving is None:  # a cut: kvpress's own ops where it has a rule, so that exact ties go its way
+            kept, own = kvpress_adakv(prio, pos, valid, counts.total, self.safe(counts.total),
+                                      getattr(self.inner, "newest_upto", 0))
+            if bool(own.all()):
+                return kept
+            return torch.where(own.view(-1, 1, 1), kept, self.keep(prio, pos, valid, counts, torch.zeros_like(valid)))
         B, H, S = prio.shape
         first = valid & arriving if arriving is not None else torch.zeros_like(valid)
         prio = torch.where(valid, prio, -torch.inf)

@@ -43,14 +43,19 @@ def kvpress_topk(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, tot
 
 
 def kvpress_adakv(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, total: torch.Tensor,
-                  safe: torch.Tensor) -> torch.Tensor:
+                  safe: torch.Tensor, newest_upto: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """AdaKVPress: per sequence, each head's ``topk(n_safe)`` (``safe`` (B,)) raised to the dtype's maximum, then the
     ``H * (length - n)`` lowest of the layer's ``H * length`` scores (``topk`` of their negation over the flattened
-    heads) removed -> (B, H, S) bool kept. A sequence that keeps everything keeps every valid slot."""
+    heads) removed -> ((B, H, S) bool kept, (B,) bool decided: False for a sequence of at most ``newest_upto``
+    tokens, where kvpress has no rule and the caller decides). A sequence that keeps everything keeps every valid
+    slot."""
     rows, index, lengths = rows_by_position(prio, pos, valid)
     kept = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)  # (B, H, L + 1)
+    own = torch.tensor([length > newest_upto for length in lengths], dtype=torch.bool)  # (B,)
     H = rows.shape[1]
     for b, (length, n, n_safe) in enumerate(zip(lengths, total.tolist(), safe.tolist())):
+        if not own[b]:
+            continue
         if n >= length:
             kept[b, :, :length] = True
             continue
@@ -61,4 +66,4 @@ def kvpress_adakv(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, to
         mask = torch.ones(H * length, dtype=torch.bool, device=s.device)
         mask[pruned] = False
         kept[b, :, :length] = mask.view(H, length)
-    return kept.gather(-1, index) & valid
+    return kept.gather(-1, index) & valid, own.to(prio.device)
