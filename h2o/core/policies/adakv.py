@@ -30,7 +30,8 @@ from .base import Counts, Policy, PolicyError
 from .kvpress_select import kvpress_adakv
 
 # the inner policies' options this wrapper passes on (null in conf/policy/adakv.yaml: the inner's default)
-INNER_OPTIONS = ("window", "kernel", "beta", "score", "decay", "seed", "sinks")
+INNER_OPTIONS = ("window", "kernel", "beta", "score", "decay", "seed", "sinks", "n_future_positions", "n_sink",
+                 "use_covariance", "use_vnorm", "epsilon", "history", "count")
 NOT_INNER = ("full", "h2o_reference")  # keeps everything; the paper code's rule (simulated only, no cut)
 
 
@@ -84,6 +85,7 @@ class AdaKV(Policy):
         p = self.inner
         self.heavy, self.recent, self.budget = p.heavy, p.recent, p.budget
         self.splits, self.needs_scores, self.reads_keys = p.splits, p.needs_scores, p.reads_keys
+        self.reads_queries = p.reads_queries
         self.compress = p.compress
 
     def timed(self, compress: str) -> Policy:
@@ -106,6 +108,9 @@ class AdaKV(Policy):
     def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
         return self.inner.priority(pos, acc, now, counts)
 
+    def new_state(self, B: int, H: int, S: int, device: torch.device) -> torch.Tensor:
+        return self.inner.new_state(B, H, S, device)
+
     def accumulate(self, acc, probs, valid=None) -> None:
         self.inner.accumulate(acc, probs, valid)
 
@@ -114,6 +119,12 @@ class AdaKV(Policy):
 
     def cut_score(self, acc, keys, held) -> torch.Tensor:
         return self.inner.cut_score(acc, keys, held)
+
+    def query_stats(self, queries, rows, pos, length):  # an inner that reads the prompt's queries (reads_queries)
+        return self.inner.query_stats(queries, rows, pos, length)
+
+    def query_score(self, stats, keys, values, pos, held) -> torch.Tensor:
+        return self.inner.query_score(stats, keys, values, pos, held)
 
     # the rule of this wrapper: one top-k over the layer's heads
     def safe(self, total: torch.Tensor) -> torch.Tensor:

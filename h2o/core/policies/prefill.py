@@ -7,7 +7,8 @@ positions per KV head, run as kvpress runs it, so exact ties go the same way (:m
 """
 import torch
 
-from .base import Counts, Policy, PolicyError
+from .base import Counts, Policy
+from .budget import Unsupported
 from .kvpress_select import kvpress_topk
 
 
@@ -22,7 +23,7 @@ class PrefillOnly(Policy):
 
     def timed(self, compress: str) -> Policy:
         if compress == "decode":
-            raise PolicyError(f"compress=decode: {self.name} is defined at the end of a prompt only (kvpress's "
+            raise Unsupported(f"compress=decode: {self.name} is defined at the end of a prompt only (kvpress's "
                               f"rule); allowed: prefill")
         return super().timed(compress)
 
