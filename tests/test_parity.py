@@ -190,3 +190,15 @@ def test_kvpress_side_bad_input_before_any_import(tmp_path):
                           "--methods", "snapkv,h2o"], capture_output=True, text=True)
     assert run.returncode == 2
     assert run.stderr.strip().startswith("kvpress_side: --methods h2o: allowed:") and "\n" not in run.stderr.strip()
+
+
+def test_kvpress_side_refuses_a_bad_variant(tmp_path):
+    """--variants names presses with options; an unknown press is refused in one line, exit 2."""
+    variants = tmp_path / "v.json"
+    variants.write_text(json.dumps({"snapkv_w8": ["snapkvv", {"window_size": 8}]}))
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "parity" / "kvpress_side.py"), "--prompts",
+                          str(tmp_path / "none.json"), "--model", str(tmp_path), "--out", str(tmp_path / "o"),
+                          "--methods", "snapkv_w8", "--variants", str(variants)], capture_output=True, text=True)
+    assert run.returncode == 2
+    err = run.stderr.strip()
+    assert err.startswith(f"kvpress_side: --variants {variants}: snapkv_w8: ['snapkvv', ") and "\n" not in err
