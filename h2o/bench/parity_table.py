@@ -12,8 +12,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from h2o.bench.parity_golden import RECORD, TOLERANCE
-from h2o.bench.parity_methods import DECODE_ONLY, EXTRA, OURS, kept
+from h2o.bench.parity_methods import DECODE_ONLY, EXTRA, OURS, RECORD, TOLERANCE, kept
 
 
 def load(path: Path) -> list[dict]:
