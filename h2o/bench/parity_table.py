@@ -12,6 +12,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from h2o.bench.parity_golden import RECORD, TOLERANCE
 from h2o.bench.parity_methods import DECODE_ONLY, EXTRA, OURS, kept
 
 
@@ -56,7 +57,7 @@ def largest_gap(groups: dict, method: str, ratio: float, timing: str, kind: str)
     return max(abs(sides[0][p] - sides[1][p]) for p in common) if common else None
 
 
-def write_table(out: Path, table: Path, prompts: dict) -> None:
+def write_table(out: Path, table: Path, prompts: dict, golden: Path | None = RECORD) -> None:
     groups = defaultdict(list)
     for r in load(out / "kvpress.jsonl") + load(out / "ours.jsonl"):
         groups[(r["side"], r["method"], r["ratio"], r["timing"])].append(r)
@@ -110,5 +111,48 @@ def write_table(out: Path, table: Path, prompts: dict) -> None:
         total[side] += s["seconds"]
     lines += ["Time: " + ", ".join(f"{side} side {sec:.0f} s" for side, sec in sorted(total.items()))
               + " (1 thread each).", ""]
+    lines += NOTES + golden_section(golden)
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text("\n".join(lines))
+
+
+NOTES = [
+    "## Reading the table",
+    "",
+    "- Equal means the same tokens kept: a per-prompt gap of ~1e-6 in NLL per token is fp32 arithmetic (two "
+    "attention implementations, two transformers versions); one token kept differently moves it by ~1e-3 or more.",
+    "- Exact ties: kvpress keeps what `scores.topk(n)` returns, and where scores tie at the budget's edge that is "
+    "torch's choice, neither the newest nor the oldest token. Ties are common in two places: knorm at layer 0 "
+    "(RoPE is a rotation, so every occurrence of a token has the same key norm) and snapkv/pyramidkv with a budget "
+    "below the window (the window's tokens share one score). Ours runs the same `topk` on the same row "
+    "(h2o/core/policies/prefill.py, `kvpress_first`), so both keep the same tokens on the same device.",
+    "- `random`: kvpress draws from torch's generator, ours hashes (head, position): equal only in distribution.",
+    "- Decode timing, `streaming_llm`: kvpress's DecodingPress re-scores a cache that ScorerPress gathered in top-k "
+    "order, so position-based scores read slots as positions; `streaming_llm_ordered` (kvpress's press with the "
+    "kept keys in position order, a diagnostic) equals ours (docs/methods.md, \"A finding\").",
+    "- PyramidKV at 20% of 1,024 tokens: its pyramid needs `L (1 - r) >= beta * window` (1,280 tokens at the "
+    "defaults), so it falls back to one budget per layer, `round(L (1 - r))` (205, SnapKV's `int` gives 204).",
+    "",
+]
+
+
+def golden_section(golden: Path | None) -> list[str]:
+    """The CI golden numbers (tests/data/parity_golden/kvpress.json, :mod:`h2o.bench.parity_golden`): what was
+    recorded and the largest gap of ours when it was."""
+    if golden is None or not golden.is_file():
+        return []
+    g = json.loads(golden.read_text())
+    m = g["model"]
+    rows = [f"| `{name}` | {c['press']}{' ' + json.dumps(c['press_options']) if c['press_options'] else ''} | "
+            f"{c['timing']} | " + ("statistical: not compared" if c["statistical"] else
+                                   f"{g['largest_gap'][name]:.1e}" if name in g["largest_gap"] else "not built yet")
+            + " |" for name, c in g["cases"].items()]
+    return ["## Golden numbers in CI", "",
+            f"`{g['made_by']}` recorded kvpress {g['kvpress']}'s figures (transformers {g['transformers']}) on a "
+            f"random {m['arch']} of {m['layers']} layers (seed {m['seed']}) whose weights are committed in "
+            f"{m['folder']}/ (sha256 `{m['sha256'][:12]}...`), {len(g['prompts']['ppl'])} contexts of "
+            f"{g['prompts']['context_len']} random token ids each continued by {g['prompts']['cont_len']}, "
+            f"compression ratios {', '.join(map(str, g['ratios']))}. tests/test_parity_golden.py runs ours on the same "
+            f"weights and ids and fails where a method's NLL per token moves from kvpress's by more than {TOLERANCE:g} "
+            "(h2o/bench/parity_golden.py); the largest gap over the records when they were made:", "",
+            "| case | kvpress press (options) | timing | largest gap |", "| --- | --- | --- | --- |", *rows, ""]

@@ -31,14 +31,15 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from h2o.pipeline.jobs import SERVED_FILE, classify, read_served, served_runs, summary
+from h2o.pipeline.jobs import SERVED_FILE, classify, read_served, served_runs
 from h2o.pipeline.plan import Plan, prepare
 from h2o.pipeline.records import (CONF, append_jsonl, claim, clear_partial, env_info, finished, read_jsonl,
                                   slurm_job_id, write_json, write_jsonl)
 from h2o.assets.paths import atomic_write_text
 from h2o.assets.resources import check_fits_here
+from h2o.core.policies.budget import Unsupported
 from h2o.core.validate import ConfigError, fail
-from h2o.pipeline.sweep import BAD_INPUT, expand
+from h2o.pipeline.sweep import BAD_INPUT, expand, summary_line
 from h2o.tasks.progress import recording, resumed
 
 PARTIAL = "partial"  # per-request results of an unfinished run (resume inside a run)
@@ -114,7 +115,7 @@ def mirror(cfg: DictConfig, plan: Plan, record: dict) -> None:
 
 
 def run_job(cfg: DictConfig) -> str:
-    """One Hydra job: returns its outcome (done, skipped, busy, failed)."""
+    """One Hydra job: returns its outcome (done, skipped, served, refused, busy, failed)."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -146,6 +147,11 @@ def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
     try:
         plan = prepare(cfg)
         check_fits_here(plan.model)
+    except Unsupported as exc:  # a combination that does not exist: listed as refused by the dry run too
+        if not multirun:
+            sys.exit(fail(exc))
+        log(f"refused {entry['overrides']}: {exc}")
+        return outcome("refused")
     except BAD_INPUT as exc:
         if not multirun:
             sys.exit(fail(exc))
@@ -210,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail(exc)
         if multirun:
             works = classify(sweep.jobs, sweep.plans)
-            log(summary(works))
+            log(summary_line(sweep, works))
             sweep_id = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
             os.environ[SWEEP_ENV] = sweep_id  # each job row carries it: the summary counts this process's jobs
             if not any(a.startswith("hydra.sweep.dir=") for a in overrides):
@@ -230,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     mine = lambda rows: [r for r in rows if r.get("sweep_id") == os.environ.get(SWEEP_ENV)]  # noqa: E731
     jobs = mine(read_jsonl(sweep_dir / "jobs.jsonl"))
     failures = mine(read_jsonl(sweep_dir / "failures.jsonl"))
-    counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "served", "busy", "failed")}
+    counts = {s: sum(j["status"] == s for j in jobs) for s in ("done", "skipped", "served", "refused", "busy",
+                                                               "failed")}
     log(f"sweep {sweep_dir}: " + ", ".join(f"{v} {k}" for k, v in counts.items()))
     for f in failures:
         log(f"FAILED job {f['job']} {' '.join(f['overrides'])}: {f['error']}")

@@ -6,16 +6,19 @@
 Nothing is loaded: each job's config is composed and checked by :func:`h2o.pipeline.plan.prepare`. ``h2o-run -m`` calls
 :func:`expand` first, so a bad value in any job stops the sweep before the first model load (exit status 2).
 Jobs that share a run folder (``policy=full`` crossed with budgets) are listed once, then as ``dup``; a job served
-by the full run as ``served`` (h2o.pipeline.jobs).
+by the full run as ``served`` (h2o.pipeline.jobs). A job whose combination does not exist (a compression timing its
+method or task does not define: h2o.core.policies.budget.Unsupported) is listed as ``refused`` with the reason and
+is not run; a single run of it exits 2 with that line.
 """
 from __future__ import annotations
 
 import copy
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from h2o.core.policies.budget import Unsupported
 from h2o.core.validate import BadInput, ConfigError, abbrev, check, fail, output_dir
 from h2o.pipeline.jobs import classify, summary
 from h2o.pipeline.plan import Plan, prepare
@@ -29,6 +32,7 @@ class Sweep:
     jobs: list[list[str]]  # the override list of each job, in launch order
     plans: list[Plan]
     sweep_dir: str  # hydra.sweep.dir, resolved (multirun only)
+    refused: list[tuple[list[str], str]] = field(default_factory=list)  # (job overrides, why), not in ``jobs``
 
 
 def _compose(overrides: list[str], hydra_cfg: bool = False):
@@ -172,10 +176,15 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
         try:
             check_overrides(overrides)
             jobs, sweep_dir = job_overrides(overrides, multirun)
-            plans, compose = [], Composer()
+            plans, kept, refused, compose = [], [], [], Composer()
             for job in jobs:
                 try:
                     plans.append(prepare(compose(job)))
+                    kept.append(job)
+                except Unsupported as exc:
+                    if not multirun:
+                        raise
+                    refused.append((job, str(exc)))
                 except BAD_INPUT as exc:
                     raise type(exc)(f"{exc}  [job: {' '.join(abbrev(a, 80, quote=False) for a in job)}]") from None
         except BAD_INPUT:
@@ -184,7 +193,7 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
             raise ConfigError(one_line(exc)) from None
     if multirun:
         output_dir("hydra.sweep.dir", sweep_dir)
-    return Sweep(jobs, plans, sweep_dir)
+    return Sweep(kept, plans, sweep_dir, refused)
 
 
 def status(sweep: Sweep) -> list[str]:
@@ -202,8 +211,14 @@ def describe(sweep: Sweep, root: Path | None = None) -> str:
         folder = plan.path.relative_to(root) if root and plan.path.is_relative_to(root) else plan.path
         lines.append(f"{i:>4} {state:6} {plan.model.name:14} {plan.task.name:12} {plan.task.shots:>5} "
                      f"{p.name:14} {budget:8} {folder}")
-    lines.append(summary(works))
+    lines += [f"   - refused {' '.join(job)}: {why}" for job, why in sweep.refused]
+    lines.append(summary_line(sweep, works))
     return "\n".join(lines)
+
+
+def summary_line(sweep: Sweep, works) -> str:
+    """:func:`h2o.pipeline.jobs.summary` and the refused jobs' count."""
+    return summary(works) + (f"; {len(sweep.refused)} refused (not run)" if sweep.refused else "")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,11 @@ ratios.
 Only the model call changes:
 * log-likelihood requests (multiple choice): one forward pass per batch inside ``attach(model, policy)``, the
   simulated eviction mask; the budget is a ratio of each request's own length (context + continuation, less
-  the last token, which is never an input).
+  the last token, which is never an input). With ``compress=prefill`` (kvpress's protocol; the methods defined at
+  a prompt's end: snapkv, knorm, ...) each request's prompt is its context: the context is compressed once to a
+  ratio of its own length when it ends, the continuation sees what is held plus itself, and nothing after is
+  evicted (rows sharing a continuation length share one forward with ``prompt_len``; tests/test_methods_experiment.py
+  checks the result against the evicting cache fed the context, then the continuation).
 * generation requests: ``model.generate`` inside ``attach(model, policy, mode="real")`` with a fresh evicting
   cache per call (left-padded batches); the budget is a ratio of each prompt's length, and each generated row's
   ``(prompt tokens, budget tokens)`` is kept in ``budgets`` (in the order lm-eval generates).
@@ -64,7 +68,7 @@ from lm_eval.models.huggingface import HFLM
 from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
-from h2o.core.quant import Quantizer
+from h2o.core.quant import QuantError, Quantizer
 from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 
@@ -154,8 +158,11 @@ class H2OLM(HFLM):
         """``policy`` and ``quant``: names with their options in ``kwargs`` (model_args), or built objects."""
         policy = lm_policy(policy, kwargs, semantics)
         quant_args = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)}
-        quantizer = quant if quant is None or isinstance(quant, Quantizer) else make_lm_quant(quant, quant_args,
-                                                                                                pretrained)
+        if isinstance(quant, str):
+            quant = make_lm_quant(quant, quant_args, pretrained)
+        elif quant_args:
+            raise QuantError(f"--model_args {', '.join(quant_args)}: options of a named quant; a built quantizer "
+                             f"({quant!r}) takes none")
         if scoring not in SCORING:
             raise PolicyError(f"scoring={scoring!r}: allowed: {', '.join(SCORING)}")
         check_batch_size(from_text(kwargs.get("batch_size", 1)), "batch_size", schedule=True)
@@ -164,14 +171,15 @@ class H2OLM(HFLM):
             kwargs["device"] = "cpu"
         super().__init__(pretrained=resolve_pretrained(pretrained), **kwargs)
         # the quantizer every cache of this model stores with, bound: checks the head size and rotary embeddings
-        self.quant = quantizer.bind(self.model) if quantizer is not None else None
+        self.quant = quant.bind(self.model) if quant is not None else None
         self.policy, self.scoring = policy, scoring
-        self._known: set[tuple[int, ...]] = set()
+        self._known: dict[tuple[int, ...], set[int]] = {}  # each request's model input -> its context tokens
         self.cont_tokens: dict[tuple[str, str], int] = {}  # (context, continuation) -> continuation tokens
         self._per_token = False
         self.stats = {"rows": 0, "tokens": 0, "unmatched_rows": 0, "clamped": 0}  # clamped: h2o.tasks.base.clamped
         self.sizings: list[Sizing] = []  # batch sizes chosen for batch_size=auto (h2o.tasks.batching)
         self.budgets: list[tuple[int, int]] = []  # per generated row: (prompt tokens, cache budget in tokens)
+        self.footprints: list[tuple[dict, int]] = []  # per generate call: the cache at its end, the rows
         self.questions: dict[str, str] = {}  # generation context -> the question that ends it (doc["question"])
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
@@ -183,8 +191,12 @@ class H2OLM(HFLM):
             self._per_token = False
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
-        # the exact model input of each request, as HFLM builds it (left-truncated, last token dropped)
-        self._known = {tuple((ctx + cont)[-(self.max_length + 1):][:-1]) for _, ctx, cont in requests}
+        # the exact model input of each request, as HFLM builds it (left-truncated, last token dropped), and how
+        # many of its tokens are context (the left cut takes context first; at least one token of prompt)
+        self._known = {}
+        for _, ctx, cont in requests:
+            inp = tuple((ctx + cont)[-(self.max_length + 1):][:-1])
+            self._known.setdefault(inp, set()).add(max(len(inp) - (len(cont) - 1), 1))
         self.cont_tokens.update({key: len(cont) for key, _, cont in requests if key is not None})
         res = super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         if self._per_token:
@@ -220,8 +232,9 @@ class H2OLM(HFLM):
         self.sizings.append(sizing)
         return sizing.size
 
-    def true_lengths(self, inps: torch.Tensor) -> torch.Tensor:
-        """(B, T) right-padded input ids -> (B,) true length of each row (see the module docstring)."""
+    def true_lengths(self, inps: torch.Tensor, prompts: list | None = None) -> torch.Tensor:
+        """(B, T) right-padded input ids -> (B,) true length of each row (see the module docstring); ``prompts``:
+        a list to receive each row's context tokens (an unmatched row: all of it)."""
         lengths = []
         for row in inps.tolist():
             end = len(row)
@@ -231,11 +244,28 @@ class H2OLM(HFLM):
             if match is None:
                 self.stats["unmatched_rows"] += 1
             lengths.append(len(row) if match is None else match)
+            if prompts is not None:
+                prompts.append(self.prompt_of(row[:match]) if match is not None else len(row))
         return torch.tensor(lengths, device=inps.device)
+
+    def prompt_of(self, inp: list[int]) -> int:
+        """The context tokens of the request whose model input is ``inp`` (compress=prefill compresses them)."""
+        found = self._known[tuple(inp)]
+        if len(found) > 1:
+            raise PolicyError(f"compress=prefill: two requests give one model input of {len(inp)} tokens with "
+                              f"contexts of {sorted(found)} tokens, so the prompt to compress is ambiguous; "
+                              f"allowed: compress=decode for this task")
+        return next(iter(found))
+
+    @property
+    def prefill(self) -> bool:
+        """Whether log-likelihood requests compress their context once (``compress=prefill``, a budget < 100%)."""
+        return self.policy.evicts and self.policy.compress == "prefill" and not self.policy.is_full
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         """inps (B, T) -> logits (B, T, V) under the policy's simulated mask."""
-        lengths = self.true_lengths(inps) if attn_mask is None else attn_mask.sum(-1)
+        prompts: list[int] = []
+        lengths = self.true_lengths(inps, prompts) if attn_mask is None else attn_mask.sum(-1)
         self.stats["rows"] += inps.shape[0]
         self.stats["tokens"] += int(lengths.sum())
         if attn_mask is not None:
@@ -245,15 +275,27 @@ class H2OLM(HFLM):
             if isinstance(self.policy, H2OReference):  # the paper code's rule: one unpadded sequence at a time
                 out = None
                 for b, n in enumerate(lengths.tolist()):
-                    with attach(self.model, self.policy, quant=self.quant):
+                    with attach(self.model, self.policy, prompt_len=prompts[b] if self.prefill else 0,
+                                quant=self.quant):
                         logits = self.model(inps[b:b + 1, :n], use_cache=False).logits  # (1, n, V)
                     if out is None:
                         out = logits.new_zeros(inps.shape[0], inps.shape[1], logits.shape[-1])
                     out[b, :n] = logits[0]
                 return out
             left, mask = to_left_padding(inps, lengths)  # (B, T) each
-            with attach(self.model, self.policy, quant=self.quant):
-                logits = self.model(left, attention_mask=mask.long(), use_cache=False).logits  # (B, T, V)
+            if not self.prefill:
+                with attach(self.model, self.policy, quant=self.quant):
+                    logits = self.model(left, attention_mask=mask.long(), use_cache=False).logits  # (B, T, V)
+                return from_left_padding(logits, lengths)
+            after = lengths.cpu() - torch.tensor(prompts)  # (B,) continuation inputs: the prompt ends at T - after
+            logits = None
+            for c in sorted(set(after.tolist())):
+                rows = (after == c).nonzero().flatten().to(inps.device)
+                with attach(self.model, self.policy, prompt_len=inps.shape[1] - c, quant=self.quant):
+                    part = self.model(left[rows], attention_mask=mask[rows].long(), use_cache=False).logits
+                if logits is None:
+                    logits = part.new_zeros(inps.shape[0], *part.shape[1:])  # (B, T, V)
+                logits[rows] = part
             return from_left_padding(logits, lengths)
 
     # ---------------------------------------------------------------------- generation (real cache)
@@ -282,4 +324,5 @@ class H2OLM(HFLM):
         prompt = (mask.sum(-1) if mask is not None else torch.full((context.shape[0],), context.shape[1])).tolist()
         held = prompt if self.policy.is_full else cache.layers[0].host_total  # a full policy never evicts
         self.budgets.extend(zip(prompt, held))
+        self.footprints.append((cache.footprint(), context.shape[0]))
         return out

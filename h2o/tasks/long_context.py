@@ -167,6 +167,7 @@ class LongContextTask(TaskSpec):
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
                 "clamped_requests": clamped(policy, [n for n, _ in lm.budgets]),  # a ratio of each prompt
+                **kv_end(lm.footprints),
                 "cpu_s": round(time.process_time() - cpu0, 1),  # this process's CPU time in the task, all threads
                 **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
         return Result(metrics, samples, info)
@@ -182,6 +183,18 @@ class LongContextTask(TaskSpec):
         length = int(doc["max_length"])
         return {"doc_id": s["doc_id"], "length": length, "target": doc["outputs"], "generation": generation,
                 "acc": float(s[str(length)])}
+
+
+def kv_end(footprints: list[tuple[dict, int]]) -> dict:
+    """The evicting cache at the end of the generations (:meth:`h2o.core.cache.EvictingCache.footprint` of each
+    batch, its rows), per prompt: token x KV head entries held, their bytes, and the bytes stored (padding and the
+    empty slots of uneven heads included)."""
+    rows = sum(n for _, n in footprints)
+    if not rows:
+        return {}
+    per = lambda key: sum(f[key] for f, _ in footprints) / rows  # noqa: E731
+    return {"kv_tokens_end": round(per("tokens_held"), 1), "kv_bytes_end": round(per("bytes_held")),
+            "kv_bytes_stored": round(per("bytes_stored"))}
 
 
 def cells(samples: list[dict], by_depth: bool) -> list[dict]:

@@ -31,7 +31,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from .budget import BudgetPart, Counts, PolicyError, check_part, to_count  # noqa: F401 (re-exported)
+from .budget import BudgetPart, Counts, PolicyError, Unsupported, check_part, to_count  # noqa: F401 (re-exported)
 from .checks import BudgetChecks
 
 TIER = float(2**40)  # priority tiers: tier * TIER + position, exact in float64 (positions < 2**40)
@@ -159,7 +159,7 @@ class Policy(BudgetChecks):
         if compress not in COMPRESS:
             raise PolicyError(f"compress={compress!r}: allowed: {', '.join(COMPRESS)}")
         if compress != "decode" and not self.evicts:
-            raise PolicyError(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
+            raise Unsupported(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
                               f"allowed: decode")
         self.compress = compress
         return self

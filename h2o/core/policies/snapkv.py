@@ -4,22 +4,23 @@
 Score, per sequence with L prompt tokens, for the keys j < L - w (w = ``window``): the attention of the last w
 queries (each a softmax over every key it sees, the window included), averaged over those w rows, average-pooled
 along positions (``kernel``, stride 1, zero padding ``kernel // 2``, every output divided by ``kernel``; the window
-columns are not pooled in), averaged over each KV head's G query heads. The window's own w tokens get the largest
-score + 1, so they are always kept and the budget includes them. Defaults: w = 64, kernel = 5 (kvpress's).
+columns are not pooled in), averaged over each KV head's G query heads. The budget includes the window (below).
+Defaults: w = 64, kernel = 5 (kvpress's).
 
 Sums over rows and heads and the pooling are linear, so ``acc`` accumulates the window rows' attention summed
 over the G heads, divided by ``w * G`` (:meth:`accumulate_prompt`, told each row's place), and the pooling runs
 once at the cut (:meth:`priority`), by position (pads and slot order do not matter).
 
-Where kvpress asserts ``L > w``, a prompt of at most ``w`` tokens here is all window: the newest ``n`` are kept
-(likewise a budget below ``w``: the window's ties go to the newest, kvpress's to topk's order).
-Per-sequence maximum for the window's score (kvpress: the batch's maximum; the same for one sequence).
+The window's own tokens get kvpress's score, the largest score of the sequence's scored keys (all its KV heads)
++ 1, so they are all kept while the budget ``n`` is at least ``w``; below, kvpress's ``topk`` chooses among them
+(:func:`.prefill.kvpress_first`). Where kvpress asserts ``L > w``, a prompt of at most ``w`` tokens here is all
+window: the newest ``n`` are kept. Per-sequence maximum (kvpress: the batch's; the same for one sequence).
 """
 import torch
 import torch.nn.functional as F
 
 from .base import Counts, PolicyError, bcast
-from .prefill import PrefillOnly
+from .prefill import PrefillOnly, kvpress_first
 
 
 class SnapKV(PrefillOnly):
@@ -55,7 +56,8 @@ class SnapKV(PrefillOnly):
         score = pooled.gather(-1, pos.clamp(min=0))  # (B, H, S)
         top = torch.where(scored, score, -torch.inf).amax((1, 2), keepdim=True)  # (B, 1, 1)
         top = torch.where(torch.isfinite(top), top, 0.0) + 1  # a prompt of at most w tokens: all window
-        return torch.where(scored, score, top)
+        prio = torch.where(scored, score, top)  # (B, H, S) kvpress's row: the window at the maximum + 1
+        return kvpress_first(pos, prio, now, counts, skip=(now < self.window).tolist())  # at most w tokens: newest
 
     def describe(self):
         return {**super().describe(), "window": self.window, "kernel": self.kernel}
