@@ -315,3 +315,19 @@ def test_the_run_record_carries_tokens_held_and_bytes_stored():
     row = 2 * 4 * model.config.hidden_size // model.config.num_attention_heads  # fp32 key + value per token-head
     assert info["kv_bytes_per_seq"] > info["kv_held_bytes_per_seq"] > 0
     assert info["kv_held_bytes_per_seq"] == pytest.approx(info["kv_tokens_per_seq"] * row, abs=row)  # rounded
+
+
+@pytest.mark.parametrize("ratio, variant", [
+    (0.5, ("snapkv", {})),  # per-head budgets: the inner alone
+    (0.8, ("adakv", {"inner": "snapkv", "alpha_safeguard": 0.0})),  # no safeguard
+    (0.8, "ties"),  # the window's ties (51 kept < window 64) broken newer first, not by kvpress's topk
+])
+def test_kvpress_golden_numbers_catch_a_broken_variant(monkeypatch, ratio, variant):
+    """tests/test_parity_golden.py holds adakv_snapkv to kvpress's recorded NLL; each broken variant misses it."""
+    from h2o.core.policies.adakv import AdaKV
+    from tests.test_parity_golden import TOLERANCE, largest_gap, load_model
+
+    if variant == "ties":
+        monkeypatch.setattr(AdaKV, "kvpress_keep", lambda self, prio, pos, valid, counts, ranked: ranked)
+        variant = None
+    assert largest_gap(load_model(), "adakv_snapkv", ratio, variant) > 10 * TOLERANCE

@@ -26,6 +26,7 @@ import inspect
 import torch
 
 from .base import Counts, Policy, PolicyError
+from .prefill import PrefillOnly, by_position
 
 # the inner policies' options this wrapper passes on (null in conf/policy/adakv.yaml: the inner's default)
 INNER_OPTIONS = ("window", "kernel", "beta", "score", "decay", "seed", "sinks", "n_future_positions", "n_sink",
@@ -104,6 +105,10 @@ class AdaKV(Policy):
         return self.inner.is_full
 
     def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
+        """The inner's priority; for a kvpress scorer (a prefill-only inner) its score before its own per-head
+        ``topk`` choice (:meth:`PrefillOnly.scores`): the heads are ranked together here."""
+        if isinstance(self.inner, PrefillOnly):
+            return self.inner.scores(pos, acc, now, counts)
         return self.inner.priority(pos, acc, now, counts)
 
     def new_state(self, B: int, H: int, S: int, device: torch.device) -> torch.Tensor:
@@ -134,7 +139,41 @@ class AdaKV(Policy):
     def keep(self, prio, pos, valid, counts: Counts, arriving=None) -> torch.Tensor:
         """prio (B, H, S) of the held slots ``valid`` (B, H, S) bool at positions ``pos`` (B, H, S) -> (B, H, S)
         bool the kept ones: each head's top ``n_safe``, then the layer's top ``H * total`` (B,). ``arriving``
-        (B, H, S) bool (a decoding step's token): kept first. Slots may be in any order."""
+        (B, H, S) bool (a decoding step's token): kept first. Slots may be in any order. Ties: at a cut with a
+        kvpress scorer inside, kvpress's ``topk`` choice (:meth:`kvpress_keep`); else newer first, then the
+        lower head."""
+        ranked_keep = self.ranked_keep(prio, pos, valid, counts, arriving)
+        if arriving is not None or not isinstance(self.inner, PrefillOnly):
+            return ranked_keep
+        return self.kvpress_keep(prio, pos, valid, counts, ranked_keep)
+
+    def kvpress_keep(self, prio, pos, valid, counts: Counts, ranked_keep: torch.Tensor) -> torch.Tensor:
+        """A cut as kvpress's AdaKVPress makes it, on the row it builds (the scores by position, (H, L) per
+        sequence): ``topk`` picks each head's ``n_safe`` (raised to the dtype's maximum), then the ``H (L - n)``
+        pruned over the flattened row, so exact ties fall where its ``topk`` puts them (the same tokens as
+        kvpress on the same device). A sequence the inner keeps newest-first on ties takes ``ranked_keep``."""
+        held = torch.where(valid, pos, -1)
+        rows = by_position(held, prio)  # (B, H, L), -inf where not held
+        H = rows.shape[1]
+        now = held.amax((1, 2))  # (B,) the cut's last token
+        newest = self.inner.ties_kept_newest(now) or [False] * len(now)
+        kept = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
+        for b, (length, n, safe) in enumerate(zip((now + 1).tolist(), counts.total.tolist(),
+                                                  self.safe(counts.total).tolist())):
+            if newest[b] or n >= length:
+                continue
+            row = rows[b, :, :length].clone()  # (H, length)
+            row.scatter_(-1, row.topk(safe, dim=-1).indices, torch.finfo(row.dtype).max)
+            flat = torch.ones(H * length, dtype=torch.bool, device=row.device)
+            flat[(-row.reshape(-1)).topk(H * (length - n)).indices] = False
+            kept[b, :, :length] = flat.view(H, length)
+        chosen = kept.gather(-1, held.clamp(min=0)) & valid  # (B, H, S)
+        done = torch.tensor([not (x or n >= t + 1) for x, n, t in zip(newest, counts.total.tolist(), now.tolist())],
+                            device=pos.device).view(-1, 1, 1)
+        return torch.where(done, chosen, ranked_keep)
+
+    def ranked_keep(self, prio, pos, valid, counts: Counts, arriving=None) -> torch.Tensor:
+        """:meth:`keep` by one order: the safeguard, then the layer's top-k, ties newer first, then lower head."""
         B, H, S = prio.shape
         first = valid & arriving if arriving is not None else torch.zeros_like(valid)
         prio = torch.where(valid, prio, -torch.inf)

@@ -52,7 +52,15 @@ class PrefillOnly(Policy):
                               f"rule); allowed: prefill")
         return super().timed(compress)
 
+    def scores(self, pos, acc, now, counts: Counts) -> torch.Tensor:
+        """The score at the cut (:meth:`Policy.cut_score` or the accumulated one), (B, H, S) fp32, as kvpress's
+        press scores (before its per-head ``topk``: what adakv ranks across a layer's heads)."""
+        return acc
+
+    def ties_kept_newest(self, now: torch.Tensor) -> list[bool] | None:
+        """(B,) the sequences whose cut breaks ties newer first instead of by kvpress's ``topk`` (None: none)."""
+        return None
+
     def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
-        """The score at the cut (:meth:`Policy.cut_score` or the accumulated one), (B, H, S) fp32, kvpress's
-        ``topk`` choice first."""
-        return kvpress_first(pos, acc, now, counts)
+        """:meth:`scores`, kvpress's ``topk`` choice first."""
+        return kvpress_first(pos, self.scores(pos, acc, now, counts), now, counts, self.ties_kept_newest(now))

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .base import Counts, PolicyError, bcast
-from .prefill import PrefillOnly, kvpress_first
+from .prefill import PrefillOnly
 
 
 class SnapKV(PrefillOnly):
@@ -43,7 +43,7 @@ class SnapKV(PrefillOnly):
             rows &= valid
         acc += torch.einsum("bhgrs,br->bhs", probs, rows.to(probs.dtype)) / (self.window * G)
 
-    def priority(self, pos, acc, now, counts: Counts):
+    def scores(self, pos, acc, now, counts: Counts):
         """pos (B, H, S) (-1: not held), acc (B, H, S), now (B,) the prompt's last position -> (B, H, S) fp32."""
         B, H, S = pos.shape
         start = bcast(now + 1 - self.window)  # (B, 1, 1) the first window position
@@ -56,8 +56,11 @@ class SnapKV(PrefillOnly):
         score = pooled.gather(-1, pos.clamp(min=0))  # (B, H, S)
         top = torch.where(scored, score, -torch.inf).amax((1, 2), keepdim=True)  # (B, 1, 1)
         top = torch.where(torch.isfinite(top), top, 0.0) + 1  # a prompt of at most w tokens: all window
-        prio = torch.where(scored, score, top)  # (B, H, S) kvpress's row: the window at the maximum + 1
-        return kvpress_first(pos, prio, now, counts, skip=(now < self.window).tolist())  # at most w tokens: newest
+        return torch.where(scored, score, top)  # (B, H, S) kvpress's row: the window at the maximum + 1
+
+    def ties_kept_newest(self, now: torch.Tensor) -> list[bool]:
+        """A prompt of at most ``window`` tokens (kvpress asserts longer ones): the newest kept."""
+        return (now < self.window).tolist()
 
     def describe(self):
         return {**super().describe(), "window": self.window, "kernel": self.kernel}
