@@ -7,8 +7,9 @@ Rule at a cut (docs/methods.md): with the inner policy's priorities ``s`` (B, H,
 int(alpha_safeguard * n)`` tokens (at least 1 if alpha_safeguard > 0) are kept whatever their score (kvpress
 raises them to the dtype's maximum), then the ``H * n`` highest of the layer's ``H * S`` scores are kept: the
 layer keeps as many tokens as the inner policy, shared unevenly by its heads. The scores are compared across
-heads as they are (the inner score must be comparable across heads, as kvpress says). Ties: newer first, then
-the lower head (kvpress: ``topk``'s order).
+heads as they are (the inner score must be comparable across heads, as kvpress says). A prefill-only inner
+(kvpress's scorers) is ranked by its score before its own per-head choice (``PrefillOnly.scores``), and at a cut
+ties fall as kvpress's ``topk`` puts them (:meth:`AdaKV.kvpress_keep`); elsewhere newer first, then the lower head.
 
 Timings: the inner's, and every one it supports (a prefill-only inner refuses ``compress=decode`` as it does).
 ``decode``: each arriving token enters every head, then the layer is cut back to ``H * n`` the same way, the
