@@ -159,6 +159,7 @@ class AdaKV(Policy):
         now = held.amax((1, 2))  # (B,) the cut's last token
         newest = self.inner.ties_kept_newest(now) or [False] * len(now)
         kept = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)
+        cut = [False] * len(newest)  # (B,) the sequences kvpress's way decides (the others: nothing to drop)
         for b, (length, n, safe) in enumerate(zip((now + 1).tolist(), counts.total.tolist(),
                                                   self.safe(counts.total).tolist())):
             if newest[b] or n >= length:
@@ -167,11 +168,9 @@ class AdaKV(Policy):
             row.scatter_(-1, row.topk(safe, dim=-1).indices, torch.finfo(row.dtype).max)
             flat = torch.ones(H * length, dtype=torch.bool, device=row.device)
             flat[(-row.reshape(-1)).topk(H * (length - n)).indices] = False
-            kept[b, :, :length] = flat.view(H, length)
+            kept[b, :, :length], cut[b] = flat.view(H, length), True
         chosen = kept.gather(-1, held.clamp(min=0)) & valid  # (B, H, S)
-        done = torch.tensor([not (x or n >= t + 1) for x, n, t in zip(newest, counts.total.tolist(), now.tolist())],
-                            device=pos.device).view(-1, 1, 1)
-        return torch.where(done, chosen, ranked_keep)
+        return torch.where(torch.tensor(cut, device=pos.device).view(-1, 1, 1), chosen, ranked_keep)
 
     def ranked_keep(self, prio, pos, valid, counts: Counts, arriving=None) -> torch.Tensor:
         """:meth:`keep` by one order: the safeguard, then the layer's top-k, ties newer first, then lower head."""
