@@ -53,9 +53,9 @@ docs-results: install ## docs/results/*.md and their figures, regenerated from t
 ARGS ?=
 sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report; slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
 ifneq ($(DRY),)
-	$(PY) -m h2o.pipeline.launch experiment=$(EXP) --dry --list $(ARGS)
+	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=slurm --dry --list $(ARGS)
 else ifeq ($(LAUNCHER),slurm)
-	$(PY) -m h2o.pipeline.launch experiment=$(EXP) $(ARGS)
+	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=slurm $(ARGS)
 else
 	@mkdir -p runs && rm -f runs/.sweep-failed
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS) || touch runs/.sweep-failed

@@ -258,7 +258,7 @@ def test_hydra_lm_eval_and_the_api_build_the_same_policy():
     from lm_eval.utils import simple_parse_args_string
 
     from h2o.pipeline.plan import build
-    from h2o.pipeline.records import CONF
+    from h2o.assets.paths import CONF
     from h2o.pipeline.sweep import _compose
     from h2o.tasks.lm_eval_model import lm_policy
 

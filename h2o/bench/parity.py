@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 
 from h2o.bench.parity_methods import DECODE, DECODE_ONLY, EXTRA, OURS, RATIO_BUDGET, kept
-from h2o.core.validate import ArgParser, check, choice, guard, output_dir, output_file, positive_int, split_list
+from h2o.cli.args import ArgParser, choice, guard, positive_int, split_list
+from h2o.cli.paths import output_dir, output_file
+from h2o.core.validate import check
 
 NEEDLE_Q = "\n\nQuestion: What is the magic number mentioned in the text above?\nAnswer: The magic number is"
 ROOT = Path(__file__).resolve().parents[2]
