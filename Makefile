@@ -122,7 +122,8 @@ wandb: install ## mirror EXP's records in runs/ to wandb (offline unless WANDB_M
 # options (--contexts, --needles, --context-len, --cont-len, --ratios, --methods, --decode, --out). Measured with
 # --contexts 2 --needles 1 --context-len 1024 --cont-len 128 --ratios 0.8 --decode: 41 min (kvpress side) beside
 # 31 min (ours) on 2 shared cores at load ~12; the defaults (2 x 2,048-token contexts, 2 needles, 3 ratios) are
-# several times that.
+# several times that. PARITY_ARGS=--golden instead records CI's golden numbers (kvpress on the committed tiny model,
+# tests/data/parity_golden/kvpress.json; about a minute) and checks ours against them.
 PARITY_ARGS ?= --decode
 parity: install ## kvpress 0.5.5 beside the harness, same prompts (own venv .parity-venv; PARITY_ARGS) -> docs/results/parity.md
 	tools/parity/setup_venv.sh .parity-venv

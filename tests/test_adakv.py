@@ -204,6 +204,37 @@ def test_quantized_cache_holds_and_attends_to_the_same_values(compress):
     assert (held[:, 0] != held[:, 1]).any()  # uneven heads: not vacuous
 
 
+def test_beam_search_moves_each_beams_uneven_heads_with_it():
+    """generate with 4 beams (two left-padded prompts of different lengths, decode timing): at every step each
+    sequence's layer holds its total (its heads unevenly); each returned beam's score is its tokens' log-probability
+    fed alone through the evicting cache, so every reorder moved the padded heads with their beam."""
+    from transformers import StoppingCriteriaList
+
+    from tests.test_beam_search import BEAMS, GEN, Held, alone, prompts
+
+    model = tiny_model("llama")
+    lengths = [20, 14]
+    ids, mask = prompts(lengths, seed=1)
+    policy = make_policy("adakv", inner="h2o", budget=0.3, compress="decode")
+    totals = torch.tensor([int(policy.counts(torch.tensor([n])).total) for n in lengths]).repeat_interleave(4)
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        held = Held(h)
+        out = model.generate(ids, attention_mask=mask, cache=h.new_cache(), num_return_sequences=2,
+                             stopping_criteria=StoppingCriteriaList([held]), return_dict_in_generate=True,
+                             output_scores=True, **BEAMS)
+    uneven = False
+    for step in held.steps:
+        for n_held, slots in step:  # (B * beams, Hkv)
+            assert torch.equal(n_held.sum(-1), totals * n_held.shape[-1]) and slots == int(n_held.max())
+            uneven |= bool((n_held.amin(-1) != n_held.amax(-1)).any())
+    assert uneven and len(held.steps) == GEN
+    T = ids.shape[1]
+    for r, seq in enumerate(out.sequences):  # (B * returned, T + GEN)
+        b = r // 2
+        logp, _ = alone(model, policy, seq[None, T - lengths[b]:-1], lengths[b])
+        assert float(logp.gather(-1, seq[T:, None]).sum()) == pytest.approx(float(out.sequences_scores[r]), abs=1e-3)
+
+
 # ------------------------------------------------------------------------------ tokens held, bytes stored
 def test_footprint_shows_the_padding():
     model = tiny_model("llama_gqa", seed=3)
@@ -284,3 +315,19 @@ def test_the_run_record_carries_tokens_held_and_bytes_stored():
     row = 2 * 4 * model.config.hidden_size // model.config.num_attention_heads  # fp32 key + value per token-head
     assert info["kv_bytes_per_seq"] > info["kv_held_bytes_per_seq"] > 0
     assert info["kv_held_bytes_per_seq"] == pytest.approx(info["kv_tokens_per_seq"] * row, abs=row)  # rounded
+
+
+@pytest.mark.parametrize("ratio, variant", [
+    (0.5, ("snapkv", {})),  # per-head budgets: the inner alone
+    (0.8, ("adakv", {"inner": "snapkv", "alpha_safeguard": 0.0})),  # no safeguard
+    (0.8, "ties"),  # the window's ties (51 kept < window 64) broken newer first, not by kvpress's topk
+])
+def test_kvpress_golden_numbers_catch_a_broken_variant(monkeypatch, ratio, variant):
+    """tests/test_parity_golden.py holds adakv_snapkv to kvpress's recorded NLL; each broken variant misses it."""
+    from h2o.core.policies.adakv import AdaKV
+    from tests.test_parity_golden import TOLERANCE, largest_gap, load_model, newest_first_at_the_cut
+
+    if variant == "ties":
+        monkeypatch.setattr(AdaKV, "keep", newest_first_at_the_cut)
+        variant = None
+    assert largest_gap(load_model(), "adakv_snapkv", ratio, variant) > 10 * TOLERANCE

@@ -53,3 +53,13 @@ def test_the_table_comes_from_the_record(measured, tmp_path, capsys):
     assert any(line.startswith("| snapkv | prefill |") for line in table)
     (tmp_path / "metrics.json").write_text(json.dumps({"metrics": {}}))
     assert methods.main([str(tmp_path)]) == 2 and "no methods section" in capsys.readouterr().err
+
+
+def test_the_docs_table_is_the_committed_records():
+    """docs/benchmarks.md shows the committed record's rows (analysis/bench_methods), one per method it ran."""
+    from h2o.assets.paths import CONF
+
+    root = CONF.parent
+    record = json.loads((root / "analysis" / "bench_methods" / "metrics.json").read_text())
+    assert [r["method"] for r in record["methods"]][0] == "full" and len(record["methods"]) >= 20
+    assert methods.table(record["methods"]) in (root / "docs" / "benchmarks.md").read_text()

@@ -659,5 +659,5 @@ def test_each_sweep_process_has_its_own_folder_and_summary(tmp_path, monkeypatch
     capsys.readouterr()
     assert main(["-m", *TINY, *PPL, runs, shared, "seed=0,1"]) == 0
     err = capsys.readouterr().err
-    assert "0 done, 2 skipped, 0 served, 0 busy, 0 failed" in err and "FAILED" not in err
+    assert "0 done, 2 skipped, 0 served, 0 refused, 0 busy, 0 failed" in err and "FAILED" not in err
     assert len(read_jsonl(tmp_path / "shared" / "jobs.jsonl")) == 3

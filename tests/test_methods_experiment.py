@@ -109,7 +109,7 @@ def test_the_context_task_scores_what_the_evicting_cache_holds(model, name, opti
     task = PerplexityTask(name="austen_ctx", window=W, context=C, n_windows=1)
     policy = make_policy(name, budget=0.3, **options) if name != "full" else make_policy("full")
     ids = torch.randint(3, 128, (1, W), generator=torch.Generator().manual_seed(3))
-    sim = float(task.nll(model, policy, "simulated", ids)[0])
+    sim = float(task.nll(model, policy, ids)[0])
     real, cache, cut = real_path(model, policy, ids)
     assert sim == pytest.approx(real, rel=1e-5, abs=1e-4)
     held = simulated_held(model, policy, W, C)

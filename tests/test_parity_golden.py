@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from h2o.bench.parity_golden import RECORD, TOLERANCE, Case, cases, load_model, ours_nll, weights_sha256
-from h2o.core.policies import prefill, snapkv
+from h2o.core.policies import Policy
+from h2o.core.policies.adakv import AdaKV
+from h2o.core.policies.prefill import PrefillOnly
 
 GOLD = json.loads(RECORD.read_text())
 CASES = cases()
@@ -45,11 +48,11 @@ def test_the_weights_and_the_record_belong_together():
 
 def test_every_kvpress_method_has_golden_numbers():
     """kvpress's figures are recorded for every case; what is not compared is named here, so it cannot grow
-    silently: random (kvpress's draws are torch's generator, ours a hash) and the methods not built yet."""
+    silently: random only (kvpress's draws are torch's generator, ours a hash); every other method is built."""
     recorded = {(r["method"], r["ratio"]) for r in GOLD["records"]}
     assert {(n, r) for n in CASES for r in GOLD["ratios"]} | {("full", 0.0)} <= recorded
     assert {n for n, c in CASES.items() if c.statistical} == {"random"}
-    assert {n for n, c in CASES.items() if c.policy() is None} <= {"adakv_snapkv", "expected_attention"}
+    assert {n for n, c in CASES.items() if c.policy() is None} == set()
 
 
 @pytest.mark.parametrize("name, ratio", [("full", 0.0)] + COMPARED)
@@ -63,17 +66,28 @@ def test_ours_equals_kvpress(model, name, ratio):
     ("streaming_llm", 0.8, ("streaming_llm", {"sinks": 3})),
     ("pyramidkv_w8_b4", 0.5, ("pyramidkv", {"window": 8, "beta": 5})),  # another pyramid
     ("streaming_llm_ordered", 0.5, ("local", {})),  # no sinks in the decoding timing
+    ("adakv_snapkv", 0.5, ("snapkv", {})),  # every head its own n: no top-k across the heads
+    ("expected_attention", 0.5, ("expected_attention", {"use_covariance": False})),
 ])
 def test_a_broken_variant_fails(model, name, ratio, policy):
     assert largest_gap(model, name, ratio, policy) > 10 * TOLERANCE
 
 
-@pytest.mark.parametrize("name, ratio, module", [
-    ("snapkv", 0.8, snapkv),  # 51 < window 64 kept: only window tokens, all tied
-    ("knorm", 0.5, prefill),  # layer 0: every occurrence of a token has the same key norm (RoPE is a rotation)
+ADAKV_KEEP = AdaKV.keep
+
+
+def newest_first_at_the_cut(self, prio, pos, valid, counts, arriving=None):
+    """AdaKV's decoding-step rule used at the cut too: ties to the newer token, then the lower head."""
+    return ADAKV_KEEP(self, prio, pos, valid, counts, torch.zeros_like(valid))
+
+
+@pytest.mark.parametrize("name, ratio, cls, keep", [
+    ("snapkv", 0.8, PrefillOnly, Policy.keep),  # 51 < window 64 kept: only window tokens, all tied
+    ("knorm", 0.5, PrefillOnly, Policy.keep),  # layer 0: every occurrence of a token has the same key norm
+    ("adakv_snapkv", 0.8, AdaKV, newest_first_at_the_cut),  # the safeguard and the layer's cut inside the window
 ])
-def test_the_tie_rule_is_asserted(model, monkeypatch, name, ratio, module):
+def test_the_tie_rule_is_asserted(model, monkeypatch, name, ratio, cls, keep):
     """Where scores tie at the budget's edge, kvpress keeps what its topk returns; breaking the ties another way
-    (keep_top's order, newer first) instead of running that topk is caught."""
-    monkeypatch.setattr(module, "kvpress_first", lambda pos, prio, *_, **__: prio)
+    (newer first) instead of running kvpress's topk on its rows is caught."""
+    monkeypatch.setattr(cls, "keep", keep)
     assert largest_gap(model, name, ratio) > 10 * TOLERANCE

@@ -26,20 +26,13 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from h2o.bench.parity_methods import OURS
+from h2o.bench.parity_methods import GOLDEN, OURS, RECORD, TOLERANCE  # noqa: F401 (RECORD, TOLERANCE re-exported)
 
-ROOT = Path(__file__).resolve().parents[2]
-GOLDEN = ROOT / "tests" / "data" / "parity_golden"
 MODEL_DIR = GOLDEN / "model"
-RECORD = GOLDEN / "kvpress.json"
 SEED = 11  # of the model's weights and of the prompts
 LAYERS = 3
 CONTEXTS, CONTEXT_LEN, CONT_LEN = 2, 256, 24
 RATIOS = (0.5, 0.8)  # kvpress's compression_ratio: 128 and 51 of 256 tokens kept
-# largest |NLL per token, kvpress - ours| accepted: fp32 on CPU, two attention implementations (kvpress's sdpa
-# or eager under transformers 5.2, the harness's own); the equal methods differ by < 1e-6 (kvpress.json's
-# "largest_gap" is the figure measured when it was recorded), one token chosen differently moves it by > 1e-3
-TOLERANCE = 2e-5
 
 
 @dataclass(frozen=True)
@@ -107,7 +100,7 @@ def ours_nll(model, case: Case, ratio: float, prompt: dict, policy: tuple[str, d
     the case's own, e.g. a deliberately broken one)."""
     import torch
 
-    from h2o.bench.parity import continuation_nll, parity_policy
+    from h2o.bench.parity_sides import continuation_nll, parity_policy
 
     name, options = policy or case.policy()
     ctx, cont = torch.tensor([prompt["context"]]), torch.tensor([prompt["continuation"]])
@@ -117,7 +110,7 @@ def ours_nll(model, case: Case, ratio: float, prompt: dict, policy: tuple[str, d
 
 def kvpress_records(venv: Path, prompts: dict, threads: int) -> list[dict]:
     """kvpress's side on the committed model: the prefill cases in one run, the decoding ones in another."""
-    from h2o.bench.parity import run_kvpress
+    from h2o.bench.parity_sides import run_kvpress
 
     table = cases()
     with tempfile.TemporaryDirectory() as tmp:
@@ -160,7 +153,7 @@ def record(venv: Path, threads: int = 1) -> int:
     out = {
         "made_by": "python -m h2o.bench.parity --golden",
         "kvpress": first["kvpress"], "transformers": first["transformers"], "torch": first["torch"],
-        "model": {"folder": str(MODEL_DIR.relative_to(ROOT)), "sha256": weights_sha256(), "seed": SEED,
+        "model": {"folder": str(MODEL_DIR.relative_to(GOLDEN.parents[1])), "sha256": weights_sha256(), "seed": SEED,
                   "arch": "llama_gqa", "layers": LAYERS},
         "ratios": list(RATIOS), "cases": {n: asdict(c) for n, c in table.items()},
         "largest_gap": {m: float(f"{g:.2e}") for m, g in sorted(gaps.items())},

@@ -12,8 +12,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from h2o.bench.parity_golden import RECORD, TOLERANCE
-from h2o.bench.parity_methods import DECODE_ONLY, EXTRA, OURS, kept
+from h2o.bench.parity_methods import DECODE_ONLY, EXTRA, OURS, RECORD, TOLERANCE, kept
 
 
 def load(path: Path) -> list[dict]:
@@ -47,6 +46,17 @@ def cell(s: dict | None, key: str, built: bool) -> str:
     if key == "ppl":
         return f"{s['ppl']:.3f}"
     return f"{s['exact']}/{s['needle_n']} ({s['needle_nll']:.3f})"
+
+
+def decodes(name: str, options: dict) -> bool:
+    """Whether our policy has a decoding timing (a prefill-only one refuses ``compress=decode``)."""
+    from h2o.core.policies import PolicyError, make_policy
+
+    try:
+        make_policy(name, compress="decode", **options)
+    except PolicyError:
+        return False
+    return True
 
 
 def largest_gap(groups: dict, method: str, ratio: float, timing: str, kind: str) -> float | None:
@@ -100,7 +110,9 @@ def write_table(out: Path, table: Path, prompts: dict, golden: Path | None = REC
                 cells = [f"`{ours[0]}` {' '.join(f'{k}={v}' for k, v in ours[1].items())}".strip() if built else "-"]
                 for r in ratios:
                     kv = "-" if meth in EXTRA else cell(stats.get(("kvpress", meth, r, timing)), key, True)
-                    cells += [kv, cell(stats.get(("h2o", DECODE_ONLY.get(meth, meth), r, timing)), key, built)]
+                    ours_rec = stats.get(("h2o", DECODE_ONLY.get(meth, meth), r, timing))
+                    refused = built and ours_rec is None and timing == "decode" and not decodes(*ours)
+                    cells += [kv, "prefill only" if refused else cell(ours_rec, key, built)]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
             gaps = [f"{meth} {1 - r:.0%}: {gap:.1e}" for meth in rows for r in ratios
                     if (gap := largest_gap(groups, meth, r, timing, key)) is not None]
@@ -124,8 +136,8 @@ NOTES = [
     "- Exact ties: kvpress keeps what `scores.topk(n)` returns, and where scores tie at the budget's edge that is "
     "torch's choice, neither the newest nor the oldest token. Ties are common in two places: knorm at layer 0 "
     "(RoPE is a rotation, so every occurrence of a token has the same key norm) and snapkv/pyramidkv with a budget "
-    "below the window (the window's tokens share one score). Ours runs the same `topk` on the same row "
-    "(h2o/core/policies/prefill.py, `kvpress_first`), so both keep the same tokens on the same device.",
+    "below the window (the window's tokens share one score), and Ada-KV's cut over those. Ours runs the same "
+    "`topk` on the same row (h2o/core/policies/kvpress_select.py), so both keep the same tokens on the same device.",
     "- `random`: kvpress draws from torch's generator, ours hashes (head, position): equal only in distribution.",
     "- Decode timing, `streaming_llm`: kvpress's DecodingPress re-scores a cache that ScorerPress gathered in top-k "
     "order, so position-based scores read slots as positions; `streaming_llm_ordered` (kvpress's press with the "

@@ -106,8 +106,7 @@ def run_prefill(model, press, context, after, stepwise=False):
     """Compress ``context`` (1, L) with ``press`` (None: full cache), then one teacher-forced forward of ``after``
     (1, m); one token at a time where the layers hold unequal lengths (then a multi-token forward's mask, sized by
     layer 0, does not fit the others; a query of one token needs no mask) or with ``stepwise`` (the same attention).
-    Returns (last context logits (1, 1, V),
-    logits of ``after`` (1, m, V), tokens held per layer)."""
+    Returns (last context logits (1, 1, V), logits of ``after`` (1, m, V), tokens held per layer)."""
     import contextlib
 
     import torch
@@ -122,7 +121,7 @@ def run_prefill(model, press, context, after, stepwise=False):
         pos = torch.arange(L, L + after.shape[1])[None]
         if len(set(held)) == 1 and not stepwise:
             rest = model(input_ids=after, past_key_values=cache, position_ids=pos).logits
-        else:  # layers of unequal lengths (PyramidKV): one forward's mask would be sized by layer 0's length
+        else:  # unequal layers (PyramidKV: one forward's mask would be sized by layer 0's), or a MASKING press
             rest = torch.cat([model(input_ids=after[:, i:i + 1], past_key_values=cache,
                                     position_ids=pos[:, i:i + 1]).logits for i in range(after.shape[1])], 1)
     return first, rest, held

@@ -15,7 +15,7 @@ Here, in both paths (the simulated row loop and the evicting cache, one eviction
 * ``priority`` = ``-I_j`` (the most often unimportant token goes; the oldest on ties, :func:`.base.select_slot`);
   ``+inf`` for the arriving token and the ``window`` (= r) tokens before it.
 * ``t_i`` = the tokens query i attends with a nonzero weight (the held ones and itself; a held token whose weight
-  underflows to exactly 0 in fp32 counts neither in ``t_i`` nor as unimportant); its own token is counted too.
+  underflows to exactly 0 in fp32 counts neither in ``t_i`` nor as unimportant).
 * Grouped-query attention: each of a KV head's ``G`` query heads is one observation per step, so ``I_j`` sums over
   the ``G`` heads and the window (``0 <= I_j <= G w``); with one query head per KV head (the paper's OPT) it is
   the paper's count.

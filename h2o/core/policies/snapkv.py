@@ -11,16 +11,17 @@ Sums over rows and heads and the pooling are linear, so ``acc`` accumulates the 
 over the G heads, divided by ``w * G`` (:meth:`accumulate_prompt`, told each row's place), and the pooling runs
 once at the cut (:meth:`priority`), by position (pads and slot order do not matter).
 
-The window's own tokens get kvpress's score, the largest score of the sequence's scored keys (all its KV heads)
-+ 1, so they are all kept while the budget ``n`` is at least ``w``; below, kvpress's ``topk`` chooses among them
-(:func:`.prefill.kvpress_first`). Where kvpress asserts ``L > w``, a prompt of at most ``w`` tokens here is all
-window: the newest ``n`` are kept. Per-sequence maximum (kvpress: the batch's; the same for one sequence).
+The window's own tokens get kvpress's score, one more than the largest score of the sequence's scored keys (all
+its KV heads), so they are all kept while the budget ``n`` is at least ``w``; below, kvpress's ``topk`` chooses
+among them (:func:`.kvpress_select.kvpress_topk`). Where kvpress asserts ``L > w``, a prompt of at most ``w``
+tokens here is all window: the newest ``n`` are kept. Per-sequence maximum (kvpress: the batch's; the same for
+one sequence).
 """
 import torch
 import torch.nn.functional as F
 
 from .base import Counts, PolicyError, bcast
-from .prefill import PrefillOnly, kvpress_first
+from .prefill import PrefillOnly
 
 
 class SnapKV(PrefillOnly):
@@ -34,6 +35,7 @@ class SnapKV(PrefillOnly):
         if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
             raise PolicyError(f"kernel={kernel!r}: the pooling kernel must be an odd int >= 1")
         self.window, self.kernel = window, kernel
+        self.newest_upto = window  # a prompt of at most w tokens is all window (kvpress asserts L > w)
 
     def accumulate_prompt(self, acc, probs, valid, left) -> None:
         """acc (B, H, S) += the rows of the last ``window`` (left < window) of probs (B, H, G, r, S), / (w G)."""
@@ -56,8 +58,7 @@ class SnapKV(PrefillOnly):
         score = pooled.gather(-1, pos.clamp(min=0))  # (B, H, S)
         top = torch.where(scored, score, -torch.inf).amax((1, 2), keepdim=True)  # (B, 1, 1)
         top = torch.where(torch.isfinite(top), top, 0.0) + 1  # a prompt of at most w tokens: all window
-        prio = torch.where(scored, score, top)  # (B, H, S) kvpress's row: the window at the maximum + 1
-        return kvpress_first(pos, prio, now, counts, skip=(now < self.window).tolist())  # at most w tokens: newest
+        return torch.where(scored, score, top)
 
     def describe(self):
         return {**super().describe(), "window": self.window, "kernel": self.kernel}
