@@ -18,8 +18,8 @@ from h2o.pipeline.sweep import describe, expand
 from h2o.tasks.kv_held import geometry, simulated_held
 from h2o.tasks.perplexity import PerplexityTask
 
-PREFILL_ONLY = {"snapkv", "pyramidkv", "knorm", "keydiff"}
-DECODING = {"local", "streaming_llm", "h2o", "tova", "random"}
+PREFILL_ONLY = {"snapkv", "pyramidkv", "adakv", "knorm", "keydiff", "expected_attention"}
+DECODING = {"local", "streaming_llm", "h2o", "tova", "scissorhands", "random"}
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +49,19 @@ def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
             | {("full", "decode")})
     assert {(n, c) for t, n, c in listed if t == "austen_ppl"} == {(n, "decode") for n in DECODING | {"full"}}
     assert {p.policy.budget for p in grid.plans if p.policy.name != "full"} == {0.1, 0.2, 0.5}
-    assert len(grid.plans) == 108 and len({p.path for p in grid.plans}) == 102
-    reasons = Counter(why.split(":")[1].split(" ")[1] for _, why in grid.refused)  # the method or task named
-    assert len(grid.refused) == 72 and reasons == {"snapkv": 9, "pyramidkv": 9, "knorm": 9, "keydiff": 9,
-                                                   "full": 9, "task": 27}
+    assert len(grid.plans) == 135 and len({p.path for p in grid.plans}) == 129
+    refused = Counter()
+    for job, _ in grid.refused:
+        given = dict(o.lstrip("+").split("=", 1) for o in job)
+        refused[given["task"], given["policy"], given["policy.compress"]] += 1  # once per budget
+    assert set(refused.values()) == {3}
+    assert set(refused) == {(t, n, "decode") for t in ("austen_ctx", "niah", "austen_ppl") for n in PREFILL_ONLY} | {
+        ("austen_ctx", "full", "prefill"), ("niah", "full", "prefill")} | {
+        ("austen_ppl", n, "prefill") for n in DECODING | PREFILL_ONLY | {"full"}}
     ctx = next(p for p in grid.plans if p.task.name == "austen_ctx")
     assert (ctx.task.window, ctx.task.context, ctx.task.n_windows, ctx.model.name) == (1152, 1024, 8, "smollm2-135m")
     text = describe(grid)
-    assert text.count("   - refused ") == 72 and text.endswith("; 72 refused (not run)")
+    assert text.count("   - refused ") == 99 and text.endswith("; 99 refused (not run)")
     assert "compress=decode: snapkv is defined at the end of a prompt only" in text
     assert "compress=prefill: task austen_ppl scores sliding windows with no prompt" in text
 
@@ -69,8 +74,8 @@ def test_the_cluster_grid_crosses_the_papers_models_and_fig4_tasks_with_every_me
     assert (params.model, params.task) == (fig4.model, fig4.task)
     sweep = expand(["experiment=methods_cluster", "model=opt-6.7b", "task=copa", "runs_dir=/nonexistent-runs"],
                    multirun=True)  # one model x task cell of it
-    assert len({p.path for p in sweep.plans}) == 1 + 5 * 3 * 2 + 4 * 3  # full, decoding methods at both
-    assert len(sweep.refused) == 3 + 4 * 3  # full at prefill, the prefill-only methods at decode
+    assert len({p.path for p in sweep.plans}) == 1 + 6 * 3 * 2 + 6 * 3  # full, decoding methods at both
+    assert len(sweep.refused) == 3 + 6 * 3  # full at prefill, the prefill-only methods at decode
     assert {(p.task.shots, p.semantics) for p in sweep.plans} == {(5, "simulated")}
 
 
@@ -109,7 +114,7 @@ def test_the_context_task_scores_what_the_evicting_cache_holds(model, name, opti
     task = PerplexityTask(name="austen_ctx", window=W, context=C, n_windows=1)
     policy = make_policy(name, budget=0.3, **options) if name != "full" else make_policy("full")
     ids = torch.randint(3, 128, (1, W), generator=torch.Generator().manual_seed(3))
-    sim = float(task.nll(model, policy, "simulated", ids)[0])
+    sim = float(task.nll(model, policy, ids)[0])
     real, cache, cut = real_path(model, policy, ids)
     assert sim == pytest.approx(real, rel=1e-5, abs=1e-4)
     held = simulated_held(model, policy, W, C)
@@ -123,8 +128,7 @@ def test_the_context_task_scores_what_the_evicting_cache_holds(model, name, opti
         prefill = policy.compress == "prefill"
         if name == "h2o":  # the two timings hold different amounts at the end for one budget
             assert held["kv_tokens_end"] == layers * heads * (n + (W - 1 - C if prefill else 0))
-        full = float(PerplexityTask(name="x", window=W, context=C, n_windows=1).nll(model, make_policy("full"),
-                                                                                   "simulated", ids)[0])
+        full = float(task.nll(model, make_policy("full"), ids)[0])
         assert sim != pytest.approx(full, rel=1e-4)  # the budget bites
 
 
