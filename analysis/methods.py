@@ -28,8 +28,8 @@ import pandas as pd
 
 from analysis.estimate import Z95, difference, paired_difference
 from analysis.protocol import annotate, choose
-from analysis.render import MISSING, Table
-from analysis.tables import label, metric_for, num
+from analysis.render import Table
+from analysis.tables import label, metric_for, num, pick_text
 
 EXPERIMENTS = ("methods", "methods_cluster")
 TIMINGS = ("decode", "prefill")
@@ -105,12 +105,9 @@ def table(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame) -> T
 
 
 def cell(pick, digits: int) -> str:
-    if pick is None:
-        return MISSING
-    e = pick.est
-    ci = f" [{num(e.lo, digits)}, {num(e.hi, digits)}]" if e.has_interval else ""
+    """``value [lo, hi] · KV MiB`` (:func:`analysis.tables.pick_text`, then the cache held at the end)."""
     kv = kv_mib(pick)
-    return num(e.value, digits) + ci + ("" if math.isnan(kv) else f" · {kv:.1f}")
+    return pick_text(pick, digits, {}) + ("" if pick is None or math.isnan(kv) else f" · {kv:.1f}")
 
 
 def comparisons(metric: str, runs: pd.DataFrame) -> list[str]:
