@@ -18,7 +18,7 @@ from analysis.records import load_runs
 
 
 def check_paths(runs: str, out: str) -> str | None:
-    """The rules of h2o.core.validate for this CLI (analysis imports nothing of h2o): ``--runs`` is a folder
+    """The rules of h2o.cli.paths for this CLI (analysis imports nothing of h2o): ``--runs`` is a folder
     (as h2o.pipeline.wandb_sync requires: a missing one is a typo, not an empty study), ``--out`` a folder
     that exists or can be created. Returns the one-line error, or None."""
     return folder_error("--runs", runs, "the root of the run records (e.g. runs/)") or writable_error("--out", out)

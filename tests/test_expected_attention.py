@@ -253,3 +253,23 @@ def test_one_spelling_for_hydra_lm_eval_and_the_api():
     assert built.describe() == direct.describe() == {
         "policy": "expected_attention", "budget": 0.3, "heavy": 0.3, "recent": 0.0, "compress": "prefill",
         "n_future_positions": 512, "n_sink": 2, "use_covariance": True, "use_vnorm": False, "epsilon": 1e-3}
+
+
+def test_adakv_over_expected_attention_reads_the_queries():
+    """adakv(inner=expected_attention), kvpress's AdaKVPress(ExpectedAttentionPress): the layer-wide top-k runs on
+    the naive expected-attention scores (heads get uneven counts), and both paths agree on a padded batch."""
+    model = tiny_model("llama_gqa", seed=3)
+    ctx, n = ids(1, 40), 16
+    naive = naive_scores(model, ctx)
+    policy = make_policy("adakv", inner="expected_attention", budget=n)
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        cache = h.new_cache()
+        model(ctx, cache=cache)
+    counts = policy.counts(torch.tensor([40]))
+    pos = torch.arange(40).expand(1, 2, 40)
+    for i, layer in enumerate(cache.layers):
+        want = policy.keep(naive[i][None].float(), pos, torch.ones(1, 2, 40, dtype=torch.bool), counts)[0]
+        got = (torch.arange(40)[None, :, None] == layer.pos[0][:, None, :]).any(-1)  # (Hkv, L) position held
+        assert torch.equal(got, want), i
+    assert any(len(set((layer.pos[0] >= 0).sum(-1).tolist())) > 1 for layer in cache.layers)  # uneven heads
+    padded_paths(tiny_model("llama_gqa", seed=2), make_policy("adakv", inner="expected_attention", budget=0.3))

@@ -506,7 +506,7 @@ def plan_for(args: list[str], runs: Path):
     from hydra import compose, initialize_config_dir
 
     from h2o.pipeline.plan import prepare
-    from h2o.pipeline.records import CONF
+    from h2o.assets.paths import CONF
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return prepare(compose(config_name="config", overrides=[*TINY, f"runs_dir={runs}", *args]))

@@ -13,7 +13,7 @@ import torch
 from h2o import attach, make_policy
 from h2o.assets.models import tiny_model
 from h2o.core.policies.budget import Unsupported
-from h2o.pipeline.records import CONF
+from h2o.assets.paths import CONF
 from h2o.pipeline.sweep import describe, expand
 from h2o.tasks.kv_held import geometry, simulated_held
 from h2o.tasks.perplexity import PerplexityTask

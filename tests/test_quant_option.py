@@ -14,7 +14,7 @@ from h2o.assets.models import tiny_model
 from h2o.core import notice as notices
 from h2o.core.attach import Attached
 from h2o.core.cache import EvictingCache
-from h2o.core.quant import Uniform
+from h2o.core.quant import QuantError, Uniform
 
 G = lambda seed: torch.Generator().manual_seed(seed)  # noqa: E731
 
@@ -129,3 +129,5 @@ def test_lm_eval_takes_a_built_quantizer_as_the_model_args_build_it():
     assert built.quant.describe() == spelled.quant.describe() and built.policy.quant is None
     reqs = [Instance("loglikelihood", {}, r, 0) for r in (("A question:", " an answer"), ("Q:", " longer one"))]
     assert built.loglikelihood(reqs) == spelled.loglikelihood(reqs)
+    with pytest.raises(QuantError, match="quant_bits: options of a named quant; a built quantizer"):
+        H2OLM(**args, quant=Uniform(2, 16), quant_bits=4)

@@ -11,7 +11,7 @@ from h2o.assets.policy_config import build_policy, parse
 from h2o.core.policies import PolicyError
 from h2o.core.policies.per_sequence import PerSequence
 from h2o.core.quant import Uniform
-from tests.test_paths import ATOL, real_prefill_decode, simulated, tokens
+from tests.test_paths import ATOL, padded_batch_equals_alone, real_prefill_decode, simulated, tokens
 from tests.test_policies import random_logits, run_mask
 
 
@@ -93,17 +93,6 @@ def test_a_small_budget_is_a_window():
     assert torch.equal(mask, run_mask(make_policy("local", budget=5), logits))
 
 
-def left_padded(lens, P, seed):
-    seqs = [tokens(n, seed + n) for n in lens]
-    prompts = [int(n * P) for n in lens]
-    T = max(prompts)
-    ids = torch.zeros(len(lens), T, dtype=torch.long)
-    mask = torch.zeros(len(lens), T, dtype=torch.long)
-    for b, (s, p) in enumerate(zip(seqs, prompts)):
-        ids[b, T - p:], mask[b, T - p:] = s[0, :p], 1
-    return seqs, prompts, ids, mask
-
-
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_both_paths_equal_left_padded_batch(arch):
     """A left-padded batch, prefilled then decoded through the evicting cache, equals each sequence alone, and each
@@ -111,27 +100,9 @@ def test_both_paths_equal_left_padded_batch(arch):
     first token on, the cache equals the simulated mask too."""
     model = tiny_model(arch)
     policy = make_policy("scissorhands", budget=0.3, history=6, window=2)
-    seqs, prompts, ids, mask = left_padded([44, 36], 0.5, 20)
-    alone = []
-    for s, p in zip(seqs, prompts):
-        real, _ = real_prefill_decode(model, policy, s, prompt=p)
+    seqs, prompts, alone = padded_batch_equals_alone(model, policy, [44, 36], 0.5, seed=20)
+    for s, p, real in zip(seqs, prompts, alone):
         assert torch.allclose(real, simulated(model, policy, s, prompt_len=p), atol=ATOL)
-        alone.append(real)
-    steps = min(len(s[0]) - p for s, p in zip(seqs, prompts))
-    T = ids.shape[1]
-    with torch.no_grad(), attach(model, policy, mode="real") as h:
-        cache = h.new_cache()
-        out = model(ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), cache=cache).logits
-        for b, p in enumerate(prompts):
-            assert torch.allclose(out[b, T - p:], alone[b][0, :p], atol=ATOL)
-        for t in range(steps):
-            nxt = torch.stack([s[0, p + t] for s, p in zip(seqs, prompts)])[:, None]
-            mask = torch.cat([mask, torch.ones(len(seqs), 1, dtype=torch.long)], 1)
-            out = model(nxt, attention_mask=mask, position_ids=mask.sum(-1, keepdim=True) - 1, cache=cache).logits
-            for b, p in enumerate(prompts):
-                assert torch.allclose(out[b, 0], alone[b][0, p + t], atol=ATOL)
-    held = (cache.layers[0].pos >= 0).sum(-1)[:, 0]
-    assert held.tolist() == policy.counts(torch.tensor(prompts)).total.tolist()
     one = seqs[0]
     sim = simulated(model, policy, one)
     real, _ = real_prefill_decode(model, policy, one, prompt=0, ref_len=one.shape[1])
@@ -214,3 +185,13 @@ def test_bad_options_through_the_runner(args, words, capsys, tmp_path, monkeypat
     no_load(monkeypatch)
     code = main(["model=tiny-llama", "policy=scissorhands", f"runs_dir={tmp_path}/runs", *args])
     one_line_exit_2(code, capsys, words)
+
+
+def test_adakv_over_scissorhands_both_paths():
+    """adakv's one top-k over the layer's heads reads this policy's state through its own (Policy.new_state)."""
+    model = tiny_model("llama_gqa")
+    policy = make_policy("adakv", budget=0.3, inner="scissorhands", compress="decode")
+    ids, P = tokens(36, 8), 18
+    real, cache = real_prefill_decode(model, policy, ids, prompt=P)
+    assert torch.allclose(real, simulated(model, policy, ids, prompt_len=P), atol=ATOL)
+    assert cache.layers[0].acc.dim() == 4

@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 
 from h2o.bench.parity_methods import DECODE, DECODE_ONLY, EXTRA, OURS, RATIO_BUDGET, kept
-from h2o.core.validate import ArgParser, check, choice, guard, output_dir, output_file, positive_int, split_list
+from h2o.cli.args import ArgParser, choice, guard, positive_int, split_list
+from h2o.cli.paths import output_dir, output_file
+from h2o.core.validate import check
 
 NEEDLE_Q = "\n\nQuestion: What is the magic number mentioned in the text above?\nAnswer: The magic number is"
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,12 +94,34 @@ def forwards(model, policy, context, parts, ref_len: int, stepwise: bool = False
     return first, torch.cat(rest), held
 
 
+def continuation_nll(model, policy, context, continuation, stepwise: bool = False) -> tuple[float, list[int]]:
+    """context (1, L), continuation (1, m) -> (summed NLL of the m tokens, tokens held per layer after the context):
+    the first predicted by the context's last logits, the others teacher-forced through the cache (one forward, or
+    one token at a time with ``stepwise``)."""
+    import torch
+
+    first, rest, held = forwards(model, policy, context, [continuation[:, :-1]], context.shape[1], stepwise)
+    return nll_sum(torch.cat([first, rest]), continuation[0])[0], held
+
+
+def parity_policy(name: str, options: dict, context_len: int, ratio: float, timing: str):
+    """Our policy ``name`` (with ``options``) for kvpress's ``compression_ratio`` ``ratio`` on a context of
+    ``context_len`` tokens, in ``timing``: the token count kvpress keeps, or the share kept for a method whose
+    budget kvpress computes unrounded (:data:`RATIO_BUDGET`)."""
+    from h2o.core.policies import make_policy
+
+    if name == "full":
+        return make_policy(name, **options)
+    share = 1 - ratio if name in RATIO_BUDGET else kept(context_len, ratio)  # kvpress's arithmetic
+    return make_policy(name, budget=share, compress=timing, **options)
+
+
 def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], decode: bool, out: Path,
              threads: int) -> None:
     import torch
     import transformers
 
-    from h2o.core.policies import Policy, make_policy
+    from h2o.core.policies import Policy
 
     torch.set_num_threads(threads)
     done = read_done(out)
@@ -115,9 +139,7 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
                     if (method, ratio, timing, p["id"]) in done or (timing == "decode" and kind == "needle"):
                         continue
                     L = len(p["context"])
-                    share = 1 - ratio if name in RATIO_BUDGET else kept(L, ratio)  # kvpress's arithmetic
-                    budget = {} if name == "full" else {"budget": share, "compress": timing}
-                    policy = make_policy(name, **budget, **options)
+                    policy = parity_policy(name, options, L, ratio, timing)
                     ctx = torch.tensor([p["context"]])
                     t0 = time.perf_counter()
                     rec = {"side": "h2o", "method": method, "policy": policy.describe(), "ratio": ratio,
@@ -125,8 +147,7 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
                            "transformers": transformers.__version__, "torch": torch.__version__}
                     if kind == "ppl":
                         cont = torch.tensor([p["continuation"]])
-                        first, rest, held = forwards(model, policy, ctx, [cont[:, :-1]], L, timing == "decode")
-                        rec["nll"], _ = nll_sum(torch.cat([first, rest]), cont[0])
+                        rec["nll"], held = continuation_nll(model, policy, ctx, cont, timing == "decode")
                         rec["n_tokens"] = cont.shape[1]
                     else:
                         q, a = torch.tensor([p["question"]]), torch.tensor([p["answer"]])
@@ -150,10 +171,11 @@ def read_done(path: Path) -> set:
 
 # ----------------------------------------------------------------------------------------------- the CLI
 def run_kvpress(venv: Path, prompts: Path, model_path: Path, out: Path, methods: list[str], ratios: list[float],
-                decode: bool, threads: int) -> None:
+                decode: bool, threads: int, variants: Path | None = None) -> None:
     cmd = [str(venv / "bin" / "python"), str(ROOT / "tools" / "parity" / "kvpress_side.py"), "--prompts",
            str(prompts), "--model", str(model_path), "--out", str(out), "--methods", ",".join(methods),
            "--ratios", ",".join(map(str, ratios)), "--threads", str(threads)] + (["--decode"] if decode else [])
+    cmd += ["--variants", str(variants)] if variants is not None else []
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the kvpress side never sees h2o
     subprocess.run(cmd, check=True, env={**env, "OMP_NUM_THREADS": str(threads)})
 
@@ -173,6 +195,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "runs" / "parity"))
     ap.add_argument("--table", default=str(ROOT / "docs" / "results" / "parity.md"))
     ap.add_argument("--threads", default="1")
+    ap.add_argument("--golden", action="store_true",
+                    help="instead: record the CI golden numbers (kvpress on the committed tiny model, "
+                         "tests/data/parity_golden/; h2o/bench/parity_golden.py)")
     a = ap.parse_args(argv)
     counts = {k: split_list(f"--{k.replace('_', '-')}", getattr(a, k), positive_int, "an int >= 1")[0]
               for k in ("contexts", "needles", "context_len", "cont_len", "threads")}
@@ -184,8 +209,12 @@ def main(argv=None) -> int:
     out = output_dir("--out", a.out)
     output_file("--table", a.table)
     venv = Path(a.venv)
-    check("kvpress" not in sides or (venv / "bin" / "python").is_file(),
+    check(("kvpress" not in sides and not a.golden) or (venv / "bin" / "python").is_file(),
           f"--venv={a.venv!r}: no virtualenv there; create it with tools/parity/setup_venv.sh {a.venv}")
+    if a.golden:
+        from h2o.bench.parity_golden import record
+
+        return record(venv, counts["threads"])
 
     from h2o.assets.fetch import austen_text
     from h2o.assets.models import load_model, smollm2_path

@@ -1,4 +1,4 @@
-"""Issue 12's benchmark targets in one run (``make bench`` = ``h2o-run experiment=bench``, task ``bench_targets``).
+"""The harness's speed and memory targets in one run (``make bench`` = ``h2o-run experiment=bench``, task ``bench_targets``).
 
 The targets live here and only here (:data:`TARGETS`). One run measures, for the run's policy (h2o 20% in the
 experiment) beside the harness's full cache, the ``compare`` policies and transformers' caches:
@@ -26,7 +26,7 @@ from h2o.bench.simulated import simulated_forward
 from h2o.bench.throughput import benchmark
 from h2o.bench.variants import Variant, make_variants
 
-# name -> (comparison, bound): the issue's targets. make bench: decode ratios at LONG and SHORT, KV bytes, simulated
+# name -> (comparison, bound): the speed and memory targets. make bench: decode ratios at LONG and SHORT, KV bytes, simulated
 # forward vs eager (time); make gpu-check (h2o.bench.gpu_check): aten ops of a simulated forward vs eager (local and
 # streaming_llm), host syncs per decoding step (the one NaN/inf flag read)
 OTHER_PARTS = {"kv_limit_bytes", "max_batch_method", "section"}  # keys of the records no target reads

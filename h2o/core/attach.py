@@ -189,7 +189,7 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     refuse_unsupported(model, modules, policy)
     # the queries before RoPE (a policy that reads them): refused in one line on a model without a rotation to undo
     taps = rope_taps(model, modules, policy.name) if policy.reads_queries and not policy.is_full else {}
-    state = Attached(policy, mode, prompt_len, num_layers=len(modules),
+    state = Attached(policy, mode, prompt_len=prompt_len, num_layers=len(modules),
                      quant=quant.bind(model) if quant is not None else None, taps=taps)
     previous = model.config._attn_implementation
     head = model.get_output_embeddings()

@@ -30,7 +30,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .policies import Counts, Policy, PolicyError, keep_top, select_slot
+from .policies import Counts, Policy, PolicyError, select_slot
 from .policies.base import Decoder, along_slots, bcast
 from .cache_batch import BatchHooks, CacheBatchHooks
 from .rerotate import KeyRerotation, KeyShifter, held_alike

@@ -68,7 +68,7 @@ from lm_eval.models.huggingface import HFLM
 from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
-from h2o.core.quant import Quantizer
+from h2o.core.quant import QuantError, Quantizer
 from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 
@@ -158,8 +158,11 @@ class H2OLM(HFLM):
         """``policy`` and ``quant``: names with their options in ``kwargs`` (model_args), or built objects."""
         policy = lm_policy(policy, kwargs, semantics)
         quant_args = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)}
-        quantizer = quant if quant is None or isinstance(quant, Quantizer) else make_lm_quant(quant, quant_args,
-                                                                                                pretrained)
+        if isinstance(quant, str):
+            quant = make_lm_quant(quant, quant_args, pretrained)
+        elif quant_args:
+            raise QuantError(f"--model_args {', '.join(quant_args)}: options of a named quant; a built quantizer "
+                             f"({quant!r}) takes none")
         if scoring not in SCORING:
             raise PolicyError(f"scoring={scoring!r}: allowed: {', '.join(SCORING)}")
         check_batch_size(from_text(kwargs.get("batch_size", 1)), "batch_size", schedule=True)
@@ -168,7 +171,7 @@ class H2OLM(HFLM):
             kwargs["device"] = "cpu"
         super().__init__(pretrained=resolve_pretrained(pretrained), **kwargs)
         # the quantizer every cache of this model stores with, bound: checks the head size and rotary embeddings
-        self.quant = quantizer.bind(self.model) if quantizer is not None else None
+        self.quant = quant.bind(self.model) if quant is not None else None
         self.policy, self.scoring = policy, scoring
         self._known: dict[tuple[int, ...], set[int]] = {}  # each request's model input -> its context tokens
         self.cont_tokens: dict[tuple[str, str], int] = {}  # (context, continuation) -> continuation tokens

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from h2o.assets.model_spec import ConfigError
 from h2o.assets.paths import REPO, TASKS
-from h2o.core.validate import abbrev, path_error
+from h2o.cli.paths import abbrev, path_error
 from h2o.tasks.base import Result, TaskSpec, adds_bos, as_run, check, check_hub_data, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 

@@ -126,6 +126,6 @@ class ObservationsTask(PerplexityTask):
         with torch.no_grad(), attach(model, Hide(hidden[0])) as h:
             modules = [m for m in model.modules() if getattr(m, "h2o", None) is h]
             for m in modules:  # each layer hides its own tokens
-                m.h2o = type(h)(Hide(hidden[m.layer_idx]), h.mode, h.prompt_len, h.num_layers)
+                m.h2o = type(h)(Hide(hidden[m.layer_idx]), h.mode, prompt_len=h.prompt_len, num_layers=h.num_layers)
             logits = model(ids, use_cache=False).logits
         return self.hits(logits, ids)

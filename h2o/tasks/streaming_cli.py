@@ -24,8 +24,9 @@ from h2o.assets.model_spec import check_pretrained
 from h2o.tasks.streaming import CHUNK, POSITIONS, WINDOW, Streamer, drive, load_text, text_ids
 from h2o.tasks.streaming_parts import HEAVY_SHARE, build_policy, hms, parse_policy, spec_value
 from h2o.core.policies import REAL_POLICIES
-from h2o.core.validate import (ArgParser, ConfigError, check, choice, guard, is_number, output_dir, output_file,
-                               positive_int, split_list)
+from h2o.cli.args import ArgParser, choice, guard, positive_int, split_list
+from h2o.cli.paths import output_dir, output_file
+from h2o.core.validate import ConfigError, check, is_number
 
 
 def run(model, tokenizer, text: str = "austen", tokens: int = 20000, policies=("h2o", "streaming_llm", "local"),
@@ -125,7 +126,7 @@ POLICY_NAMES = "h2o,streaming_llm,local"
 
 
 def validate(args) -> tuple[list[str], list[int]]:
-    """Every value checked before the model or the text loads (h2o.core.validate); returns (specs, budgets)."""
+    """Every value checked before the model or the text loads (h2o.cli); returns (specs, budgets)."""
     check_pretrained(args.model, "--model")
     check(args.text in TEXTS or Path(args.text).is_file(), f"--text={args.text!r}: allowed: "
                                                            f"{', '.join(TEXTS)} or an existing text file")

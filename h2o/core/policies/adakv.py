@@ -7,8 +7,9 @@ Rule at a cut (docs/methods.md): with the inner policy's priorities ``s`` (B, H,
 int(alpha_safeguard * n)`` tokens (at least 1 if alpha_safeguard > 0) are kept whatever their score (kvpress
 raises them to the dtype's maximum), then the ``H * n`` highest of the layer's ``H * S`` scores are kept: the
 layer keeps as many tokens as the inner policy, shared unevenly by its heads. The scores are compared across
-heads as they are (the inner score must be comparable across heads, as kvpress says). Ties: newer first, then
-the lower head (kvpress: ``topk``'s order).
+heads as they are (the inner score must be comparable across heads, as kvpress says). Ties: at a cut kvpress's
+``topk`` order (:func:`.kvpress_select.kvpress_adakv` runs its ops on its rows); at decoding steps newer first, then
+the lower head.
 
 Timings: the inner's, and every one it supports (a prefill-only inner refuses ``compress=decode`` as it does).
 ``decode``: each arriving token enters every head, then the layer is cut back to ``H * n`` the same way, the
@@ -26,9 +27,11 @@ import inspect
 import torch
 
 from .base import Counts, Policy, PolicyError
+from .kvpress_select import kvpress_adakv
 
 # the inner policies' options this wrapper passes on (null in conf/policy/adakv.yaml: the inner's default)
-INNER_OPTIONS = ("window", "kernel", "beta", "score", "decay", "seed", "sinks")
+INNER_OPTIONS = ("window", "kernel", "beta", "score", "decay", "seed", "sinks", "n_future_positions", "n_sink",
+                 "use_covariance", "use_vnorm", "epsilon", "history", "count")
 NOT_INNER = ("full", "h2o_reference")  # keeps everything; the paper code's rule (simulated only, no cut)
 
 
@@ -82,6 +85,7 @@ class AdaKV(Policy):
         p = self.inner
         self.heavy, self.recent, self.budget = p.heavy, p.recent, p.budget
         self.splits, self.needs_scores, self.reads_keys = p.splits, p.needs_scores, p.reads_keys
+        self.reads_queries = p.reads_queries
         self.compress = p.compress
 
     def timed(self, compress: str) -> Policy:
@@ -104,6 +108,9 @@ class AdaKV(Policy):
     def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
         return self.inner.priority(pos, acc, now, counts)
 
+    def new_state(self, B: int, H: int, S: int, device: torch.device) -> torch.Tensor:
+        return self.inner.new_state(B, H, S, device)
+
     def accumulate(self, acc, probs, valid=None) -> None:
         self.inner.accumulate(acc, probs, valid)
 
@@ -112,6 +119,12 @@ class AdaKV(Policy):
 
     def cut_score(self, acc, keys, held) -> torch.Tensor:
         return self.inner.cut_score(acc, keys, held)
+
+    def query_stats(self, queries, rows, pos, length):  # an inner that reads the prompt's queries (reads_queries)
+        return self.inner.query_stats(queries, rows, pos, length)
+
+    def query_score(self, stats, keys, values, pos, held) -> torch.Tensor:
+        return self.inner.query_score(stats, keys, values, pos, held)
 
     # the rule of this wrapper: one top-k over the layer's heads
     def safe(self, total: torch.Tensor) -> torch.Tensor:
@@ -124,6 +137,12 @@ class AdaKV(Policy):
         """prio (B, H, S) of the held slots ``valid`` (B, H, S) bool at positions ``pos`` (B, H, S) -> (B, H, S)
         bool the kept ones: each head's top ``n_safe``, then the layer's top ``H * total`` (B,). ``arriving``
         (B, H, S) bool (a decoding step's token): kept first. Slots may be in any order."""
+        if arriving is None:  # a cut: kvpress's own ops where it has a rule, so that exact ties go its way
+            kept, own = kvpress_adakv(prio, pos, valid, counts.total, self.safe(counts.total),
+                                      getattr(self.inner, "newest_upto", 0))
+            if bool(own.all()):
+                return kept
+            return torch.where(own.view(-1, 1, 1), kept, self.keep(prio, pos, valid, counts, torch.zeros_like(valid)))
         B, H, S = prio.shape
         first = valid & arriving if arriving is not None else torch.zeros_like(valid)
         prio = torch.where(valid, prio, -torch.inf)

@@ -82,7 +82,6 @@ class Scissorhands(Policy):
         """acc (B, H, S, w) <- the last ``w`` steps of (acc's steps, then the valid rows of probs (B, H, G, r, S))."""
         B, H, S, w = acc.shape
         rows = self.marks(probs)  # (B, H, S, r)
-        r = rows.shape[-1]
         if valid is None:  # every row is a step (a decoding token, an unpadded block)
             acc.copy_(torch.cat([acc, rows], -1)[..., -w:])
             return
