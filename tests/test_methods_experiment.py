@@ -12,7 +12,7 @@ import torch
 
 from h2o import attach, make_policy
 from h2o.assets.models import tiny_model
-from h2o.core.policies.budget import Unsupported
+from h2o.core.policies.budget import PolicyError, Unsupported
 from h2o.assets.paths import CONF
 from h2o.pipeline.sweep import describe, expand
 from h2o.tasks.kv_held import geometry, simulated_held
@@ -179,6 +179,10 @@ def test_lm_eval_loglikelihoods_compress_each_context_once(tiny_lm):
         full = [direct_ll(model, make_policy("full"), ctx, cont) for ctx, cont in pairs]
         assert got[0] != pytest.approx(full[0], abs=1e-3) and got[3] == pytest.approx(full[3], abs=1e-4)  # a
         # one-token continuation is predicted from the whole context (the cut comes after its logits)
+    split = [(("a", "b"), [5, 6, 7], [8, 9]), (("c", "d"), [5, 6, 7, 8], [9])]  # one model input, two contexts
+    with pytest.raises(PolicyError, match=r"contexts of \[3, 4\] tokens, so the prompt to compress is ambiguous"):
+        H2OLM(pretrained=model, tokenizer=tok, policy="snapkv", budget=0.5)._loglikelihood_tokens(split)
+    assert len(H2OLM(pretrained=model, tokenizer=tok, policy="h2o", budget=0.5)._loglikelihood_tokens(split)) == 2
 
 
 # ------------------------------------------------------------------------------------------- the analysis
