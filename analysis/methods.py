@@ -28,8 +28,8 @@ import pandas as pd
 
 from analysis.estimate import Z95, difference, paired_difference
 from analysis.protocol import annotate, choose
-from analysis.render import MISSING, Table
-from analysis.tables import label, metric_for, num
+from analysis.render import Table
+from analysis.tables import label, metric_for, num, pick_text
 
 EXPERIMENTS = ("methods", "methods_cluster")
 TIMINGS = ("decode", "prefill")
@@ -105,12 +105,9 @@ def table(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame) -> T
 
 
 def cell(pick, digits: int) -> str:
-    if pick is None:
-        return MISSING
-    e = pick.est
-    ci = f" [{num(e.lo, digits)}, {num(e.hi, digits)}]" if e.has_interval else ""
+    """``value [lo, hi] · KV MiB`` (:func:`analysis.tables.pick_text`, then the cache held at the end)."""
     kv = kv_mib(pick)
-    return num(e.value, digits) + ci + ("" if math.isnan(kv) else f" · {kv:.1f}")
+    return pick_text(pick, digits, {}) + ("" if pick is None or math.isnan(kv) else f" · {kv:.1f}")
 
 
 def comparisons(metric: str, runs: pd.DataFrame) -> list[str]:
@@ -135,32 +132,47 @@ def comparisons(metric: str, runs: pd.DataFrame) -> list[str]:
 
 
 def figure(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame, out) -> list[Path]:
+    from matplotlib import colormaps
+
     from analysis.figures import panels, save
 
     chosen = picks(runs, metric)
     fig, axes = panels(2, ncols=2, size=(5.6, 4.2))
     policies = [p for p in method_order({p for p, _, _ in chosen}) if p != "full"]
     full = chosen.get(("full", 1.0, "decode"))
+    palette = colormaps["tab20"]
     for ax, by_kv in zip(axes, (False, True)):
-        for i, policy in enumerate(policies):
-            for timing, style in zip(TIMINGS, ("-", "--")):
+        for policy in policies:
+            i = ORDER.index(policy) - 1 if policy in ORDER else 19  # tab20's strong shades first, then the light
+            colour = palette((2 * i) % 20 + (2 * i) // 20 % 2)
+            for timing, style, marker, dodge in zip(TIMINGS, ("-", "--"), ("o", "s"), (0.985, 1.015)):
                 pts = sorted((b, p) for (q, b, t), p in chosen.items() if q == policy and t == timing)
                 if not pts:
                     continue
-                xs = [kv_mib(p) if by_kv else b for b, p in pts]
+                xs = [kv_mib(p) if by_kv else b * dodge for b, p in pts]  # the timings side by side at a budget
                 ys = [p.est.value for _, p in pts]
                 err = [[max(0.0, p.est.value - p.est.lo) if p.est.has_interval else 0 for _, p in pts],
                        [max(0.0, p.est.hi - p.est.value) if p.est.has_interval else 0 for _, p in pts]]
-                ax.errorbar(xs, ys, yerr=err, fmt=style, marker="o", ms=3, capsize=2, color=f"C{i % 10}",
+                ax.errorbar(xs, ys, yerr=err, fmt=style, marker=marker, ms=3, capsize=2, color=colour,
                             label=f"{label(policy)} {timing}")
         if full is not None:
             ax.axhline(full.est.value, color="black", ls=":", lw=1, label="full")
-        ax.set(xlabel="KV cache held at the end (MiB per sequence)" if by_kv else "budget (share of the prompt)",
-               ylabel=metric, title=f"{task}: {metric} vs {'KV bytes held' if by_kv else 'budget'}")
+            if by_kv and not math.isnan(kv_mib(full)):
+                ax.plot([kv_mib(full)], [full.est.value], "k*", ms=8)
+        if by_kv:
+            ax.set_xlabel("KV cache held at the end (MiB per sequence)")
+        else:
+            budgets = sorted({b for (q, b, _) in chosen if q != "full"})
+            ax.set_xscale("log")
+            ax.set_xticks(budgets, [f"{b:.0%}" for b in budgets])
+            ax.minorticks_off()
+            ax.set_xlim(min(budgets) / 1.3, max(budgets) * 1.3)
+            ax.set_xlabel("budget (share of the prompt)")
+        ax.set(ylabel=metric, title=f"{task}: {metric} vs {'KV bytes held' if by_kv else 'budget'}")
         if metric == "ppl":
             ax.set_yscale("log")
     axes[1].legend(fontsize=6, ncol=2, loc="best")
-    fig.suptitle(f"{model} / {task} ({exp}): solid decode, dashed prefill")
+    fig.suptitle(f"{model} / {task} ({exp}): solid decode, dashed prefill; full: dotted (its KV: the star)")
     return save(fig, out, f"{exp}_{task}_methods")
 
 

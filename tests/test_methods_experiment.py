@@ -12,14 +12,14 @@ import torch
 
 from h2o import attach, make_policy
 from h2o.assets.models import tiny_model
-from h2o.core.policies.budget import Unsupported
+from h2o.core.policies.budget import PolicyError, Unsupported
 from h2o.assets.paths import CONF
 from h2o.pipeline.sweep import describe, expand
 from h2o.tasks.kv_held import geometry, simulated_held
 from h2o.tasks.perplexity import PerplexityTask
 
-PREFILL_ONLY = {"snapkv", "pyramidkv", "knorm", "keydiff"}
-DECODING = {"local", "streaming_llm", "h2o", "tova", "random"}
+PREFILL_ONLY = {"snapkv", "pyramidkv", "adakv", "knorm", "keydiff", "expected_attention"}
+DECODING = {"local", "streaming_llm", "h2o", "tova", "scissorhands", "random"}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,9 @@ def hydra_ctx():
 
 @pytest.fixture(scope="module")
 def grid(hydra_ctx):
-    return expand(["experiment=methods", "runs_dir=/nonexistent-runs"], multirun=True)
+    """The grid at one of its budgets: the budgets are a plain cross product (checked from the file), and composing
+    all 234 jobs costs three times as much."""
+    return expand(["experiment=methods", "policy.budget=0.2", "runs_dir=/nonexistent-runs"], multirun=True)
 
 
 def timing(plan) -> str:
@@ -40,23 +42,31 @@ def timing(plan) -> str:
 
 
 def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
-    jobs = Counter((p.task.name, p.policy.name, p.policy.budget, timing(p)) for p in grid.plans)
-    assert set(jobs.values()) == {1, 3}  # full's three budgets share its one folder (dup); else one job each
-    listed = {(t, n, c) for t, n, _, c in jobs}
+    from omegaconf import OmegaConf
+
+    params = OmegaConf.load(CONF / "experiment" / "methods.yaml").hydra.sweeper.params
+    assert (params["policy.budget"], params["++policy.compress"]) == ("0.1,0.2,0.5", "decode,prefill")
+    assert set(params.policy.split(",")) == DECODING | PREFILL_ONLY | {"full"}
+    jobs = Counter((p.task.name, p.policy.name, timing(p)) for p in grid.plans)
+    assert set(jobs.values()) == {1}
     for task in ("austen_ctx", "niah"):  # a prompt: both timings where the method has them
-        assert {(n, c) for t, n, c in listed if t == task} == (
+        assert {(n, c) for t, n, c in jobs if t == task} == (
             {(n, c) for n in DECODING for c in ("decode", "prefill")} | {(n, "prefill") for n in PREFILL_ONLY}
             | {("full", "decode")})
-    assert {(n, c) for t, n, c in listed if t == "austen_ppl"} == {(n, "decode") for n in DECODING | {"full"}}
-    assert {p.policy.budget for p in grid.plans if p.policy.name != "full"} == {0.1, 0.2, 0.5}
-    assert len(grid.plans) == 108 and len({p.path for p in grid.plans}) == 102
-    reasons = Counter(why.split(":")[1].split(" ")[1] for _, why in grid.refused)  # the method or task named
-    assert len(grid.refused) == 72 and reasons == {"snapkv": 9, "pyramidkv": 9, "knorm": 9, "keydiff": 9,
-                                                   "full": 9, "task": 27}
+    assert {(n, c) for t, n, c in jobs if t == "austen_ppl"} == {(n, "decode") for n in DECODING | {"full"}}
+    assert len(grid.plans) == len({p.path for p in grid.plans}) == 45  # x3 budgets: 129 runs (full's one folder)
+    refused = Counter()
+    for job, _ in grid.refused:
+        given = dict(o.lstrip("+").split("=", 1) for o in job)
+        refused[given["task"], given["policy"], given["policy.compress"]] += 1
+    assert set(refused.values()) == {1}
+    assert set(refused) == {(t, n, "decode") for t in ("austen_ctx", "niah", "austen_ppl") for n in PREFILL_ONLY} | {
+        ("austen_ctx", "full", "prefill"), ("niah", "full", "prefill")} | {
+        ("austen_ppl", n, "prefill") for n in DECODING | PREFILL_ONLY | {"full"}}
     ctx = next(p for p in grid.plans if p.task.name == "austen_ctx")
     assert (ctx.task.window, ctx.task.context, ctx.task.n_windows, ctx.model.name) == (1152, 1024, 8, "smollm2-135m")
     text = describe(grid)
-    assert text.count("   - refused ") == 72 and text.endswith("; 72 refused (not run)")
+    assert text.count("   - refused ") == 33 and text.endswith("; 33 refused (not run)")
     assert "compress=decode: snapkv is defined at the end of a prompt only" in text
     assert "compress=prefill: task austen_ppl scores sliding windows with no prompt" in text
 
@@ -69,8 +79,8 @@ def test_the_cluster_grid_crosses_the_papers_models_and_fig4_tasks_with_every_me
     assert (params.model, params.task) == (fig4.model, fig4.task)
     sweep = expand(["experiment=methods_cluster", "model=opt-6.7b", "task=copa", "runs_dir=/nonexistent-runs"],
                    multirun=True)  # one model x task cell of it
-    assert len({p.path for p in sweep.plans}) == 1 + 5 * 3 * 2 + 4 * 3  # full, decoding methods at both
-    assert len(sweep.refused) == 3 + 4 * 3  # full at prefill, the prefill-only methods at decode
+    assert len({p.path for p in sweep.plans}) == 1 + 6 * 3 * 2 + 6 * 3  # full, decoding methods at both
+    assert len(sweep.refused) == 3 + 6 * 3  # full at prefill, the prefill-only methods at decode
     assert {(p.task.shots, p.semantics) for p in sweep.plans} == {(5, "simulated")}
 
 
@@ -123,8 +133,7 @@ def test_the_context_task_scores_what_the_evicting_cache_holds(model, name, opti
         prefill = policy.compress == "prefill"
         if name == "h2o":  # the two timings hold different amounts at the end for one budget
             assert held["kv_tokens_end"] == layers * heads * (n + (W - 1 - C if prefill else 0))
-        full = float(PerplexityTask(name="x", window=W, context=C, n_windows=1).nll(model, make_policy("full"),
-                                                                                   "simulated", ids)[0])
+        full = float(task.nll(model, make_policy("full"), ids)[0])
         assert sim != pytest.approx(full, rel=1e-4)  # the budget bites
 
 
@@ -175,6 +184,10 @@ def test_lm_eval_loglikelihoods_compress_each_context_once(tiny_lm):
         full = [direct_ll(model, make_policy("full"), ctx, cont) for ctx, cont in pairs]
         assert got[0] != pytest.approx(full[0], abs=1e-3) and got[3] == pytest.approx(full[3], abs=1e-4)  # a
         # one-token continuation is predicted from the whole context (the cut comes after its logits)
+    split = [(("a", "b"), [5, 6, 7], [8, 9]), (("c", "d"), [5, 6, 7, 8], [9])]  # one model input, two contexts
+    with pytest.raises(PolicyError, match=r"contexts of \[3, 4\] tokens, so the prompt to compress is ambiguous"):
+        H2OLM(pretrained=model, tokenizer=tok, policy="snapkv", budget=0.5)._loglikelihood_tokens(split)
+    assert len(H2OLM(pretrained=model, tokenizer=tok, policy="h2o", budget=0.5)._loglikelihood_tokens(split)) == 2
 
 
 # ------------------------------------------------------------------------------------------- the analysis

@@ -190,8 +190,8 @@ def arrays(works: list[Work], cluster: DictConfig, sweep_dir: str) -> list[Array
     return list(out.values())
 
 
-def describe(works: list[Work], arrs: list[Array], cluster: DictConfig) -> str:
-    lines = [summary(works)]
+def describe(works: list[Work], arrs: list[Array], cluster: DictConfig, refused: int = 0) -> str:
+    lines = [summary(works) + (f"; {refused} refused (not run)" if refused else "")]
     total_gpu_h = 0.0
     for i, a in enumerate(arrs):
         gpus, mem, cpus = a.key
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         from h2o.pipeline.sweep import describe as list_jobs
 
         print(list_jobs(sweep, runs_root(sweep.plans[0].cfg) if sweep.plans else None))
-    print(describe(works, arrs, cluster))
+    print(describe(works, arrs, cluster, len(sweep.refused)))
     if dry or not arrs:
         return 0
     experiment = sweep.plans[0].cfg.experiment_name

@@ -264,13 +264,14 @@ class H2OLM(HFLM):
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         """inps (B, T) -> logits (B, T, V) under the policy's simulated mask."""
-        prompts: list[int] = []
-        lengths = self.true_lengths(inps, prompts) if attn_mask is None else attn_mask.sum(-1)
+        prompts: list[int] = []  # compress=prefill: each row's context tokens, the reference of its budget
+        lengths = self.true_lengths(inps, prompts if self.prefill else None) if attn_mask is None \
+            else attn_mask.sum(-1)
         self.stats["rows"] += inps.shape[0]
         self.stats["tokens"] += int(lengths.sum())
         if attn_mask is not None:
             return super()._model_call(inps, attn_mask, labels)
-        self.stats["clamped"] += clamped(self.policy, lengths.tolist())
+        self.stats["clamped"] += clamped(self.policy, prompts or lengths.tolist())
         with torch.no_grad():
             if isinstance(self.policy, H2OReference):  # the paper code's rule: one unpadded sequence at a time
                 out = None
