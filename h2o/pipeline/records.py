@@ -38,7 +38,7 @@ from h2o.assets.locks import append_line, folder_lock
 from h2o.assets.paths import CONF, REPO, atomic_write_text, group_defaults  # noqa: F401 (CONF re-exported)
 from h2o.core.validate import SAFE, ConfigError, check, check_name, is_number
 
-IGNORED = {"_target_", "name", "batch_size", "device_map", "resources", "params"}  # never in <extras>
+IGNORED = {"_target_", "name", "batch_size", "device_map", "resources", "params", "positions"}  # never in <extras>
 IN_PATH = {"task": {"shots"}, "policy": {"budget", "heavy", "recent"}, "model": set()}
 PACKAGES = ("torch", "transformers", "lm_eval", "hydra-core", "omegaconf", "hydra-submitit-launcher", "submitit",
             "datasets", "accelerate", "rouge-score", "wandb", "tokenizers", "numpy", "h2o-harness")
