@@ -12,10 +12,10 @@ import pytest
 from h2o.pipeline.records import CONF
 
 
-def plans(experiment: str):
+def plans(experiment: str, *overrides: str):
     from h2o.pipeline.sweep import expand
 
-    return expand([f"experiment={experiment}"], multirun=True).plans
+    return expand([f"experiment={experiment}", *overrides], multirun=True).plans
 
 
 def test_model_positions_are_declared_and_match_the_configs_here():
@@ -39,33 +39,32 @@ def test_model_positions_are_declared_and_match_the_configs_here():
 def test_niah_and_ruler_cluster_grids_are_clipped_offline(capsys):
     from h2o.pipeline import launch
 
-    by_model = {}
-    for p in plans("niah_cluster"):
-        by_model.setdefault(p.model.name, set()).add(tuple(p.task.lengths))
-    assert by_model["llama-3-8b"] == {(1000, 2000, 4000, 8000)}
-    assert all(v == {(1000, 2000)} for m, v in by_model.items() if m != "llama-3-8b") and len(by_model) == 7
-    opt = next(p for p in plans("niah_cluster") if p.model.name == "opt-6.7b")
+    niah = {p.model.name: p for p in plans("niah_cluster", "policy=full", "policy.budget=0.2")}  # a run per model
+    assert niah["llama-3-8b"].task.lengths == [1000, 2000, 4000, 8000] and len(niah) == 7
+    assert all(p.task.lengths == [1000, 2000] for m, p in niah.items() if m != "llama-3-8b")
     # 11 depths x 10 samples x (prompt + 12 generated) at 1,000 and 2,000, at OPT-6.7B's 135 s per million tokens
-    assert launch.run_minutes(opt, launch.cluster_config([])) == pytest.approx(135 * 110 * 3024 / 1e6 / 60)
-    ruler = {(p.model.name, p.task.name): p.task.lengths for p in plans("ruler_cluster")}
-    assert len({t for _, t in ruler}) == 5 and ruler["opt-13b", "ruler_qa_squad"] == [1024, 2048]
+    assert launch.run_minutes(niah["opt-6.7b"], launch.cluster_config([])) == pytest.approx(
+        135 * 110 * 3024 / 1e6 / 60)
+    ruler = {(p.model.name, p.task.name): p.task.lengths
+             for p in plans("ruler_cluster", "model=opt-13b,llama-3-8b", "policy=full", "policy.budget=0.2")}
+    assert len(ruler) == 10 and ruler["opt-13b", "ruler_qa_squad"] == [1024, 2048]
     assert ruler["llama-3-8b", "ruler_niah_multikey_1"] == [1024, 2048, 4096, 8192]
-    assert launch.main(["experiment=niah_cluster", "--dry"]) == 0
+    assert launch.main(["experiment=niah_cluster", "model=opt-6.7b,llama-3-8b", "--dry"]) == 0
     total = capsys.readouterr().out.strip().splitlines()[-1]
-    assert re.match(r"total: 1 arrays, \d+ tasks, 70 runs, ~\d+\.\d GPU-h", total), total
+    assert re.match(r"total: \d+ arrays, \d+ tasks, 20 runs, ~\d+\.\d GPU-h", total), total
 
 
 def test_longbench_cluster_lists_the_english_subset_per_task():
     from h2o.tasks.longbench import ENGLISH, gen_tokens
     from h2o.tasks.multiple_choice import yaml_task_names
 
-    found = plans("longbench_cluster")
+    found = plans("longbench_cluster", "policy=full,h2o", "policy.budget=0.2")
     names = {p.task.name for p in found}
     assert names == set(ENGLISH) and len(ENGLISH) == 16
     assert set(ENGLISH) <= set(yaml_task_names(found[0].task.lm_eval_folder()))
     assert {p.model.name for p in found} == {"llama-3-8b", "mistral-7b"}
     assert all(p.task.lengths == [8192] and p.task.family == "longbench" for p in found)
-    assert len({p.path for p in found}) == 2 * 16 * 10  # full once, three policies x three budgets
+    assert len({p.path for p in found}) == 2 * 16 * 2
     assert gen_tokens("longbench_gov_report") == 512 and gen_tokens("longbench_qasper") == 128
     qasper = next(p.task for p in found if p.task.name == "longbench_qasper")
     assert qasper.tokens() == 200 * min(int(3619 * 1.3) + 128, 8192)
@@ -99,14 +98,14 @@ def test_qa_tasks_read_their_prefetched_json_with_the_network_refused(tmp_path, 
         raise OSError("network unreachable (test)")
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
-    ruler_offline.use_haystack("austen")
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    ruler_offline.use_cached_qa()  # what use_haystack installs for every RULER run
     from lm_eval.tasks.ruler import qa_utils
 
-    tok_path = str(tiny_checkpoint("llama"))
-    rows = list(qa_utils.get_squad(tokenizer=tok_path, max_seq_lengths=[1024])["test"])
-    assert len(rows) == 40 and all(r["length"] <= 1024 for r in rows)
-    assert all(r["outputs"][0] in r["input"] and r["outputs"][0].startswith("Port ") for r in rows)
-    tok = AutoTokenizer.from_pretrained(tok_path)
+    qas, docs = qa_utils.read_squad()  # lm-eval's reader, its default URL
+    assert len(qas) == 40 and len(docs) == 40 and qas[3]["outputs"] == ["Port 3"]
+    assert docs[qas[3]["context"][0]] == paragraphs[3]["context"]
+    tok = AutoTokenizer.from_pretrained(str(tiny_checkpoint("llama")))
     assert ruler_offline.shortest_length(tok, "ruler_qa_squad") == len(tok(qa_utils.TEMPLATE.format(
         context="", query="")).input_ids) + 32
 
@@ -116,7 +115,8 @@ def test_prefetch_check_names_each_long_context_asset(tmp_path, monkeypatch, cap
 
     monkeypatch.setenv("H2O_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    assert prefetch.main(["experiment=ruler_cluster", "model=llama-3-8b", "--check"]) == 1
+    assert prefetch.main(["experiment=ruler_cluster", "model=llama-3-8b", "policy=full", "policy.budget=0.2",
+                          "--check"]) == 1
     lines = {ln.split(":")[0]: ln for ln in capsys.readouterr().out.strip().splitlines()}
     assert "not on this machine: ruler_qa_squad's JSON" in lines["task ruler_qa_squad"]
     assert "hotpot_dev_distractor_v1.json" in lines["task ruler_qa_hotpot"]
@@ -124,7 +124,8 @@ def test_prefetch_check_names_each_long_context_asset(tmp_path, monkeypatch, cap
     assert lines["task ruler_niah_single_1"].endswith("cached (or fetched by the task itself)")
     from h2o.tasks.long_context_data import assets
 
-    task = next(p.task for p in plans("ruler_cluster") if p.task.name == "ruler_niah_multikey_1")
+    task = plans("ruler_cluster", "model=llama-3-8b", "task=ruler_niah_multikey_1", "policy=full",
+                 "policy.budget=0.2")[0].task
     kinds = [(a.what.split(" (")[0], a.needed) for a in assets(task)]
     assert kinds == [("book austen", True), ("RULER's essays", False), ("nltk's punkt_tab sentence model", False)]
 

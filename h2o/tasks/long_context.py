@@ -79,10 +79,10 @@ class LongContextTask(TaskSpec):
         if not self.is_niah:
             from h2o.tasks.multiple_choice import yaml_task_names
 
-            names = yaml_task_names(self.lm_eval_folder())
-            check(self.lm_eval_task in names, f"task.lm_eval_task={self.lm_eval_task!r}: allowed: niah, lm-eval's "
-                                              f"RULER tasks ({', '.join(n for n in yaml_task_names(ruler_folder()) if n != 'ruler')}) "
-                                              f"and its longbench_* tasks")
+            ruler = ", ".join(n for n in yaml_task_names(ruler_folder()) if n != "ruler")
+            check(self.lm_eval_task in yaml_task_names(self.lm_eval_folder()),
+                  f"task.lm_eval_task={self.lm_eval_task!r}: allowed: niah, lm-eval's RULER tasks ({ruler}) and its "
+                  f"longbench_* tasks")
         check(self.family != "longbench" or len(self.lengths) == 1,
               f"task.lengths={self.lengths}: a LongBench run takes one length (its prompts' cut); allowed: [<n>]")
 
