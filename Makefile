@@ -53,9 +53,9 @@ docs-results: install ## docs/results/*.md and their figures, regenerated from t
 ARGS ?=
 sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report; slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
 ifneq ($(DRY),)
-	$(PY) -m h2o.pipeline.launch experiment=$(EXP) --dry --list $(ARGS)
+	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=slurm --dry --list $(ARGS)
 else ifeq ($(LAUNCHER),slurm)
-	$(PY) -m h2o.pipeline.launch experiment=$(EXP) $(ARGS)
+	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=slurm $(ARGS)
 else
 	@mkdir -p runs && rm -f runs/.sweep-failed
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS) || touch runs/.sweep-failed
@@ -83,10 +83,12 @@ BENCH_MEMORY ?= 1024,8
 BENCH_GEN ?= 8
 BENCH_SHORT_GEN ?= 64
 BENCH_REPEATS ?= 3
+BENCH_METHODS ?= 512,1
 bench: install ## the benchmark targets: decode throughput, KV bytes, largest batch (memory cap on CUDA, estimate on the CPU), simulated forward vs full and transformers' caches (BENCH_* sizes)
 	$(PY) -m h2o.pipeline.run experiment=bench threads=$(BENCH_THREADS) 'task.long=[$(BENCH_LONG)]' \
 		'task.short=[$(BENCH_SHORT)]' 'task.e2e=[$(BENCH_E2E)]' task.sim=$(BENCH_SIM) 'task.memory=[$(BENCH_MEMORY)]' \
-		task.gen_len=$(BENCH_GEN) task.short_gen=$(BENCH_SHORT_GEN) task.repeats=$(BENCH_REPEATS) $(if $(WANDB),logger=wandb) $(ARGS)
+		task.gen_len=$(BENCH_GEN) task.short_gen=$(BENCH_SHORT_GEN) task.repeats=$(BENCH_REPEATS) \
+		'task.methods=[$(BENCH_METHODS)]' $(if $(WANDB),logger=wandb) $(ARGS)
 
 # Streaming: one run per policy x budget x chunk of experiment=streaming (conf/experiment/streaming.yaml), recorded
 # under runs/streaming/ like every run (a finished record is not run again; a failed job leaves the others). Then
@@ -120,7 +122,8 @@ wandb: install ## mirror EXP's records in runs/ to wandb (offline unless WANDB_M
 # options (--contexts, --needles, --context-len, --cont-len, --ratios, --methods, --decode, --out). Measured with
 # --contexts 2 --needles 1 --context-len 1024 --cont-len 128 --ratios 0.8 --decode: 41 min (kvpress side) beside
 # 31 min (ours) on 2 shared cores at load ~12; the defaults (2 x 2,048-token contexts, 2 needles, 3 ratios) are
-# several times that.
+# several times that. PARITY_ARGS=--golden instead records CI's golden numbers (kvpress on the committed tiny model,
+# tests/data/parity_golden/kvpress.json; about a minute) and checks ours against them.
 PARITY_ARGS ?= --decode
 parity: install ## kvpress 0.5.5 beside the harness, same prompts (own venv .parity-venv; PARITY_ARGS) -> docs/results/parity.md
 	tools/parity/setup_venv.sh .parity-venv

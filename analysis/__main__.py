@@ -1,8 +1,9 @@
-"""``python -m analysis {tables,figures,report,models} [--runs runs] [--out analysis/out]``.
+"""``python -m analysis {tables,figures,report,models,methods} [--runs runs] [--out analysis/out]``.
 
 Tables go to ``<out>/tables/<name>.md`` and ``.tex`` (the Markdown is also printed), figures to
 ``<out>/figures/<name>.png`` and ``.pdf``, the report to ``<out>/REPORT.md``, the two-model table of
-``experiment=models`` to ``<out>/models_results.md`` (``--out docs`` for the docs page). Prints the paths
+``experiment=models`` to ``<out>/models_results.md`` (``--out docs`` for the docs page); ``methods``: the methods
+experiments' figures and tables only (analysis.methods; ``tables`` and ``figures`` include them). Prints the paths
 written. With no finished run under ``--runs``, ``tables`` and ``figures`` print one line and exit
 0 (nothing to do is not an error); ``report`` and ``models`` still write their page (everything "not run").
 """
@@ -17,7 +18,7 @@ from analysis.records import load_runs
 
 
 def check_paths(runs: str, out: str) -> str | None:
-    """The rules of h2o.core.validate for this CLI (analysis imports nothing of h2o): ``--runs`` is a folder
+    """The rules of h2o.cli.paths for this CLI (analysis imports nothing of h2o): ``--runs`` is a folder
     (as h2o.pipeline.wandb_sync requires: a missing one is a typo, not an empty study), ``--out`` a folder
     that exists or can be created. Returns the one-line error, or None."""
     return folder_error("--runs", runs, "the root of the run records (e.g. runs/)") or writable_error("--out", out)
@@ -25,7 +26,7 @@ def check_paths(runs: str, out: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m analysis", description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["tables", "figures", "report", "models"])
+    parser.add_argument("what", choices=["tables", "figures", "report", "models", "methods"])
     parser.add_argument("--runs", default="runs", help="root of the run records (default: runs)")
     parser.add_argument("--out", default="analysis/out", help="output root (default: analysis/out)")
     args = one_line(parser).parse_args(argv)
@@ -46,7 +47,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no finished runs under {args.runs}/ (a run is finished once its folder has "
               f"metrics.json): no {args.what} written")
         return 0
-    if args.what == "tables":
+    if args.what == "methods":
+        from analysis.methods import methods_figures, methods_tables
+        tables = methods_tables(df)
+        paths = [p for t in tables for p in t.write(Path(args.out) / "tables")]
+        paths += methods_figures(df, Path(args.out) / "figures")
+        for t in tables:
+            print(t.to_markdown())
+    elif args.what == "tables":
         from analysis.tables import all_tables
         tables = all_tables(df)
         paths = [p for t in tables for p in t.write(Path(args.out) / "tables")]

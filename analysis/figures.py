@@ -58,7 +58,7 @@ PAPER_FIGURES = [  # (file stem, title, experiments, policies drawn: None = ever
     ("fig9_streaming_vs_h2o", "Figure 9: StreamingLLM vs H2O on XSUM / CNN-DM", ("fig9",),
      ["full", "streaming_llm", "h2o"]),
 ]
-NO_CURVES = ("self_bleu", "observations")   # experiments without a budget sweep to draw
+NO_CURVES = ("self_bleu", "observations", "methods", "methods_cluster")  # no budget curves (methods: analysis.methods)
 
 
 def fit_power_law(scores) -> tuple[float, float]:
@@ -309,6 +309,8 @@ def all_figures(df: pd.DataFrame, out: str | Path) -> list[Path]:
     if df.empty:
         return []
     df = annotate(df)
+    from analysis.methods import methods_figures  # every method at both timings (analysis/methods.py)
     from analysis.niah import figure_niah  # needle-in-a-haystack heatmaps (analysis/niah.py)
 
-    return budget_figures(df, out) + figure_streaming(df, out) + figure2(df, out) + figure_niah(df, out)
+    return (budget_figures(df, out) + figure_streaming(df, out) + figure2(df, out) + figure_niah(df, out)
+            + methods_figures(df, out))

@@ -1,4 +1,4 @@
-"""The path rules of h2o.core.validate for the analysis CLIs (analysis imports nothing of h2o): each check returns
+"""The path rules of h2o.cli.paths for the analysis CLIs (analysis imports nothing of h2o): each check returns
 the one-line error naming the flag and its value, or None.
 
     bad = folder_error("--runs", args.runs, "the root of the run records (e.g. runs/)") or writable_error("--out", out)

@@ -98,10 +98,13 @@ def budget_table(name: str, title: str, runs: pd.DataFrame, metric: str, digits:
 
 
 def experiment_tables(df: pd.DataFrame) -> list[Table]:
-    """One budget table per experiment and task kind present."""
+    """One budget table per experiment and task kind present (the methods experiments: analysis.methods)."""
+    from analysis.methods import EXPERIMENTS, methods_tables
+
     df = annotate(df)
-    out = []
-    for (exp, kind), runs in df.groupby(["experiment", "task_kind"], dropna=True, sort=True):
+    out = methods_tables(df)
+    for (exp, kind), runs in df[~df["experiment"].isin(EXPERIMENTS)].groupby(["experiment", "task_kind"],
+                                                                            dropna=True, sort=True):
         metric = metric_for(kind, runs)
         if metric is None:
             continue

@@ -14,7 +14,7 @@ from h2o.pipeline.sweep import expand
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny-llama", "task.long=[40,3]", "task.short=[32,1]", "task.e2e=[24,2]", "task.sim=24",
         "task.memory=[24,3]", "task.gen_len=3", "task.short_gen=4", "task.repeats=1", "task.warmup=0",
-        "task.prefill_chunk=16", "task.max_batch_cap=6", "threads=1"]
+        "task.prefill_chunk=16", "task.max_batch_cap=6", "task.methods=[24,2]", "task.methods_gen=3", "threads=1"]
 
 
 def make_bench_argv(args: str) -> list[str]:
@@ -32,6 +32,7 @@ def test_make_bench_writes_the_experiments_record(tmp_path, monkeypatch, capsys)
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "== targets" in out and "simulated forward 24 h2o/eager (CPU time)" in out and "largest batch in" in out
+    assert "== methods: prompt 24 x batch 2, gen 3, budget 0.2" in out
     [path] = list((tmp_path / "runs" / "bench").rglob("metrics.json"))
     rec = json.loads(path.read_text())
     assert rec["experiment"] == "bench" and rec["task"] == "bench_targets" and rec["task_kind"] == "benchmark_targets"
@@ -39,6 +40,8 @@ def test_make_bench_writes_the_experiments_record(tmp_path, monkeypatch, capsys)
     m, targets = rec["metrics"], rec["targets"]
     assert m["kv_bytes_prefill 40x3 h2o/full"] == pytest.approx(budget_tokens(0.2, 40) / 40)
     assert targets["kv_bytes_max 40x3 h2o/full"]["met"]  # 8 kept of 40 + 2 decoded
+    from h2o.bench.methods import method_names  # every method's row, the targets untouched by them
+    assert [r["method"] for r in rec["methods"]] == ["full", *method_names()]
     assert set(targets) == set(m) and all(t["met"] == meets("decode_long", t["value"]) for k, t in targets.items()
                                           if k.startswith("decode 40x3 h2o/"))
     samples = [json.loads(x) for x in (path.parent / "samples.jsonl").read_text().splitlines()]

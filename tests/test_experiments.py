@@ -21,9 +21,11 @@ from h2o.core.policies import make_policy
 from h2o.assets.model_spec import ConfigError
 from h2o.pipeline.plan import build, prepare
 from h2o.core.policies import PolicyError
-from h2o.pipeline.records import CONF, REPO, budget_label, fmt, read_jsonl, runs_root
+from h2o.assets.paths import CONF
+from h2o.pipeline.records import REPO, budget_label, fmt, read_jsonl, runs_root
 from h2o.pipeline.sweep import Composer, _compose, expand
 from h2o.pipeline.wandb_mirror import Settings, run_id
+from run_folders import check_folders  # tests/run_folders.py
 from wandb_offline import read_runs  # tests/wandb_offline.py
 
 GROUPS = ("model", "task", "policy", "logger", "experiment")
@@ -127,6 +129,7 @@ def test_every_experiment_expands_and_fast_compose_equals_hydra(hydra_ctx):
         if exp not in PAPER_GRIDS:
             sweep = expand([f"experiment={exp}"], multirun=True)
             assert sweep.plans and all(p.cfg.experiment_name == exp for p in sweep.plans)
+            check_folders(exp, sweep)  # every job in the folder its record has been written to
         jobs = job_overrides([f"experiment={exp}", "seed=3", "++task_overrides.x.limit=2"], multirun=True)[0]
         for job in jobs[:: max(1, len(jobs) // 4)]:
             fast = OmegaConf.to_container(composer(job), resolve=False)

@@ -510,7 +510,7 @@ def plan_for(args: list[str], runs: Path):
     from hydra import compose, initialize_config_dir
 
     from h2o.pipeline.plan import prepare
-    from h2o.pipeline.records import CONF
+    from h2o.assets.paths import CONF
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return prepare(compose(config_name="config", overrides=[*TINY, f"runs_dir={runs}", *args]))
@@ -663,5 +663,5 @@ def test_each_sweep_process_has_its_own_folder_and_summary(tmp_path, monkeypatch
     capsys.readouterr()
     assert main(["-m", *TINY, *PPL, runs, shared, "seed=0,1"]) == 0
     err = capsys.readouterr().err
-    assert "0 done, 2 skipped, 0 served, 0 busy, 0 failed" in err and "FAILED" not in err
+    assert "0 done, 2 skipped, 0 served, 0 refused, 0 busy, 0 failed" in err and "FAILED" not in err
     assert len(read_jsonl(tmp_path / "shared" / "jobs.jsonl")) == 3

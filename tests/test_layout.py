@@ -1,10 +1,11 @@
-"""The package's rooms import only downwards (core <- assets <- tasks <- bench <- pipeline; analysis: none)."""
+"""The package's rooms import only downwards (core <- cli <- assets <- tasks <- bench <- pipeline; analysis: none)."""
 import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-BELOW = {"core": {"core"}, "assets": {"core", "assets"}, "tasks": {"core", "assets", "tasks"},
-         "bench": {"core", "assets", "tasks", "bench"}, "pipeline": {"core", "assets", "tasks", "bench", "pipeline"}}
+BELOW = {"core": {"core"}, "cli": {"core", "cli"}, "assets": {"core", "cli", "assets"},
+         "tasks": {"core", "cli", "assets", "tasks"}, "bench": {"core", "cli", "assets", "tasks", "bench"},
+         "pipeline": {"core", "cli", "assets", "tasks", "bench", "pipeline"}}
 IMPORT = re.compile(r"^\s*(?:from|import)\s+h2o\.(\w+)", re.M)
 
 

@@ -167,7 +167,7 @@ def expanded(overrides: tuple[str, ...], multirun: bool) -> int:
     from hydra import initialize_config_dir
 
     from h2o.pipeline.plan import prepare
-    from h2o.pipeline.records import CONF
+    from h2o.assets.paths import CONF
     from h2o.pipeline.sweep import Composer, job_overrides, one_line
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -179,6 +179,13 @@ def expanded(overrides: tuple[str, ...], multirun: bool) -> int:
         except Exception as exc:  # noqa: BLE001 - Hydra's, OmegaConf's and the harness's errors, as h2o-run words them
             raise AssertionError(f"{shlex.join(overrides)}: {one_line(exc)}") from None
     return len(jobs)
+
+
+def submits(module: str, args: list[str]) -> bool:
+    """Whether the command submits to Slurm: h2o.pipeline.launch, or h2o-run with the Slurm launcher (one path),
+    without --dry."""
+    slurm = module == "h2o.pipeline.launch" or (module == "h2o.pipeline.run" and "hydra/launcher=slurm" in args)
+    return slurm and "--dry" not in args
 
 
 def hydra_dry_run(module: str, args: list[str]) -> None:
@@ -257,10 +264,10 @@ def check_command(command: str) -> str:
             return "ran"
         calls = make_python(args)  # none (a shell recipe): make -n accepting the target and its variables is the check
         if command not in CLUSTER_ONLY:
-            assert not any(m == "h2o.pipeline.launch" and "--dry" not in a for m, a in calls), \
+            assert not any(submits(m, a) for m, a in calls), \
                 f"{command} submits to Slurm: list it in CLUSTER_ONLY"
         for module, margs in calls:
-            if module == "h2o.pipeline.launch" and "--dry" not in margs:
+            if submits(module, margs):
                 margs = [*margs, "--dry"]
             exercise(module, margs)
         return "make -n, then " + ", ".join(m for m, _ in calls)

@@ -11,6 +11,7 @@ from itertools import product
 import pytest
 
 from h2o.pipeline.sweep import expand, status
+from run_folders import check_folders  # tests/run_folders.py
 
 LM_EVAL6 = ["copa", "mathqa", "openbookqa", "piqa", "rte", "winogrande"]
 PAPER4 = ["copa", "openbookqa", "piqa", "winogrande"]  # Tables 1, 2, 8
@@ -43,6 +44,7 @@ def cell(model, task, shots, policy, budget):
 def test_experiment_lists_the_papers_grid(exp):
     models, tasks, shots, policies, budgets, n_jobs, n_runs, n_paper = GRIDS[exp]
     sweep = expand([f"experiment={exp}"], multirun=True)
+    check_folders(exp, sweep)  # every job in the folder its record has been written to
     listed = [cell(p.model.name, p.task.name, p.task.shots, p.policy.name, p.policy.budget) for p in sweep.plans]
     expected = {cell(*c) for c in product(models, tasks, shots, policies, budgets)}
     assert set(listed) == expected

@@ -307,7 +307,7 @@ def test_bad_score_options_fail_with_one_line(kwargs, needle):
 
 
 def test_unknown_policy_and_option():
-    with pytest.raises(PolicyError, match="policy='h3o': unknown; allowed: fixed"):
+    with pytest.raises(PolicyError, match=f"policy='h3o': unknown; allowed: {', '.join(POLICIES)}$"):
         make_policy("h3o")
     with pytest.raises(PolicyError, match="policy=local: .*unexpected keyword argument 'sinks'"):
         make_policy("local", sinks=4)

@@ -14,7 +14,8 @@ from h2o.assets import policy_config
 from h2o.assets.models import tiny_model
 from h2o.core.policies.h2o import reference_mask
 from h2o.pipeline.plan import build, prepare
-from h2o.pipeline.records import COMPLETE, CONF, identity
+from h2o.assets.paths import CONF
+from h2o.pipeline.records import COMPLETE, identity
 from h2o.pipeline.sweep import _compose
 
 

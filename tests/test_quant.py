@@ -145,9 +145,12 @@ def test_attention_paths_hold_and_attend_to_the_same_values(gqa, calibrations, n
 PAIRS = [(a, s) for a in TINY_ARCHS for s in ("uniform4-g8", "kvquant3", "uniform2")]
 FIRST = ["fixed", "fixed_h2", "full", "h2_only", "h2o", "local", "streaming_llm", "strided", "strided_h2", "topk",
          "topk_h2"]
-LATER = [name for name in REAL_POLICIES if name not in FIRST]
+ADDED = ["keydiff", "knorm", "pyramidkv", "random", "snapkv", "tova", "adakv"]  # appended in the order added
+ROTARY = {"expected_attention": ("llama_gqa", "kvquant3")}  # policies that need rotary embeddings: a RoPE model
+LATER = [n for n in ADDED if n in REAL_POLICIES] + [n for n in REAL_POLICIES if n not in FIRST + ADDED + list(ROTARY)]
 COMBOS = [(*pair, FIRST[i % len(FIRST)]) for i, pair in enumerate(PAIRS)]
 COMBOS += [(*PAIRS[(len(PAIRS) + i) % len(PAIRS)], name) for i, name in enumerate(LATER)]
+COMBOS += [(*pair, name) for name, pair in ROTARY.items()]
 
 
 @pytest.mark.parametrize("arch,scheme,name", COMBOS)
@@ -308,7 +311,7 @@ def test_run_folder_names_the_quantizer():
     base = ["model=tiny-llama", "task=austen_ppl"]
     none, = expand([*base, "quant=none"], True).plans
     uniform, = expand([*base, "quant=uniform", "quant.group_size=16"], True).plans
-    assert none.path.name == "0.2" and none.policy.quant is None and "quant" not in none.head()
+    assert none.path.name == "0.2" and none.quant is None and "quant" not in none.head()
     assert none.path == expand(base, True).plans[0].path  # quant=none: the folder of old
     assert uniform.path.name == "quant=uniform4,group_size=16" and uniform.head()["quant"]["bits"] == 4
     assert uniform.path.parent == none.path
@@ -356,8 +359,8 @@ def test_lm_eval_model_args_set_the_quantizer(tmp_path):
     torch.save(fit(model, torch.randint(3, 256, (2, 64), generator=G(16)), bits=(3,)), tmp_path / "cal.pt")
     args = dict(pretrained=model, tokenizer=tok, policy="h2o", budget=0.3, batch_size=3, add_bos_token=False)
     lm = H2OLM(**args, quant="kvquant", quant_bits=3, quant_calibration=str(tmp_path / "cal.pt"))
-    assert lm.policy.quant.describe() == {"quant": "kvquant", "bits": 3, "per_channel_keys": True, "pre_rope": True,
-                                          "nonuniform": True, "outliers": True, "sink": True}
+    assert lm.quant.describe() == {"quant": "kvquant", "bits": 3, "per_channel_keys": True, "pre_rope": True,
+                                   "nonuniform": True, "outliers": True, "sink": True}
     reqs = [("A question:", " one answer"), ("Q:", " a longer second answer here"), ("Why?", " no")]
     got = [ll for ll, _ in lm.loglikelihood([Instance("loglikelihood", {}, r, 0) for r in reqs])]
     plain = [ll for ll, _ in H2OLM(**args).loglikelihood([Instance("loglikelihood", {}, r, 0) for r in reqs])]
@@ -369,7 +372,7 @@ def test_lm_eval_model_args_set_the_quantizer(tmp_path):
             logp = model(ids[:, :-1]).logits.log_softmax(-1)[0, -len(n):]
         assert ll == pytest.approx(float(logp.gather(-1, torch.tensor(n)[:, None]).sum()), abs=1e-3)
         assert abs(ll - ll_plain) > 1e-3  # quantization changed the score: not vacuous
-    uniform = H2OLM(**args, quant="uniform", quant_bits=4, quant_group_size=16).policy.quant
+    uniform = H2OLM(**args, quant="uniform", quant_bits=4, quant_group_size=16).quant
     assert (uniform.bits, uniform.group_size) == (4, 16)
 
 

@@ -47,8 +47,7 @@ def test_quant_experiment_records_make_the_table_and_match_the_bench(tmp_path, m
     assert any(t.name == "quant_austen_ppl_quant" for t in all_tables(load_runs(tmp_path / "runs")))
 
     # the bench's one-pass perplexity on the same windows gives the records' numbers
-    plan = next(p for p in sweep.plans if p.policy.name == "h2o" and p.policy.quant is not None
-                and p.policy.quant.bits == 2)
+    plan = next(p for p in sweep.plans if p.policy.name == "h2o" and p.quant is not None and p.quant.bits == 2)
     model, tok = plan.model.load()
     windows = plan.task.windows(tok)
     assert windows.shape == (2, 96)

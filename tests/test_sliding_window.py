@@ -207,7 +207,7 @@ def test_unsupported_settings_are_refused_at_attach(setting, needle):
             pass
     assert "\n" not in str(e.value) and "gemma3" in str(e.value)
     model = tiny_model("gemma3")
-    with pytest.raises(PolicyError, match="semantics=reference: the paper code's rule has no sliding window"):
+    with pytest.raises(PolicyError, match="policy=h2o_reference: the paper code's rule has no sliding window"):
         with attach(model, make_policy("h2o"), semantics="reference"):
             pass
     model.train()

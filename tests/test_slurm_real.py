@@ -34,7 +34,7 @@ from analysis.__main__ import main as analysis_main
 from analysis.render import MISSING
 from h2o.pipeline import launch, status
 from h2o.pipeline.records import REPO, read_jsonl
-from h2o.pipeline.run import execute
+from h2o.pipeline.job import execute
 from h2o.pipeline.sweep import expand
 
 UP, DOWN = REPO / "tests" / "slurm" / "up.sh", REPO / "tests" / "slurm" / "down.sh"

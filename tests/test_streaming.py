@@ -1,4 +1,4 @@
-"""h2o.bench.streaming's protocol options on a tiny random model: policy specs, exact windows, batched and
+"""h2o.tasks.streaming's protocol options on a tiny random model: policy specs, exact windows, batched and
 interleaved streams equal to separate ones, the authors' defaults."""
 import math
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from h2o.assets.models import tiny_model
-from h2o.bench import streaming, streaming_cli
-from h2o.bench.stream_parts import Windows, build_policy, parse_policy
-from h2o.bench.streaming import stream
-from h2o.bench.streaming_cli import run
+from h2o.tasks import streaming, streaming_cli
+from h2o.tasks.streaming import stream
+from h2o.tasks.streaming_cli import run
+from h2o.tasks.streaming_parts import Windows, build_policy, parse_policy
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,7 @@ def test_cli_bad_input_exits_2_before_loading(capsys):
 
 
 def test_wall_time_estimate_and_per_sequence_checks():
-    from h2o.bench.stream_parts import estimate
+    from h2o.tasks.streaming_parts import estimate
     from h2o.core.policies import PolicyError, make_policy
     from h2o.core.policies.per_sequence import PerSequence
 

@@ -1,3 +1,3 @@
 """Assets: model loading and specs, tiny test models, offline data (fetching, readers, task converters), paths.
 
-Imports core at most; never tasks, pipeline or bench."""
+Imports core and cli at most; never tasks, pipeline or bench."""

@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m h2o.assets.data", description=__doc__.split("\n\n")[0])
     parser.add_argument("--force", action="store_true", help="fetch and convert again even if cached")
     parser.add_argument("--no-moby", action="store_true", help="skip Moby-Dick")
-    from h2o.core.validate import one_line
+    from h2o.cli.args import one_line
 
     args = one_line(parser).parse_args(argv)
     try:

@@ -30,7 +30,7 @@ MODES = ("auto", "flock", "file")
 
 
 def lock_mode() -> str:
-    """``H2O_LOCK``; a ConfigError (checked at the start of a run, h2o.pipeline.plan) unless one of MODES."""
+    """``H2O_LOCK``; a ConfigError (checked at the start of a run, h2o.pipeline.spec) unless one of MODES."""
     from h2o.core.validate import ConfigError
 
     mode = os.environ.get("H2O_LOCK", "auto")

@@ -11,9 +11,8 @@ Hydra's ``instantiate`` of ``cfg.policy`` does. Older spellings that still work 
 """
 from __future__ import annotations
 
-import sys
-
 from h2o.assets.paths import CONF, group_defaults
+from h2o.core.notice import _SAID, notice  # noqa: F401 (re-exported: every entry point's notices)
 
 SKIP = ("_target_", "name")
 
@@ -27,16 +26,30 @@ def group_file(name: str) -> dict:
     return {k: v for k, v in group_defaults("policy", name).items() if k != "_target_"}
 
 
+def option_keys(name: str) -> list[str]:
+    """The options policy ``name`` takes: its group file's keys, then the other arguments its factory reads
+    (:func:`h2o.make_policy`: the class's own arguments, and ``compress``, every policy's timing; Hydra spells
+    these with a ``+``: ``+policy.compress=prefill``)."""
+    import inspect
+
+    from h2o.core.policies import Policy
+
+    params = inspect.signature(Policy.registry[name].__init__).parameters.values()
+    own = [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    keys = [k for k in group_file(name) if k not in SKIP]
+    return keys + [k for k in (*own, "compress") if k not in keys]
+
+
 def policy_options(name: str, options: dict, where: str = "policy.") -> dict:
-    """The group file's values updated with ``options``; a key the file does not have is a one-line PolicyError
-    (``where``: how the caller spells an option, ``policy.`` for Hydra, ``--model_args `` for lm-eval)."""
+    """The group file's values updated with ``options``; a key the policy does not take (:func:`option_keys`) is
+    a one-line PolicyError (``where``: how the caller spells an option, ``policy.`` for Hydra, ``--model_args ``
+    for lm-eval)."""
     from h2o.core.policies import PolicyError
 
-    base = group_file(name)
-    bad = next((k for k in options if k not in base or k in SKIP), None)
+    base, allowed = group_file(name), option_keys(name)
+    bad = next((k for k in options if k not in allowed), None)
     if bad is not None:
-        raise PolicyError(f"{where}{bad}: no such option for policy={name}; allowed: "
-                          f"{', '.join(k for k in base if k not in SKIP)}")
+        raise PolicyError(f"{where}{bad}: no such option for policy={name}; allowed: {', '.join(allowed)}")
     return {**base, **options}
 
 
@@ -59,30 +72,27 @@ def at_budget(name: str, budget, where: str = "policy.", **options):
 def parse(text: str, where: str = "--policy") -> tuple[str, dict]:
     """``"h2o,budget=0.2,heavy_share=0.5"`` (or ``"policy=h2o,..."``: lm-eval's model_args) -> (name, options);
     values by Hydra's override grammar (0.2, 1e-3, 96, null, true, sum). One-line PolicyError for a bad item."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     from h2o.core.policies import PolicyError
 
     name, *items = [part.strip() for part in str(text).split(",")]
     name = name[len("policy="):] if name.startswith("policy=") else name
-    parser, options = OverridesParser.create(), {}
+    options = {}
     for item in items:
         key, eq, value = item.partition("=")
         if not eq or not key.isidentifier():
             raise PolicyError(f"{where}={text!r}: {item!r} is not key=value (e.g. h2o,budget=0.2,heavy_share=0.5)")
-        try:
-            options[key] = parser.parse_override(f"{key}={value}").value()
-        except Exception:  # noqa: BLE001 - Hydra's grammar error: spell it in one line
-            raise PolicyError(f"{where}={text!r}: {value!r} is not a value (a number, null, true/false or "
-                              f"a word)") from None
+        options[key] = read_value(key, value, f"{where}={text!r}")
     return name, options
 
 
-_SAID: set[str] = set()
+def read_value(key: str, value: str, where: str):
+    """One option's text as Hydra's override grammar reads ``policy.<key>=<value>`` (0.2, 1e-3, 96, null, true,
+    sum); a one-line PolicyError (``where``: the text as given) otherwise."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from h2o.core.policies import PolicyError
 
-def notice(text: str) -> None:
-    """One line on stderr, once per process, for an older spelling that still works."""
-    if text not in _SAID:
-        _SAID.add(text)
-        print(f"notice: {text}", file=sys.stderr, flush=True)
+    try:
+        return OverridesParser.create().parse_override(f"{key}={value}").value()
+    except Exception:  # noqa: BLE001 - Hydra's grammar error: spell it in one line
+        raise PolicyError(f"{where}: {value!r} is not a value (a number, null, true/false or a word)") from None

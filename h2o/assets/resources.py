@@ -5,7 +5,8 @@
 
 Weight bytes = ``params`` x the size of the dtype the model loads in (``auto``: fp32 on the CPU, bf16 on CUDA).
 The weights alone are a lower bound of what a run needs (activations and the KV cache come on top), so a refusal
-is certain, a pass is not a promise. ``params: null`` (unknown) skips the check.
+is certain, a pass is not a promise. ``params: null`` (unknown) skips the check. Also: this process's resident
+memory now (:func:`rss_bytes`, read by the measurements and the streaming task).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from h2o.core.validate import ConfigError
 GB = 1e9
 CARD_GB = 80  # the GPU card conf/model's resources assume (conf/cluster.yaml: constraint a100|h100, 80 GB)
 BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def dtype_bytes(dtype: str, cuda: bool) -> tuple[int, str]:
@@ -45,6 +47,16 @@ def host_memory() -> int:
         if text.isdigit():
             total = min(total, int(text))
     return total
+
+
+def rss_bytes() -> int:
+    """Resident memory of this process now (Linux /proc; ru_maxrss elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+    except OSError:
+        import resource
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def gpu_memory(device_map) -> tuple[int, str]:

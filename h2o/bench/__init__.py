@@ -1,3 +1,3 @@
 """Bench: measurement (time, memory, KV bytes) and the throughput, simulated-forward and streaming drivers.
 
-Imports core, assets and tasks (the task base class); never pipeline."""
+Imports core, cli, assets and tasks (the task base class); never pipeline."""

@@ -16,8 +16,9 @@ from h2o.bench.throughput import benchmark
 from h2o.bench.variants import BASELINES
 from h2o.assets.policy_config import at_budget
 from h2o.core.policies import REAL_POLICIES
-from h2o.core.validate import (ArgParser, budget_value, check, choice, guard, is_number,
-                               output_file, positive_int, split_list)
+from h2o.cli.args import ArgParser, budget_value, choice, guard, positive_int, split_list
+from h2o.cli.paths import output_file
+from h2o.core.validate import check, is_number
 
 
 def ints(s: str) -> list[int]:
@@ -38,7 +39,7 @@ def write_rows(records: list[dict], path: str | None) -> None:
 
 
 def validate(args) -> None:
-    """Every value checked before the model loads (h2o.core.validate): BadInput with one line otherwise."""
+    """Every value checked before the model loads (h2o.cli): BadInput with one line otherwise."""
     check_pretrained(args.model, "--model")
     check(args.dtype in DTYPES, f"--dtype={args.dtype!r}: allowed: {', '.join(DTYPES)}")
     check(args.device is None or args.device == "cpu" or args.device.startswith("cuda"),

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--windows", type=int, default=8)
     p.add_argument("--out", default=None, help="default: <cache>/kvquant/<name>.pt")
-    from h2o.core.validate import one_line
+    from h2o.cli.args import one_line
 
     args = one_line(p).parse_args(argv)
     if args.window < 2 or args.windows < 1:

@@ -3,7 +3,6 @@
 Used by the throughput and streaming drivers; knows nothing about policies or tasks."""
 from __future__ import annotations
 
-import os
 import statistics
 import threading
 import time
@@ -11,21 +10,11 @@ import time
 import torch
 from transformers.cache_utils import Cache
 
+from h2o.assets.resources import rss_bytes  # resident memory now (the streaming task's samples read it too)
 from h2o.tasks.batching import cuda_devices
-
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 # ------------------------------------------------------------------------------------------ memory
-def rss_bytes() -> int:
-    """Resident memory of this process now (Linux /proc; ru_maxrss elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-    except OSError:
-        import resource
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
 
 def proc_kib_field(path: str, key: str) -> int | None:
     """Bytes of a ``key: N kB`` line of a /proc file (``VmHWM`` in /proc/self/status, ``MemTotal`` in
@@ -124,6 +113,13 @@ def kv_bytes(cache: Cache) -> tuple[int, int]:
             else:
                 kv += st.nbytes()
     return kv, meta
+
+
+def held_tokens(cache: Cache) -> int | None:
+    """Tokens an evicting cache holds (slots with a position, over layers, sequences and KV heads: beside the
+    bytes stored, which count empty slots of a padded layer too); None for transformers' caches."""
+    held = getattr(cache, "held_tokens", None)
+    return None if held is None else int(held().sum())
 
 
 def sync(device) -> None:

@@ -21,17 +21,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from h2o.bench.parity_methods import DECODE, DECODE_ONLY, EXTRA, OURS, RATIO_BUDGET, kept
-from h2o.core.validate import ArgParser, check, choice, guard, output_dir, output_file, positive_int, split_list
+from h2o.bench.parity_methods import DECODE, DECODE_ONLY, EXTRA, OURS
+from h2o.bench.parity_sides import ROOT, continuation_nll, forwards, nll_sum, parity_policy, run_kvpress
+from h2o.cli.args import ArgParser, choice, guard, positive_int, split_list
+from h2o.cli.paths import output_dir, output_file
+from h2o.core.validate import check
 
 NEEDLE_Q = "\n\nQuestion: What is the magic number mentioned in the text above?\nAnswer: The magic number is"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 # ----------------------------------------------------------------------------------------------- prompts
@@ -65,39 +65,12 @@ def make_prompts(tokenizer, text: str, contexts: int, needles: int, context_len:
 
 
 # ----------------------------------------------------------------------------------------------- our side
-def nll_sum(logits, targets) -> tuple[float, bool]:
-    """logits (n, V), targets (n,) -> (summed NLL, every token the argmax)."""
-    import torch
-
-    logp = torch.log_softmax(logits.float(), -1)
-    return -logp.gather(-1, targets[:, None]).sum().item(), bool((logp.argmax(-1) == targets).all())
-
-
-def forwards(model, policy, context, parts, ref_len: int, stepwise: bool = False):
-    """The evicting cache fed ``context`` (1, L), then each of ``parts`` (1, m) as one forward (or one token at
-    a time with ``stepwise``). Returns (last context logits (1, V), logits of the parts (m_total, V), held per
-    layer after the context)."""
-    import torch
-
-    from h2o.core.attach import attach
-
-    with attach(model, policy, mode="real") as h, torch.no_grad():
-        cache = h.new_cache(ref_len=ref_len)
-        first = model(context, cache=cache, use_cache=True).logits[0, -1:]
-        held = [int((layer.pos[0, 0] >= 0).sum()) if layer.pos is not None else 0 for layer in cache.layers]
-        rest = []
-        for part in parts:
-            chunks = part.split(1, dim=1) if stepwise else [part]
-            rest += [model(c, cache=cache, use_cache=True).logits[0] for c in chunks]
-    return first, torch.cat(rest), held
-
-
 def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], decode: bool, out: Path,
              threads: int) -> None:
     import torch
     import transformers
 
-    from h2o.core.policies import Policy, make_policy
+    from h2o.core.policies import Policy
 
     torch.set_num_threads(threads)
     done = read_done(out)
@@ -115,9 +88,7 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
                     if (method, ratio, timing, p["id"]) in done or (timing == "decode" and kind == "needle"):
                         continue
                     L = len(p["context"])
-                    share = 1 - ratio if name in RATIO_BUDGET else kept(L, ratio)  # kvpress's arithmetic
-                    budget = {} if name == "full" else {"budget": share, "compress": timing}
-                    policy = make_policy(name, **budget, **options)
+                    policy = parity_policy(name, options, L, ratio, timing)
                     ctx = torch.tensor([p["context"]])
                     t0 = time.perf_counter()
                     rec = {"side": "h2o", "method": method, "policy": policy.describe(), "ratio": ratio,
@@ -125,8 +96,7 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
                            "transformers": transformers.__version__, "torch": torch.__version__}
                     if kind == "ppl":
                         cont = torch.tensor([p["continuation"]])
-                        first, rest, held = forwards(model, policy, ctx, [cont[:, :-1]], L, timing == "decode")
-                        rec["nll"], _ = nll_sum(torch.cat([first, rest]), cont[0])
+                        rec["nll"], held = continuation_nll(model, policy, ctx, cont, timing == "decode")
                         rec["n_tokens"] = cont.shape[1]
                     else:
                         q, a = torch.tensor([p["question"]]), torch.tensor([p["answer"]])
@@ -149,15 +119,6 @@ def read_done(path: Path) -> set:
 
 
 # ----------------------------------------------------------------------------------------------- the CLI
-def run_kvpress(venv: Path, prompts: Path, model_path: Path, out: Path, methods: list[str], ratios: list[float],
-                decode: bool, threads: int) -> None:
-    cmd = [str(venv / "bin" / "python"), str(ROOT / "tools" / "parity" / "kvpress_side.py"), "--prompts",
-           str(prompts), "--model", str(model_path), "--out", str(out), "--methods", ",".join(methods),
-           "--ratios", ",".join(map(str, ratios)), "--threads", str(threads)] + (["--decode"] if decode else [])
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the kvpress side never sees h2o
-    subprocess.run(cmd, check=True, env={**env, "OMP_NUM_THREADS": str(threads)})
-
-
 @guard
 def main(argv=None) -> int:
     ap = ArgParser(prog="python -m h2o.bench.parity", description=__doc__.splitlines()[0])
@@ -173,6 +134,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "runs" / "parity"))
     ap.add_argument("--table", default=str(ROOT / "docs" / "results" / "parity.md"))
     ap.add_argument("--threads", default="1")
+    ap.add_argument("--golden", action="store_true",
+                    help="instead: record the CI golden numbers (kvpress on the committed tiny model, "
+                         "tests/data/parity_golden/; h2o/bench/parity_golden.py)")
     a = ap.parse_args(argv)
     counts = {k: split_list(f"--{k.replace('_', '-')}", getattr(a, k), positive_int, "an int >= 1")[0]
               for k in ("contexts", "needles", "context_len", "cont_len", "threads")}
@@ -184,8 +148,12 @@ def main(argv=None) -> int:
     out = output_dir("--out", a.out)
     output_file("--table", a.table)
     venv = Path(a.venv)
-    check("kvpress" not in sides or (venv / "bin" / "python").is_file(),
+    check(("kvpress" not in sides and not a.golden) or (venv / "bin" / "python").is_file(),
           f"--venv={a.venv!r}: no virtualenv there; create it with tools/parity/setup_venv.sh {a.venv}")
+    if a.golden:
+        from h2o.bench.parity_golden import record
+
+        return record(venv, counts["threads"])
 
     from h2o.assets.fetch import austen_text
     from h2o.assets.models import load_model, smollm2_path

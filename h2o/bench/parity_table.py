@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from h2o.bench.parity_methods import DECODE_ONLY, EXTRA, OURS, kept
+from h2o.bench.parity_methods import DECODE_ONLY, EXTRA, OURS, RECORD, TOLERANCE, kept
 
 
 def load(path: Path) -> list[dict]:
@@ -48,6 +48,17 @@ def cell(s: dict | None, key: str, built: bool) -> str:
     return f"{s['exact']}/{s['needle_n']} ({s['needle_nll']:.3f})"
 
 
+def decodes(name: str, options: dict) -> bool:
+    """Whether our policy has a decoding timing (a prefill-only one refuses ``compress=decode``)."""
+    from h2o.core.policies import PolicyError, make_policy
+
+    try:
+        make_policy(name, compress="decode", **options)
+    except PolicyError:
+        return False
+    return True
+
+
 def largest_gap(groups: dict, method: str, ratio: float, timing: str, kind: str) -> float | None:
     """max over the prompts both sides ran of |NLL/token kvpress - NLL/token ours| (None: no common prompt)."""
     sides = [{r["prompt"]: r["nll"] / r["n_tokens"] for r in groups.get((side, m, ratio, timing), [])
@@ -56,7 +67,7 @@ def largest_gap(groups: dict, method: str, ratio: float, timing: str, kind: str)
     return max(abs(sides[0][p] - sides[1][p]) for p in common) if common else None
 
 
-def write_table(out: Path, table: Path, prompts: dict) -> None:
+def write_table(out: Path, table: Path, prompts: dict, golden: Path | None = RECORD) -> None:
     groups = defaultdict(list)
     for r in load(out / "kvpress.jsonl") + load(out / "ours.jsonl"):
         groups[(r["side"], r["method"], r["ratio"], r["timing"])].append(r)
@@ -99,7 +110,9 @@ def write_table(out: Path, table: Path, prompts: dict) -> None:
                 cells = [f"`{ours[0]}` {' '.join(f'{k}={v}' for k, v in ours[1].items())}".strip() if built else "-"]
                 for r in ratios:
                     kv = "-" if meth in EXTRA else cell(stats.get(("kvpress", meth, r, timing)), key, True)
-                    cells += [kv, cell(stats.get(("h2o", DECODE_ONLY.get(meth, meth), r, timing)), key, built)]
+                    ours_rec = stats.get(("h2o", DECODE_ONLY.get(meth, meth), r, timing))
+                    refused = built and ours_rec is None and timing == "decode" and not decodes(*ours)
+                    cells += [kv, "prefill only" if refused else cell(ours_rec, key, built)]
                 lines.append(f"| {label} | " + " | ".join(cells) + " |")
             gaps = [f"{meth} {1 - r:.0%}: {gap:.1e}" for meth in rows for r in ratios
                     if (gap := largest_gap(groups, meth, r, timing, key)) is not None]
@@ -110,5 +123,48 @@ def write_table(out: Path, table: Path, prompts: dict) -> None:
         total[side] += s["seconds"]
     lines += ["Time: " + ", ".join(f"{side} side {sec:.0f} s" for side, sec in sorted(total.items()))
               + " (1 thread each).", ""]
+    lines += NOTES + golden_section(golden)
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text("\n".join(lines))
+
+
+NOTES = [
+    "## Reading the table",
+    "",
+    "- Equal means the same tokens kept: a per-prompt gap of ~1e-6 in NLL per token is fp32 arithmetic (two "
+    "attention implementations, two transformers versions); one token kept differently moves it by ~1e-3 or more.",
+    "- Exact ties: kvpress keeps what `scores.topk(n)` returns, and where scores tie at the budget's edge that is "
+    "torch's choice, neither the newest nor the oldest token. Ties are common in two places: knorm at layer 0 "
+    "(RoPE is a rotation, so every occurrence of a token has the same key norm) and snapkv/pyramidkv with a budget "
+    "below the window (the window's tokens share one score), and Ada-KV's cut over those. Ours runs the same "
+    "`topk` on the same row (h2o/core/policies/kvpress_select.py), so both keep the same tokens on the same device.",
+    "- `random`: kvpress draws from torch's generator, ours hashes (head, position): equal only in distribution.",
+    "- Decode timing, `streaming_llm`: kvpress's DecodingPress re-scores a cache that ScorerPress gathered in top-k "
+    "order, so position-based scores read slots as positions; `streaming_llm_ordered` (kvpress's press with the "
+    "kept keys in position order, a diagnostic) equals ours (docs/methods.md, \"A finding\").",
+    "- PyramidKV at 20% of 1,024 tokens: its pyramid needs `L (1 - r) >= beta * window` (1,280 tokens at the "
+    "defaults), so it falls back to one budget per layer, `round(L (1 - r))` (205, SnapKV's `int` gives 204).",
+    "",
+]
+
+
+def golden_section(golden: Path | None) -> list[str]:
+    """The CI golden numbers (tests/data/parity_golden/kvpress.json, :mod:`h2o.bench.parity_golden`): what was
+    recorded and the largest gap of ours when it was."""
+    if golden is None or not golden.is_file():
+        return []
+    g = json.loads(golden.read_text())
+    m = g["model"]
+    rows = [f"| `{name}` | {c['press']}{' ' + json.dumps(c['press_options']) if c['press_options'] else ''} | "
+            f"{c['timing']} | " + ("statistical: not compared" if c["statistical"] else
+                                   f"{g['largest_gap'][name]:.1e}" if name in g["largest_gap"] else "not built yet")
+            + " |" for name, c in g["cases"].items()]
+    return ["## Golden numbers in CI", "",
+            f"`{g['made_by']}` recorded kvpress {g['kvpress']}'s figures (transformers {g['transformers']}) on a "
+            f"random {m['arch']} of {m['layers']} layers (seed {m['seed']}) whose weights are committed in "
+            f"{m['folder']}/ (sha256 `{m['sha256'][:12]}...`), {len(g['prompts']['ppl'])} contexts of "
+            f"{g['prompts']['context_len']} random token ids each continued by {g['prompts']['cont_len']}, "
+            f"compression ratios {', '.join(map(str, g['ratios']))}. tests/test_parity_golden.py runs ours on the same "
+            f"weights and ids and fails where a method's NLL per token moves from kvpress's by more than {TOLERANCE:g} "
+            "(h2o/bench/parity_golden.py); the largest gap over the records when they were made:", "",
+            "| case | kvpress press (options) | timing | largest gap |", "| --- | --- | --- | --- |", *rows, ""]

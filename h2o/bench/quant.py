@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", type=int, default=0, help="long context instead of the windows: the first LONG "
                    "tokens of Emma in one pass (budget = ratio of LONG), the last --long-scored predicted")
     p.add_argument("--long-scored", type=int, default=512)
-    from h2o.core.validate import one_line
+    from h2o.cli.args import one_line
 
     args = one_line(p).parse_args(argv)
     if args.long and not 1 <= args.long_scored < args.long:

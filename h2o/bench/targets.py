@@ -1,4 +1,4 @@
-"""Issue 12's benchmark targets in one run (``make bench`` = ``h2o-run experiment=bench``, task ``bench_targets``).
+"""The harness's speed and memory targets in one run (``make bench`` = ``h2o-run experiment=bench``, task ``bench_targets``).
 
 The targets live here and only here (:data:`TARGETS`). One run measures, for the run's policy (h2o 20% in the
 experiment) beside the harness's full cache, the ``compare`` policies and transformers' caches:
@@ -9,6 +9,9 @@ experiment) beside the harness's full cache, the ``compare`` policies and transf
 3. the simulated-mask forward of ``sim`` tokens against the plain eager forward;
 4. the largest batch of full and the policy within ``memory_fraction`` of the memory (:mod:`h2o.bench.max_batch`:
    found under a CUDA memory cap, estimated on the CPU) at ``memory`` (prompt, generated tokens).
+5. every registered method beside full at ``methods`` (prompt, batch), each prefilling its own prompt in its own
+   timing: prefill time, KV bytes and tokens held after the compression, decode throughput (:mod:`h2o.bench.methods`;
+   information, no target).
 
 Record: ``metrics`` = {target name: measured ratio}, ``targets`` = {name: {value, target, met}}, samples = every
 variant's record (``semantics`` real or simulated; ``kv_limit_bytes`` / ``max_batch_method`` on the batch parts).
@@ -17,14 +20,16 @@ from __future__ import annotations
 
 import sys
 
+from h2o.bench import methods
 from h2o.bench.max_batch import largest_batch_under_cap, print_max_batch
 from h2o.bench.simulated import simulated_forward
 from h2o.bench.throughput import benchmark
 from h2o.bench.variants import Variant, make_variants
 
-# name -> (comparison, bound): the issue's targets. make bench: decode ratios at LONG and SHORT, KV bytes, simulated
+# name -> (comparison, bound): the speed and memory targets. make bench: decode ratios at LONG and SHORT, KV bytes, simulated
 # forward vs eager (time); make gpu-check (h2o.bench.gpu_check): aten ops of a simulated forward vs eager (local and
 # streaming_llm), host syncs per decoding step (the one NaN/inf flag read)
+OTHER_PARTS = {"kv_limit_bytes", "max_batch_method", "section"}  # keys of the records no target reads
 TARGETS = {"decode_long": (">=", 2.0), "decode_short": (">=", 1.15), "kv_bytes": ("<=", 0.21),
            "simulated": ("<=", 2.0), "simulated_ops": ("<=", 1.5), "syncs_per_step": ("<=", 1)}
 
@@ -46,7 +51,7 @@ def check_targets(records: list[dict], long=(4096, 8), short=(2048, 1), policy: 
     def rec(name, P, B, b=None, semantics="real"):
         for r in records:
             if (r["policy"], r["prompt_len"], r["batch_size"], r["semantics"]) == (name, P, B, semantics) and \
-                    (b is None or r["budget"] == b) and "kv_limit_bytes" not in r and "max_batch_method" not in r:
+                    (b is None or r["budget"] == b) and not OTHER_PARTS & r.keys():
                 return r
         return None
 
@@ -106,4 +111,7 @@ def run_targets(model, task, policy, seed: int = 0, model_name: str | None = Non
     for r in capped:
         r["model"] = model_name
     print_max_batch(capped, out=out)
+    if task.methods:  # every method of the registry side by side (h2o.bench.methods)
+        P, B = task.methods
+        recs += methods.measure(model, P, B, task.methods_gen, budget, **common)
     return recs + capped

@@ -37,7 +37,7 @@ class BenchmarkTask(TaskSpec):
               f"task.baselines={list(self.baselines)}: allowed: {', '.join(BASELINES)}")
         check(self.shots == 0, f"task.shots={self.shots}: a benchmark takes no in-context examples (0)")
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         variants = [Variant("policy", "full")] + ([] if policy.name == "full" else [Variant.of(policy)])
         variants += [v for v in make_variants([], [policy.budget], self.baselines)
                      if v.kind == "dynamic" or not policy.is_full]
@@ -62,7 +62,8 @@ class TargetsTask(TaskSpec):
 
     The run's policy is measured against full, the ``compare`` policies and transformers' caches at every part;
     metrics: each target's measured ratio; ``targets``: {name: {value, target, met}}; samples: every variant's
-    record."""
+    record; ``methods``: every registered method at the run's budget, at ``methods`` ([prompt, batch]; null:
+    none) with ``methods_gen`` tokens each (:mod:`h2o.bench.methods`)."""
 
     name: str
     long: list = field(default_factory=lambda: [4096, 8])
@@ -80,6 +81,8 @@ class TargetsTask(TaskSpec):
     max_batch_cap: int = 64
     compare: list = field(default_factory=lambda: ["local"])
     compare_e2e: list = field(default_factory=lambda: ["local", "streaming_llm"])
+    methods: list | None = field(default_factory=lambda: [512, 1])  # every method side by side (None: none)
+    methods_gen: int = 16
     shots: int = 0
 
     kind = "benchmark_targets"
@@ -91,6 +94,10 @@ class TargetsTask(TaskSpec):
         for key in ("long", "short", "e2e"):
             pair(key, getattr(self, key))
         pair("memory", self.memory, "prompt, generated tokens")
+        if self.methods is not None:
+            pair("methods", self.methods)
+        check(is_int(self.methods_gen) and self.methods_gen >= 2,
+              f"task.methods_gen={self.methods_gen!r}: expected an int >= 2 (one decoding step at least)")
         for key in ("sim", "gen_len", "short_gen", "repeats", "max_batch_cap"):
             check(is_int(getattr(self, key)) and getattr(self, key) >= 1,
                   f"task.{key}={getattr(self, key)!r}: expected an int >= 1")
@@ -116,7 +123,8 @@ class TargetsTask(TaskSpec):
                                   f"reference); allowed: {', '.join(p for p in POLICIES if p != 'full')} with a "
                                   f"budget below 1.0")
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
+        from h2o.bench.methods import rows
         from h2o.bench.targets import check_targets, run_targets
 
         self.check_policy(policy)
@@ -126,4 +134,4 @@ class TargetsTask(TaskSpec):
         targets = {k: {"value": x, "target": t, "met": ok} for k, (x, t, ok) in res.items()}
         met = [ok for _, _, ok in res.values() if ok is not None]
         return Result({k: x for k, (x, _, _) in res.items()}, recs,
-                      {"targets": targets, "targets_met": f"{sum(met)}/{len(met)}"})
+                      {"targets": targets, "targets_met": f"{sum(met)}/{len(met)}", "methods": rows(recs)})

@@ -10,6 +10,7 @@ For every setting (prompt length x generation length x batch size) and every *va
   value seen after the prefill and after every decoding step): bytes of the key/value *storage* held by the
   cache, so a tensor that is a small view of a large buffer counts the whole buffer (what is really held);
   ``kv_meta_bytes``: the evicting cache's per-slot state beside keys and values (positions, scores);
+  ``kv_tokens_prefill``: the tokens it holds right after the prefill (over layers, sequences and KV heads);
 * ``peak_mem_bytes``: the process's peak resident memory while the variant ran (the kernel's ``VmHWM``, reset
   before each run; ``peak_mem_delta_bytes`` above the resident memory at its start) and ``gpu_peak_bytes`` on
   CUDA. Memory freed by earlier runs may stay in the process (the allocator keeps some): the delta is the cleaner
@@ -57,7 +58,8 @@ import torch
 from h2o.core.attach import attach
 from h2o.core.cache import EvictingCache
 from h2o.core.policies import make_policy
-from h2o.bench.measure import PeakRSS, Timer, gpu_devices, gpu_peak_bytes, kv_bytes, median, reset_gpu_peaks, sync
+from h2o.bench.measure import (PeakRSS, Timer, gpu_devices, gpu_peak_bytes, held_tokens, kv_bytes, median,
+                               reset_gpu_peaks, sync)
 from h2o.bench.report import add_ratios, print_table
 from h2o.bench.variants import Variant, budget_tokens, make_variants, variant_context
 
@@ -76,6 +78,7 @@ class RunResult:
     gpu_peak: int | None = None
     prefill_cpu_s: float = 0.0
     decode_cpu_s: float = 0.0
+    held_prefill: int | None = None  # tokens held after the prefill (an evicting cache; None: transformers')
 
 
 def forward(model, ids, cache, prefill_chunk: int = 0):
@@ -115,6 +118,7 @@ def run_once(model, new_cache, ids, gen_len: int, prefill_chunk: int = 0, fork=N
                 cache, logits = fork()
         c1 = time.process_time()
         kv0, meta = kv_bytes(cache)
+        held0 = held_tokens(cache)
         kv_max = [kv0]
 
         def track(c):
@@ -125,7 +129,7 @@ def run_once(model, new_cache, ids, gen_len: int, prefill_chunk: int = 0, fork=N
         c2 = time.process_time()
         kv_end, meta_end = kv_bytes(cache)
     res = RunResult(t_prefill.seconds, t_decode.seconds, kv0, kv_max[0], kv_end, max(meta, meta_end), mem.peak,
-                    mem.start, gpu_peak_bytes(gpus), c1 - c0, c2 - c1)
+                    mem.start, gpu_peak_bytes(gpus), c1 - c0, c2 - c1, held0)
     del cache, logits
     gc.collect(1)  # young generations only: a full pass costs ~0.6 s once lm-eval and Hydra are loaded
     return res
@@ -184,6 +188,7 @@ def summarize_runs(v: Variant, runs: list[RunResult], prompt_len: int, gen_len: 
         "kv_bytes_prefill": runs[-1].kv_prefill,
         "kv_bytes_max": max(r.kv_max for r in runs),
         "kv_meta_bytes": max(r.kv_meta for r in runs),
+        "kv_tokens_prefill": runs[-1].held_prefill,
         "peak_mem_bytes": max(r.peak_rss for r in runs),
         "peak_mem_delta_bytes": max(r.peak_rss - r.rss_start for r in runs),
         "gpu_peak_bytes": max(r.gpu_peak for r in runs) if runs[0].gpu_peak is not None else None,

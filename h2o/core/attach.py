@@ -7,10 +7,11 @@
 
 Guards (one-line ``PolicyError``): the arguments' types; a model already attached (no nesting); an empty batch or
 sequence; a generate batch with a row of padding only; a cache reused for a second ``generate`` (a cache is
-single-use: take ``h.new_cache()`` per generation); mode='real' without a cache. Non-finite values: each layer
-records on the device whether its attention output is finite (no host sync); one check per forward (= per decoding
-step), on the LM head's logits, stops the run before sampling with a ``FloatingPointError`` naming the first bad
-layer and token (or "outside attention" when no layer was bad).
+single-use: take ``h.new_cache()`` per generation); mode='real' without a cache; a policy that reads the queries
+before RoPE (expected_attention) on a model with no rotary embedding to undo (:mod:`h2o.core.prerope`).
+Non-finite values: each layer records on the device whether its attention output is finite (no host sync); one
+check per forward (= per decoding step), on the LM head's logits, stops the run before sampling with a
+``FloatingPointError`` naming the first bad layer and token (or "outside attention" when no layer was bad).
 """
 from __future__ import annotations
 
@@ -24,12 +25,14 @@ import torch
 from . import attention
 from .cache import EvictingCache
 from .model_settings import refuse_unsupported
+from .notice import notice
+from .prerope import rope_taps
 from .policies import Policy, PolicyError
 from .policies.h2o_reference import H2OReference, as_reference
 from .quant import Quantizer
 
 MODES = ("simulated", "real")
-SEMANTICS = ("h2o", "reference")
+SEMANTICS = ("h2o", "reference")  # the older keyword: "reference" is the policy h2o_reference
 
 
 @dataclass
@@ -38,16 +41,17 @@ class Attached:
 
     policy: Policy
     mode: str = "simulated"
-    semantics: str = "h2o"  # "reference" for policy h2o_reference: the paper code's mask rule (simulated only)
     prompt_len: int = 0  # simulated: the first prompt_len columns are a prompt (rows see their whole prefix)
     num_layers: int = 0
     cache: EvictingCache | None = None
     observer: Callable | None = field(default=None, repr=False)  # observer(layer_idx, probs (B, Hq, T, S))
-    quant: Quantizer | None = None  # KV quantization (h2o.core.quant), bound to the model
+    quant: Quantizer | None = None  # KV quantization (h2o.core.quant), bound to the model: the caches' storage
     peaks: list = field(default_factory=list, repr=False)  # (layer, max |output|) of this forward, device scalars
     worst: torch.Tensor | None = field(default=None, repr=False)  # their running maximum: NaN/inf = a layer was bad
     # per sliding window (None: global layers): (attention mask, valid, forward plan) of the current forward
     memo: dict = field(default_factory=dict, repr=False)
+    # Policy.reads_queries: {layer index: the attention module's rotary (h2o.core.prerope.RopeTap)}
+    taps: dict = field(default_factory=dict, repr=False)
 
     def new_cache(self, ref_len: int | None = None) -> EvictingCache:
         """A fresh evicting cache for one generation (real mode). Budget ratios are taken of the prompt's
@@ -68,6 +72,12 @@ class Attached:
             valid = new_valid(attention_mask, query)
             memo = self.memo[window] = (attention_mask, valid, build(valid))
         return memo[1:]
+
+    def queries(self, module, query):
+        """The forward's queries (B, Hq, q, D) with what turns them back before RoPE, for a policy that reads
+        them (:class:`h2o.core.prerope.Queries`); None for the others."""
+        tap = self.taps.get(module.layer_idx)
+        return None if tap is None else tap.queries(query)
 
     def observe(self, module, probs):
         if self.observer is not None:
@@ -149,8 +159,10 @@ def single_use_generate(model, state: Attached):
 @contextmanager
 def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o", prompt_len: int = 0,
            quant: Quantizer | None = None):
-    """``quant`` (default: ``policy.quant``): keys and values as a quantized cache holds them, in both paths.
-    ``semantics="reference"`` is the older spelling of policy h2o_reference (for an h2o or h2_only policy)."""
+    """``quant`` (h2o.core.quant, None: unquantized): how the caches store keys and values, in both paths: the
+    evicting caches of ``new_cache()`` hold packed rows, the simulated path attends to the same values decoded.
+    Older spellings that still work, with a notice: ``semantics="reference"`` (the policy h2o_reference, for an
+    h2o or h2_only policy) and a quantizer set as ``policy.quant`` (read when ``quant`` is not given)."""
     if not isinstance(policy, Policy):
         raise PolicyError(f"policy={policy!r}: expected a Policy, e.g. h2o.make_policy('h2o', budget=0.2)")
     if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 0:
@@ -159,9 +171,11 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         raise PolicyError(f"mode={mode!r}: allowed: {', '.join(MODES)}")
     if semantics not in SEMANTICS:
         raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
-    policy = as_reference(policy) if semantics == "reference" else policy  # the older spelling of h2o_reference
-    semantics = "reference" if isinstance(policy, H2OReference) else "h2o"
-    if semantics == "reference" and mode != "simulated":
+    quant = quant if quant is not None else policy.quant
+    if semantics == "reference":
+        policy = as_reference(policy)  # a policy out of the rule's scope: the error, without the notice
+        notice("attach(..., semantics='reference') is spelled attach(..., make_policy('h2o_reference', ...)) now")
+    if isinstance(policy, H2OReference) and mode != "simulated":
         raise PolicyError(f"policy=h2o_reference (the paper code's mask rule): mode={mode}; allowed: mode=simulated")
     if mode == "simulated" and policy.compress == "prefill" and not prompt_len and not policy.is_full:
         raise PolicyError(f"compress=prefill: {policy.name} compresses a prompt at its end, and this forward has no "
@@ -172,14 +186,17 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     if model.config._attn_implementation == attention.NAME or any(hasattr(m, "h2o") for m in modules):
         raise PolicyError(f"{type(model).__name__} is attached already: attach() does not nest; leave the outer "
                           f"`with attach(...)` first")
-    refuse_unsupported(model, modules, semantics)
-    quant = quant if quant is not None else policy.quant
-    state = Attached(policy, mode, semantics, prompt_len, num_layers=len(modules),
-                     quant=quant.bind(model) if quant is not None else None)
+    refuse_unsupported(model, modules, policy)
+    # the queries before RoPE (a policy that reads them): refused in one line on a model without a rotation to undo
+    taps = rope_taps(model, modules, policy.name) if policy.reads_queries and not policy.is_full else {}
+    state = Attached(policy, mode, prompt_len=prompt_len, num_layers=len(modules),
+                     quant=quant.bind(model) if quant is not None else None, taps=taps)
     previous = model.config._attn_implementation
     head = model.get_output_embeddings()
     hook = head.register_forward_hook(lambda _m, _i, logits: state.check_logits(logits)) if head is not None else None
     entry = model.register_forward_pre_hook(check_input, with_kwargs=True)
+    rope = [m.register_forward_pre_hook(taps[m.layer_idx].capture, with_kwargs=True) for m in modules
+            if m.layer_idx in taps]  # each module's (cos, sin) as transformers passes it
     model.set_attn_implementation(attention.NAME)
     model.generate = single_use_generate(model, state)
     for m in modules:
@@ -193,4 +210,6 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         if hook is not None:
             hook.remove()
         entry.remove()
+        for handle in rope:
+            handle.remove()
         model.set_attn_implementation(previous)

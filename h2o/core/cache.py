@@ -7,7 +7,8 @@ place by the arriving token: no shift, no re-gather. A later multi-token forward
 the cache and itself causally, then the cache is cut back to the budget (chunked prefill).
 
 Per-layer state (S = slots, ``budget`` once full; the largest budget of the batch when sequences differ):
-    keys, values (B, Hkv, S, D)   pos (B, Hkv, S) int64 (-1: empty or pad)   acc (B, Hkv, S) fp32
+    keys, values (B, Hkv, S, D)   pos (B, Hkv, S) int64 (-1: empty or pad)   acc (B, Hkv, S) fp32 (or per
+    slot (B, Hkv, S, ...): Policy.new_state)
     n_tok (B,) int64 tokens of each sequence seen (pads excluded)            counts: budget per sequence
 ``get_seq_length`` reports the logical length (tokens seen, pads included), so positions stay right.
 
@@ -29,14 +30,15 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .policies import Counts, Policy, PolicyError, keep_top, select_slot
-from .policies.base import Decoder, bcast
+from .policies import Counts, Policy, PolicyError, select_slot
+from .policies.base import Decoder, along_slots, bcast
 from .cache_batch import BatchHooks, CacheBatchHooks
+from .cache_cut import CutHooks
 from .rerotate import KeyRerotation, KeyShifter, held_alike
 from .simulate import serial
 
 
-class EvictingLayer(BatchHooks, DynamicLayer):
+class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
     def __init__(self, policy: Policy, ref_len: int | None = None, quant=None, layer_idx: int = 0,
                  rerotate: KeyShifter | None = None, num_layers: int = 1):
         super().__init__()
@@ -62,12 +64,13 @@ class EvictingLayer(BatchHooks, DynamicLayer):
         self.room_list: list[bool] = []
         self.seen = 0  # columns seen, pads included
         self.n_new = 0  # columns appended by the last update (0 for a decoding step)
-        self.zero: torch.Tensor | None = None  # (B, Hkv, 1) fp32 zeros: the score of a new slot at a decoding step
+        self.zero: torch.Tensor | None = None  # (B, Hkv, 1, ...) the state of a new slot (Policy.new_state)
         self.window: int | None = None  # the layer's sliding window (None: a global layer)
         # the current forward (begin): its new tokens, their non-pad columns (B, q) (None: a decoding token), the
         # held slots (B, Hkv, 1, 1, S) bool (None: every slot)
         self.q, self.valid, self.held = 0, None, None
         self.compressed = False  # Policy.compress "prefill": the first forward's cut is done
+        self.queries = None  # Policy.reads_queries: the prompt's query statistics, from its forward to its cut
 
     # ----------------------------------------------------------------- transformers API
     def update(self, key_states, value_states, *args, **kwargs):
@@ -82,7 +85,9 @@ class EvictingLayer(BatchHooks, DynamicLayer):
         if self.keys is None or q > 1:
             self.append(key_states, value_states)
         else:  # a decoding step: one real token in
-            if self.window is not None:
+            if self.policy.pooled and self.limited():
+                self.pool_in(key_states, value_states)
+            elif self.window is not None:
                 self.slide_in(key_states, value_states)
             elif not self.limited():
                 self.grow(key_states, value_states)
@@ -123,19 +128,23 @@ class EvictingLayer(BatchHooks, DynamicLayer):
     # One forward of ``q`` new tokens, per layer: ``begin`` (the new columns' pads known), then per block of query
     # rows ``visible`` (what they may see) and ``attended`` (their attention probabilities), then ``end_forward``.
     # Only the layer reads its positions, scores, budget and slots; the attention function does the math.
-    def begin(self, key, value, q: int, valid_of, window: int | None = None):
+    def begin(self, key, value, q: int, valid_of, window: int | None = None, queries=None):
         """The forward's ``q`` new tokens are in (``update``); ``valid_of()`` gives (B, q) bool their non-pad
         columns (read only where needed: a decoding token is never a pad). ``window``: the layer's sliding
-        window (None: global). Registers the new positions (the budget is fixed on the first forward) and
-        returns the keys and values (B, Hkv, S, D) to attend to."""
+        window (None: global); ``queries``: the forward's queries with what turns them back before RoPE
+        (:class:`h2o.core.prerope.Queries`, a policy that reads them). Registers the new positions (the budget is
+        fixed on the first forward), keeps a prompt's query statistics for its cut, and returns the keys and
+        values (B, Hkv, S, D) to attend to."""
         self.window, self.q = window, q  # known from the first forward (a prefill or first token: appended)
         self.valid = valid_of() if self.n_new or q > 1 else None  # (B, q); decoding: all valid
         if self.n_new:
             self.register_new(self.valid[:, -self.n_new:])
+        if queries is not None and q > 1 and self.limited():  # the prompt's queries, pads excluded (pos -1)
+            self.queries = self.policy.query_stats(queries, q, self.pos[:, 0, -q:], self.n_tok)
         if self.fresh is not None:  # quant.sink, the first forward: its first real token kept as computed
             key, value = self.capture_sink(key, value, self.valid)
         B, S = key.shape[0], key.shape[-2]
-        every = window is None and all(h == S for h in self.host_held)  # every slot holds a token
+        every = window is None and not self.policy.pooled and all(h == S for h in self.host_held)  # all held
         self.held = None if every and q == 1 else (self.pos >= 0).view(B, -1, 1, 1, S)  # (B, Hkv, 1, 1, S)
         return key, value
 
@@ -174,14 +183,14 @@ class EvictingLayer(BatchHooks, DynamicLayer):
     def append(self, key_states, value_states):
         B, H, q, _ = key_states.shape
         empty_pos = torch.full((B, H, q), -1, dtype=torch.long, device=key_states.device)
-        empty_acc = torch.zeros((B, H, q), dtype=torch.float32, device=key_states.device)
+        empty_acc = self.policy.new_state(B, H, q, key_states.device)
         if self.keys is None:
             self.keys, self.values, self.pos, self.acc = key_states, value_states, empty_pos, empty_acc
             self.n_tok = torch.zeros(B, dtype=torch.long, device=key_states.device)
         else:
             self.keys = torch.cat([self.keys, key_states], dim=-2)
             self.values = torch.cat([self.values, value_states], dim=-2)
-            self.pos, self.acc = torch.cat([self.pos, empty_pos], -1), torch.cat([self.acc, empty_acc], -1)
+            self.pos, self.acc = torch.cat([self.pos, empty_pos], -1), torch.cat([self.acc, empty_acc], 2)
         self.n_new = q
         if self.decoder is not None:  # new slots: a decoder's state is rebuilt at the next step
             self.decoder.reset()
@@ -203,6 +212,26 @@ class EvictingLayer(BatchHooks, DynamicLayer):
             self.place(slot, key_states, value_states)
             self.host_held = [h + r for h, r in zip(self.host_held, room)]
 
+    def pool_in(self, key_states, value_states):
+        """One arriving token on a layer whose heads share the budget (:attr:`Policy.pooled`, Ada-KV): it takes
+        an empty slot in every head (a new slot where some head may have none), then the whole layer is cut back
+        to its budget by :meth:`Policy.keep`, the arriving token kept, and the slots shrink to the largest head's
+        count. One host read per step (the heads' counts decide the storage's shape)."""
+        if self.window is not None:  # what left the window is gone before the policy decides
+            self.expire(self.n_tok)
+        S = self.keys.shape[-2]
+        if any(h >= S for h in self.host_held):  # host_held: the largest head's count, an upper bound
+            self.append(key_states, value_states)  # an empty slot (pos -1), filled below
+        slot = (self.pos < 0).byte().argmax(-1, keepdim=True)  # (B, H, 1) the first empty slot of each head
+        self.place(slot, key_states, value_states)
+        with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
+            prio = self.policy.priority(self.pos, self.acc, self.n_tok, self.counts)  # (B, H, S)
+            keep = self.policy.keep(prio, self.pos, self.pos >= 0, self.counts,
+                                    arriving=self.pos == bcast(self.n_tok))
+        self.pos = torch.where(keep, self.pos, -1)
+        self.host_held = keep.sum(-1).amax(-1).tolist()  # the one host read
+        self.compact(keep, max(self.host_held))
+
     def place(self, slot, key_states, value_states):
         """The arriving token (keys/values (B, H, 1, D or row bytes)) into ``slot`` (B, H, 1), a fresh score."""
         slot4 = slot.view(*slot.shape, 1)
@@ -215,7 +244,7 @@ class EvictingLayer(BatchHooks, DynamicLayer):
             self.pos.scatter_(-1, slot, self.host_tok[0])
         else:
             self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand(slot.shape))
-        self.acc.scatter_(-1, slot, 0.0)
+        self.acc.scatter_(2, along_slots(slot, self.acc), 0)
 
     def limited(self) -> bool:
         """Whether the budget can drop a token (an evicting policy below 100%, not compressed once already)."""
@@ -266,11 +295,11 @@ class EvictingLayer(BatchHooks, DynamicLayer):
         budget with no empty slot. Its position and zero score are appended as they are (no registration)."""
         B, H = key_states.shape[:2]
         if self.zero is None or self.zero.shape[:2] != (B, H):
-            self.zero = torch.zeros(B, H, 1, dtype=self.acc.dtype, device=self.acc.device)
+            self.zero = self.policy.new_state(B, H, 1, self.acc.device)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.pos = torch.cat([self.pos, self.n_tok.view(-1, 1, 1).expand(B, H, 1)], -1)
-        self.acc = torch.cat([self.acc, self.zero], -1)
+        self.acc = torch.cat([self.acc, self.zero], 2)
         self.host_held = [h + 1 for h in self.host_held]
         if self.decoder is not None:  # a new slot: a decoder's state is rebuilt at the next step
             self.decoder.reset()
@@ -315,32 +344,6 @@ class EvictingLayer(BatchHooks, DynamicLayer):
             first_new = tok[0] if len(set(tok)) == 1 else torch.tensor(tok)
             self.keys.copy_(self.rerotation.renumber(self.pos, self.keys, first_new))
 
-    def cut(self):
-        """After a prefill (chunk): keep the budget, free the rest. Slots are in position order here. A sliding
-        layer first drops what is out of the last token's window, then the budget applies to what is left."""
-        if self.window is not None:
-            self.expire(self.n_tok - 1)
-        valid = self.pos >= 0
-        if self.limited():
-            acc = self.policy.cut_score(self.acc, self.read()[0], valid) if self.policy.reads_keys else self.acc
-            keep = keep_top(self.policy.priority(self.pos, acc, self.n_tok - 1, self.counts), valid,
-                            self.counts.total)  # (B, H, S)
-            self.host_held = [min(h, t) for h, t in zip(self.host_held, self.host_total)]
-        else:
-            keep = valid
-        if self.window is not None:  # an upper bound: the window may have freed more on some heads
-            self.host_held = [min(h, self.window) for h in self.host_held]
-        S = max(self.host_held)
-        if S == keep.shape[-1]:
-            return
-        order = keep.long().argsort(dim=-1, descending=True, stable=True)[..., :S]  # kept slots first, in order
-        order = order.sort(-1).values
-        self.pos = torch.where(keep.gather(-1, order), self.pos.gather(-1, order), -1)
-        self.acc = self.acc.gather(-1, order)
-        idx = order[..., None]
-        self.keys = self.keys.gather(-2, idx.expand(-1, -1, -1, self.keys.shape[-1]))
-        self.values = self.values.gather(-2, idx.expand(-1, -1, -1, self.values.shape[-1]))
-
     def nbytes(self) -> int:
         """Bytes of the keys and values held (quant: the packed rows: codes, scales, outliers, indices; the sink)."""
         sink = 0 if self.sink is None else self.sink[0].nbytes + self.sink[1].nbytes
@@ -356,6 +359,9 @@ class EvictingCache(CacheBatchHooks, Cache):
         cannot be rotated); the model is then given :meth:`next_position` onwards as its position ids."""
         if rerotate is not None and quant is not None:
             raise PolicyError("rerotate: positions inside the cache rotate stored keys, not packed rows (quant)")
+        if rerotate is not None and policy.pooled:
+            raise PolicyError(f"rerotate: positions inside the cache number every head's tokens alike; policy="
+                              f"{policy.name} gives heads uneven counts; allowed: a policy with per-head budgets")
         super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i, rerotate, num_layers)
                                  for i in range(num_layers)])
         self.policy, self.quant = policy, quant
@@ -371,6 +377,23 @@ class EvictingCache(CacheBatchHooks, Cache):
         if layer is not None:
             return (self.layers[layer].pos >= 0).sum(-1)
         return torch.stack([(one.pos >= 0).sum(-1) for one in self.layers])
+
+    def footprint(self) -> dict:
+        """What the cache holds beside what it stores, for the whole batch: ``tokens_held`` (token x KV head
+        entries over all layers), ``slots_stored`` (the same count of stored slots, empty ones of padded heads
+        included), ``bytes_held`` (what the held tokens' keys and values take) and ``bytes_stored``
+        (:meth:`nbytes`). They differ only where heads hold uneven counts (a :attr:`Policy.pooled` policy)."""
+        held = slots = held_bytes = 0
+        for layer in self.layers:
+            if layer.keys is None:
+                continue
+            n, stored = int((layer.pos >= 0).sum()), layer.pos.numel()
+            rows = layer.keys.nbytes + layer.values.nbytes  # every slot takes the same bytes
+            held, slots = held + n, slots + stored
+            held_bytes += rows // stored * n + layer.nbytes() - rows  # + the sink
+        extra = self.quant.const_bytes() if self.quant else 0
+        return {"tokens_held": held, "slots_stored": slots, "bytes_held": held_bytes + extra,
+                "bytes_stored": self.nbytes()}
 
     def nbytes(self) -> int:
         """Bytes of keys and values held by all layers (quant: plus its offline constants, once)."""

@@ -77,6 +77,9 @@ class BatchHooks:
         one unpadded prompt, nothing evicted) saw: its keys, values, positions and scores copied (packed where
         this layer quantizes), the budget fixed, then the cut a prefill ends with. The prefill is full attention
         under every policy, so the cut sees the same keys and scores as a real prefill of this policy."""
+        if self.policy.new_state(1, 1, 1, src.acc.device).shape[3:] != src.acc.shape[3:]:
+            raise PolicyError(f"policy={self.policy.name}: keeps its own state per slot, which a prefill through "
+                              f"the full cache does not make; allowed: its own prefill (prefill=each)")
         self.seen, self.n_new, self.window = src.seen, 0, src.window
         self.pos, self.acc, self.n_tok = src.pos.clone(), src.acc.clone(), src.n_tok.clone()
         if self.quant is None:

@@ -8,11 +8,12 @@ transformers passes these per layer to the attention function (:func:`h2o.core.a
   the policy applies to the tokens inside the layer's window (docs/attention.md);
 * refused here in one line (``PolicyError``) before anything runs: chunked attention (Llama-4 ``attention_chunk_size``), bidirectional attention (Gemma-3
   ``use_bidirectional_attention``, ``is_causal=False``), attention dropout in training mode, and
-  ``semantics=reference`` (the paper code's rule) on a model with sliding layers.
+  the policy h2o_reference (the paper code's rule) on a model with sliding layers.
 """
 from __future__ import annotations
 
 from .policies import PolicyError
+from .policies.h2o_reference import H2OReference
 
 
 def layer_windows(modules) -> list[int | None]:
@@ -21,7 +22,7 @@ def layer_windows(modules) -> list[int | None]:
     return [getattr(m, "sliding_window", getattr(m.config, "sliding_window", None)) or None for m in modules]
 
 
-def refuse_unsupported(model, modules, semantics: str) -> None:
+def refuse_unsupported(model, modules, policy) -> None:
     """PolicyError (one line naming the model type and the setting) for what the h2o attention does not do."""
     config = modules[0].config
     kind = getattr(config, "model_type", type(model).__name__)
@@ -39,6 +40,6 @@ def refuse_unsupported(model, modules, semantics: str) -> None:
             raise PolicyError(f"model_type={kind}: {setting} is not supported by the h2o attention; allowed: "
                               f"causal attention with optional sliding windows, logit soft-capping and sink logits")
     windows = [w for w in layer_windows(modules) if w is not None]
-    if semantics == "reference" and windows:
-        raise PolicyError(f"semantics=reference: the paper code's rule has no sliding window and model_type={kind} "
-                          f"has sliding layers (window {windows[0]}); allowed: semantics=h2o")
+    if isinstance(policy, H2OReference) and windows:
+        raise PolicyError(f"policy=h2o_reference: the paper code's rule has no sliding window and model_type={kind} "
+                          f"has sliding layers (window {windows[0]}); allowed: policy=h2o")

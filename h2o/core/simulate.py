@@ -17,9 +17,10 @@ from functools import partial
 import torch
 
 from . import row_kernel
-from .policies import Policy, keep_top
+from .policies import Policy
 from .policies.base import bcast, const, declared
 from .policies.h2o import reference_mask
+from .policies.h2o_reference import H2OReference
 
 
 def positions(valid: torch.Tensor) -> torch.Tensor:
@@ -116,13 +117,13 @@ def closed(policy: Policy, window: int | None) -> bool:
     return policy.position_only and (window is None or policy.window_closed_form)
 
 
-def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, semantics: str = "h2o",
-                 window: int | None = None) -> tuple[torch.Tensor | None, tuple[int, bool] | None]:
+def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, window: int | None = None
+                 ) -> tuple[torch.Tensor | None, tuple[int, bool] | None]:
     """What every layer of a forward with this sliding ``window`` (None: a global layer) shares, built once per
     forward and window by the attention function: (the mask of a policy that does not read the scores (full,
     position-only in closed form), (B, 1, 1, T, T), else None; the row plan of the others (:func:`row_plan`), or
-    under ``semantics="reference"`` its (heavy, recent) (:func:`reference_plan`), else None)."""
-    if semantics == "reference":
+    for policy h2o_reference its (heavy, recent) (:func:`reference_plan`), else None)."""
+    if isinstance(policy, H2OReference):
         return None, reference_plan(policy, valid)
     if policy.is_full:
         return causal_valid(valid, window), None
@@ -157,29 +158,31 @@ def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int,
 
 
 def simulated_attention(policy: Policy, query, key, value, valid, scaling: float,
-                        prompt_len: int = 0, semantics: str = "h2o", plan: tuple | None = None,
+                        prompt_len: int = 0, plan: tuple | None = None,
                         window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                        layer: tuple[int, int] | None = None):
+                        layer: tuple[int, int] | None = None, queries=None):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T).
 
     ``plan``: what :func:`forward_plan` built for this forward and window (None: built here). ``window``: the
     layer's sliding window (a token leaves the layer's cache once it is out of the window, before the policy
     decides: the policy applies to the tokens inside it); ``softcap``: see :func:`scores`; ``sinks``: see
-    :func:`masked_softmax`; ``layer``: (this layer's index, the model's layers), for per-layer budgets."""
+    :func:`masked_softmax`; ``layer``: (this layer's index, the model's layers), for per-layer budgets; ``queries``:
+    the forward's queries before RoPE (:class:`h2o.core.prerope.Queries`) for a policy that reads them."""
     mask, rows = plan if plan is not None else (None, None)
     probs = None
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]
     logits = scores(grouped(query, Hkv), key, scaling, softcap)  # (B, Hkv, G, T, T)
-    if mask is not None and semantics == "h2o":
+    reference = isinstance(policy, H2OReference)  # the paper code's rule, not the evicting cache's
+    if mask is not None and not reference:
         allowed = mask
     else:
         allowed = causal_valid(valid, window)  # (B, 1, 1, T, T)
-        if semantics == "reference":
+        if reference:
             allowed = allowed & reference_allowed(logits, allowed, rows or reference_plan(policy, valid))
         elif not policy.is_full:
             allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows, window, sinks, key,
-                                              layer)
+                                              layer, value, queries)
     if probs is None:
         probs = masked_softmax(logits, allowed, sinks)  # (B, Hkv, G, T, T)
     out = grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
@@ -212,18 +215,21 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows
 
 def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None,
                      window: int | None = None, sinks: torch.Tensor | None = None, key: torch.Tensor | None = None,
-                     layer: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     layer: tuple[int, int] | None = None, value: torch.Tensor | None = None,
+                     queries=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(:func:`policy_allowed`'s mask, and where the torch row loop computes them anyway, every row's attention
     probabilities (B, Hkv, G, T, T) fp32, equal to ``masked_softmax(logits, mask, sinks)`` (None otherwise)): the
     layer then skips a second softmax over the whole T x T. With ``sinks`` the torch loop serves (the kernel's
     softmax has none). ``key`` (B, Hkv, T, D): for a score of the keys (:meth:`Policy.cut_score`); ``layer``:
-    (index, layers) for a per-layer budget (:meth:`Policy.layer_counts`)."""
+    (index, layers) for a per-layer budget (:meth:`Policy.layer_counts`); ``value`` (B, Hkv, T, D) and ``queries``
+    (:class:`h2o.core.prerope.Queries`): for a score of the prompt's queries (``Policy.reads_queries``)."""
     T = valid.shape[1]
     counts = policy.counts(reference_length(valid, prompt_len))
     if layer is not None:
         counts = policy.layer_counts(counts, *layer)
     if policy.evicts and policy.compress == "prefill":
-        return compressed_once(policy, logits, allowed, valid, prompt_len, counts, window, key), None
+        return compressed_once(policy, logits, allowed, valid, prompt_len, counts, window, key, value,
+                               queries), None
     if closed(policy, window):
         held = closed_form(policy, valid, counts, max(prompt_len - 1, 0), window)  # (B, 1, 1, T, T)
         if not prompt_len:
@@ -241,13 +247,13 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
     first = masked_softmax(logits[..., :start, :], allowed[..., :start, :], sinks)  # (B, Hkv, G, start, T)
     probs = first * valid[:, None, None, :start, None]
-    acc = probs.new_zeros(B, Hkv, T)  # (B, Hkv, T) accumulated attention
+    acc = policy.new_state(B, Hkv, T, logits.device)  # (B, Hkv, T) accumulated attention (Policy.new_state)
     policy.accumulate(acc, probs, valid[:, :start])
     if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
         now = keep[:, 0].sum(-1) - 1
         if window is not None:  # the window first: what left it is gone before the policy decides
             keep &= posH > bcast(now - window)
-        keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
+        keep = policy.keep(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), posH, keep, counts)
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
     if sinks is None and row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
@@ -265,10 +271,12 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
 
 
 def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, counts, window: int | None = None,
-                    key: torch.Tensor | None = None) -> torch.Tensor:
+                    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                    queries=None) -> torch.Tensor:
     """``compress="prefill"``: the prompt's rows see their prefix; the cache is cut once to the budget at the end
     of the prompt, as the real path's cut (the window first, then the top ``total`` by priority, the scores of the
-    prompt's rows, :meth:`Policy.cut_score` of the ``key`` (B, Hkv, T, D)); every later token is kept, so a later
+    prompt's rows, :meth:`Policy.cut_score` of the ``key`` (B, Hkv, T, D), or ``query_score`` of the prompt's
+    ``queries`` against ``key`` and ``value``); every later token is kept, so a later
     row sees what the cut kept and every newer token (inside the window). Without a prompt nothing is cut.
     -> (B, Hkv | 1, 1, T, T) bool."""
     allowed = causal_valid(valid, window) if allowed is None else allowed  # (B, 1, 1, T, T)
@@ -280,7 +288,7 @@ def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, cou
     pos = positions(valid)  # (B, T)
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (col < prompt_len))[:, None, :].expand(B, Hkv, T)
-    acc = torch.zeros(B, Hkv, T, device=valid.device)  # (B, Hkv, T) the prompt rows' scores
+    acc = policy.new_state(B, Hkv, T, valid.device)  # (B, Hkv, T) the prompt rows' scores (Policy.new_state)
     now = keep[:, 0].sum(-1) - 1
     if policy.needs_scores:
         probs = masked_softmax(logits[..., :prompt_len, :], allowed[..., :prompt_len, :])  # (B, Hkv, G, P, T)
@@ -288,9 +296,12 @@ def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, cou
                                  now[:, None] - pos[:, :prompt_len])
     if window is not None:  # the window first: what left it is gone before the policy decides
         keep = keep & (posH > bcast(now - window))
-    if policy.reads_keys:
+    if policy.reads_queries:  # the prompt rows' query statistics against the held keys and values
+        stats = policy.query_stats(queries, prompt_len, pos[:, :prompt_len], now + 1)
+        acc = policy.query_score(stats, key, value, posH, keep)
+    elif policy.reads_keys:
         acc = policy.cut_score(acc, key, keep)
-    keep = keep_top(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), keep, counts.total)
+    keep = policy.keep(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), posH, keep, counts)
     held = keep[:, :, None, None, :] | (col >= prompt_len)  # (B, Hkv, 1, 1, T)
     return torch.where((col < prompt_len)[:, None], allowed, allowed & held)
 
@@ -316,7 +327,9 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
     held tokens out of the row's window leave; the budget is then full where a (sequence, KV head) still holds
     ``total`` tokens (its own count: the window frees slots head by head). ``sinks``: :func:`masked_softmax`'s.
 
-    The eviction is :func:`h2o.core.policies.select_slot`'s decision in column order (:func:`column_key`): one
+    A :attr:`~h2o.core.policies.Policy.pooled` policy (Ada-KV) adds the row's token to every head, then cuts the
+    whole layer back to its budget (:meth:`~h2o.core.policies.Policy.keep`, the token kept), as the cache does.
+    Otherwise the eviction is :func:`h2o.core.policies.select_slot`'s decision in column order (:func:`column_key`): one
     ``where`` and one ``argmin`` per row. Per-row inputs are laid out row-major once, so each row reads them with
     one ``select`` (this loop issues every op of the CPU path: for h2o ~39 aten ops per row, views included,
     counted with torch.profiler)."""
@@ -340,7 +353,12 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
         tok = toks[i].view(B, 1)  # (B, 1)
         if window is not None:  # out of the window: gone before the policy decides (a pad row: nothing leaves)
             keep &= posH > edge[i]
-        if policy.evicts:
+        if policy.pooled:  # the token enters every head, then the layer is cut back to its budget
+            keep.select(2, i).copy_(tok)
+            prio = policy.priority(torch.where(keep, posH, gone), acc, now[i], counts)  # (B, Hkv, T)
+            keep.copy_(policy.keep(prio, posH, keep, counts, arriving=posH == now[i].view(B, 1, 1)))
+            row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
+        elif policy.evicts:
             held = torch.where(keep, posH, gone)  # the state as the cache sees it: -1 = not held
             prio = policy.priority(held, acc, now[i], counts)  # (B, Hkv, T)
             fill = fills[i] if window is None else torch.where(

@@ -9,6 +9,10 @@ Before anything runs, each job is one of:
   of this sweep: it is not run; tables show the full record's value in its cell (analysis/tables.py);
 * ``todo``: the rest (a never-evicting job with no full run to serve it runs itself).
 
+Every launcher reads these states from :func:`classify`: ``h2o-run -m`` (basic, submitit_local) skips the served
+jobs (``<sweep dir>/served.json``, read by each job: h2o.pipeline.job), the Slurm launcher submits the ``todo``
+ones only, ``make status`` and the dry listing count them. A single run (``h2o-run`` without ``-m``) runs as asked.
+
 Once a sweep was submitted to Slurm, :func:`place` puts each run to be had (``todo`` or ``done``) in one of
 :data:`STATES` from runs/, the submissions' ``launch.json`` and ``failures.jsonl``, and the scheduler (``sacct``).
 """
@@ -20,10 +24,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf, open_dict
-
-from h2o.pipeline.plan import Plan, build
-from h2o.pipeline.records import CONF, finished, read_jsonl, run_dir
+from h2o.pipeline.records import finished, read_jsonl
+from h2o.pipeline.spec import RunSpec
 
 LAUNCH_FILE = "launch.json"  # <sweep dir>/launch.json: one Slurm submission (h2o.pipeline.launch)
 SERVED_FILE = "served.json"  # <sweep dir>/served.json: {run folder: the full run's folder} of a local sweep
@@ -38,30 +40,22 @@ class Work:
 
     index: int
     overrides: list[str]
-    plan: Plan
+    plan: RunSpec
     state: str
     served_by: Path | None = None
 
 
-def full_path(plan: Plan) -> Path:
-    """The folder of the ``full`` run with this run's model, task and settings."""
-    cfg = plan.cfg.copy()
-    with open_dict(cfg):
-        cfg.policy = OmegaConf.load(CONF / "policy" / "full.yaml")
-    return run_dir(cfg, build("policy", cfg.policy), plan.task.semantics[0])
-
-
-def never_evicts(plan: Plan) -> bool:
+def never_evicts(plan: RunSpec) -> bool:
     """A non-full policy that keeps every token (ratio budget 1.0) under the default semantics: the full run."""
     return plan.policy.name != "full" and plan.policy.is_full and plan.semantics == plan.task.semantics[0]
 
 
-def classify(jobs: list[list[str]], plans: list[Plan]) -> list[Work]:
+def classify(jobs: list[list[str]], plans: list[RunSpec]) -> list[Work]:
     """Each job's state (``dup`` > ``done`` > ``served`` > ``todo``, see the module's docstring)."""
     paths = {plan.path for plan in plans}
     seen, out = set(), []
     for i, (job, plan) in enumerate(zip(jobs, plans)):
-        served = full_path(plan) if never_evicts(plan) else None
+        served = plan.full_path() if never_evicts(plan) else None
         if served is not None and not (served in paths or finished(served)):
             served = None  # no full run to serve it: run it
         state = ("dup" if plan.path in seen else "done" if finished(plan.path) else

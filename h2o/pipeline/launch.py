@@ -11,7 +11,9 @@ and runs that never evict (local/h2o/... at budget 1.0 with the
 default semantics), which are the full run by construction: their cell is served by the ``full`` record of the
 same model, task and settings (listed as ``served`` in ``<sweep dir>/launch.json``; analysis reads full there).
 The rule for each state is :mod:`h2o.pipeline.jobs`'s, the same for the local runner and ``make status``;
-``h2o-run -m ... hydra/launcher=slurm`` hands its command line to this module.
+``h2o-run -m ... hydra/launcher=slurm`` (what ``make sweep LAUNCHER=slurm`` runs) calls :func:`main` with its command
+line, in the same process. A setting of conf/cluster.yaml is spelled ``cluster.<key>=...`` or
+``hydra.launcher.<key>=...``.
 
 Resources come from the model (``conf/model/*.yaml`` ``resources``), the site's settings and task sizes from
 ``conf/cluster.yaml``. A chunk holds up to ``cluster.chunk`` runs of one model, cut earlier when its estimated
@@ -33,10 +35,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from h2o.assets.model_spec import ConfigError
 from h2o.assets.resources import check_fits_request
+from h2o.assets.paths import CONF
 from h2o.pipeline.jobs import LAUNCH_FILE, Work, classify, mark_in_flight, served_runs, summary
-from h2o.pipeline.plan import Plan
-from h2o.pipeline.records import CONF
-from h2o.pipeline.sweep import BAD_INPUT, expand
+from h2o.pipeline.records import runs_root, write_json
+from h2o.pipeline.spec import RunSpec
+from h2o.pipeline.sweep import BAD_INPUT, SETTING, Composer, expand, split_args
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -47,11 +50,12 @@ def log(msg: str) -> None:
 
 # ------------------------------------------------------------------------------------------- settings
 def cluster_config(overrides: list[str]) -> DictConfig:
-    """conf/cluster.yaml with ``cluster.<key>=<value>`` overrides applied, resolved."""
+    """conf/cluster.yaml with ``cluster.<key>=<value>`` (or ``hydra.launcher.<key>=<value>``) overrides applied,
+    resolved."""
     cfg = OmegaConf.load(CONF / "cluster.yaml")
     for item in overrides:
         key, _, value = item.partition("=")
-        name = key.split(".", 1)[1]
+        name = next(key[len(p):] for p in SETTING if key.startswith(p))
         if name.split(".")[0] not in cfg:
             raise ConfigError(f"{key}: no such cluster setting; allowed: {', '.join(k for k in cfg if k != 'task_size')}")
         import yaml
@@ -64,20 +68,13 @@ def cluster_config(overrides: list[str]) -> DictConfig:
     return cfg
 
 
-def split_args(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
-    """(flags, cluster.* overrides, Hydra overrides)."""
-    flags = [a for a in argv if a.startswith("-")]
-    cluster = [a for a in argv if not a.startswith("-") and a.startswith("cluster.")]
-    return flags, cluster, [a for a in argv if not a.startswith("-") and not a.startswith("cluster.")]
-
-
 # ------------------------------------------------------------------------------------------- estimates
-def resources(plan: Plan) -> dict:
+def resources(plan: RunSpec) -> dict:
     r = {"gpus": 0, "mem_gb": 16, "cpus": 4, "load_min": 10, "s_per_mtok": 1000, **(plan.model.resources or {})}
     return r
 
 
-def run_minutes(plan: Plan, cluster: DictConfig) -> float:
+def run_minutes(plan: RunSpec, cluster: DictConfig) -> float:
     """Estimated minutes of one run: the model's seconds per million tokens x the task's size (x limit / docs)."""
     task = plan.task
     if task.kind == "perplexity":
@@ -110,8 +107,7 @@ class Chunk:
     def __call__(self) -> dict:
         from hydra import initialize_config_dir
 
-        from h2o.pipeline.run import attempt
-        from h2o.pipeline.sweep import Composer
+        from h2o.pipeline.job import attempt
 
         if self.offline:
             os.environ.update(OFFLINE_ENV)
@@ -275,7 +271,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if "--list" in flags:
-        from h2o.pipeline.records import runs_root
         from h2o.pipeline.sweep import describe as list_jobs
 
         print(list_jobs(sweep, runs_root(sweep.plans[0].cfg) if sweep.plans else None))
@@ -286,8 +281,6 @@ def main(argv: list[str] | None = None) -> int:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     submitted = submit(arrs, cluster, sweep_dir, experiment)
     served = [{"run": run, "served_by": full} for run, full in served_runs(works).items()]
-    from h2o.pipeline.records import write_json
-
     write_json(sweep_dir / LAUNCH_FILE, {"experiment": experiment, "submitted": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                                          "overrides": overrides, "arrays": submitted, "served": served})
     ids = [t["job_id"] for a in submitted for t in a["tasks"]]

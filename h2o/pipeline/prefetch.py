@@ -19,7 +19,7 @@ from pathlib import Path
 
 from h2o.assets.model_spec import ModelSpec
 from h2o.assets.packaged import is_checkpoint, packaged, packaged_dir, packaged_path
-from h2o.pipeline.sweep import BAD_INPUT, expand
+from h2o.pipeline.sweep import BAD_INPUT, expand, split_args
 
 WEIGHTS = ("*.safetensors", "*.bin")
 KEEP = ("*.json", "*.model", "*.txt", "*.py", "*.tiktoken")  # config, tokenizer, generation config
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     check = "--check" in argv
     try:
-        sweep = expand([a for a in argv if not a.startswith("-") and not a.startswith("cluster.")], multirun=True)
+        sweep = expand(split_args(argv)[2], multirun=True)
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -35,8 +35,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from h2o.assets.locks import append_line, folder_lock
-from h2o.assets.paths import CONF, REPO, atomic_write_text, group_defaults  # noqa: F401 (CONF re-exported)
-from h2o.core.validate import SAFE, ConfigError, check, check_name, is_number
+from h2o.assets.paths import REPO, atomic_write_text, group_defaults
+from h2o.cli.paths import SAFE, check_name
+from h2o.core.validate import ConfigError, check, is_number
 
 IGNORED = {"_target_", "name", "batch_size", "device_map", "resources", "params", "positions"}  # never in <extras>
 IN_PATH = {"task": {"shots"}, "policy": {"budget", "heavy", "recent"}, "model": set()}

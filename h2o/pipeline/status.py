@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from h2o.pipeline.jobs import STATES, Work, classify, counts, place
-from h2o.pipeline.sweep import BAD_INPUT, expand
+from h2o.pipeline.sweep import BAD_INPUT, expand, split_args
 
 
 def report(works: list[Work], root: Path) -> str:
@@ -33,7 +33,7 @@ def report(works: list[Work], root: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        sweep = expand([a for a in argv if not a.startswith("-") and not a.startswith("cluster.")], multirun=True)
+        sweep = expand(split_args(argv)[2], multirun=True)
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="wandb data folder (default: <runs root>/.wandb)")
     p.add_argument("--force", action="store_true", help="log records again even if mirrored unchanged")
     p.add_argument("--multirun", default="multirun", help="Hydra sweep folders: the sweep id of each record")
-    from h2o.core.validate import one_line
+    from h2o.cli.args import one_line
 
     args = one_line(p).parse_args(argv)
     if args.mode not in MODES:

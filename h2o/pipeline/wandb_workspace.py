@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--project", default="h2o-repro")
     p.add_argument("--name", default="H2O paper")
     p.add_argument("--save", action="store_true", help="create the workspace on the server (needs `wandb login`)")
-    from h2o.core.validate import one_line
+    from h2o.cli.args import one_line
 
     args = one_line(p).parse_args(argv)
     try:

@@ -1,3 +1,3 @@
 """Tasks: what a run evaluates (multiple choice through lm-eval, summarization, perplexity, observations).
 
-Imports core and assets; never pipeline or bench."""
+Imports core, cli and assets; never pipeline or bench."""

@@ -1,7 +1,7 @@
 """What every conf/task/*.yaml instantiates: a cheap, validated spec whose ``run`` does the work.
 
     task = hydra.utils.instantiate(cfg.task)            # validates, loads nothing
-    result = task.run(model, tokenizer, policy, semantics="simulated", seed=0)
+    result = task.run(model, tokenizer, policy, semantics="simulated", seed=0, quant=None)
 
 Subclasses: :class:`h2o.tasks.multiple_choice.LmEvalTask` (multiple choice through lm-eval),
 :class:`h2o.tasks.summarization.SummarizationTask` (HELM XSUM/CNN-DM, real evicting cache),
@@ -31,6 +31,7 @@ class Result:
 class TaskSpec:
     kind: ClassVar[str] = ""  # multiple_choice | summarization | perplexity (metrics.json task_kind)
     semantics: ClassVar[tuple[str, ...]] = ()  # allowed semantics; the first is the default ("auto")
+    quantizes: ClassVar[bool] = False  # True: ``run`` stores keys and values with the run's quantizer (``quant``)
 
     def resolve_semantics(self, requested: str) -> str:
         """``auto`` -> this kind's default; anything not allowed -> ConfigError."""
@@ -49,7 +50,16 @@ class TaskSpec:
         """ConfigError when this task cannot run ``policy`` (a built h2o.core.policies.Policy), before any load;
         nothing to check by default."""
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:  # pragma: no cover - abstract
+    def check_quant(self, quant) -> None:
+        """ConfigError when this task cannot store its cache with ``quant`` (a built h2o.core.quant quantizer, or
+        None for quant=none), before any load: a task that does not quantize refuses every quantizer."""
+        if quant is not None and not self.quantizes:
+            raise ConfigError(f"quant={quant.label()}: task {self.name} ({self.kind}) does not quantize its cache; "
+                              f"allowed: quant=none")
+
+    def run(self, model, tokenizer, policy, semantics: str, seed: int,
+            quant=None) -> Result:  # pragma: no cover - abstract
+        """``quant``: the KV quantizer the caches store with (None: unquantized; checked by :meth:`check_quant`)."""
         raise NotImplementedError  # abstract
 
     def add_bos(self, tokenizer) -> bool:
@@ -83,6 +93,14 @@ def adds_bos(tokenizer, add_bos_token: bool | None) -> bool:
     kwargs = {} if add_bos_token is None else {"add_special_tokens": add_bos_token}
     bos = getattr(tokenizer, "bos_token_id", None)
     return bos is not None and tokenizer.encode("a", **kwargs)[:1] == [bos]
+
+
+def as_run(policy, semantics: str):
+    """The policy a task runs: ``policy``, or under the older ``semantics="reference"`` the policy h2o_reference
+    on its heavy/recent split (a plan hands over h2o_reference already; a direct ``run`` call may not)."""
+    from h2o.core.policies.h2o_reference import as_reference
+
+    return as_reference(policy) if semantics == "reference" else policy
 
 
 def clamped(policy, lengths: list[int]) -> int:

@@ -8,7 +8,7 @@ lm-eval 0.4.13 fills its model registry only by importing modules (no entry-poin
 (which registers ``h2o``) and hands every argument to lm-eval's CLI unchanged. For ``--model h2o`` the model
 arguments (pretrained, policy and its options, semantics, scoring, quant and its ``quant_*`` options, checked
 against the head size and rotary embeddings in the model's config), ``--batch_size``, ``--include_path`` and
-``--output_path`` are checked first (h2o.core.validate): a bad one is one line and exit status 2, before any
+``--output_path`` are checked first (h2o.cli): a bad one is one line and exit status 2, before any
 model loads. A RULER task (``--tasks niah_single_2``, ``ruler``, ...) gets its essay haystack from the project's
 books through h2o.tasks.ruler_offline (``H2O_RULER_HAYSTACK=austen | moby_dick | essays``, default austen).
 """
@@ -21,7 +21,8 @@ def validate(args) -> None:
     from pathlib import Path
 
     from h2o.assets.model_spec import check_pretrained
-    from h2o.core.validate import abbrev, check, output_dir, path_error
+    from h2o.cli.paths import abbrev, output_dir, path_error
+    from h2o.core.validate import check
     from h2o.assets.model_spec import ModelSpec
     from h2o.tasks.batching import check_batch_size, from_text
     from h2o.tasks.lm_eval_model import QUANT_PREFIX, SCORING, lm_policy, make_lm_quant
@@ -55,7 +56,8 @@ def main() -> int:
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
 
-    from h2o.core.validate import BadInput, fail
+    from h2o.cli.args import fail
+    from h2o.core.validate import BadInput
 
     setup_logging()
     parser = HarnessCLI()  # lm_eval.__main__.cli_evaluate, with the check between parsing and running

@@ -4,7 +4,8 @@
         --model_args pretrained=smollm2-135m,policy=h2o,budget=0.2,heavy_share=0.5 --tasks bb_copa --include_path tasks
 
 model_args beyond HFLM's: ``policy`` (a name of h2o.POLICIES, default full) and its options, spelled as in Hydra
-(``policy=h2o policy.budget=0.2`` <-> ``policy=h2o,budget=0.2``: the keys and defaults of conf/policy/<name>.yaml,
+(``policy=h2o policy.budget=0.2`` <-> ``policy=h2o,budget=0.2``: the keys and defaults of conf/policy/<name>.yaml
+and the other arguments the factory takes, e.g. ``compress=prefill`` <-> ``+policy.compress=prefill``;
 h2o.assets.policy_config), ``semantics`` (simulated; ``reference``: the older spelling of policy=h2o_reference),
 ``scoring`` (sum | mean),
 ``quant`` (none | uniform | kvquant, h2o.core.quant) with its options spelled ``quant_<option>``:
@@ -17,7 +18,11 @@ ratios.
 Only the model call changes:
 * log-likelihood requests (multiple choice): one forward pass per batch inside ``attach(model, policy)``, the
   simulated eviction mask; the budget is a ratio of each request's own length (context + continuation, less
-  the last token, which is never an input).
+  the last token, which is never an input). With ``compress=prefill`` (kvpress's protocol; the methods defined at
+  a prompt's end: snapkv, knorm, ...) each request's prompt is its context: the context is compressed once to a
+  ratio of its own length when it ends, the continuation sees what is held plus itself, and nothing after is
+  evicted (rows sharing a continuation length share one forward with ``prompt_len``; tests/test_methods_experiment.py
+  checks the result against the evicting cache fed the context, then the continuation).
 * generation requests: ``model.generate`` inside ``attach(model, policy, mode="real")`` with a fresh evicting
   cache per call (left-padded batches); the budget is a ratio of each prompt's length, and each generated row's
   ``(prompt tokens, budget tokens)`` is kept in ``budgets`` (in the order lm-eval generates).
@@ -63,6 +68,7 @@ from lm_eval.models.huggingface import HFLM
 from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
+from h2o.core.quant import QuantError, Quantizer
 from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 
@@ -98,10 +104,12 @@ def lm_policy(policy: str | Policy, args: dict, semantics: str = "simulated") ->
     """``--model_args policy=<name>,<key>=<value>,...`` -> the policy Hydra builds from ``policy=<name>
     policy.<key>=<value>`` (h2o.assets.policy_config); takes every policy option out of ``args`` (a Policy
     object is used as it is). ``semantics=reference`` (older spelling, a notice) -> policy h2o_reference."""
-    from h2o.assets.policy_config import build_policy, group_file, notice
+    from h2o.assets.policy_config import build_policy, notice, option_keys, read_value
 
-    keys = {k for name in POLICIES for k in group_file(name)} - {"name"}
-    options = {k: args.pop(k) for k in list(args) if k in keys}
+    keys = {k for name in POLICIES for k in option_keys(name)}  # every policy's: another policy's is an error
+    # lm-eval reads numbers and true/false; a word is read as Hydra reads it (null -> None)
+    options = {k: read_value(k, v, f"--model_args {k}={v}") if isinstance(v, str) else v
+               for k, v in ((k, args.pop(k)) for k in list(args) if k in keys)}
     if semantics not in SEMANTICS:
         raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
     if isinstance(policy, str):
@@ -146,11 +154,15 @@ def from_left_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
 @register_model("h2o")
 class H2OLM(HFLM):
     def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", semantics: str = "simulated",
-                 scoring: str = "sum", quant: str = "none", **kwargs):
+                 scoring: str = "sum", quant: str | Quantizer | None = "none", **kwargs):
+        """``policy`` and ``quant``: names with their options in ``kwargs`` (model_args), or built objects."""
         policy = lm_policy(policy, kwargs, semantics)
-        quantizer = make_lm_quant(quant, {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)},
-                                  pretrained)
-        semantics = "reference" if isinstance(policy, H2OReference) else semantics
+        quant_args = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)}
+        if isinstance(quant, str):
+            quant = make_lm_quant(quant, quant_args, pretrained)
+        elif quant_args:
+            raise QuantError(f"--model_args {', '.join(quant_args)}: options of a named quant; a built quantizer "
+                             f"({quant!r}) takes none")
         if scoring not in SCORING:
             raise PolicyError(f"scoring={scoring!r}: allowed: {', '.join(SCORING)}")
         check_batch_size(from_text(kwargs.get("batch_size", 1)), "batch_size", schedule=True)
@@ -158,15 +170,16 @@ class H2OLM(HFLM):
         if kwargs.get("device") in (None, "cuda") and not torch.cuda.is_available():
             kwargs["device"] = "cpu"
         super().__init__(pretrained=resolve_pretrained(pretrained), **kwargs)
-        if quantizer is not None:
-            policy.quant = quantizer.bind(self.model)  # checks the head size and rotary embeddings
-        self.policy, self.semantics, self.scoring = policy, semantics, scoring
-        self._known: set[tuple[int, ...]] = set()
+        # the quantizer every cache of this model stores with, bound: checks the head size and rotary embeddings
+        self.quant = quant.bind(self.model) if quant is not None else None
+        self.policy, self.scoring = policy, scoring
+        self._known: dict[tuple[int, ...], set[int]] = {}  # each request's model input -> its context tokens
         self.cont_tokens: dict[tuple[str, str], int] = {}  # (context, continuation) -> continuation tokens
         self._per_token = False
         self.stats = {"rows": 0, "tokens": 0, "unmatched_rows": 0, "clamped": 0}  # clamped: h2o.tasks.base.clamped
         self.sizings: list[Sizing] = []  # batch sizes chosen for batch_size=auto (h2o.tasks.batching)
         self.budgets: list[tuple[int, int]] = []  # per generated row: (prompt tokens, cache budget in tokens)
+        self.footprints: list[tuple[dict, int]] = []  # per generate call: the cache at its end, the rows
         self.questions: dict[str, str] = {}  # generation context -> the question that ends it (doc["question"])
         self.truncate = "left"  # a prompt over max_length - max_gen_toks: lm-eval's left cut, or "middle" (LongBench)
 
@@ -179,8 +192,12 @@ class H2OLM(HFLM):
             self._per_token = False
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs=None):
-        # the exact model input of each request, as HFLM builds it (left-truncated, last token dropped)
-        self._known = {tuple((ctx + cont)[-(self.max_length + 1):][:-1]) for _, ctx, cont in requests}
+        # the exact model input of each request, as HFLM builds it (left-truncated, last token dropped), and how
+        # many of its tokens are context (the left cut takes context first; at least one token of prompt)
+        self._known = {}
+        for _, ctx, cont in requests:
+            inp = tuple((ctx + cont)[-(self.max_length + 1):][:-1])
+            self._known.setdefault(inp, set()).add(max(len(inp) - (len(cont) - 1), 1))
         self.cont_tokens.update({key: len(cont) for key, _, cont in requests if key is not None})
         res = super()._loglikelihood_tokens(requests, disable_tqdm=disable_tqdm, override_bs=override_bs)
         if self._per_token:
@@ -216,8 +233,9 @@ class H2OLM(HFLM):
         self.sizings.append(sizing)
         return sizing.size
 
-    def true_lengths(self, inps: torch.Tensor) -> torch.Tensor:
-        """(B, T) right-padded input ids -> (B,) true length of each row (see the module docstring)."""
+    def true_lengths(self, inps: torch.Tensor, prompts: list | None = None) -> torch.Tensor:
+        """(B, T) right-padded input ids -> (B,) true length of each row (see the module docstring); ``prompts``:
+        a list to receive each row's context tokens (an unmatched row: all of it)."""
         lengths = []
         for row in inps.tolist():
             end = len(row)
@@ -227,29 +245,58 @@ class H2OLM(HFLM):
             if match is None:
                 self.stats["unmatched_rows"] += 1
             lengths.append(len(row) if match is None else match)
+            if prompts is not None:
+                prompts.append(self.prompt_of(row[:match]) if match is not None else len(row))
         return torch.tensor(lengths, device=inps.device)
+
+    def prompt_of(self, inp: list[int]) -> int:
+        """The context tokens of the request whose model input is ``inp`` (compress=prefill compresses them)."""
+        found = self._known[tuple(inp)]
+        if len(found) > 1:
+            raise PolicyError(f"compress=prefill: two requests give one model input of {len(inp)} tokens with "
+                              f"contexts of {sorted(found)} tokens, so the prompt to compress is ambiguous; "
+                              f"allowed: compress=decode for this task")
+        return next(iter(found))
+
+    @property
+    def prefill(self) -> bool:
+        """Whether log-likelihood requests compress their context once (``compress=prefill``, a budget < 100%)."""
+        return self.policy.evicts and self.policy.compress == "prefill" and not self.policy.is_full
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         """inps (B, T) -> logits (B, T, V) under the policy's simulated mask."""
-        lengths = self.true_lengths(inps) if attn_mask is None else attn_mask.sum(-1)
+        prompts: list[int] = []
+        lengths = self.true_lengths(inps, prompts) if attn_mask is None else attn_mask.sum(-1)
         self.stats["rows"] += inps.shape[0]
         self.stats["tokens"] += int(lengths.sum())
         if attn_mask is not None:
             return super()._model_call(inps, attn_mask, labels)
         self.stats["clamped"] += clamped(self.policy, lengths.tolist())
         with torch.no_grad():
-            if self.semantics == "reference":  # the paper code's rule: one unpadded sequence at a time
+            if isinstance(self.policy, H2OReference):  # the paper code's rule: one unpadded sequence at a time
                 out = None
                 for b, n in enumerate(lengths.tolist()):
-                    with attach(self.model, self.policy):
+                    with attach(self.model, self.policy, prompt_len=prompts[b] if self.prefill else 0,
+                                quant=self.quant):
                         logits = self.model(inps[b:b + 1, :n], use_cache=False).logits  # (1, n, V)
                     if out is None:
                         out = logits.new_zeros(inps.shape[0], inps.shape[1], logits.shape[-1])
                     out[b, :n] = logits[0]
                 return out
             left, mask = to_left_padding(inps, lengths)  # (B, T) each
-            with attach(self.model, self.policy):
-                logits = self.model(left, attention_mask=mask.long(), use_cache=False).logits  # (B, T, V)
+            if not self.prefill:
+                with attach(self.model, self.policy, quant=self.quant):
+                    logits = self.model(left, attention_mask=mask.long(), use_cache=False).logits  # (B, T, V)
+                return from_left_padding(logits, lengths)
+            after = lengths.cpu() - torch.tensor(prompts)  # (B,) continuation inputs: the prompt ends at T - after
+            logits = None
+            for c in sorted(set(after.tolist())):
+                rows = (after == c).nonzero().flatten().to(inps.device)
+                with attach(self.model, self.policy, prompt_len=inps.shape[1] - c, quant=self.quant):
+                    part = self.model(left[rows], attention_mask=mask[rows].long(), use_cache=False).logits
+                if logits is None:
+                    logits = part.new_zeros(inps.shape[0], *part.shape[1:])  # (B, T, V)
+                logits[rows] = part
             return from_left_padding(logits, lengths)
 
     # ---------------------------------------------------------------------- generation (real cache)
@@ -288,11 +335,12 @@ class H2OLM(HFLM):
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         """context (B, T) left-padded (attention_mask in generation_kwargs) -> (B, T + new) token ids, through the
         evicting cache (every policy, full included)."""
-        with attach(self.model, self.policy, mode="real") as h:
+        with attach(self.model, self.policy, mode="real", quant=self.quant) as h:
             cache = h.new_cache()
             out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
         mask = generation_kwargs.get("attention_mask")
         prompt = (mask.sum(-1) if mask is not None else torch.full((context.shape[0],), context.shape[1])).tolist()
         held = prompt if self.policy.is_full else cache.layers[0].host_total  # a full policy never evicts
         self.budgets.extend(zip(prompt, held))
+        self.footprints.append((cache.footprint(), context.shape[0]))
         return out

@@ -59,6 +59,7 @@ class LongContextTask(TaskSpec):
 
     kind = "retrieval"
     semantics = ("real",)
+    quantizes = True
 
     def __post_init__(self):
         self.lengths, self.depths = list(self.lengths), list(self.depths)
@@ -197,7 +198,7 @@ class LongContextTask(TaskSpec):
         """The per-sample score: ``acc`` (niah's exact match, RULER's string match) or LongBench's ``score``."""
         return "score" if self.family == "longbench" else "acc"
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         cpu0 = time.process_time()
         from lm_eval import simple_evaluate
@@ -213,7 +214,7 @@ class LongContextTask(TaskSpec):
             haystack = use_haystack(self.text)  # before the task's modules load
         elif self.family == "longbench":  # prompts over the length less the generated tokens keep both ends
             haystack, cut = {"truncation": "middle", "max_length": self.lengths[0]}, {"max_length": self.lengths[0]}
-        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, batch_size=self.batch_size,
+        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, quant=quant, batch_size=self.batch_size,
                    add_bos_token=self.add_bos_token, **cut)
         lm.truncate = "middle" if cut else "left"
         tm = TaskManager(include_path=str(self.lm_eval_folder()), include_defaults=False,
@@ -231,6 +232,7 @@ class LongContextTask(TaskSpec):
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
                 "clamped_requests": clamped(policy, [n for n, _ in lm.budgets]),  # a ratio of each prompt
+                **kv_end(lm.footprints),
                 "cpu_s": round(time.process_time() - cpu0, 1),  # this process's CPU time in the task, all threads
                 **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
         return Result(metrics, samples, info)
@@ -271,6 +273,18 @@ def tokenizer_here(name: str):
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError):
         return None
+
+
+def kv_end(footprints: list[tuple[dict, int]]) -> dict:
+    """The evicting cache at the end of the generations (:meth:`h2o.core.cache.EvictingCache.footprint` of each
+    batch, its rows), per prompt: token x KV head entries held, their bytes, and the bytes stored (padding and the
+    empty slots of uneven heads included)."""
+    rows = sum(n for _, n in footprints)
+    if not rows:
+        return {}
+    per = lambda key: sum(f[key] for f, _ in footprints) / rows  # noqa: E731
+    return {"kv_tokens_end": round(per("tokens_held"), 1), "kv_bytes_end": round(per("bytes_held")),
+            "kv_bytes_stored": round(per("bytes_stored"))}
 
 
 def cells(samples: list[dict], by_depth: bool, metric: str = "acc") -> list[dict]:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from h2o.assets.model_spec import ConfigError
 from h2o.assets.paths import REPO, TASKS
-from h2o.core.validate import abbrev, path_error
-from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, positive_or_none, stderr
+from h2o.cli.paths import abbrev, path_error
+from h2o.tasks.base import Result, TaskSpec, adds_bos, as_run, check, check_hub_data, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 
 METRICS = ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")
@@ -93,6 +93,7 @@ class LmEvalTask(TaskSpec):
 
     kind = "multiple_choice"
     semantics = ("simulated", "reference")
+    quantizes = True
 
     def __post_init__(self):
         check(isinstance(self.shots, int) and self.shots >= 0, f"task.shots={self.shots!r}: expected an int >= 0")
@@ -119,7 +120,7 @@ class LmEvalTask(TaskSpec):
                   f"lm-eval's built-in tasks; allowed: task.include_path=tasks")
             check_hub_data(self.name, f"lm-eval task {self.lm_eval_task}", (self.lm_eval_task,))
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
@@ -127,8 +128,8 @@ class LmEvalTask(TaskSpec):
         from h2o.tasks.lm_eval_model import H2OLM
         from h2o.tasks.progress import lm_eval_cache
 
-        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, semantics=semantics, scoring="sum",
-                   batch_size=self.batch_size, add_bos_token=self.add_bos_token)
+        lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=as_run(policy, semantics), quant=quant,
+                   scoring="sum", batch_size=self.batch_size, add_bos_token=self.add_bos_token)
         tm = (TaskManager(include_path=str(task_folder(self.include_path)), include_defaults=False)
               if self.include_path else TaskManager())
         with lm_eval_cache() as cache:  # per-request results appended as they come: a requeued run resumes

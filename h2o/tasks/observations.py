@@ -48,6 +48,7 @@ class ObservationsTask(PerplexityTask):
 
     kind = "observations"
     semantics = ("simulated",)
+    quantizes = False  # the attention it observes is the full model's
 
     def __post_init__(self):
         super().__post_init__()
@@ -61,7 +62,7 @@ class ObservationsTask(PerplexityTask):
               f"task.layer={self.layer}: model {model.name} has {n} layers; allowed: -1 (the middle one) or "
               f"0-{(n or 1) - 1}")
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         from tqdm import tqdm
 
         from h2o import attach, make_policy
@@ -125,6 +126,6 @@ class ObservationsTask(PerplexityTask):
         with torch.no_grad(), attach(model, Hide(hidden[0])) as h:
             modules = [m for m in model.modules() if getattr(m, "h2o", None) is h]
             for m in modules:  # each layer hides its own tokens
-                m.h2o = type(h)(Hide(hidden[m.layer_idx]), h.mode, h.semantics, h.prompt_len, h.num_layers)
+                m.h2o = type(h)(Hide(hidden[m.layer_idx]), h.mode, prompt_len=h.prompt_len, num_layers=h.num_layers)
             logits = model(ids, use_cache=False).logits
         return self.hits(logits, ids)

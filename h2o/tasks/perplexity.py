@@ -10,16 +10,26 @@ pass inside ``attach(model, policy)``: token i of a window is predicted from wha
 ``ppl = exp(total NLL / predicted tokens)``. Its 95% interval treats the windows as
 the sample (they have equal lengths): ``exp(nll_per_token +- 1.96 * nll_per_token_stderr)``, the standard error
 of the windows' mean NLL per token.
+
+Context then continuation (``context: C``, conf/task/austen_ctx.yaml; kvpress's protocol): the first ``C`` tokens of
+each window are a prompt that every row of it sees whole; the other ``window - C`` are the continuation, teacher-forced
+and the only tokens scored (predicted from rows ``C - 1 .. window - 2``). The budget is a ratio of the context.
+``compress: prefill`` cuts the context once to the budget when it ends and keeps every continuation token;
+``compress: decode`` cuts it there too and then keeps the budget as the continuation grows (each new token evicts
+one). Without ``context`` there is no prompt, so ``compress: prefill`` is refused in one line. The record has the KV
+cache actually held (h2o.tasks.kv_held): tokens and bytes per sequence right after the cut and at the end.
 """
 from __future__ import annotations
 
 import math
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
 
-from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none, stderr
+from h2o.core.policies.h2o_reference import H2OReference
+from h2o.tasks.base import Result, TaskSpec, adds_bos, as_run, check, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, choose, record
 
 TEXTS = ("austen", "moby_dick")
@@ -41,9 +51,11 @@ class PerplexityTask(TaskSpec):
     batch_size: BatchSize = 1  # or auto (h2o.tasks.batching)
     shots: int = 0
     add_bos_token: bool | None = False  # BOS first in each window: true | false | null (the tokenizer's default)
+    context: int | None = None  # tokens of each window that are the prompt (null: none, every token is scored)
 
     kind = "perplexity"
     semantics = ("simulated", "reference")
+    quantizes = True
 
     def __post_init__(self):
         check(self.text in TEXTS, f"task.text={self.text!r}: allowed: {', '.join(TEXTS)}")
@@ -52,6 +64,10 @@ class PerplexityTask(TaskSpec):
         check_batch_size(self.batch_size)
         check(self.window >= 2, f"task.window={self.window}: must be >= 2")
         check(self.shots == 0, f"task.shots={self.shots}: perplexity takes no in-context examples (0)")
+        check(self.context is None or (isinstance(self.context, int) and not isinstance(self.context, bool)
+                                       and 1 <= self.context < self.window),
+              f"task.context={self.context!r}: expected null or a token count in 1-{self.window - 1} (less than "
+              f"task.window={self.window}: the rest is the scored continuation)")
         check(self.add_bos_token in (True, False, None),
               f"task.add_bos_token={self.add_bos_token!r}: allowed: true, false, null (the tokenizer's default)")
 
@@ -78,6 +94,19 @@ class PerplexityTask(TaskSpec):
               f"task.n_windows={self.n_windows}: {self.n_windows} windows of {self.window} tokens (stride "
               f"{self.stride}) need {need} tokens; the text {self.text} has at most {size}; allowed: 1-{most}")
 
+    def check_policy(self, policy) -> None:
+        """Sliding windows have no prompt: a policy compressed once at a prompt's end is refused there."""
+        from h2o.core.policies.budget import Unsupported
+
+        if self.context is None and policy.evicts and policy.compress == "prefill" and not policy.is_full:
+            raise Unsupported(f"compress=prefill: task {self.name} scores sliding windows with no prompt to compress; "
+                              f"allowed: compress=decode, or task.context=<prompt tokens> (task=austen_ctx)")
+
+    @property
+    def scored(self) -> int:
+        """Tokens scored per window: the continuation after ``context``, else every token after the first."""
+        return self.window - (self.context or 1)
+
     def windows(self, tokenizer) -> torch.Tensor:
         """(n_windows, window) token ids (each starting with BOS when :meth:`add_bos`)."""
         need_chars = (self.n_windows - 1) * self.stride * self.window * 8 + self.window * 8  # ~4 chars a token
@@ -90,31 +119,35 @@ class PerplexityTask(TaskSpec):
             return torch.stack([torch.cat([bos, ids[s:s + self.window - 1]]) for s in starts])
         return torch.stack([ids[s:s + self.window] for s in starts])
 
-    def nll(self, model, policy, semantics: str, ids: torch.Tensor) -> torch.Tensor:
-        """(b, W) windows -> (b,) summed NLL of every token after the first, each window under the policy."""
+    def nll(self, model, policy, ids: torch.Tensor, quant=None) -> torch.Tensor:
+        """(b, W) windows -> (b,) summed NLL of the scored tokens (:attr:`scored`), each window under the policy
+        (and the KV quantizer ``quant``: the values a quantized cache holds)."""
         from h2o.core.attach import attach
 
-        with attach(model, policy, semantics="reference" if semantics == "reference" else "h2o"), torch.no_grad():
-            logits = model(ids, use_cache=False).logits.float()  # (b, W, V)
-        return torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:],
+        first = (self.context or 1) - 1  # the row predicting the first scored token
+        with attach(model, policy, prompt_len=self.context or 0, quant=quant), torch.no_grad():
+            logits = model(ids, use_cache=False).logits[:, first:-1].float()  # (b, scored, V)
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, first + 1:],
                                                  reduction="none").sum(-1)  # (b,)
 
-    def sizing(self, model, policy, semantics: str, wins: torch.Tensor) -> Sizing:
-        """The batch size (reference semantics: one window at a time, the paper code's rule)."""
-        if semantics == "reference":
+    def sizing(self, model, policy, wins: torch.Tensor, quant=None) -> Sizing:
+        """The batch size (policy h2o_reference: one window at a time, the paper code's rule)."""
+        if isinstance(policy, H2OReference):
             return Sizing(1, "one_at_a_time", "semantics=reference scores one unpadded sequence at a time")
-        return choose(self.batch_size, model, lambda b: self.nll(model, policy, semantics, wins[:1].repeat(b, 1)),
+        return choose(self.batch_size, model, lambda b: self.nll(model, policy, wins[:1].repeat(b, 1), quant),
                       len(wins))
 
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         from tqdm import tqdm
 
         from h2o.tasks.base import clamped
 
         from h2o.tasks.progress import RequestLog
 
+        cpu0 = time.process_time()
+        policy = as_run(policy, semantics)
         wins = self.windows(tokenizer).to(model.device)  # (N, W)
-        sizing = self.sizing(model, policy, semantics, wins)
+        sizing = self.sizing(model, policy, wins, quant)
         bs = sizing.size
         samples = []
         log = RequestLog.open("windows")  # windows scored before an interruption (None outside a recorded run)
@@ -122,9 +155,9 @@ class PerplexityTask(TaskSpec):
             if log is not None and all(w in log for w in range(start, min(start + bs, len(wins)))):
                 samples.extend(log[w] for w in range(start, min(start + bs, len(wins))))
                 continue
-            nll = self.nll(model, policy, semantics, wins[start:start + bs])  # (b,)
+            nll = self.nll(model, policy, wins[start:start + bs], quant)  # (b,)
             for j, v in enumerate(nll.tolist()):
-                n = self.window - 1
+                n = self.scored
                 samples.append({"window": start + j, "start_token": (start + j) * self.stride * self.window,
                                 "nll": v, "n_tokens": n, "ppl": math.exp(v / n)})
                 if log is not None:
@@ -134,6 +167,11 @@ class PerplexityTask(TaskSpec):
         nll, se = total / count, stderr([s["nll"] / s["n_tokens"] for s in samples])
         metrics = {"ppl": math.exp(nll), "nll_per_token": nll, "nll_per_token_stderr": se,
                    "ppl_ci95_low": math.exp(nll - 1.96 * se), "ppl_ci95_high": math.exp(nll + 1.96 * se)}
-        return Result(metrics, samples, {"window": self.window, "tokens_scored": count,
-                                         "clamped_requests": clamped(policy, [self.window] * len(samples)),
+        from h2o.tasks.kv_held import simulated_held
+
+        reference = self.context or self.window  # what a budget ratio is taken of
+        return Result(metrics, samples, {"window": self.window, "context": self.context, "tokens_scored": count,
+                                         "clamped_requests": clamped(policy, [reference] * len(samples)),
+                                         **simulated_held(model, policy, self.window, self.context, quant),
+                                         "cpu_s": round(time.process_time() - cpu0, 1),  # this process, all threads
                                          **record(self.batch_size, [sizing])})

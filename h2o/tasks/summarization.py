@@ -76,6 +76,16 @@ def load_split(dataset: str, split: str) -> list[dict]:
     return [{"id": r.get("id", str(i)), "article": r[art], "summary": r[summ]} for i, r in enumerate(ds)]
 
 
+def held_figures(held: list) -> dict:
+    """The record's KV figures beside ``kv_bytes_per_seq`` (bytes stored, padding included): the bytes and the
+    tokens (token x KV head entries over the layers) the cache held, means per sequence over the batches ``held``
+    ([bytes, tokens] each; tokens None in a batch logged before they were recorded). They differ from the bytes
+    stored where a policy gives heads uneven counts (adakv: heads stored padded to the largest)."""
+    tokens = [t for _, t in held if t is not None]
+    return {"kv_held_bytes_per_seq": round(sum(b for b, _ in held) / len(held)),
+            "kv_tokens_per_seq": round(sum(tokens) / len(tokens)) if tokens else None}
+
+
 class StopOnText(StoppingCriteria):
     """Stopping criterion: a row is done once its new tokens decode to text containing ``stop``."""
 
@@ -108,6 +118,7 @@ class SummarizationTask(TaskSpec):
 
     kind = "summarization"
     semantics = ("real",)
+    quantizes = True
 
     def __post_init__(self):
         check(self.dataset in DATASETS, f"task.dataset={self.dataset!r}: allowed: {', '.join(DATASETS)}")
@@ -175,11 +186,10 @@ class SummarizationTask(TaskSpec):
                 article = " ".join(words[len(words) // 10 + 1:])
 
     # ----------------------------------------------------------------------------- generation
-    def run(self, model, tokenizer, policy, semantics: str, seed: int) -> Result:
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         from rouge_score import rouge_scorer
         from tqdm import tqdm
 
-        from h2o.core.attach import attach
         from h2o.tasks.progress import RequestLog
 
         shots, test = self.examples()
@@ -188,19 +198,21 @@ class SummarizationTask(TaskSpec):
                                              f"in the model's context of {max_pos} tokens")
         prompts = [self.prompt(shots, r, tokenizer, max_pos - self.max_new_tokens) for r in test]
         scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
-        sizing = self.sizing(model, tokenizer, policy, prompts)  # before the seed: probing draws no sample
+        sizing = self.sizing(model, tokenizer, policy, prompts, quant)  # before the seed: probing draws no sample
         bs = sizing.size
         torch.manual_seed(seed)
-        samples, kv_bytes = [], []
+        samples, kv_bytes, kv_held = [], [], []  # per sequence: bytes stored; (bytes, tokens) held
         log = RequestLog.open(f"batches{bs}") if self.greedy else None  # resume (greedy: same output)
         for start in tqdm(range(0, len(prompts), bs), desc=f"{self.name} {policy.name}", file=sys.stderr):
             if log is not None and start in log:
                 kv_bytes.append(log[start]["kv"])
+                kv_held.append(log[start].get("held", [log[start]["kv"], None]))
                 samples.extend(log[start]["samples"])
                 continue
             batch = prompts[start:start + bs]
-            gens, nbytes, lens = self.generate(model, tokenizer, policy, batch, attach)
-            kv_bytes.append(nbytes / len(batch))
+            gens, foot, lens = self.generate(model, tokenizer, policy, batch, quant)
+            kv_bytes.append(foot["bytes_stored"] / len(batch))
+            kv_held.append([foot["bytes_held"] / len(batch), foot["tokens_held"] / len(batch)])
             done = []
             for row, prompt, gen, n in zip(test[start:start + bs], batch, gens, lens):
                 ref = clean(row["summary"])
@@ -209,30 +221,33 @@ class SummarizationTask(TaskSpec):
                              "prompt_tokens": n, **{k: v.fmeasure for k, v in scores.items()}})
             samples.extend(done)
             if log is not None:
-                log[start] = {"kv": kv_bytes[-1], "samples": done}
+                log[start] = {"kv": kv_bytes[-1], "held": kv_held[-1], "samples": done}
         metrics = {}
         for k in ("rouge1", "rouge2", "rougeL"):
             metrics.update({k: sum(s[k] for s in samples) / len(samples), f"{k}_stderr": stderr([s[k] for s in samples])})
         info = {"mean_prompt_tokens": round(sum(s["prompt_tokens"] for s in samples) / len(samples), 1),
-                "kv_bytes_per_seq": round(sum(kv_bytes) / len(kv_bytes)), "shots_used": len(shots),
+                "kv_bytes_per_seq": round(sum(kv_bytes) / len(kv_bytes)), **held_figures(kv_held),
+                "shots_used": len(shots),
                 "clamped_requests": clamped(policy, [s["prompt_tokens"] for s in samples]),
                 **record(self.batch_size, [sizing])}
         return Result(metrics, samples, info)
 
-    def sizing(self, model, tokenizer, policy, prompts: list[str]) -> Sizing:
+    def sizing(self, model, tokenizer, policy, prompts: list[str], quant=None) -> Sizing:
         """The batch size; ``auto`` probes with copies of the longest prompt generating all max_new_tokens."""
         if self.batch_size != "auto":
             return choose(self.batch_size, model, None, len(prompts))
-        from h2o.core.attach import attach
-
         longest = max(prompts, key=lambda t: len(tokenizer(t, **self.encode_kwargs()).input_ids))
-        return choose("auto", model, lambda b: self.generate(model, tokenizer, policy, [longest] * b, attach, True),
+        return choose("auto", model, lambda b: self.generate(model, tokenizer, policy, [longest] * b, quant, True),
                       len(prompts))
 
-    def generate(self, model, tokenizer, policy, prompts: list[str], attach,
-                 full_length: bool = False) -> tuple[list[str], int, list[int]]:
-        """Left-padded batch generation -> (texts cut at the stop, KV bytes held at the end, prompt lengths);
-        ``full_length``: no stop, exactly max_new_tokens (the batch-size probe's worst case)."""
+    def generate(self, model, tokenizer, policy, prompts: list[str], quant=None,
+                 full_length: bool = False) -> tuple[list[str], dict, list[int]]:
+        """Left-padded batch generation -> (texts cut at the stop, the cache's footprint at the end (tokens held,
+        bytes held and stored: :meth:`h2o.core.cache.EvictingCache.footprint`), prompt lengths); ``quant``: the
+        quantizer the cache stores with; ``full_length``: no stop, exactly max_new_tokens (the batch-size probe's
+        worst case)."""
+        from h2o.core.attach import attach
+
         tokenizer.padding_side = "left"
         enc = tokenizer(prompts, return_tensors="pt", padding=True, **self.encode_kwargs()).to(model.device)  # (B, P)
         P = enc.input_ids.shape[1]
@@ -244,11 +259,11 @@ class SummarizationTask(TaskSpec):
             kw["min_new_tokens"] = self.max_new_tokens
         elif self.stop:
             kw["stopping_criteria"] = [StopOnText(tokenizer, self.stop, P)]
-        with attach(model, policy, mode="real") as h, torch.no_grad():
+        with attach(model, policy, mode="real", quant=quant) as h, torch.no_grad():
             cache = h.new_cache()
             out = model.generate(**enc, cache=cache, **kw)  # (B, P + new)
-            nbytes = cache.nbytes()
+            foot = cache.footprint()
         texts = tokenizer.batch_decode(out[:, P:], skip_special_tokens=True)
         if self.stop and not self.equal_length:
             texts = [t.split(self.stop)[0] for t in texts]
-        return [t.strip() for t in texts], nbytes, enc.attention_mask.sum(-1).tolist()
+        return [t.strip() for t in texts], foot, enc.attention_mask.sum(-1).tolist()

@@ -18,8 +18,11 @@ evicted, at the positions it would have had without compression (position ids co
   compressed to ``n - 1`` tokens, then ``DecodingPress`` re-scoring to ``n - 1`` after every step), the continuation
   fed one token at a time, so each query sees ``n`` tokens, itself included: the harness's ``compress: decode``.
 
+* ``--variants V.json`` names presses with options: ``{"snapkv_w16": ["snapkv", {"window_size": 16}]}``; such a
+  name is then a method of ``--methods`` (its records carry that name), run in the timings its press has here.
+
 Usage: python tools/parity/kvpress_side.py --prompts P.json --model CKPT --out OUT.jsonl [--methods a,b]
-       [--ratios 0.5,0.8] [--decode] [--threads 1]
+       [--ratios 0.5,0.8] [--decode] [--variants V.json] [--threads 1]
 Each line of OUT is one record; a record already in OUT (same method, ratio, timing, prompt) is not run again.
 The record loop mirrors h2o.bench.parity.run_ours on purpose: this side may not import the harness.
 """
@@ -37,6 +40,10 @@ from pathlib import Path
 METHODS = ("streaming_llm", "observed_attention", "tova", "snapkv", "pyramidkv", "adakv_snapkv", "knorm",
            "keydiff", "expected_attention", "random")
 DECODE_METHODS = ("streaming_llm", "streaming_llm_ordered", "knorm", "keydiff", "random")  # no prompt window
+# presses that hide the removed keys behind fake keys instead of freeing them (AdaKV): what follows the context is
+# fed one token at a time, because the fake key of a forward of m queries must have exp(q . k) ~ 0 for all m,
+# which kvpress's hyperplane search cannot always find once m exceeds the head size (the tiny golden model: 16)
+MASKING = ("adakv_snapkv",)
 
 
 def fail(msg: str) -> None:
@@ -44,30 +51,32 @@ def fail(msg: str) -> None:
     sys.exit(2)
 
 
-def make_press(name: str, ratio: float):
+def make_press(name: str, ratio: float, **options):
+    """kvpress's press ``name`` at ``compression_ratio`` ratio, ``options`` its other fields (adakv_snapkv: the
+    inner SnapKVPress's)."""
     import kvpress as kp
 
     table = {
-        "streaming_llm": lambda: kp.StreamingLLMPress(compression_ratio=ratio),
-        "observed_attention": lambda: kp.ObservedAttentionPress(compression_ratio=ratio),
-        "tova": lambda: kp.TOVAPress(compression_ratio=ratio),
-        "snapkv": lambda: kp.SnapKVPress(compression_ratio=ratio),
-        "pyramidkv": lambda: kp.PyramidKVPress(compression_ratio=ratio),
-        "adakv_snapkv": lambda: kp.AdaKVPress(kp.SnapKVPress(compression_ratio=ratio)),
-        "knorm": lambda: kp.KnormPress(compression_ratio=ratio),
-        "keydiff": lambda: kp.KeyDiffPress(compression_ratio=ratio),
-        "expected_attention": lambda: kp.ExpectedAttentionPress(compression_ratio=ratio),
-        "random": lambda: kp.RandomPress(compression_ratio=ratio, seed=0),
+        "streaming_llm": lambda: kp.StreamingLLMPress(compression_ratio=ratio, **options),
+        "observed_attention": lambda: kp.ObservedAttentionPress(compression_ratio=ratio, **options),
+        "tova": lambda: kp.TOVAPress(compression_ratio=ratio, **options),
+        "snapkv": lambda: kp.SnapKVPress(compression_ratio=ratio, **options),
+        "pyramidkv": lambda: kp.PyramidKVPress(compression_ratio=ratio, **options),
+        "adakv_snapkv": lambda: kp.AdaKVPress(kp.SnapKVPress(compression_ratio=ratio, **options)),
+        "knorm": lambda: kp.KnormPress(compression_ratio=ratio, **options),
+        "keydiff": lambda: kp.KeyDiffPress(compression_ratio=ratio, **options),
+        "expected_attention": lambda: kp.ExpectedAttentionPress(compression_ratio=ratio, **options),
+        "random": lambda: kp.RandomPress(compression_ratio=ratio, **{"seed": 0, **options}),
     }
     return table[name]()
 
 
-def scorer(name: str, ratio: float = 0.0):
+def scorer(name: str, ratio: float = 0.0, **options):
     """The scorer of a decoding-timing press (ratio 0: left to DecodingPress). ``streaming_llm_ordered``: a
     diagnostic, not a kvpress method: StreamingLLMPress whose kept tokens stay in position order (kvpress gathers
     them in top-k order, so at the next compression "the oldest after the sinks" is no longer the 5th slot)."""
     if name != "streaming_llm_ordered":
-        return make_press(name, ratio)
+        return make_press(name, ratio, **options)
     import kvpress as kp
 
     class Ordered(kp.StreamingLLMPress):
@@ -77,7 +86,7 @@ def scorer(name: str, ratio: float = 0.0):
             idx = scores.topk(n, dim=-1).indices.sort(-1).values[..., None].expand(-1, -1, -1, keys.shape[-1])
             return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
 
-    return Ordered(compression_ratio=ratio)
+    return Ordered(compression_ratio=ratio, **options)
 
 
 def attn_impl(name: str) -> str:
@@ -93,11 +102,11 @@ def nll_sum(logits, targets):
     return nll, bool((logp.argmax(-1) == targets).all().item())
 
 
-def run_prefill(model, press, context, after):
+def run_prefill(model, press, context, after, stepwise=False):
     """Compress ``context`` (1, L) with ``press`` (None: full cache), then one teacher-forced forward of ``after``
     (1, m); one token at a time where the layers hold unequal lengths (then a multi-token forward's mask, sized by
-    layer 0, does not fit the others; a query of one token needs no mask). Returns (last context logits (1, 1, V),
-    logits of ``after`` (1, m, V), tokens held per layer)."""
+    layer 0, does not fit the others; a query of one token needs no mask) or with ``stepwise`` (the same attention).
+    Returns (last context logits (1, 1, V), logits of ``after`` (1, m, V), tokens held per layer)."""
     import contextlib
 
     import torch
@@ -110,15 +119,15 @@ def run_prefill(model, press, context, after):
             first = model(input_ids=context, past_key_values=cache, logits_to_keep=1).logits
         held = [cache.get_seq_length(i) for i in range(len(cache))]
         pos = torch.arange(L, L + after.shape[1])[None]
-        if len(set(held)) == 1:
+        if len(set(held)) == 1 and not stepwise:
             rest = model(input_ids=after, past_key_values=cache, position_ids=pos).logits
-        else:  # layers of unequal lengths (PyramidKV): one forward's mask would be sized by layer 0's length
+        else:  # unequal layers (PyramidKV: one forward's mask would be sized by layer 0's), or a MASKING press
             rest = torch.cat([model(input_ids=after[:, i:i + 1], past_key_values=cache,
                                     position_ids=pos[:, i:i + 1]).logits for i in range(after.shape[1])], 1)
     return first, rest, held
 
 
-def run_decode(model, name, ratio, context, cont):
+def run_decode(model, name, ratio, context, cont, options):
     """The decoding timing: budget n = int(L * (1 - ratio)); the prompt is compressed to n - 1 tokens, each step
     sees n - 1 tokens plus itself and the cache is re-scored back to n - 1 after it. Returns (logits (1, m, V))."""
     import kvpress as kp
@@ -127,8 +136,8 @@ def run_decode(model, name, ratio, context, cont):
 
     L = context.shape[1]
     n = int(L * (1 - ratio))
-    pre = scorer(name, 1 - (n - 0.5) / L)  # int(L * (1 - r)) = int(n - 0.5) = n - 1, clear of float error
-    dec = kp.DecodingPress(base_press=scorer(name), compression_interval=1, target_size=n - 1)
+    pre = scorer(name, 1 - (n - 0.5) / L, **options)  # int(L * (1 - r)) = int(n - 0.5) = n - 1, no float edge
+    dec = kp.DecodingPress(base_press=scorer(name, **options), compression_interval=1, target_size=n - 1)
     press = kp.PrefillDecodingPress(prefilling_press=pre, decoding_press=dec)
     cache = DynamicCache()
     out = []
@@ -149,12 +158,25 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", default="full," + ",".join(METHODS))
     ap.add_argument("--ratios", default="0.5,0.8,0.9", help="kvpress compression ratios (share removed)")
     ap.add_argument("--decode", action="store_true", help="also the decoding timing (DecodingPress)")
+    ap.add_argument("--variants", help="JSON file: {name: [press, {option: value}]}, presses with options")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in methods if m not in ("full", *METHODS, *DECODE_METHODS)]
+    presses = {m: (m, {}) for m in ("full", *METHODS, *DECODE_METHODS)}  # record name -> (press, options)
+    if args.variants:
+        try:
+            variants = json.loads(Path(args.variants).read_text())
+        except (OSError, ValueError) as e:
+            fail(f"--variants {args.variants}: not a readable JSON file ({e})")
+        for name, spec in variants.items():
+            if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in METHODS + DECODE_METHODS
+                    and isinstance(spec[1], dict)):
+                fail(f"--variants {args.variants}: {name}: {spec!r} is not [press, {{options}}] with a press of "
+                     f"{', '.join(dict.fromkeys(METHODS + DECODE_METHODS))}")
+            presses[name] = (spec[0], spec[1])
+    bad = [m for m in methods if m not in presses]
     if bad:
-        fail(f"--methods {','.join(bad)}: allowed: full, {', '.join(dict.fromkeys(METHODS + DECODE_METHODS))}")
+        fail(f"--methods {','.join(bad)}: allowed: {', '.join(presses)}")
     try:
         ratios = [float(r) for r in args.ratios.split(",")]
     except ValueError:
@@ -190,9 +212,10 @@ def main(argv=None) -> None:
 
     versions = {"kvpress": md.version("kvpress"), "transformers": transformers.__version__,
                 "torch": torch.__version__}
-    jobs = [("full", 0.0, "prefill")] + [(m, r, "prefill") for m in methods if m in METHODS for r in ratios]
+    jobs = [("full", 0.0, "prefill")] + [(m, r, "prefill") for m in methods if presses[m][0] in METHODS
+                                         for r in ratios]
     if args.decode:
-        jobs += [(m, r, "decode") for m in methods if m in DECODE_METHODS for r in ratios]
+        jobs += [(m, r, "decode") for m in methods if presses[m][0] in DECODE_METHODS for r in ratios]
     with out.open("a") as f:
         for method, ratio, timing in jobs:
             if method == "full" and "full" not in methods:
@@ -201,26 +224,29 @@ def main(argv=None) -> None:
                 for p in prompts[kind]:
                     if (method, ratio, timing, p["id"]) in done or (timing == "decode" and kind == "needle"):
                         continue
-                    model = model_for(attn_impl(method))
+                    press_name, options = presses[method]
+                    model = model_for(attn_impl(press_name))
                     ctx = torch.tensor([p["context"]])
                     t0 = time.perf_counter()
                     rec = {"side": "kvpress", "method": method, "ratio": ratio, "timing": timing, "prompt": p["id"],
-                           "kind": kind, "context_len": ctx.shape[1], **versions}
+                           "kind": kind, "context_len": ctx.shape[1], **versions,
+                           **({"press": press_name, "options": options} if options else {})}
                     if kind == "ppl":
                         cont = torch.tensor([p["continuation"]])
                         if timing == "decode":
-                            logits = run_decode(model, method, ratio, ctx, cont)
+                            logits = run_decode(model, press_name, ratio, ctx, cont, options)
                         else:
-                            press = None if method == "full" else make_press(method, ratio)
-                            first, rest, held = run_prefill(model, press, ctx, cont[:, :-1])
+                            press = None if method == "full" else make_press(press_name, ratio, **options)
+                            first, rest, held = run_prefill(model, press, ctx, cont[:, :-1], press_name in MASKING)
                             logits = torch.cat([first, rest], 1)
                             rec["held_per_layer"] = held
                         rec["nll"], _ = nll_sum(logits, cont[0])
                         rec["n_tokens"] = cont.shape[1]
                     else:
                         q, a = torch.tensor([p["question"]]), torch.tensor([p["answer"]])
-                        press = None if method == "full" else make_press(method, ratio)
-                        _, rest, held = run_prefill(model, press, ctx, torch.cat([q, a[:, :-1]], 1))
+                        press = None if method == "full" else make_press(press_name, ratio, **options)
+                        _, rest, held = run_prefill(model, press, ctx, torch.cat([q, a[:, :-1]], 1),
+                                                    press_name in MASKING)
                         rec["nll"], rec["exact"] = nll_sum(rest[:, q.shape[1] - 1:], a[0])
                         rec["n_tokens"] = a.shape[1]
                         rec["held_per_layer"] = held

@@ -16,12 +16,12 @@ def make_policy(name: str, **options) -> Policy:
     if not isinstance(name, str) or name not in Policy.registry:
         raise PolicyError(f"policy={name!r}: unknown; allowed: {', '.join(POLICIES)}")
     cls = Policy.registry[name]
-    compress = options.pop("compress", cls.compress)  # every evicting policy's timing (Policy.timed)
+    compress = options.pop("compress", None)  # every evicting policy's timing (Policy.timed); None: its default
     try:
         policy = cls(**options)
     except TypeError as e:  # an option the policy does not take
         raise PolicyError(f"policy={name}: {e}") from None
-    return policy.timed(compress)
+    return policy.timed(policy.compress if compress is None else compress)
 
 
 __all__ = ["Counts", "Policy", "PolicyError", "POLICIES", "REAL_POLICIES", "make_policy", "keep_top", "select_slot"]

@@ -16,6 +16,7 @@ fixed_h2: :mod:`.protected`; topk, topk_h2: a top-n without a sort), each tested
 State shapes used everywhere (S = cache slots, or sequence positions in the simulated path):
     pos   (B, H, S) int64  position of the token in its own sequence (pads excluded), -1 for an empty/pad slot
     acc   (B, H, S) fp32   accumulated attention the token received (summed over a KV head's query heads)
+                           (a policy may keep more per slot: (B, H, S, ...), :meth:`Policy.new_state`)
     now   (B,)      int64  position of the token that is arriving (the state is judged as if it were in)
     counts            per-sequence token counts of the budget, each (B,) int64 (see :class:`Counts`)
 
@@ -30,7 +31,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from .budget import BudgetPart, Counts, PolicyError, check_part, to_count  # noqa: F401 (re-exported)
+from .budget import BudgetPart, Counts, PolicyError, Unsupported, check_part, to_count  # noqa: F401 (re-exported)
 from .checks import BudgetChecks
 
 TIER = float(2**40)  # priority tiers: tier * TIER + position, exact in float64 (positions < 2**40)
@@ -88,6 +89,9 @@ class Policy(BudgetChecks):
     evicts: ClassVar[bool] = True  # False: keeps the whole cache and restricts each query (top-k)
     needs_scores: ClassVar[bool] = False  # True: uses accumulated attention ``acc``
     reads_keys: ClassVar[bool] = False  # True: at a cut, :meth:`cut_score` is given the held keys
+    # True: the prompt's queries before RoPE go to the policy's ``query_stats`` (h2o.core.prerope.Queries), and at
+    # the cut ``query_score(stats, keys, values, pos, held)`` replaces ``acc`` (expected_attention)
+    reads_queries: ClassVar[bool] = False
     # True: the priority ignores ``acc`` and a token the cache dropped would never be among the ``total - 1`` older
     # tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
     # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop)
@@ -97,8 +101,10 @@ class Policy(BudgetChecks):
     # outranks it from then on or no older one does (local, streaming_llm, strided; docs/attention.md): the window
     # takes one older token per row as one arrives. Else the simulated path runs the row loop on sliding layers
     window_closed_form: ClassVar[bool] = False
-    quant = None  # the KV quantizer the policy's cache stores with (h2o.core.quant; set by the run's `quant`)
     splits: ClassVar[bool] = True  # the rule reads the heavy and recent parts apart (False: only their sum)
+    # True: a layer's budget is shared by its KV heads (Ada-KV): every eviction is a cut of the whole layer by
+    # :meth:`keep` (a decoding step too), heads hold uneven counts, the evicting cache stores them padded
+    pooled: ClassVar[bool] = False
     # when an evicting policy compresses: "decode" (the budget kept at every step as the sequence grows) or
     # "prefill" (kvpress's protocol: cut once to the budget at the end of the prompt, every later token kept)
     compress: str = "decode"
@@ -135,12 +141,25 @@ class Policy(BudgetChecks):
         self.heavy, self.recent = heavy, recent
         self.budget = heavy + recent
 
+    @property
+    def quant(self):
+        """The quantizer set by the older spelling ``policy.quant = q`` (None unless set): storage is the cache's
+        option, ``attach(model, policy, quant=q)``, which reads this only when given none."""
+        return vars(self).get("_quant")
+
+    @quant.setter
+    def quant(self, quantizer) -> None:
+        from ..notice import notice
+
+        notice("policy.quant = q is spelled attach(model, policy, quant=q) now (the cache's option)")
+        self._quant = quantizer
+
     def timed(self, compress: str) -> "Policy":
         """This policy with the compression timing ``compress`` (:data:`COMPRESS`); returns it."""
         if compress not in COMPRESS:
             raise PolicyError(f"compress={compress!r}: allowed: {', '.join(COMPRESS)}")
         if compress != "decode" and not self.evicts:
-            raise PolicyError(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
+            raise Unsupported(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
                               f"allowed: decode")
         self.compress = compress
         return self
@@ -168,6 +187,14 @@ class Policy(BudgetChecks):
         ties are broken towards older tokens."""
         raise NotImplementedError(f"{type(self).__name__} is not an evicting policy")  # abstract
 
+    def keep(self, prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, counts: Counts,
+             arriving: torch.Tensor | None = None) -> torch.Tensor:
+        """A cut (the end of a prompt): prio (B, H, S) of the held slots ``valid`` (B, H, S) bool -> (B, H, S) bool
+        the kept ones. Default: each head's ``total`` highest, newer first on ties (slots in position order, as
+        at a cut). A :attr:`pooled` policy decides for the whole layer, decoding steps too (``arriving``: the
+        arriving token's slots, kept; ``pos`` for its ties, slots in any order)."""
+        return keep_top(prio, valid, counts.total)
+
     def held_rows(self, pos: torch.Tensor, now: torch.Tensor, counts: Counts, first: int,
                   window: int | None = None) -> torch.Tensor:
         """Position-only policies, every state at once: pos (B, S) of the columns, now (B, R) the newest token of
@@ -191,6 +218,11 @@ class Policy(BudgetChecks):
             c = counts.repeat(n)
             out.append(keep_top(self.priority(cols, None, at, c), older, c.total - 1).view(B, n, S))
         return out[0] if len(out) == 1 else torch.cat(out, 1)
+
+    def new_state(self, B: int, H: int, S: int, device: torch.device) -> torch.Tensor:
+        """The state ``acc`` of ``S`` new slots (nothing attended yet): (B, H, S) fp32 zeros. A policy that keeps
+        more per slot returns (B, H, S, ...) zeros; both paths move it along axis 2 (:func:`along_slots`)."""
+        return torch.zeros(B, H, S, dtype=torch.float32, device=device)
 
     def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Add query rows to the accumulated attention, in place: acc (B, H, S), probs (B, H, G, r, S) of the G
@@ -319,6 +351,14 @@ def select_slot(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | Non
     tie = key == key.amin(-1, keepdim=True)
     oldest = torch.where(tie, pos, const(torch.iinfo(torch.int64).max, torch.int64, pos.device))
     return oldest.argmin(-1, keepdim=True)
+
+
+def along_slots(index: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """A slot index (B, H, S') for a gather/scatter of ``state`` (B, H, S, ...) along its slot axis 2: as it is for
+    a (B, H, S) state, else broadcast over the trailing axes (:meth:`Policy.new_state`)."""
+    if state.dim() == 3:
+        return index
+    return index.view(*index.shape, *[1] * (state.dim() - 3)).expand(*index.shape, *state.shape[3:])
 
 
 def keep_top(prio: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

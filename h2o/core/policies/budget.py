@@ -15,6 +15,11 @@ class PolicyError(BadInput):
     """Bad policy input: the message is one line naming the value and what is allowed."""
 
 
+class Unsupported(PolicyError):
+    """A combination that does not exist, each value valid alone (a compression timing a method or task does not
+    define): one line and exit status 2 for a single run; a sweep lists such a job as refused and runs the others."""
+
+
 def check_part(name: str, value) -> BudgetPart:
     """Validate one budget part: a ratio in (0, 1] (0 allowed for heavy/recent parts) or a token count >= 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):

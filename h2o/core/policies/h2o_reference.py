@@ -27,7 +27,4 @@ def as_reference(policy) -> H2OReference:
         got = policy.name if type(policy) not in (H2O, H2Only) else f"{policy.name} score={policy.score_kind}"
         raise PolicyError(f"semantics=reference: the paper code's mask rule exists for policy h2o or h2_only with "
                           f"score=sum only (got {got}); it is the policy h2o_reference")
-    ref = H2OReference(heavy=policy.heavy, recent=policy.recent).timed(policy.compress)
-    if policy.quant is not None:
-        ref.quant = policy.quant
-    return ref
+    return H2OReference(heavy=policy.heavy, recent=policy.recent).timed(policy.compress)

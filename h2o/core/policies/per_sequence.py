@@ -17,6 +17,10 @@ class PerSequence(Policy):
     def __init__(self, policies: list[Policy]):
         if not policies or not all(p.evicts and not p.is_full for p in policies):
             raise PolicyError("PerSequence: needs evicting policies with a budget (not full, not top-k)")
+        odd = next((p for p in policies if p.new_state(1, 1, 1, torch.device("cpu")).dim() != 3), None)
+        if odd is not None:  # the batch shares one (B, H, S) state tensor
+            raise PolicyError(f"PerSequence: {odd.name} keeps its own state per slot; allowed: policies whose state "
+                              f"is the accumulated attention")
         if len({str(p.budget) for p in policies}) != 1:
             raise PolicyError(f"PerSequence: budgets {[p.budget for p in policies]} differ; give one budget")
         self.policies = list(policies)

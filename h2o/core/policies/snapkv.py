@@ -4,16 +4,18 @@
 Score, per sequence with L prompt tokens, for the keys j < L - w (w = ``window``): the attention of the last w
 queries (each a softmax over every key it sees, the window included), averaged over those w rows, average-pooled
 along positions (``kernel``, stride 1, zero padding ``kernel // 2``, every output divided by ``kernel``; the window
-columns are not pooled in), averaged over each KV head's G query heads. The window's own w tokens get the largest
-score + 1, so they are always kept and the budget includes them. Defaults: w = 64, kernel = 5 (kvpress's).
+columns are not pooled in), averaged over each KV head's G query heads. The budget includes the window (below).
+Defaults: w = 64, kernel = 5 (kvpress's).
 
 Sums over rows and heads and the pooling are linear, so ``acc`` accumulates the window rows' attention summed
 over the G heads, divided by ``w * G`` (:meth:`accumulate_prompt`, told each row's place), and the pooling runs
 once at the cut (:meth:`priority`), by position (pads and slot order do not matter).
 
-Where kvpress asserts ``L > w``, a prompt of at most ``w`` tokens here is all window: the newest ``n`` are kept
-(likewise a budget below ``w``: the window's ties go to the newest, kvpress's to topk's order).
-Per-sequence maximum for the window's score (kvpress: the batch's maximum; the same for one sequence).
+The window's own tokens get kvpress's score, one more than the largest score of the sequence's scored keys (all
+its KV heads), so they are all kept while the budget ``n`` is at least ``w``; below, kvpress's ``topk`` chooses
+among them (:func:`.kvpress_select.kvpress_topk`). Where kvpress asserts ``L > w``, a prompt of at most ``w``
+tokens here is all window: the newest ``n`` are kept. Per-sequence maximum (kvpress: the batch's; the same for
+one sequence).
 """
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ class SnapKV(PrefillOnly):
         if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
             raise PolicyError(f"kernel={kernel!r}: the pooling kernel must be an odd int >= 1")
         self.window, self.kernel = window, kernel
+        self.newest_upto = window  # a prompt of at most w tokens is all window (kvpress asserts L > w)
 
     def accumulate_prompt(self, acc, probs, valid, left) -> None:
         """acc (B, H, S) += the rows of the last ``window`` (left < window) of probs (B, H, G, r, S), / (w G)."""

@@ -1,0 +1,60 @@
+"""The evicting layer's cut: at the end of a prompt (or of a prefill chunk) the layer keeps the budget and frees
+the rest. What the policy ranks (its accumulated scores, a score of the held keys, or the prompt's query
+statistics against the held keys and values), which slots it keeps (each head's top count, or one top-k over the
+layer's heads for a pooled policy: Ada-KV) and the compaction into fewer slots. Mixed into
+:class:`h2o.core.cache.EvictingLayer` (state shapes: :mod:`h2o.core.cache`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .policies import PolicyError
+from .policies.base import along_slots
+
+
+class CutHooks:
+    """The layer's cut (state shapes: :mod:`h2o.core.cache`)."""
+
+    def cut(self):
+        """After a prefill (chunk): keep the budget, free the rest. Slots are in position order here. A sliding
+        layer first drops what is out of the last token's window, then the budget applies to what is left."""
+        if self.window is not None:
+            self.expire(self.n_tok - 1)
+        valid = self.pos >= 0
+        if self.limited():
+            prio = self.policy.priority(self.pos, self.cut_state(valid), self.n_tok - 1, self.counts)
+            keep = self.policy.keep(prio, self.pos, valid, self.counts)  # (B, H, S)
+            if self.policy.pooled:  # heads hold uneven counts: the largest, read once
+                self.host_held = keep.sum(-1).amax(-1).tolist()
+            else:
+                self.host_held = [min(h, t) for h, t in zip(self.host_held, self.host_total)]
+        else:
+            keep = valid
+        if self.window is not None:  # an upper bound: the window may have freed more on some heads
+            self.host_held = [min(h, self.window) for h in self.host_held]
+        self.compact(keep, max(self.host_held))
+
+    def compact(self, keep: torch.Tensor, S: int) -> None:
+        """Keep the slots ``keep`` (B, H, S') bool, each head's kept slots first in their order, in ``S`` slots
+        (at least the largest head's count; a head holding fewer is padded with empty slots, ``pos = -1``)."""
+        if S == keep.shape[-1]:
+            return
+        order = keep.long().argsort(dim=-1, descending=True, stable=True)[..., :S]  # kept slots first, in order
+        order = order.sort(-1).values
+        self.pos = torch.where(keep.gather(-1, order), self.pos.gather(-1, order), -1)
+        self.acc = self.acc.gather(2, along_slots(order, self.acc))
+        idx = order[..., None]
+        self.keys = self.keys.gather(-2, idx.expand(-1, -1, -1, self.keys.shape[-1]))
+        self.values = self.values.gather(-2, idx.expand(-1, -1, -1, self.values.shape[-1]))
+
+    def cut_state(self, valid: torch.Tensor) -> torch.Tensor:
+        """(B, H, S) what the priority reads at a cut, valid (B, H, S) the held slots: ``acc``, a score of the held
+        keys (:meth:`Policy.cut_score`), or of the prompt's query statistics against the held keys and values
+        (``Policy.reads_queries``; used once: the statistics are dropped)."""
+        if self.policy.reads_queries:
+            if self.queries is None:
+                raise PolicyError(f"policy={self.policy.name}: this cut has no query statistics (a prefill forked "
+                                  f"from another policy's cache); allowed: the prompt through this policy's cache")
+            stats, self.queries = self.queries, None
+            return self.policy.query_score(stats, *self.read(), self.pos, valid)
+        return self.policy.cut_score(self.acc, self.read()[0], valid) if self.policy.reads_keys else self.acc

@@ -1,0 +1,127 @@
+"""expected_attention: keep the keys that future queries are expected to attend to (Expected Attention, Devoto et
+al., arXiv 2510.00636), as kvpress 0.5.5's ExpectedAttentionPress defines it, at the end of a prompt only.
+
+Per sequence with L prompt tokens and per query head h (docs/methods.md, "Expected Attention"):
+
+1. statistics of the prompt's queries **before RoPE** at positions ``>= n_sink`` (kvpress drops the first
+   ``n_sink`` hidden states, "likely outliers"): mean ``mu`` (D,) and covariance
+   ``S = (1/N) sum_t (q_t - mu)(q_t - mu)^T`` (N = L - n_sink, population form as kvpress);
+2. the rotation averaged over the next ``n_future_positions`` positions ``L .. L + n - 1``:
+   ``R = mean_p (diag(cos_p) + P diag(sin_p))`` (P: rotate-half; the model's rotary, its attention scaling
+   included; on a partial rotary the channels it leaves are the identity), then ``mu' = R mu``, ``S' = R S R^T``;
+3. for each held key ``k_j`` (after RoPE) at a position ``>= n_sink``:
+   ``z[h, j] = mu'.k_j / sqrt(D) + k_j^T S' k_j / (2 D)`` (the log of the expected ``exp(q.k / sqrt(D))`` of a
+   Gaussian query), ``E[h, :] = softmax_j z[h, :]`` over those keys;
+4. per KV head k: ``s[k, j] = (mean_{h of k} E[h, j] + epsilon) * |V[k, j]|_2`` (``use_vnorm``; without it the mean
+   alone); the ``n_sink`` first tokens get the sequence's largest score + 1, so they are kept (inside the budget).
+
+Defaults are kvpress's: n_future_positions = 512, n_sink = 4, use_covariance = True, use_vnorm = True,
+epsilon = 0. ``D`` is the head dimension (kvpress's ``sqrt(d)``, not the model's attention scaling).
+
+Where kvpress reads the prompt's length as its columns (it never pads), L here is the sequence's prompt tokens,
+pads excluded (the next token's position when positions skip pads, as ``generate`` numbers them). Per-sequence
+maximum for the sinks' score (kvpress: the batch's; the same for one sequence). A prompt of at most ``n_sink``
+tokens is all sinks (kvpress asserts it is longer); ties there go to the newest. Computed in at least fp32
+(kvpress: the model's dtype; the same in fp32).
+
+The queries before RoPE: :mod:`h2o.core.prerope` (the attention function's queries turned back with the rotation
+the module applied). State: the statistics live in the evicting layer from the prompt's forward to its cut
+(``EvictingLayer.queries``); the simulated path computes them from the prompt's rows in the same call.
+No decoding form (kvpress's DecodingPress would re-score with running statistics of the last 256 hidden states;
+not built): ``compress=decode`` is refused in one line.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .base import PolicyError
+from .prefill import PrefillOnly
+
+
+@dataclass
+class QueryStats:
+    """The prompt's query statistics rotated to the future positions: mean (B, Hq, D), covariance (B, Hq, D, D)
+    (None without ``use_covariance``)."""
+
+    mean: torch.Tensor
+    cov: torch.Tensor | None
+
+
+def average_rotation(cos: torch.Tensor, sin: torch.Tensor, D: int) -> torch.Tensor:
+    """cos, sin (B, N, r) of N positions -> (B, D, D) their rotations averaged: ``diag(mean cos) +
+    P diag(mean sin)`` on the first r channels (the rotations are linear in cos and sin), the identity after."""
+    B, _, r = cos.shape
+    c, s = cos.mean(1), sin.mean(1)  # (B, r)
+    h = r // 2
+    R = torch.eye(D, dtype=c.dtype, device=c.device).repeat(B, 1, 1)  # (B, D, D)
+    idx = torch.arange(r, device=c.device)
+    R[:, idx, idx] = c
+    R[:, idx[:h], idx[h:]] = -s[:, h:]  # (P diag(s))[i, i + h] = -s[i + h]
+    R[:, idx[h:], idx[:h]] = s[:, :h]  # (P diag(s))[i + h, i] = s[i]
+    return R
+
+
+class ExpectedAttention(PrefillOnly):
+    name = "expected_attention"
+    reads_queries = True
+
+    def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, n_future_positions: int = 512,
+                 n_sink: int = 4, use_covariance: bool = True, use_vnorm: bool = True, epsilon: float = 0.0):
+        super().__init__(budget, heavy, recent, heavy_share)
+        for key, value, low in (("n_future_positions", n_future_positions, 1), ("n_sink", n_sink, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise PolicyError(f"{key}={value!r}: expected an int >= {low}")
+        for key, value in (("use_covariance", use_covariance), ("use_vnorm", use_vnorm)):
+            if not isinstance(value, bool):
+                raise PolicyError(f"{key}={value!r}: expected true or false")
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not math.isfinite(epsilon) \
+                or epsilon < 0:
+            raise PolicyError(f"epsilon={epsilon!r}: expected a finite number >= 0")
+        self.n_future_positions, self.n_sink = n_future_positions, n_sink
+        self.use_covariance, self.use_vnorm, self.epsilon = use_covariance, use_vnorm, float(epsilon)
+
+    def query_stats(self, queries, rows: int, pos: torch.Tensor, length: torch.Tensor) -> QueryStats:
+        """queries (:class:`h2o.core.prerope.Queries`) of a prompt's forward, its first ``rows`` rows with
+        positions pos (B, rows) (-1: a pad), length (B,) the prompt's tokens -> :class:`QueryStats`."""
+        q = queries.before_rope(rows)  # (B, Hq, rows, D)
+        B, _, _, D = q.shape
+        w = (pos >= self.n_sink).to(q.dtype)  # (B, rows) the rows counted: no pad, no sink
+        n = w.sum(-1).clamp(min=1)[:, None, None]  # (B, 1, 1)
+        mean = torch.einsum("bhrd,br->bhd", q, w) / n  # (B, Hq, D)
+        cov = None
+        if self.use_covariance:
+            centred = (q - mean[:, :, None]) * w[:, None, :, None]  # (B, Hq, rows, D)
+            cov = torch.einsum("bhri,bhrj->bhij", centred, centred) / n[..., None]  # (B, Hq, D, D)
+        future = length[:, None] + torch.arange(self.n_future_positions, device=length.device)  # (B, N)
+        R = average_rotation(*queries.future(future), D).to(q.dtype)[:, None]  # (B, 1, D, D)
+        mean = (R @ mean[..., None])[..., 0]
+        if cov is not None:
+            cov = R @ cov @ R.transpose(-1, -2)
+        return QueryStats(mean, cov)
+
+    def query_score(self, stats: QueryStats, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
+                    held: torch.Tensor) -> torch.Tensor:
+        """keys, values (B, Hkv, S, D) as held (keys after RoPE), pos (B, Hkv, S), held (B, Hkv, S) bool ->
+        (B, Hkv, S) the score the cut keeps the top of."""
+        B, Hkv, S, D = keys.shape
+        k = keys.to(stats.mean.dtype)[:, :, None]  # (B, Hkv, 1, S, D)
+        G = stats.mean.shape[1] // Hkv
+        z = (k @ stats.mean.view(B, Hkv, G, D, 1))[..., 0] / math.sqrt(D)  # (B, Hkv, G, S)
+        if stats.cov is not None:
+            z = z + ((k @ stats.cov.view(B, Hkv, G, D, D)) * k).sum(-1) / D / 2
+        scored = held & (pos >= self.n_sink)  # (B, Hkv, S)
+        z = z.masked_fill(~scored[:, :, None], -torch.inf)
+        expected = torch.softmax(z, -1).nan_to_num(0.0).mean(2)  # (B, Hkv, S); a head with no scored key: 0
+        if self.use_vnorm:
+            norms = torch.linalg.vector_norm(values, dim=-1, dtype=expected.dtype)  # (B, Hkv, S)
+            expected = (expected + self.epsilon) * norms
+        top = torch.where(scored, expected, -torch.inf).amax((1, 2), keepdim=True)  # (B, 1, 1)
+        top = torch.where(torch.isfinite(top), top, 0.0) + 1  # a prompt of at most n_sink tokens: all sinks
+        return torch.where(scored, expected, top)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "n_future_positions": self.n_future_positions, "n_sink": self.n_sink,
+                "use_covariance": self.use_covariance, "use_vnorm": self.use_vnorm, "epsilon": self.epsilon}

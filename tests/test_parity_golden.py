@@ -1,0 +1,93 @@
+"""Golden numbers: our side of parity on the committed tiny model equals kvpress 0.5.5's recorded figures.
+
+tests/data/parity_golden/kvpress.json was written once by `python -m h2o.bench.parity --golden` (kvpress in its own
+virtualenv, on the weights in tests/data/parity_golden/model/); here only our side runs (h2o.bench.parity_golden,
+the evicting cache), on the same weights and token ids, and each method's NLL per token of every continuation must
+be within TOLERANCE of kvpress's. A method whose selection drifts by one token fails (the broken variants below).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from h2o.bench.parity_golden import RECORD, TOLERANCE, Case, cases, load_model, ours_nll, weights_sha256
+from h2o.core.policies import Policy
+from h2o.core.policies.adakv import AdaKV
+from h2o.core.policies.prefill import PrefillOnly
+
+GOLD = json.loads(RECORD.read_text())
+CASES = cases()
+FULL = Case("full")
+COMPARED = [(n, r) for n, c in CASES.items() if not c.statistical and c.policy() is not None for r in GOLD["ratios"]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model()
+
+
+def kvpress(name: str, ratio: float) -> dict[str, float]:
+    """kvpress's NLL per token by prompt for ``name`` at ``ratio``."""
+    return {r["prompt"]: r["nll"] / r["n_tokens"] for r in GOLD["records"]
+            if r["method"] == name and r["ratio"] == ratio}
+
+
+def largest_gap(model, name: str, ratio: float, policy=None) -> float:
+    case = FULL if name == "full" else CASES[name]
+    theirs = kvpress(name, ratio)
+    assert len(theirs) == len(GOLD["prompts"]["ppl"])  # every prompt recorded
+    return max(abs(theirs[p["id"]] - ours_nll(model, case, ratio, p, policy)) for p in GOLD["prompts"]["ppl"])
+
+
+def test_the_weights_and_the_record_belong_together():
+    assert weights_sha256() == GOLD["model"]["sha256"]
+    assert GOLD["kvpress"] == "0.5.5"
+
+
+def test_every_kvpress_method_has_golden_numbers():
+    """kvpress's figures are recorded for every case; what is not compared is named here, so it cannot grow
+    silently: random only (kvpress's draws are torch's generator, ours a hash); every other method is built."""
+    recorded = {(r["method"], r["ratio"]) for r in GOLD["records"]}
+    assert {(n, r) for n in CASES for r in GOLD["ratios"]} | {("full", 0.0)} <= recorded
+    assert {n for n, c in CASES.items() if c.statistical} == {"random"}
+    assert {n for n, c in CASES.items() if c.policy() is None} == set()
+
+
+@pytest.mark.parametrize("name, ratio", [("full", 0.0)] + COMPARED)
+def test_ours_equals_kvpress(model, name, ratio):
+    assert largest_gap(model, name, ratio) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name, ratio, policy", [
+    ("snapkv", 0.8, ("snapkv", {"kernel": 3})),  # another pooling kernel
+    ("observed_attention", 0.5, ("h2_only", {"score": "sum"})),  # summed, not averaged over the queries
+    ("streaming_llm", 0.8, ("streaming_llm", {"sinks": 3})),
+    ("pyramidkv_w8_b4", 0.5, ("pyramidkv", {"window": 8, "beta": 5})),  # another pyramid
+    ("streaming_llm_ordered", 0.5, ("local", {})),  # no sinks in the decoding timing
+    ("adakv_snapkv", 0.5, ("snapkv", {})),  # every head its own n: no top-k across the heads
+    ("expected_attention", 0.5, ("expected_attention", {"use_covariance": False})),
+])
+def test_a_broken_variant_fails(model, name, ratio, policy):
+    assert largest_gap(model, name, ratio, policy) > 10 * TOLERANCE
+
+
+ADAKV_KEEP = AdaKV.keep
+
+
+def newest_first_at_the_cut(self, prio, pos, valid, counts, arriving=None):
+    """AdaKV's decoding-step rule used at the cut too: ties to the newer token, then the lower head."""
+    return ADAKV_KEEP(self, prio, pos, valid, counts, torch.zeros_like(valid))
+
+
+@pytest.mark.parametrize("name, ratio, cls, keep", [
+    ("snapkv", 0.8, PrefillOnly, Policy.keep),  # 51 < window 64 kept: only window tokens, all tied
+    ("knorm", 0.5, PrefillOnly, Policy.keep),  # layer 0: every occurrence of a token has the same key norm
+    ("adakv_snapkv", 0.8, AdaKV, newest_first_at_the_cut),  # the safeguard and the layer's cut inside the window
+])
+def test_the_tie_rule_is_asserted(model, monkeypatch, name, ratio, cls, keep):
+    """Where scores tie at the budget's edge, kvpress keeps what its topk returns; breaking the ties another way
+    (newer first) instead of running kvpress's topk on its rows is caught."""
+    monkeypatch.setattr(cls, "keep", keep)
+    assert largest_gap(model, name, ratio) > 10 * TOLERANCE
