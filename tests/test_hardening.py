@@ -171,7 +171,7 @@ BAD = [
     ("niah-lm-eval-task-unknown", [*TINY, *NIAH, "task.lm_eval_task=nope"],
      ["task.lm_eval_task='nope'", "allowed: niah", "niah_single_2"], {}),
     ("niah-lengths-too-short", [*TINY, "task=niah", "task.lengths=[40,1024]"],
-     ["task.lengths=[40, 1024]", "40 tokens are too short", "tiny-llama's tokenizer", "allowed: lengths >= 1"], {}),
+     ["task.lengths=[40, 1024]", "40 tokens are too short", "tiny-llama's tokenizer", "allowed: lengths >= 372"], {}),
     ("ruler-lengths-too-short", [*TINY, "task=ruler_niah_single_1", "task.lengths=[200]"],
      ["task.lengths=[200]", "too short for lm-eval's niah_single_1 prompt", "allowed: lengths >= 462"], {}),
     ("ruler-limit-zero", [*TINY, "task=ruler_niah_single_2", "task.limit=0"], ["task.limit=0", "positive int"], {}),

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from h2o.pipeline.records import CONF
+from h2o.assets.paths import CONF
 
 
 def plans(experiment: str, *overrides: str):
