@@ -186,7 +186,7 @@ def policy_panel(ax, runs: pd.DataFrame, metric: str, title: str) -> int:
     interval shaded across the panel. Returns the number of points drawn."""
     pts = policy_points(runs, metric)
     for i, (policy, e) in enumerate(pts):
-        lo, hi = (e.value - e.lo, e.hi - e.value) if e.has_interval else (0, 0)
+        lo, hi = (max(0.0, e.value - e.lo), max(0.0, e.hi - e.value)) if e.has_interval else (0, 0)  # 0/n: float noise
         ax.errorbar([i], [e.value], yerr=[[lo], [hi]], marker="o", capsize=4, color=color(policy))
         ax.annotate(f"{e.value:.3g}", (i, e.value), xytext=(6, 0), textcoords="offset points",
                     fontsize=7, va="center")

@@ -66,7 +66,8 @@ def test_long_context_task_rejects_bad_values():
 def run_sweep(tmp_path, *args):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "h2o.pipeline.run", "-m", "experiment=niah", "model=tiny-llama",
-                          "task.lengths=[1024]", "task.depths=[0.2,0.8]", "task.samples=2", "threads=1",
+                          "task_overrides.niah.lengths=[1024]", "task_overrides.niah.depths=[0.2,0.8]",
+                          "task_overrides.niah.samples=2", "threads=1",
                           f"runs_dir={tmp_path / 'runs'}", *args], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -39,6 +39,7 @@ class ModelSpec:
     device_map: Any = None
     resources: dict | None = None  # per Slurm array task: gpus, mem_gb, cpus, load_min, s_per_mtok (RESOURCES)
     params: int | None = None  # parameter count (weights' bytes = params x the dtype's size)
+    positions: int | None = None  # the longest sequence it takes (max_position_embeddings), known without the hub
 
     def __post_init__(self):
         check_cpu_run(self.device_map, self.resources)
@@ -52,6 +53,9 @@ class ModelSpec:
         check(self.params is None or (isinstance(self.params, int) and not isinstance(self.params, bool)
                                       and self.params > 0),
               f"model.params={self.params!r}: expected a parameter count (an integer > 0) or null")
+        check(self.positions is None or (isinstance(self.positions, int) and not isinstance(self.positions, bool)
+                                         and self.positions > 0),
+              f"model.positions={self.positions!r}: expected the model's max positions (an integer > 0) or null")
 
     @property
     def wants_gpu(self) -> bool:
@@ -63,7 +67,11 @@ class ModelSpec:
         return checkpoint_config(self.pretrained)
 
     def max_positions(self) -> int | None:
-        """The longest sequence the model takes (max_position_embeddings / n_positions), None if unknown."""
+        """The longest sequence the model takes: the conf/model yaml's ``positions`` (known offline, before any
+        download: a dry run clips its grids by it), else the checkpoint's config.json (max_position_embeddings /
+        n_positions), None if unknown."""
+        if self.positions is not None:
+            return self.positions
         cfg = self.config()
         return next((cfg[k] for k in ("max_position_embeddings", "n_positions", "max_sequence_length")
                      if isinstance(cfg.get(k), int)), None)

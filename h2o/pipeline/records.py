@@ -39,7 +39,7 @@ from h2o.assets.paths import REPO, atomic_write_text, group_defaults
 from h2o.cli.paths import SAFE, check_name
 from h2o.core.validate import ConfigError, check, is_number
 
-IGNORED = {"_target_", "name", "batch_size", "device_map", "resources", "params"}  # never in <extras>
+IGNORED = {"_target_", "name", "batch_size", "device_map", "resources", "params", "positions"}  # never in <extras>
 IN_PATH = {"task": {"shots"}, "policy": {"budget", "heavy", "recent"}, "model": set()}
 PACKAGES = ("torch", "transformers", "lm_eval", "hydra-core", "omegaconf", "hydra-submitit-launcher", "submitit",
             "datasets", "accelerate", "rouge-score", "wandb", "tokenizers", "numpy", "h2o-harness")

@@ -181,6 +181,7 @@ class H2OLM(HFLM):
         self.budgets: list[tuple[int, int]] = []  # per generated row: (prompt tokens, cache budget in tokens)
         self.footprints: list[tuple[dict, int]] = []  # per generate call: the cache at its end, the rows
         self.questions: dict[str, str] = {}  # generation context -> the question that ends it (doc["question"])
+        self.truncate = "left"  # a prompt over max_length - max_gen_toks: lm-eval's left cut, or "middle" (LongBench)
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -306,6 +307,23 @@ class H2OLM(HFLM):
             if isinstance(question, str) and question and req.args[0].endswith(question):
                 self.questions[req.args[0]] = question
         return super().generate_until(requests, disable_tqdm)
+
+    def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):
+        """HFLM's; with ``truncate="middle"`` a prompt longer than ``left_truncate_len`` keeps its first and last
+        halves instead of its end (LongBench's rule: the question sits at both ends of its prompts)."""
+        if self.truncate != "middle" or not left_truncate_len:
+            return super().tok_batch_encode(strings, padding_side, left_truncate_len, truncation)
+        ids, mask = super().tok_batch_encode(strings, padding_side)  # (B, T) each, left-padded, uncut
+        half = left_truncate_len // 2
+        rows = [row[m.bool()] for row, m in zip(ids, mask)]
+        rows = [r if len(r) <= left_truncate_len else torch.cat([r[:half], r[len(r) - left_truncate_len + half:]])
+                for r in rows]
+        T = max(len(r) for r in rows)
+        out = ids.new_full((len(rows), T), self.tokenizer.pad_token_id or 0)  # (B, T') left-padded again
+        cut = mask.new_zeros((len(rows), T))
+        for i, r in enumerate(rows):
+            out[i, T - len(r):], cut[i, T - len(r):] = r, 1
+        return out, cut
 
     def question_tokens(self, context: str) -> int:
         """Trailing tokens of ``context``'s encoding that are its request's question (0: none known). The question

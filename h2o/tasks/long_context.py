@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, clamped, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
@@ -47,9 +48,9 @@ class LongContextTask(TaskSpec):
     lengths: list = field(default_factory=lambda: [1024])
     depths: list = field(default_factory=lambda: [0.1, 0.5, 0.9])  # niah only
     samples: int = 2  # niah: docs per (length, depth) cell
-    limit: int | None = None  # RULER: docs per length
+    limit: int | None = None  # RULER: docs per length; LongBench: docs
     text: str = "austen"  # the haystack: austen | moby_dick (RULER also: essays, lm-eval's own from the hub)
-    max_gen_toks: int | None = None  # None: the task's own (niah 12, RULER 128)
+    max_gen_toks: int | None = None  # None: the task's own (niah 12, RULER 128, qa 32, LongBench 32-512)
     seed: int = 0  # niah: the dataset's draw (keys, numbers, haystack starts)
     shots: int = 0  # no in-context examples (the run folder's shots<k> component)
     batch_size: BatchSize = 1
@@ -79,47 +80,102 @@ class LongContextTask(TaskSpec):
         if not self.is_niah:
             from h2o.tasks.multiple_choice import yaml_task_names
 
-            names = yaml_task_names(ruler_folder())
-            check(self.lm_eval_task in names, f"task.lm_eval_task={self.lm_eval_task!r}: allowed: niah, "
-                                              f"{', '.join(n for n in names if n != 'ruler')}")
+            ruler = ", ".join(n for n in yaml_task_names(ruler_folder()) if n != "ruler")
+            check(self.lm_eval_task in yaml_task_names(self.lm_eval_folder()),
+                  f"task.lm_eval_task={self.lm_eval_task!r}: allowed: niah, lm-eval's RULER tasks ({ruler}) and its "
+                  f"longbench_* tasks")
+        check(self.family != "longbench" or len(self.lengths) == 1,
+              f"task.lengths={self.lengths}: a LongBench run takes one length (its prompts' cut); allowed: [<n>]")
 
     @property
     def is_niah(self) -> bool:
         return self.lm_eval_task == NIAH
 
+    @property
+    def family(self) -> str:
+        """niah (ours) | longbench | ruler (lm-eval's)."""
+        return NIAH if self.is_niah else "longbench" if self.lm_eval_task.startswith("longbench_") else "ruler"
+
+    def lm_eval_folder(self):
+        """The lm-eval task folder that holds ``lm_eval_task`` (ours, or lm-eval's own ruler / longbench)."""
+        from pathlib import Path
+
+        from h2o.assets.paths import TASKS
+        from h2o.tasks.longbench import folder
+
+        return {NIAH: Path(TASKS), "longbench": folder()}.get(self.family) or ruler_folder()
+
     def check_model(self, model) -> None:
-        """Lengths within the model's positions (read from its config.json; unknown, e.g. a hub checkpoint not
-        cached yet: not checked here), a niah prompt with its generated tokens (past them lm-eval drops the prompt's
-        start, the needle with it at depth 0); a RULER length already holds them. ``clip_to_model`` keeps the
-        lengths that fit, so one grid serves every model."""
+        """Lengths within the model's positions (``positions`` of its conf/model yaml, else its config.json;
+        unknown: not checked here), a niah prompt with its generated tokens (past them lm-eval drops the prompt's
+        start, the needle with it at depth 0); a RULER or LongBench length already holds them. ``clip_to_model``
+        keeps the lengths that fit (LongBench: cuts its length to the positions), so one grid serves every model.
+        Then each length holds the task's fixed text (:meth:`check_lengths`)."""
         gen = self.gen_tokens
         if not self.is_niah:  # a RULER length holds the prompt and the generated tokens (lm-eval's rule)
             check(gen < min(self.lengths), f"task.max_gen_toks={gen}: leaves no prompt in task.lengths="
                                            f"{self.lengths}; allowed: < {min(self.lengths)}")
         max_pos = model.max_positions()
-        if max_pos is None:
+        if max_pos is not None:
+            check(gen < max_pos, f"task.max_gen_toks={gen}: leaves no prompt in model {model.name}'s {max_pos} "
+                                 f"positions; allowed: < {max_pos}")
+            room = max_pos - (gen if self.is_niah else 0)  # the longest length that fits (else lm-eval cuts it)
+            plus = f" with {gen} generated tokens" if self.is_niah else ""
+            if self.clip_to_model and self.family == "longbench":
+                self.lengths = [min(self.lengths[0], room)]
+            elif self.clip_to_model:
+                fit = [n for n in self.lengths if n <= room]
+                check(bool(fit), f"task.lengths={self.lengths}: none fits model {model.name}'s {max_pos} positions"
+                                 f"{plus}; allowed: <= {room}")
+                self.lengths = fit
+            check(max(self.lengths) <= room, f"task.lengths={self.lengths}: beyond model {model.name}'s {max_pos} "
+                                             f"positions{plus}; allowed: <= {room}")
+        if self.family != "longbench":  # LongBench's prompts are its own, cut to the length
+            self.check_lengths(model)
+
+    def check_lengths(self, model) -> None:
+        """Each length holds the task's fixed text, judged with the model's tokenizer (loaded alone, from this
+        machine: not checked when it is not here yet): niah, the instruction, needle and question of each of its
+        docs plus a few tokens of book (h2o.tasks.niah.shortest); RULER, lm-eval's least sample
+        (h2o.tasks.ruler_offline.shortest_length)."""
+        tok = local_tokenizer(model)
+        if tok is None:
             return
-        check(gen < max_pos, f"task.max_gen_toks={gen}: leaves no prompt in model {model.name}'s {max_pos} "
-                             f"positions; allowed: < {max_pos}")
-        room = max_pos - (gen if self.is_niah else 0)  # the longest length that fits (else lm-eval cuts the prompt)
-        plus = f" with {gen} generated tokens" if self.is_niah else ""
-        if self.clip_to_model:
-            fit = [n for n in self.lengths if n <= room]
-            check(bool(fit), f"task.lengths={self.lengths}: none fits model {model.name}'s {max_pos} positions"
-                             f"{plus}; allowed: <= {room}")
-            self.lengths = fit
-        check(max(self.lengths) <= room, f"task.lengths={self.lengths}: beyond model {model.name}'s {max_pos} "
-                                         f"positions{plus}; allowed: <= {room}")
+        if self.is_niah:
+            from h2o.tasks.niah import shortest
+
+            short = shortest(tok, self.lengths, self.depths, self.samples, self.seed)
+            what = "its instruction, needle and question"
+        else:
+            from h2o.tasks.ruler_offline import shortest_length
+
+            need = shortest_length(tok, self.lm_eval_task, self.text)
+            short = next(((n, need) for n in self.lengths if need and n < need), None)
+            what = f"lm-eval's {self.lm_eval_task} prompt and the tokens it sizes generation with"
+        n, need = short or (0, 0)
+        check(short is None, f"task.lengths={self.lengths}: {n} tokens are too short for {what} ({model.name}'s "
+                             f"tokenizer); allowed: lengths >= {need}")
 
     @property
     def gen_tokens(self) -> int:
         """Tokens generated per request: ``max_gen_toks`` or the task's own (niah 12, RULER 128)."""
-        return self.max_gen_toks or (12 if self.is_niah else 128)
+        if self.max_gen_toks:
+            return self.max_gen_toks
+        if self.family == "longbench":
+            from h2o.tasks.longbench import gen_tokens
+
+            return gen_tokens(self.lm_eval_task)
+        return 12 if self.is_niah else 32 if self.lm_eval_task.startswith("ruler_qa") else 128
 
     def tokens(self) -> int:
         """Prompt tokens of one run, plus the generated tokens as scored-token equivalents (the time estimates of
-        h2o.pipeline.launch): niah lengths x depths x samples; RULER lengths x limit (500 without a limit)."""
+        h2o.pipeline.launch): niah lengths x depths x samples; RULER lengths x limit (500 without a limit);
+        LongBench its docs (h2o.tasks.longbench.size)."""
         gen = self.gen_tokens
+        if self.family == "longbench":
+            from h2o.tasks.longbench import size
+
+            return size(self.lm_eval_task, self.limit, self.lengths[0])
         docs = len(self.depths) * self.samples if self.is_niah else (self.limit or 500)
         return docs * sum(n + gen for n in self.lengths)
 
@@ -133,7 +189,14 @@ class LongContextTask(TaskSpec):
         if self.is_niah:
             return {"tokenizer": path, "lengths": self.lengths, "depths": self.depths, "samples": self.samples,
                     "text": self.text, "seed": self.seed}
+        if self.family == "longbench":  # its docs come from the hub data set as they are
+            return {}
         return {"tokenizer": path, "max_seq_lengths": self.lengths}
+
+    @property
+    def metric(self) -> str:
+        """The per-sample score: ``acc`` (niah's exact match, RULER's string match) or LongBench's ``score``."""
+        return "score" if self.family == "longbench" else "acc"
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -141,29 +204,31 @@ class LongContextTask(TaskSpec):
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
 
-        from h2o.assets.paths import TASKS
         from h2o.tasks.lm_eval_model import H2OLM
         from h2o.tasks.progress import lm_eval_cache
 
-        haystack = {"haystack": self.text}
-        if not self.is_niah:
+        haystack, cut = {"haystack": self.text}, {}
+        if self.family == "ruler":
             from h2o.tasks.ruler_offline import use_haystack
 
             haystack = use_haystack(self.text)  # before the task's modules load
+        elif self.family == "longbench":  # prompts over the length less the generated tokens keep both ends
+            haystack, cut = {"truncation": "middle", "max_length": self.lengths[0]}, {"max_length": self.lengths[0]}
         lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, quant=quant, batch_size=self.batch_size,
-                   add_bos_token=self.add_bos_token)
-        folder = TASKS if self.is_niah else ruler_folder()
-        tm = TaskManager(include_path=str(folder), include_defaults=False, metadata=self.metadata(tokenizer))
+                   add_bos_token=self.add_bos_token, **cut)
+        lm.truncate = "middle" if cut else "left"
+        tm = TaskManager(include_path=str(self.lm_eval_folder()), include_defaults=False,
+                         metadata=self.metadata(tokenizer))
         gen = {"max_gen_toks": self.max_gen_toks} if self.max_gen_toks else None
         with lm_eval_cache() as cache:
             out = simple_evaluate(model=lm, tasks=[self.lm_eval_task], limit=self.limit, task_manager=tm,
                                   log_samples=True, gen_kwargs=gen, random_seed=seed, numpy_random_seed=seed,
                                   torch_random_seed=seed, fewshot_random_seed=seed, use_cache=cache)
         samples = [self.sample_row(s, lm) for s in out["samples"][self.lm_eval_task]]
-        scores = [s["acc"] for s in samples]
-        metrics = {"acc": sum(scores) / len(scores), "acc_stderr": stderr(scores)}
+        scores = [s[self.metric] for s in samples]
+        metrics = {self.metric: sum(scores) / len(scores), f"{self.metric}_stderr": stderr(scores)}
         prompt, held = (sum(x) for x in zip(*lm.budgets)) if lm.budgets else (0, 0)
-        info = {"cells": cells(samples, self.is_niah), "lm_eval_task": self.lm_eval_task, **haystack,
+        info = {"cells": cells(samples, self.is_niah, self.metric), "lm_eval_task": self.lm_eval_task, **haystack,
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
                 "clamped_requests": clamped(policy, [n for n, _ in lm.budgets]),  # a ratio of each prompt
@@ -180,9 +245,34 @@ class LongContextTask(TaskSpec):
                     "needle_depth": doc["needle_depth"], "prompt_tokens": doc["prompt_tokens"],
                     "question_tokens": lm.question_tokens(context), "target": doc["answer"],
                     "generation": generation, "acc": float(s["exact_match"])}
+        if self.family == "longbench":
+            return {"doc_id": s["doc_id"], "length": self.lengths[0], "target": doc.get("answers"),
+                    "generation": generation, "score": float(s["score"])}
         length = int(doc["max_length"])
         return {"doc_id": s["doc_id"], "length": length, "target": doc["outputs"], "generation": generation,
                 "acc": float(s[str(length)])}
+
+
+def local_tokenizer(model):
+    """The tokenizer of ``model`` (an h2o.assets.model_spec.ModelSpec) from this machine only -- a tiny model, a
+    cached packaged model, a local folder or a hub id in the local cache -- or None (nothing is downloaded)."""
+    return tokenizer_here(str(model.pretrained))
+
+
+@lru_cache(maxsize=16)  # a sweep checks many runs of one model
+def tokenizer_here(name: str):
+    from transformers import AutoTokenizer
+
+    from h2o.assets.model_spec import resolve_tiny
+    from h2o.assets.packaged import is_checkpoint, packaged, packaged_dir
+
+    folder = packaged_dir(packaged(name)) if packaged(name) else resolve_tiny(name)
+    if packaged(name) and not is_checkpoint(folder):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError):
+        return None
 
 
 def kv_end(footprints: list[tuple[dict, int]]) -> dict:
@@ -197,10 +287,10 @@ def kv_end(footprints: list[tuple[dict, int]]) -> dict:
             "kv_bytes_stored": round(per("bytes_stored"))}
 
 
-def cells(samples: list[dict], by_depth: bool) -> list[dict]:
-    """Accuracy per (length, depth) cell (per length without depths), in the order first seen."""
+def cells(samples: list[dict], by_depth: bool, metric: str = "acc") -> list[dict]:
+    """The mean score per (length, depth) cell (per length without depths), in the order first seen."""
     groups: dict[tuple, list[float]] = {}
     for s in samples:
-        groups.setdefault((s["length"], s["depth"]) if by_depth else (s["length"],), []).append(s["acc"])
+        groups.setdefault((s["length"], s["depth"]) if by_depth else (s["length"],), []).append(s[metric])
     keys = ("length", "depth") if by_depth else ("length",)
-    return [{**dict(zip(keys, k)), "n": len(v), "acc": sum(v) / len(v)} for k, v in groups.items()]
+    return [{**dict(zip(keys, k)), "n": len(v), metric: sum(v) / len(v)} for k, v in groups.items()]

@@ -97,16 +97,39 @@ def splice(hay: str, at: int, needle: str) -> str:
     return " ".join(part for part in (hay[:at].strip(), needle, hay[at:].strip()) if part)
 
 
+MIN_HAYSTACK = 8  # tokens of book a prompt holds at least beside its fixed text
+
+
+def draw(length: int, depth: float, index: int, seed: int) -> tuple[str, str]:
+    """(key, 7-digit number) of the doc at (length, depth, sample index)."""
+    rng = random.Random(f"{seed}/{length}/{depth}/{index}")
+    return f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}", str(rng.randint(10**6, 10**7 - 1))
+
+
+def fixed_tokens(tok, key: str, value: str) -> int:
+    """Tokens of a prompt's text that is not haystack: the instruction, the needle, the newline, the question."""
+    parts = (INSTRUCTION, NEEDLE.format(key=key, value=value), "\n", QUESTION.format(key=key))
+    return sum(len(tok(t, add_special_tokens=False).input_ids) for t in parts)
+
+
+def shortest(tok, lengths, depths, samples: int, seed: int = 0) -> tuple[int, int] | None:
+    """(the first length too short for one of its docs, the least length that doc needs), or None when every
+    length holds each of its docs' fixed text and MIN_HAYSTACK tokens of book. Cheap: tokenizes the short parts."""
+    for n in lengths:
+        need = max(fixed_tokens(tok, *draw(int(n), float(d), i, seed)) for d in depths for i in range(int(samples)))
+        if n <= need + MIN_HAYSTACK:
+            return int(n), need + MIN_HAYSTACK + 1
+    return None
+
+
 def sample(tok, words: str, length: int, depth: float, index: int, seed: int) -> dict:
     """One doc: ``prompt``, ``question``, ``answer`` and what drew them (length, depth, measured depth, tokens)."""
-    rng = random.Random(f"{seed}/{length}/{depth}/{index}")
-    key = f"{rng.choice(ADJECTIVES)}-{rng.choice(NOUNS)}"
-    value = str(rng.randint(10**6, 10**7 - 1))
+    key, value = draw(length, depth, index, seed)
     needle, question = NEEDLE.format(key=key, value=value), QUESTION.format(key=key)
-    fixed = sum(len(tok(t, add_special_tokens=False).input_ids) for t in (INSTRUCTION, needle, "\n", question))
-    if length <= fixed + 8:
+    fixed = fixed_tokens(tok, key, value)
+    if length <= fixed + MIN_HAYSTACK:
         raise ValueError(f"length={length}: too short for a needle and its question ({fixed} tokens); "
-                         f"allowed: > {fixed + 8}")
+                         f"allowed: > {fixed + MIN_HAYSTACK}")
     start = random.Random(f"{seed}/{length}/{index}").randrange(max(1, len(words) - 10 * length))
     hay, offsets = haystack(tok, words, start, length - fixed)
     at, measured = insert_at(hay, offsets, depth)
