@@ -101,6 +101,7 @@ def records_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str]
     from analysis.protocol import annotate
     from analysis.records import load_runs
     from analysis.report import findings
+    from analysis.quant_tables import quant_tables
     from analysis.tables import experiment_tables, table_benchmark
 
     root = folder / spec.get("records", "records")
@@ -122,6 +123,7 @@ def records_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str]
                       "`≈` unresolved; H2O − other with its 95% interval, paired by question or window where both "
                       "records scored the same ones; perplexity: lower is better)", "", *found, ""]
         lines += [t.to_markdown() for t in experiment_tables(runs)]
+    lines += [t.to_markdown() for t in quant_tables(df)]  # quantized records: rows by quantizer and bits
     bench = table_benchmark(df)
     return lines + ([bench.to_markdown()] if bench else [])
 
