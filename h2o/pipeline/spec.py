@@ -152,6 +152,11 @@ def root_keys() -> dict:
     return {k: v for k, v in group_defaults(".", "config").items() if k not in ("defaults", "hydra")}
 
 
+# group keys an older record's config.yaml may lack: the class's default stands in (model.positions: read from
+# the model's config when null)
+OPTIONAL = {"model": ("positions",)}
+
+
 def check_keys(cfg: DictConfig) -> Settings:
     """The root settings; ConfigError for a root key conf/config.yaml does not have (``+seeds=3``), a root or
     group key that was removed (``~policy.budget``), or a root value of the wrong type or range."""
@@ -163,7 +168,8 @@ def check_keys(cfg: DictConfig) -> Settings:
         check(key in cfg, f"{key}: missing (removed?); it is required")
     for group in ("model", "task", "policy"):
         check(isinstance(cfg[group], DictConfig) and "name" in cfg[group], f"{group}: expected a config group")
-        missing = [k for k in group_defaults(group, str(cfg[group].name)) if k not in cfg[group]]
+        missing = [k for k in group_defaults(group, str(cfg[group].name))
+                   if k not in cfg[group] and k not in OPTIONAL.get(group, ())]
         check(not missing, f"{group}.{missing[0] if missing else ''}: missing (removed?); every key of "
                            f"conf/{group}/{cfg[group].name}.yaml is required")
     lock_mode(), stale_after()  # the lock settings a run reads when it claims its folder
