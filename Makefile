@@ -23,7 +23,7 @@ help: ## list the targets
 install: .venv/installed ## create .venv and install the package with its pinned stack
 
 test: install ## run the test suite (what CI runs); tests/test_slurm_real.py brings a one-node Slurm up and down itself (root)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 slurm-up: ## start the one-node Slurm of the tests (root; installs the Debian packages if missing); then export SLURM_CONF=/tmp/h2o-slurm/slurm.conf
 	bash tests/slurm/up.sh
@@ -74,6 +74,7 @@ prefetch: install ## download every model and data set of experiment EXP into th
 # Sizes: prompt,batch pairs. Measured 7 min 53 s - 8 min 31 s on 2 idle cores at these defaults (and 33 min with
 # BENCH_THREADS=1 beside four other jobs on 2 cores). On shared cores use BENCH_THREADS=1: two threads per process
 # then wait on each other at every small op (decoding measured 5-10x slower).
+TEST_WORKERS ?= 2  # make test: pytest-xdist processes, each test file on one (tests/slurm and the model cache are shared)
 BENCH_THREADS ?= 2
 BENCH_LONG ?= 4096,8
 BENCH_SHORT ?= 2048,1
