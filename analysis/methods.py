@@ -198,7 +198,7 @@ def page_body(df: pd.DataFrame, figures: Path, rel: str) -> list[str]:
         found = comparisons(metric, runs)
         if found:
             lines += [f"Each method against H2O (decode) at the same budget (`>` better, `<` worse at 95%, `≈` "
-                      f"unresolved; the difference with its 95% interval, paired by window or prompt):", "", *found, ""]
+                      "unresolved; the difference with its 95% interval, paired by window or prompt):", "", *found, ""]
         times = pd.to_numeric(runs.get("cpu_s"), errors="coerce")
         walls = pd.to_numeric(runs.get("wall_s"), errors="coerce")
         lines += [f"{len(runs)} records; CPU time {times.sum():,.0f} s in all (task only, model load excluded), wall "
