@@ -8,6 +8,8 @@ imported; the helpers below re-read the environment on every call, so a test (or
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import os
 from pathlib import Path
 from typing import Iterator
@@ -20,11 +22,17 @@ TASKS = REPO / "tasks" if _CHECKOUT else REPO / "h2o" / "lm_tasks"
 
 
 def group_defaults(group: str, name: str) -> dict:
-    """The group file's own values (``conf/<group>/<name>.yaml``), {} if there is no such file."""
+    """The group file's own values (``conf/<group>/<name>.yaml``), {} if there is no such file. Read once per
+    version of the file (a sweep asks for the same files once per job); the caller gets its own copy."""
+    path = CONF / group / f"{name}.yaml"
+    return copy.deepcopy(_read_group_file(str(path), path.stat().st_mtime_ns)) if path.exists() else {}
+
+
+@functools.lru_cache(maxsize=None)
+def _read_group_file(path: str, mtime_ns: int) -> dict:
     from omegaconf import OmegaConf
 
-    path = CONF / group / f"{name}.yaml"
-    return OmegaConf.to_container(OmegaConf.load(path), resolve=False) if path.exists() else {}
+    return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
 
 
 def cache_dir() -> Path:
