@@ -79,7 +79,9 @@ def test_gemma3_greedy_generation_is_deterministic_and_is_the_argmax(gemma):
 def test_full_through_the_harness_is_the_plain_model_beyond_the_window(gemma, length):
     """At 2 and 4 times the 512-token window: the simulated path and the real path's prefill give the plain model's
     last hidden states (measured: logits identical at 1,024), i.e. every sliding layer keeps its window under
-    ``full``. Hidden states, not logits: 2,048 x 262,144 fp32 logits are 2 GiB a copy."""
+    ``full``. Hidden states, not logits: 2,048 x 262,144 fp32 logits are 2 GiB a copy. The bound is relative to the
+    states' norm (~103): fp32 summation order gives up to 2.3e-4 at 2,048 tokens, whereas a plain model whose sliding
+    layers see everything is off by 64.6 (measured), five orders above the bound."""
     model, _, ids = gemma
     ids = ids[:, :length]
     with torch.no_grad():
@@ -90,7 +92,8 @@ def test_full_through_the_harness_is_the_plain_model_beyond_the_window(gemma, le
             real = model.model(ids, cache=h.new_cache()).last_hidden_state
     print(f"\n{length} tokens: max|sim - plain| {(sim - ref).abs().max():.1e}, max|real - plain| "
           f"{(real - ref).abs().max():.1e} (hidden states of norm ~{ref.norm(dim=-1).mean():.0f})")
-    assert torch.allclose(sim, ref, atol=1e-4) and torch.allclose(real, ref, atol=1e-4)
+    bound = 1e-5 * ref.norm(dim=-1).mean()  # ~1e-3
+    assert (sim - ref).abs().max() <= bound and (real - ref).abs().max() <= bound
 
 
 def test_generation_through_the_evicting_cache_is_plain_generate_beyond_the_window(gemma):
