@@ -9,7 +9,8 @@ fields of its record follow. Nothing is loaded: cheap enough to check every job 
 
 The check, in order: the root keys into :class:`Settings` (the group keys against their files); ``task_overrides.
 <task name>`` (a root key) merged into ``task``, so that one sweep over several tasks gives each its own sample
-count (experiment=default); each group (policy, task, model, quant) built once by Hydra's ``instantiate`` after
+count (experiment=default); the experiment's ``grid_only`` cells (a job outside them is refused: OutsideGrid); the
+keys added since older records at their old value left out (:data:`ADDED`); each group (policy, task, model, quant) built once by Hydra's ``instantiate`` after
 its options are checked against the class's dataclass fields (:func:`check_types`); the older spelling of the
 paper code's rule (:func:`reference_spelling`); the checks between the objects (the policy's reach on the model,
 the task on this model and policy); the folder, which must be writable and may hold a finished record of this
@@ -32,13 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from h2o.assets.locks import lock_mode, stale_after
 from h2o.assets.model_spec import ModelSpec
 from h2o.assets.paths import group_defaults
 from h2o.cli.paths import check_name, output_dir
 from h2o.core.policies import Policy, PolicyError
+from h2o.core.policies.budget import Unsupported
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
 from h2o.core.quant import Quantizer
 from h2o.core.validate import ConfigError, check, is_int, is_number
@@ -126,6 +128,7 @@ class Settings:
     threads: int | None
     fail_fast: bool
     task_overrides: dict  # {<task name>: {key: value}}
+    grid_only: list  # [{"when": {dotted key: value}, "only": {dotted key: value}}] (a sweep's sparse cells)
 
     @classmethod
     def of(cls, cfg: DictConfig) -> Settings:
@@ -143,8 +146,12 @@ class Settings:
         overrides = cfg.task_overrides
         check(overrides is None or isinstance(overrides, DictConfig),
               f"task_overrides={overrides!r}: expected {{<task name>: {{key: value}}}}")
+        rules = OmegaConf.to_container(cfg.grid_only, resolve=True) if isinstance(cfg.grid_only, ListConfig) else None
+        check(rules is not None and all(isinstance(r, dict) and set(r) == {"when", "only"} and
+                                        all(isinstance(r[k], dict) and r[k] for k in r) for r in rules),
+              f"grid_only={cfg.grid_only!r}: expected [{{when: {{<key>: <value>}}, only: {{<key>: <value>}}}}]")
         return cls(cfg.experiment_name, cfg.seed, cfg.semantics, runs_dir, threads, cfg.fail_fast,
-                   OmegaConf.to_container(overrides, resolve=True) if overrides is not None else {})
+                   OmegaConf.to_container(overrides, resolve=True) if overrides is not None else {}, rules)
 
 
 def root_keys() -> dict:
@@ -154,7 +161,39 @@ def root_keys() -> dict:
 
 # group keys an older record's config.yaml may lack: the class's default stands in (model.positions: read from
 # the model's config when null)
-OPTIONAL = {"model": ("positions",)}
+OPTIONAL = {"model": ("positions",), "task": ("question",)}
+# keys added after records were made, at the value every older record ran with: a config at that value leaves them
+# out of its record (config.yaml, folder, identity), so an older record is the same run; ``++task.question=prompt``
+# is every task's own behaviour, so a sweep may cross it with tasks that have no question
+ADDED = {"task": {"question": "prompt"}}
+
+
+class OutsideGrid(Unsupported):
+    """A sweep job outside its experiment's ``grid_only`` cells: listed as refused, not run."""
+
+
+def without_added_defaults(cfg: DictConfig) -> DictConfig:
+    """A copy of ``cfg`` without the :data:`ADDED` keys that hold their old value."""
+    drop = [(g, k) for g, keys in ADDED.items() for k, v in keys.items() if cfg[g].get(k, None) == v]
+    if not drop:
+        return cfg
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        for group, key in drop:
+            del cfg[group][key]
+    return cfg
+
+
+def check_grid(cfg: DictConfig, settings: Settings) -> None:
+    """OutsideGrid when ``cfg`` matches a ``grid_only`` rule's ``when`` and not all of its ``only``."""
+    for rule in settings.grid_only:
+        if all(OmegaConf.select(cfg, k) == v for k, v in rule["when"].items()):
+            off = {k: OmegaConf.select(cfg, k) for k, v in rule["only"].items() if OmegaConf.select(cfg, k) != v}
+            if off:
+                when = ", ".join(f"{k}={v}" for k, v in rule["when"].items())
+                raise OutsideGrid(f"{', '.join(f'{k}={v}' for k, v in off.items())}: outside experiment "
+                                  f"{cfg.experiment_name}'s grid, which runs {when} at "
+                                  f"{', '.join(f'{k}={v}' for k, v in rule['only'].items())} only (grid_only)")
 
 
 def check_keys(cfg: DictConfig) -> Settings:
@@ -232,6 +271,8 @@ def prepare(cfg: DictConfig) -> RunSpec:
         cfg = with_task_overrides(cfg, settings)
     except OmegaConfBaseException as exc:  # e.g. an interpolation to a removed key
         raise ConfigError(" ".join(str(exc).split()[:40])) from None
+    check_grid(cfg, settings)
+    cfg = without_added_defaults(cfg)
     built = build("policy", cfg.policy)
     built.check_unused(cfg.policy)
     cfg, policy = reference_spelling(cfg, built)

@@ -30,9 +30,13 @@ Every policy runs through the harness's attention function and cache, ``full`` i
 plain model): at 100% budget generations equal lm-eval's ``hf`` model token for token and log-likelihoods agree
 within float noise (tests/test_long_context.py).
 
-The prompt and the question: a generation request's ``doc`` may carry a ``question`` field whose text ends the
-request's context (h2o.tasks.niah does). :meth:`H2OLM.question_tokens` gives how many trailing prompt tokens are
-that question (0 when the doc has none): the newest queries a prefill-time compression scores from.
+The prompt and the question: a generation request's context may end with a question -- the doc's ``question``
+field (h2o.tasks.niah) or, in lm-eval's RULER tasks, the text from kvpress's question pattern on
+(h2o.tasks.question_after). :meth:`H2OLM.question_tokens` gives how many trailing prompt tokens are that question (0
+when none is known). ``question=prompt`` (default) compresses the whole context, the question's queries the newest;
+``question=after`` (kvpress's query-agnostic protocol) prefills the context less the question alone, the budget a
+ratio of it, then feeds the question and generates (``budgets`` then holds each row's context tokens); a request
+with no question to move is refused in one line.
 
 Padding fix: HFLM right-pads a log-likelihood batch with zeros and passes no attention mask, so a policy would
 take its budget of the padded length. ``_loglikelihood_tokens`` records every request's exact input, and
@@ -60,6 +64,8 @@ lm-eval 0.4.13 has no plugin hook for out-of-tree models (its registry is filled
 """
 from __future__ import annotations
 
+from types import MethodType
+
 import torch
 import torch.nn.functional as F
 from lm_eval.api.registry import register_model
@@ -71,6 +77,7 @@ from h2o.core.policies.h2o_reference import H2OReference, as_reference
 from h2o.core.quant import QuantError, Quantizer
 from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
+from h2o.tasks.question_after import QUESTIONS, context_then_question, prefill, question_of
 
 SEMANTICS = ("simulated", "reference")
 SCORING = ("sum", "mean")
@@ -154,8 +161,11 @@ def from_left_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
 @register_model("h2o")
 class H2OLM(HFLM):
     def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", semantics: str = "simulated",
-                 scoring: str = "sum", quant: str | Quantizer | None = "none", **kwargs):
-        """``policy`` and ``quant``: names with their options in ``kwargs`` (model_args), or built objects."""
+                 scoring: str = "sum", quant: str | Quantizer | None = "none", question: str = "prompt", **kwargs):
+        """``policy`` and ``quant``: names with their options in ``kwargs`` (model_args), or built objects;
+        ``question``: prompt | after (see the module docstring)."""
+        if question not in QUESTIONS:
+            raise PolicyError(f"question={question!r}: allowed: {', '.join(QUESTIONS)}")
         policy = lm_policy(policy, kwargs, semantics)
         quant_args = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)}
         if isinstance(quant, str):
@@ -180,7 +190,9 @@ class H2OLM(HFLM):
         self.sizings: list[Sizing] = []  # batch sizes chosen for batch_size=auto (h2o.tasks.batching)
         self.budgets: list[tuple[int, int]] = []  # per generated row: (prompt tokens, cache budget in tokens)
         self.footprints: list[tuple[dict, int]] = []  # per generate call: the cache at its end, the rows
-        self.questions: dict[str, str] = {}  # generation context -> the question that ends it (doc["question"])
+        self.questions: dict[str, str] = {}  # generation context -> the question that ends it (question_of)
+        self.question = question  # prompt | after: the question inside the compressed prompt or after it
+        self._batch: list[str] = []  # the contexts of the batch being generated (tok_batch_encode's strings)
         self.truncate = "left"  # a prompt over max_length - max_gen_toks: lm-eval's left cut, or "middle" (LongBench)
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
@@ -302,15 +314,20 @@ class H2OLM(HFLM):
 
     # ---------------------------------------------------------------------- generation (real cache)
     def generate_until(self, requests, disable_tqdm: bool = False):
-        for req in requests:  # the question that ends each context, where the task's doc names one
-            question = (getattr(req, "doc", None) or {}).get("question")
-            if isinstance(question, str) and question and req.args[0].endswith(question):
+        for req in requests:  # the question that ends each context, where the task's doc or RULER names one
+            question = question_of(req.args[0], getattr(req, "doc", None), getattr(req, "task_name", None))
+            if question:
                 self.questions[req.args[0]] = question
+            elif self.question == "after":
+                raise PolicyError(f"question=after: task {getattr(req, 'task_name', None)}'s request "
+                                  f"{getattr(req, 'doc_id', None)} has no question to put after the compressed "
+                                  f"context; allowed: niah and lm-eval's RULER tasks, or question=prompt")
         return super().generate_until(requests, disable_tqdm)
 
     def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):
         """HFLM's; with ``truncate="middle"`` a prompt longer than ``left_truncate_len`` keeps its first and last
         halves instead of its end (LongBench's rule: the question sits at both ends of its prompts)."""
+        self._batch = list(strings)
         if self.truncate != "middle" or not left_truncate_len:
             return super().tok_batch_encode(strings, padding_side, left_truncate_len, truncation)
         ids, mask = super().tok_batch_encode(strings, padding_side)  # (B, T) each, left-padded, uncut
@@ -336,12 +353,33 @@ class H2OLM(HFLM):
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         """context (B, T) left-padded (attention_mask in generation_kwargs) -> (B, T + new) token ids, through the
         evicting cache (every policy, full included)."""
-        with attach(self.model, self.policy, mode="real", quant=self.quant) as h:
-            cache = h.new_cache()
-            out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
         mask = generation_kwargs.get("attention_mask")
         prompt = (mask.sum(-1) if mask is not None else torch.full((context.shape[0],), context.shape[1])).tolist()
+        with attach(self.model, self.policy, mode="real", quant=self.quant) as h:
+            cache = h.new_cache()
+            if self.question == "after":
+                asked = [min(self.question_tokens(s), n - 1) for s, n in zip(self._batch, prompt)]
+                out = self.generate_after(context, max_length, stop, cache, asked, generation_kwargs)
+                prompt = [n - q for n, q in zip(prompt, asked)]  # the compressed prompt: the context alone
+            else:
+                out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
         held = prompt if self.policy.is_full else cache.layers[0].host_total  # a full policy never evicts
         self.budgets.extend(zip(prompt, held))
         self.footprints.append((cache.footprint(), context.shape[0]))
         return out
+
+    def generate_after(self, context, max_length, stop, cache, asked: list[int], kwargs: dict) -> torch.Tensor:
+        """``question=after``: context (B, T) left-padded, the last ``asked`` tokens of each row its question ->
+        (B, T + new) as lm-eval expects. The contexts less their questions are prefilled into ``cache`` (its
+        policy's cut at their end), then generate feeds the questions (one chunk) and the answer."""
+        ids, mask, split = context_then_question(context, kwargs.pop("attention_mask"), asked)  # (B, C + Q)
+        prefill(self.model, ids[:, :split], mask[:, :split], cache)
+        # attach's guard refuses a cache that already holds tokens (a sequence continued by mistake); this one
+        # holds the compressed context on purpose, so generate is the model class's own for this call
+        guarded, self.model.generate = self.model.generate, MethodType(type(self.model).generate, self.model)
+        try:
+            out = super()._model_generate(ids, max_length + ids.shape[1] - context.shape[1], stop, cache=cache,
+                                          attention_mask=mask, **kwargs)  # (B, C + Q + new)
+        finally:
+            self.model.generate = guarded
+        return torch.cat([context, out[:, ids.shape[1]:]], 1)

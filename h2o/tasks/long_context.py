@@ -9,14 +9,17 @@ conf/task/ruler_*.yaml).
 
 The model is h2o.tasks.lm_eval_model.H2OLM around the loaded model: each left-padded batch of prompts is
 prefilled with full attention, then the cache keeps the policy's budget (a ratio of each prompt) while decoding
-(the paper's protocol); the tokens kept per prompt are recorded (``kept_ratio``). Greedy, no chat template, no BOS
+(the paper's protocol); the tokens kept per prompt are recorded (``kept_ratio``). ``question``: ``prompt`` (the
+question ends the compressed prompt) or ``after`` (kvpress's query-agnostic protocol: the context less the question
+is the prompt, compressed alone, then the question is fed: h2o.tasks.question_after; niah and RULER; the record's
+``kept_ratio`` and ``mean_prompt_tokens`` are then of the context alone). Greedy, no chat template, no BOS
 (``add_bos_token``, as multiple choice). Per-request results go to lm-eval's request cache inside the run
 (h2o.tasks.progress.lm_eval_cache): an interrupted run resumes where it stopped.
 
 Metrics: ``acc`` (the mean per-sample score: exact match of the number for niah, lm-eval's ``string_match`` for
-RULER) with ``acc_stderr``; ``info.cells``: accuracy per (length, depth) for niah, per length for RULER. Samples:
-doc id, length (and depth, measured needle depth, prompt tokens, question tokens for niah), target, generation,
-``acc``.
+RULER) with ``acc_stderr``; ``info.cells``: accuracy per (length, depth) for niah, per length for RULER;
+``info.question``. Samples: doc id, length (and depth, measured needle depth, prompt tokens, question tokens for
+niah; question tokens for RULER with ``question=after``), target, generation, ``acc``.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from functools import lru_cache
 
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, clamped, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
+from h2o.tasks.question_after import QUESTIONS, ruler_pattern
 
 NIAH = "niah"
 TEXTS = ("austen", "moby_dick")
@@ -56,6 +60,7 @@ class LongContextTask(TaskSpec):
     batch_size: BatchSize = 1
     add_bos_token: bool | None = False
     clip_to_model: bool = False  # true: lengths beyond the model's positions are dropped (the record has those run)
+    question: str = "prompt"  # prompt | after: the question inside the compressed prompt or after it (niah, RULER)
 
     kind = "retrieval"
     semantics = ("real",)
@@ -84,6 +89,11 @@ class LongContextTask(TaskSpec):
             check(self.lm_eval_task in yaml_task_names(self.lm_eval_folder()),
                   f"task.lm_eval_task={self.lm_eval_task!r}: allowed: niah, lm-eval's RULER tasks ({ruler}) and its "
                   f"longbench_* tasks")
+        check(self.question in QUESTIONS, f"task.question={self.question!r}: allowed: {', '.join(QUESTIONS)}")
+        splits = self.is_niah or (self.family == "ruler" and ruler_pattern(self.lm_eval_task) is not None)
+        check(self.question == "prompt" or splits,
+              f"task.question={self.question}: task {self.lm_eval_task}'s prompts hold no question to split off; "
+              f"allowed: question=prompt (question=after: niah and lm-eval's RULER tasks)")
         check(self.family != "longbench" or len(self.lengths) == 1,
               f"task.lengths={self.lengths}: a LongBench run takes one length (its prompts' cut); allowed: [<n>]")
 
@@ -182,6 +192,13 @@ class LongContextTask(TaskSpec):
     def add_bos(self, tokenizer) -> bool:
         return adds_bos(tokenizer, self.add_bos_token)
 
+    def protocol(self, tokenizer) -> dict:
+        """TaskSpec's; ``question`` only where it is not the default (the protocol of every older record)."""
+        out = super().protocol(tokenizer)
+        if self.question == "prompt":
+            del out["question"]
+        return out
+
     def metadata(self, tokenizer) -> dict:
         """What lm-eval hands the task's dataset function (TaskManager(metadata=...))."""
         path = getattr(tokenizer, "name_or_path", None)
@@ -215,7 +232,7 @@ class LongContextTask(TaskSpec):
         elif self.family == "longbench":  # prompts over the length less the generated tokens keep both ends
             haystack, cut = {"truncation": "middle", "max_length": self.lengths[0]}, {"max_length": self.lengths[0]}
         lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, quant=quant, batch_size=self.batch_size,
-                   add_bos_token=self.add_bos_token, **cut)
+                   add_bos_token=self.add_bos_token, question=self.question, **cut)
         lm.truncate = "middle" if cut else "left"
         tm = TaskManager(include_path=str(self.lm_eval_folder()), include_defaults=False,
                          metadata=self.metadata(tokenizer))
@@ -229,6 +246,7 @@ class LongContextTask(TaskSpec):
         metrics = {self.metric: sum(scores) / len(scores), f"{self.metric}_stderr": stderr(scores)}
         prompt, held = (sum(x) for x in zip(*lm.budgets)) if lm.budgets else (0, 0)
         info = {"cells": cells(samples, self.is_niah, self.metric), "lm_eval_task": self.lm_eval_task, **haystack,
+                "question": self.question,
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
                 "clamped_requests": clamped(policy, [n for n, _ in lm.budgets]),  # a ratio of each prompt
@@ -249,8 +267,9 @@ class LongContextTask(TaskSpec):
             return {"doc_id": s["doc_id"], "length": self.lengths[0], "target": doc.get("answers"),
                     "generation": generation, "score": float(s["score"])}
         length = int(doc["max_length"])
-        return {"doc_id": s["doc_id"], "length": length, "target": doc["outputs"], "generation": generation,
-                "acc": float(s[str(length)])}
+        asked = {"question_tokens": lm.question_tokens(s["arguments"][0][0])} if self.question == "after" else {}
+        return {"doc_id": s["doc_id"], "length": length, "target": doc["outputs"], **asked,
+                "generation": generation, "acc": float(s[str(length)])}
 
 
 def local_tokenizer(model):

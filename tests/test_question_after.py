@@ -1,0 +1,136 @@
+"""The question inside or after the compressed prompt (``task.question``, ``--model_args question=``): with
+``after`` the context alone is compressed, then the question is fed (kvpress's query-agnostic protocol), held
+against a naive reference written by hand through the API, on the tiny random Llama (one token per byte)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+
+from h2o import attach, make_policy
+from h2o.core.attach import Attached
+from h2o.core.validate import BadInput
+from h2o.tasks.lm_eval_model import H2OLM
+
+HAY = ["The grass is green and the sky is blue. The code for the red door is 4821. Rain fell on the hills all day "
+       "long, and the river ran high under the old stone bridge.\n",
+       "Once there was a mill by a quiet stream. The code for the blue gate is 90317. The miller kept bees, and every "
+       "summer the garden hummed from dawn until the light was gone.\n"]
+QUESTIONS = ["What is the code for the red door? The code is", "What is the code for the blue gate? The code is"]
+GEN = {"until": ["\n\n"], "max_gen_toks": 10, "do_sample": False}
+POLICIES = [("snapkv", {"window": 8}), ("h2o", {"compress": "decode"}), ("h2o", {"compress": "prefill"})]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from h2o.assets.model_spec import ModelSpec
+
+    return ModelSpec("tiny-llama", "tiny:llama").load()
+
+
+def requests(docs=None):
+    docs = docs or [{"question": q} for q in QUESTIONS]
+    return [Instance("generate_until", doc, (h + q, dict(GEN)), i, ("niah", i, 1))
+            for i, (h, q, doc) in enumerate(zip(HAY, QUESTIONS, docs))]
+
+
+def generate(model, tok, question, name, options, budget=0.3, caches=None, monkeypatch=None):
+    """lm-eval's generation through ``--model h2o`` (one left-padded batch of both prompts); ``caches`` receives
+    each evicting cache made."""
+    if caches is not None:
+        made = Attached.new_cache
+        monkeypatch.setattr(Attached, "new_cache", lambda self, *a: caches.append(made(self, *a)) or caches[-1])
+    lm = H2OLM(pretrained=model, tokenizer=tok, policy=name, budget=budget, batch_size=2, question=question,
+               **options)
+    return lm, lm.generate_until(requests())
+
+
+def naive(model, tok, policy, *parts: str) -> str:
+    """By hand: the first part through a fresh evicting cache (the policy cuts it at its end), then the next part
+    (the question) in one forward, then greedy steps; cut at lm-eval's stop sequence."""
+    out = []
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        cache = h.new_cache()
+        for part in parts:
+            logits = model(torch.tensor([tok.encode(part, add_special_tokens=False)]), cache=cache).logits[0, -1]
+        for _ in range(GEN["max_gen_toks"]):
+            out.append(int(logits.argmax()))
+            if out[-1] == tok.eos_token_id:
+                break
+            logits = model(torch.tensor([[out[-1]]]), cache=cache).logits[0, -1]
+    return tok.decode(out, skip_special_tokens=True).split(GEN["until"][0])[0]
+
+
+@pytest.mark.parametrize("name, options", POLICIES[:1] + POLICIES[2:])
+def test_after_prefill_holds_the_question_whole_and_the_budget_of_the_context(tiny, monkeypatch, name, options):
+    model, tok = tiny
+    caches = []
+    lm, _ = generate(model, tok, "after", name, options, caches=caches, monkeypatch=monkeypatch)
+    policy = lm.policy
+    (cache,) = caches
+    ctx = [len(h) for h in HAY]  # one token per byte
+    budget = [int(policy.counts(torch.tensor([n])).total) for n in ctx]
+    assert sorted(lm.budgets) == sorted(zip(ctx, budget)) and all(0 < k < 0.31 * n for k, n in zip(budget, ctx))
+    assert [lm.question_tokens(h + q) for h, q in zip(HAY, QUESTIONS)] == [len(q) for q in QUESTIONS]
+    order = sorted(range(2), key=lambda i: -len(HAY[i] + QUESTIONS[i]))  # lm-eval's batch: longest first
+    for layer in cache.layers:
+        for b, i in enumerate(order):
+            pos = layer.pos[b]  # (Hkv, S) positions held (-1: empty or pad)
+            for head in pos:
+                held = set(head[head >= 0].tolist())
+                assert len({p for p in held if p < ctx[i]}) == budget[i]  # the context: its own budget
+                after = {p for p in held if p >= ctx[i]}  # the question and the answer: never evicted
+                assert after == set(range(ctx[i], max(held) + 1)) and len(after) >= len(QUESTIONS[i])
+
+
+@pytest.mark.parametrize("name, options", POLICIES + [("full", {})])
+def test_a_full_budget_gives_the_same_generations_either_way(tiny, name, options):
+    model, tok = tiny
+    inside = generate(model, tok, "prompt", name, options, budget=1.0)[1]
+    after = generate(model, tok, "after", name, options, budget=1.0)[1]
+    assert inside == after and all(inside)
+
+
+@pytest.mark.parametrize("name, options", POLICIES)
+def test_after_equals_the_naive_reference_token_for_token(tiny, name, options):
+    model, tok = tiny
+    lm, gens = generate(model, tok, "after", name, options)
+    ref = [naive(model, tok, lm.policy, h, q) for h, q in zip(HAY, QUESTIONS)]
+    assert [tok.encode(g) for g in gens] == [tok.encode(r) for r in ref]
+    inside = [naive(model, tok, lm.policy, h + q) for h, q in zip(HAY, QUESTIONS)]  # the whole prompt cut once
+    assert generate(model, tok, "prompt", name, options)[1] == inside  # question=prompt: today's path
+    assert gens != inside  # where the question sits changes what is held, and here what is generated
+
+
+def test_ruler_questions_split_as_kvpress_splits_them():
+    """lm-eval's own RULER templates: the question starts at kvpress's pattern (its last match) and runs to the
+    end of the request, lm-eval's gen_prefix included."""
+    from lm_eval.tasks.ruler import niah_utils, qa_utils
+
+    from h2o.tasks.question_after import question_of
+
+    niah = niah_utils.TEMPLATE.format(type_needle_v="numbers", context="What is the special magic hay.",
+                                      query="long-bridge") + " The special magic number for long-bridge is"
+    q = question_of(niah, {"input": niah}, "niah_single_2")
+    assert q.startswith("What are all the special magic numbers for long-bridge") and niah.endswith(q)
+    qa = qa_utils.TEMPLATE.format(context="Document 1: ...", query="Who wrote it?") + " Answer:"
+    assert question_of(qa, {}, "ruler_qa_squad").startswith("Answer the question based on the given documents.")
+    assert question_of(qa, {}, "ruler_qa_squad").endswith("Question: Who wrote it? Answer:")
+    assert question_of("no question here", {}, "longbench_narrativeqa") is None
+
+
+def test_bad_values_are_refused_in_one_line(tiny):
+    from h2o.tasks.long_context import LongContextTask
+
+    with pytest.raises(BadInput, match=r"^task.question='later': allowed: prompt, after$"):
+        LongContextTask("niah", question="later")
+    with pytest.raises(BadInput, match="task longbench_narrativeqa's prompts hold no question to split off; "
+                                       "allowed: question=prompt"):
+        LongContextTask("lb", "longbench_narrativeqa", lengths=[8192], question="after")
+    assert LongContextTask("r", "ruler_vt", question="after").question == "after"  # RULER: split by kvpress's rule
+    model, tok = tiny
+    with pytest.raises(BadInput, match=r"^question='later': allowed: prompt, after$"):
+        H2OLM(pretrained=model, tokenizer=tok, question="later")
+    lm = H2OLM(pretrained=model, tokenizer=tok, question="after", batch_size=2)
+    with pytest.raises(BadInput, match="request 0 has no question to put after the compressed context"):
+        lm.generate_until(requests([{}, {}]))
