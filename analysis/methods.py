@@ -1,7 +1,9 @@
 """The methods experiments (experiment=methods, methods_cluster): every eviction method at both compression
 timings, from run records.
 
-A record's *timing* is its policy's ``compress`` (``decode``, the default, or ``prefill``). Per experiment x model x
+A record's *timing* is its policy's ``compress`` (``decode``, the default, or ``prefill``), labelled ``<compress>,
+question after`` for a task run with ``task.question=after`` (the context compressed alone, then the question: the
+query-agnostic protocol; a column and a line of its own). Per experiment x model x
 task, with the task kind's metric (perplexity: ``ppl``, lower is better; retrieval: ``acc``; multiple choice:
 ``acc_mean``), one record per method x budget x timing (:data:`analysis.protocol.RULE` among records of that timing):
 
@@ -33,6 +35,10 @@ from analysis.tables import label, metric_for, num, pick_text
 
 EXPERIMENTS = ("methods", "methods_cluster")
 TIMINGS = ("decode", "prefill")
+AFTER = ", question after"  # the label's suffix for task.question=after
+LABELS = (*TIMINGS, *(t + AFTER for t in TIMINGS))  # every timing label, the table's column order
+STYLES = {"decode": ("-", "o", 0.985), "prefill": ("--", "s", 1.015), "decode" + AFTER: ((0, (1, 1)), "v", 0.955),
+          "prefill" + AFTER: ("-.", "^", 1.045)}  # line, marker, dodge along the budget axis
 ORDER = ["full", "local", "streaming_llm", "h2o", "tova", "scissorhands", "random", "snapkv", "pyramidkv",
          "adakv", "knorm", "keydiff", "expected_attention"]
 LOWER_IS_BETTER = ("ppl",)
@@ -40,12 +46,19 @@ MIB = 2 ** 20
 
 
 def timing_of(row) -> str:
-    """The record's compression timing (describe() names it only when it is not the default, decode)."""
+    """The record's compression timing (describe() names it only when it is not the default, decode), with
+    :data:`AFTER` where the question came after the compressed context (its protocol names it only then)."""
+    after = any(row.get(k) == "after" for k in ("protocol.question", "question"))
     for key in ("compress", "policy_options.compress"):
         v = row.get(key)
         if isinstance(v, str) and v in TIMINGS:
-            return v
-    return "decode"
+            return v + AFTER if after else v
+    return "decode" + AFTER if after else "decode"
+
+
+def labels(chosen: dict) -> list[str]:
+    """The timing labels of a table: both timings, then the question-after ones its records have."""
+    return [t for t in LABELS if t in TIMINGS or any(k[2] == t for k in chosen)]
 
 
 def methods_runs(df: pd.DataFrame) -> pd.DataFrame:
@@ -90,14 +103,15 @@ def table(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame) -> T
     chosen = picks(runs, metric)
     budgets = sorted({b for (p, b, _) in chosen if p != "full"})
     digits = 2 if metric == "ppl" else 3
-    header = ["method"] + [f"{b:.0%} {t}" for b in budgets for t in TIMINGS]
+    timings = labels(chosen)
+    header = ["method"] + [f"{b:.0%} {t}" for b in budgets for t in timings]
     rows = []
     for policy in method_order({p for p, _, _ in chosen}):
         if policy == "full":
             pick = chosen.get(("full", 1.0, "decode"))
-            rows.append([label(policy)] + [cell(pick, digits)] * len(budgets) * len(TIMINGS))
+            rows.append([label(policy)] + [cell(pick, digits)] * len(budgets) * len(timings))
             continue
-        rows.append([label(policy)] + [cell(chosen.get((policy, b, t)), digits) for b in budgets for t in TIMINGS])
+        rows.append([label(policy)] + [cell(chosen.get((policy, b, t)), digits) for b in budgets for t in timings])
     caption = [f"{metric} [95% interval] · KV MiB held per sequence at the end; — not run or refused (decode for "
                f"methods defined at a prompt's end only, prefill on a task without a prompt); full: 100% of the cache"]
     return Table(f"{exp}_{task}_methods", f"{exp}: {metric} of every method by budget and timing ({model}, {task})",
@@ -120,14 +134,36 @@ def comparisons(metric: str, runs: pd.DataFrame) -> list[str]:
         base = chosen.get(("h2o", budget, "decode"))
         if policy == "full" or base is None or (policy, timing) == ("h2o", "decode"):
             continue
-        diff = paired_difference(pick.row, base.row, metric)
-        paired = diff is not None
-        diff = diff if paired else difference(pick.est, base.est)
-        lo, hi = diff.value - Z95 * diff.se, diff.value + Z95 * diff.se
-        sign = "≈" if math.isnan(diff.se) or lo <= 0 <= hi else (">" if (hi < 0) == lower else "<")
-        lines.append(f"- {budget:.0%}: {label(policy)} ({timing}) {sign} H2O (decode): {metric} "
-                     f"{num(pick.est.value, 3)} vs {num(base.est.value, 3)}, difference {diff.value:+.3f} "
-                     f"[{lo:+.3f}, {hi:+.3f}]{' paired' if paired else ''}")
+        sign, detail = versus(pick, base, metric, lower)
+        lines.append(f"- {budget:.0%}: {label(policy)} ({timing}) {sign} H2O (decode): {detail}")
+    return lines
+
+
+def versus(pick, base, metric: str, lower: bool) -> tuple[str, str]:
+    """(sign, ``<metric> a vs b, difference d [lo, hi] paired``) of ``pick`` against ``base``: ``>`` better, ``<``
+    worse at 95%, ``≈`` unresolved; paired by window or prompt where both records scored the same ones
+    (:func:`analysis.estimate.paired_difference`)."""
+    diff = paired_difference(pick.row, base.row, metric)
+    paired = diff is not None
+    diff = diff if paired else difference(pick.est, base.est)
+    lo, hi = diff.value - Z95 * diff.se, diff.value + Z95 * diff.se
+    sign = "≈" if math.isnan(diff.se) or lo <= 0 <= hi else (">" if (hi < 0) == lower else "<")
+    return sign, (f"{metric} {num(pick.est.value, 3)} vs {num(base.est.value, 3)}, difference {diff.value:+.3f} "
+                  f"[{lo:+.3f}, {hi:+.3f}]{' paired' if paired else ''}")
+
+
+def question_comparisons(metric: str, runs: pd.DataFrame) -> list[str]:
+    """One line per method x budget x timing run both ways: the question after the compressed context against
+    the question inside it (same method, budget and timing)."""
+    chosen = picks(runs, metric)
+    rank = {p: i for i, p in enumerate(method_order({p for p, _, _ in chosen}))}
+    lines = []
+    for (policy, budget, timing), pick in sorted(chosen.items(), key=lambda kv: (kv[0][1], rank[kv[0][0]], kv[0][2])):
+        base = chosen.get((policy, budget, timing[:-len(AFTER)])) if timing.endswith(AFTER) else None
+        if base is not None:
+            sign, detail = versus(pick, base, metric, metric in LOWER_IS_BETTER)
+            lines.append(f"- {budget:.0%}: {label(policy)} ({timing}) {sign} the question inside the prompt "
+                         f"({base.row.get('timing', timing[:-len(AFTER)])}): {detail}")
     return lines
 
 
@@ -145,7 +181,8 @@ def figure(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame, out
         for policy in policies:
             i = ORDER.index(policy) - 1 if policy in ORDER else 19  # tab20's strong shades first, then the light
             colour = palette((2 * i) % 20 + (2 * i) // 20 % 2)
-            for timing, style, marker, dodge in zip(TIMINGS, ("-", "--"), ("o", "s"), (0.985, 1.015)):
+            for timing in labels(chosen):
+                style, marker, dodge = STYLES[timing]
                 pts = sorted((b, p) for (q, b, t), p in chosen.items() if q == policy and t == timing)
                 if not pts:
                     continue
@@ -172,7 +209,8 @@ def figure(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame, out
         if metric == "ppl":
             ax.set_yscale("log")
     axes[1].legend(fontsize=6, ncol=2, loc="best")
-    fig.suptitle(f"{model} / {task} ({exp}): solid decode, dashed prefill; full: dotted (its KV: the star)")
+    after = "; dash-dot prefill, question after" if any(k[2].endswith(AFTER) for k in chosen) else ""
+    fig.suptitle(f"{model} / {task} ({exp}): solid decode, dashed prefill{after}; full: dotted (its KV: the star)")
     return save(fig, out, f"{exp}_{task}_methods")
 
 
@@ -199,6 +237,10 @@ def page_body(df: pd.DataFrame, figures: Path, rel: str) -> list[str]:
         if found:
             lines += [f"Each method against H2O (decode) at the same budget (`>` better, `<` worse at 95%, `≈` "
                       "unresolved; the difference with its 95% interval, paired by window or prompt):", "", *found, ""]
+        moved = question_comparisons(metric, runs)
+        if moved:
+            lines += ["The question after the compressed context (`task.question=after`: the context compressed "
+                      "alone, then the question) against inside it, same method, budget and timing:", "", *moved, ""]
         times = pd.to_numeric(runs.get("cpu_s"), errors="coerce")
         walls = pd.to_numeric(runs.get("wall_s"), errors="coerce")
         lines += [f"{len(runs)} records; CPU time {times.sum():,.0f} s in all (task only, model load excluded), wall "
