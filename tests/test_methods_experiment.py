@@ -47,26 +47,35 @@ def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
     params = OmegaConf.load(CONF / "experiment" / "methods.yaml").hydra.sweeper.params
     assert (params["policy.budget"], params["++policy.compress"]) == ("0.1,0.2,0.5", "decode,prefill")
     assert set(params.policy.split(",")) == DECODING | PREFILL_ONLY | {"full"}
-    jobs = Counter((p.task.name, p.policy.name, timing(p)) for p in grid.plans)
+    after = [p for p in grid.plans if getattr(p.task, "question", "prompt") == "after"]
+    jobs = Counter((p.task.name, p.policy.name, timing(p)) for p in grid.plans if p not in after)
     assert set(jobs.values()) == {1}
+    # the question after the compressed context: the needle at 20% with compress=prefill, each method that has it
+    assert sorted((p.task.name, p.policy.name, timing(p)) for p in after) == sorted(
+        ("niah", n, "prefill") for n in DECODING | PREFILL_ONLY)
+    assert all(p.path.name.endswith(",question=after") for p in after)
     for task in ("austen_ctx", "niah"):  # a prompt: both timings where the method has them
         assert {(n, c) for t, n, c in jobs if t == task} == (
             {(n, c) for n in DECODING for c in ("decode", "prefill")} | {(n, "prefill") for n in PREFILL_ONLY}
             | {("full", "decode")})
     assert {(n, c) for t, n, c in jobs if t == "austen_ppl"} == {(n, "decode") for n in DECODING | {"full"}}
-    assert len(grid.plans) == len({p.path for p in grid.plans}) == 45  # x3 budgets: 129 runs (full's one folder)
-    refused = Counter()
-    for job, _ in grid.refused:
+    assert len(grid.plans) == len({p.path for p in grid.plans}) == 45 + 12  # x3 budgets: 129 + 12 (full's one folder)
+    refused, outside = Counter(), Counter()
+    for job, why in grid.refused:
         given = dict(o.lstrip("+").split("=", 1) for o in job)
+        if given["task.question"] == "after":  # every cell of the question-after axis but the 12 run
+            assert "outside the grid of experiment_name=methods" in why
+            outside[given["task"], given["policy"], given["policy.compress"]] += 1
+            continue
         refused[given["task"], given["policy"], given["policy.compress"]] += 1
-    assert set(refused.values()) == {1}
+    assert set(refused.values()) == set(outside.values()) == {1} and len(outside) == 3 * 13 * 2 - 12
     assert set(refused) == {(t, n, "decode") for t in ("austen_ctx", "niah", "austen_ppl") for n in PREFILL_ONLY} | {
         ("austen_ctx", "full", "prefill"), ("niah", "full", "prefill")} | {
         ("austen_ppl", n, "prefill") for n in DECODING | PREFILL_ONLY | {"full"}}
     ctx = next(p for p in grid.plans if p.task.name == "austen_ctx")
     assert (ctx.task.window, ctx.task.context, ctx.task.n_windows, ctx.model.name) == (1152, 1024, 8, "smollm2-135m")
     text = describe(grid)
-    assert text.count("   - refused ") == 33 and text.endswith("; 33 refused (not run)")
+    assert text.count("   - refused ") == 99 and text.endswith("; 99 refused (not run)")
     assert "compress=decode: snapkv is defined at the end of a prompt only" in text
     assert "compress=prefill: task austen_ppl scores sliding windows with no prompt" in text
 

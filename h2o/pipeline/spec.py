@@ -10,12 +10,12 @@ fields of its record follow. Nothing is loaded: cheap enough to check every job 
 The check, in order: the root keys into :class:`Settings` (the group keys against their files); ``task_overrides.
 <task name>`` (a root key) merged into ``task``, so that one sweep over several tasks gives each its own sample
 count (experiment=default); the experiment's ``grid_only`` cells (a job outside them is refused: OutsideGrid); the
-keys added since older records at their old value left out (:data:`ADDED`); each group (policy, task, model,
-quant) built once by Hydra's ``instantiate`` after its options are checked against the class's dataclass fields
+keys added since older records at their old value left out (:data:`ADDED`); each group (policy, task, model, quant)
+built once by Hydra's ``instantiate`` after its options are checked against the class's dataclass fields
 (:func:`check_types`); the older spelling of the paper code's rule (:func:`reference_spelling`); the checks between
-the objects (the policy's reach on the model, the task on this model and policy); the folder, which must be
-writable and may hold a finished record of this identity only. The spec is then read, never rebuilt: by the runner (h2o.pipeline.run), the job classifier
-(h2o.pipeline.jobs) and the Slurm launcher (h2o.pipeline.launch).
+the objects (the policy's reach on the model, the task on this model and policy); the folder, which must be writable
+and may hold a finished record of this identity only. The spec is then read, never rebuilt: by the runner
+(h2o.pipeline.run), the job classifier (h2o.pipeline.jobs) and the Slurm launcher (h2o.pipeline.launch).
 
 Where Hydra does not serve: no structured-config schema is registered for the groups. Their classes (ModelSpec,
 the TaskSpec dataclasses, the policies) are the schema, and a ConfigStore copy of their fields would fill a key
@@ -191,8 +191,8 @@ def check_grid(cfg: DictConfig, settings: Settings) -> None:
             off = {k: OmegaConf.select(cfg, k) for k, v in rule["only"].items() if OmegaConf.select(cfg, k) != v}
             if off:
                 when = ", ".join(f"{k}={v}" for k, v in rule["when"].items())
-                raise OutsideGrid(f"{', '.join(f'{k}={v}' for k, v in off.items())}: outside experiment "
-                                  f"{cfg.experiment_name}'s grid, which runs {when} at "
+                raise OutsideGrid(f"{', '.join(f'{k}={v}' for k, v in off.items())}: outside the grid of "
+                                  f"experiment_name={cfg.experiment_name}, which runs {when} at "
                                   f"{', '.join(f'{k}={v}' for k, v in rule['only'].items())} only (grid_only)")
 
 
