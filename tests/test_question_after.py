@@ -102,18 +102,32 @@ def test_after_equals_the_naive_reference_token_for_token(tiny, name, options):
     assert gens != inside  # where the question sits changes what is held, and here what is generated
 
 
+def ruler_templates() -> dict[str, str]:
+    """lm-eval's own RULER prompt templates, read from its source (importing those modules costs ~15 s)."""
+    import ast
+
+    from h2o.tasks.long_context import ruler_folder
+
+    out = {}
+    for name in ("niah_utils", "qa_utils"):
+        for node in ast.parse((ruler_folder() / f"{name}.py").read_text()).body:
+            if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) in ("TEMPLATE", "CONFIG"):
+                value = ast.literal_eval(node.value) if not isinstance(node.value, ast.Subscript) else None
+                out.setdefault(name, value["template"] if isinstance(value, dict) else value)
+    return out
+
+
 def test_ruler_questions_split_as_kvpress_splits_them():
     """lm-eval's own RULER templates: the question starts at kvpress's pattern (its last match) and runs to the
     end of the request, lm-eval's gen_prefix included."""
-    from lm_eval.tasks.ruler import niah_utils, qa_utils
-
     from h2o.tasks.question_after import question_of
 
-    niah = niah_utils.TEMPLATE.format(type_needle_v="numbers", context="What is the special magic hay.",
-                                      query="long-bridge") + " The special magic number for long-bridge is"
+    templates = ruler_templates()
+    niah = templates["niah_utils"].format(type_needle_v="numbers", context="What is the special magic hay.",
+                                          query="long-bridge") + " The special magic number for long-bridge is"
     q = question_of(niah, {"input": niah}, "niah_single_2")
     assert q.startswith("What are all the special magic numbers for long-bridge") and niah.endswith(q)
-    qa = qa_utils.TEMPLATE.format(context="Document 1: ...", query="Who wrote it?") + " Answer:"
+    qa = templates["qa_utils"].format(context="Document 1: ...", query="Who wrote it?") + " Answer:"
     assert question_of(qa, {}, "ruler_qa_squad").startswith("Answer the question based on the given documents.")
     assert question_of(qa, {}, "ruler_qa_squad").endswith("Question: Who wrote it? Answer:")
     assert question_of("no question here", {}, "longbench_narrativeqa") is None
