@@ -146,10 +146,11 @@ class Settings:
         overrides = cfg.task_overrides
         check(overrides is None or isinstance(overrides, DictConfig),
               f"task_overrides={overrides!r}: expected {{<task name>: {{key: value}}}}")
-        rules = OmegaConf.to_container(cfg.grid_only, resolve=True) if isinstance(cfg.grid_only, ListConfig) else None
+        grid = cfg.get("grid_only", ListConfig([]))  # an older record's config has none
+        rules = OmegaConf.to_container(grid, resolve=True) if isinstance(grid, ListConfig) else None
         check(rules is not None and all(isinstance(r, dict) and set(r) == {"when", "only"} and
                                         all(isinstance(r[k], dict) and r[k] for k in r) for r in rules),
-              f"grid_only={cfg.grid_only!r}: expected [{{when: {{<key>: <value>}}, only: {{<key>: <value>}}}}]")
+              f"grid_only={grid!r}: expected [{{when: {{<key>: <value>}}, only: {{<key>: <value>}}}}]")
         return cls(cfg.experiment_name, cfg.seed, cfg.semantics, runs_dir, threads, cfg.fail_fast,
                    OmegaConf.to_container(overrides, resolve=True) if overrides is not None else {}, rules)
 
@@ -162,6 +163,7 @@ def root_keys() -> dict:
 # group keys an older record's config.yaml may lack: the class's default stands in (model.positions: read from
 # the model's config when null)
 OPTIONAL = {"model": ("positions",), "task": ("question",)}
+ROOT_OPTIONAL = ("grid_only",)  # root keys an older record's config.yaml may lack (an empty list stands in)
 # keys added after records were made, at the value every older record ran with: a config at that value leaves them
 # out of its record (config.yaml, folder, identity), so an older record is the same run; ``++task.question=prompt``
 # is every task's own behaviour, so a sweep may cross it with tasks that have no question
@@ -204,7 +206,7 @@ def check_keys(cfg: DictConfig) -> Settings:
     check(not unknown, f"{unknown[0] if unknown else ''}: no such config key; allowed: {', '.join(sorted(root))} "
                        f"and the groups {', '.join(GROUPS)}")
     for key in [*root, *GROUPS]:
-        check(key in cfg, f"{key}: missing (removed?); it is required")
+        check(key in cfg or key in ROOT_OPTIONAL, f"{key}: missing (removed?); it is required")
     for group in ("model", "task", "policy"):
         check(isinstance(cfg[group], DictConfig) and "name" in cfg[group], f"{group}: expected a config group")
         missing = [k for k in group_defaults(group, str(cfg[group].name))
