@@ -148,3 +148,52 @@ def test_bad_values_are_refused_in_one_line(tiny):
     lm = H2OLM(pretrained=model, tokenizer=tok, question="after", batch_size=2)
     with pytest.raises(BadInput, match="request 0 has no question to put after the compressed context"):
         lm.generate_until(requests([{}, {}]))
+
+
+@pytest.fixture()
+def hydra_ctx():
+    from hydra import initialize_config_dir
+
+    from h2o.assets.paths import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield
+
+
+def test_the_default_keeps_every_folder_and_after_names_itself(hydra_ctx, tmp_path, capsys):
+    """Hydra: ``task.question=prompt`` (given or not, on any task) is today's run: its folder, config and identity;
+    ``after`` adds ``question=after`` to the folder; a bad value exits 2 in one line before anything loads."""
+    from h2o.pipeline import sweep
+    from h2o.pipeline.spec import prepare
+    from h2o.pipeline.sweep import _compose
+
+    root = ["model=tiny-llama", "task=niah", "task.lengths=[512]", f"runs_dir={tmp_path}"]
+    plain, given, after = (prepare(_compose(root + extra)) for extra in
+                           ([], ["task.question=prompt"], ["task.question=after"]))
+    assert given.path == plain.path and given.identity == plain.identity and "question" not in plain.cfg.task
+    assert after.path == plain.path.with_name(plain.path.name + ",question=after")
+    assert after.identity["task"]["question"] == "after" and after.task.question == "after"
+    ppl = ["model=tiny-llama", "task=austen_ppl", f"runs_dir={tmp_path}"]
+    assert prepare(_compose([*ppl, "++task.question=prompt"])).path == prepare(_compose(ppl)).path
+    with pytest.raises(BadInput, match=r"^grid_only=\[1\]: expected \[\{when: "):
+        prepare(_compose([*root, "grid_only=[1]"]))
+    capsys.readouterr()
+    assert sweep.main([*root, "task.question=later"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "task.question='later': allowed: prompt, after" in err
+
+
+def test_the_needle_task_records_the_question_after(tiny):
+    """h2o.tasks.long_context through lm-eval: the record names the option, each sample its question's tokens, and
+    the budget is a ratio of the context alone."""
+    from h2o.tasks.long_context import LongContextTask
+
+    model, tok = tiny
+    task = LongContextTask("niah", lengths=[512], depths=[0.5], samples=2, question="after", batch_size=2)
+    result = task.run(model, tok, make_policy("snapkv", budget=0.3, window=8), "real", 0)
+    assert result.info["question"] == "after" and task.protocol(tok)["question"] == "after"
+    assert all(s["question_tokens"] > 0 for s in result.samples) and len(result.samples) == 2
+    context = sum(s["prompt_tokens"] - s["question_tokens"] for s in result.samples) / 2
+    assert result.info["mean_prompt_tokens"] == pytest.approx(context, abs=1)  # the compressed prompt: the context
+    assert result.info["kept_ratio"] == pytest.approx(0.3, abs=0.01)
+    assert "question" not in LongContextTask("niah").protocol(tok)  # the default: every older record's protocol
