@@ -2,12 +2,12 @@
 sequence), the bytes of their keys and values, and the bytes stored (padding included), right after the prompt's cut
 and at the end: the cache the last scored token is predicted from (a window's last token is never an input).
 
-One function writes the record's fields, :func:`figures`, from footprints in the keys of
+A one-pass task's fields come from one function, :func:`figures`, fed footprints in the keys of
 :meth:`h2o.core.cache.EvictingCache.footprint` (``tokens_held``, ``slots_stored``, ``bytes_held``, ``bytes_stored``)
-per sequence. Where they come from:
+per sequence (:func:`per_sequence`: the mean over a run's batches, the form generation tasks collect too):
 
-* a real cache: its ``footprint()`` (a generation task; a pooled policy in a one-pass task, :func:`measured`);
-* a one-pass task (the simulated mask holds no cache) of a per-head policy: :func:`formula`, what the evicting cache
+* a real cache's ``footprint()``: a pooled policy's (:func:`measured`, below);
+* for a per-head policy (the simulated mask holds no cache) :func:`formula`, what the evicting cache
   holds after the same tokens (tests/test_methods_experiment.py and tests/test_kv_figures.py check it against
   ``footprint()``). With a prompt of ``C`` tokens and a window of ``W`` (``W - 1`` fed), layer ``l``'s budget
   ``n_l`` per KV head: the cut keeps ``min(n_l, C)`` tokens per KV head; at the end ``compress=decode`` still holds
@@ -91,26 +91,25 @@ def measured(model, policy, wins: torch.Tensor, context: int | None, batch: int 
     from h2o.core.attach import attach
 
     N, W = wins.shape
-    cut, end = dict.fromkeys(KEYS, 0), dict.fromkeys(KEYS, 0)
+    cuts, ends = [], []  # (footprint, rows) per batch
     with torch.no_grad(), attach(model, policy, mode="real", quant=quant) as state:
         for start in range(0, N, batch):
             ids = wins[start:start + batch]  # (b, W)
             cache = state.new_cache(None if context else W)
             if context:
                 model(ids[:, :context], cache=cache)
-                add(cut, cache.footprint())
+                cuts.append((cache.footprint(), len(ids)))
             rest = ids[:, context or 0:W - 1]  # (b, W - 1 - C) the continuation fed
-            steps = [rest] if policy.compress == "prefill" else rest.split(1, dim=1)
-            for step in steps:
+            for step in [rest] if policy.compress == "prefill" else rest.split(1, dim=1):
                 model(step, cache=cache)
-            add(end, cache.footprint())
-    mean = lambda f: {k: v / N for k, v in f.items()}  # noqa: E731
-    return (mean(cut) if context else None), mean(end)
+            ends.append((cache.footprint(), len(ids)))
+    return (per_sequence(cuts) if context else None), per_sequence(ends)
 
 
-def add(total: dict, footprint: dict) -> None:
-    for k in KEYS:
-        total[k] += footprint[k]
+def per_sequence(footprints: list[tuple[dict, int]]) -> dict:
+    """The mean per sequence of footprints, each of a batch of ``rows`` sequences."""
+    rows = sum(n for _, n in footprints)
+    return {k: sum(f[k] for f, _ in footprints) / rows for k in KEYS}
 
 
 def figures(cut: dict | None, end: dict, end_per_layer: list[int]) -> dict:
