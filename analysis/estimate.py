@@ -60,8 +60,8 @@ def wilson(p: float, n: float) -> tuple[float, float]:
 
 
 def bounds(metric: str) -> tuple:
-    """Accuracies, ROUGE and Self-BLEU lie in [0, 1]; perplexity in [1, inf)."""
-    if metric.startswith(("acc", "rouge", "self_bleu")):
+    """Accuracies, ROUGE, Self-BLEU and LongBench's ``score`` lie in [0, 1]; perplexity in [1, inf)."""
+    if metric.startswith(("acc", "rouge", "self_bleu")) or metric == "score":
         return (0.0, 1.0)
     return (1.0, math.inf) if metric == "ppl" else (-math.inf, math.inf)
 

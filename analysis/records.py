@@ -16,7 +16,11 @@ The contract (written by the runner, read here):
 
   ``metrics`` is flattened into columns (``acc``, ``rouge2``, ``ppl``, ...); a nested dict
   becomes dotted columns (``{"a": {"b": 1}}`` -> ``a.b``); a metric whose name clashes
-  with a top-level field becomes ``metric_<name>``. Unknown top-level fields are kept.
+  with a top-level field becomes ``metric_<name>``, except where that field is one of the
+  policy's options (also in ``policy_options``, which the protocol reads): the metric keeps
+  its name and the option's top-level copy becomes ``option_<name>`` (LongBench's ``score``
+  beside H2O's ``score: sum``), so one metric is one column whatever the policy. Unknown
+  top-level fields are kept.
 * Beside it, optionally: ``samples.jsonl`` (one JSON object per sample),
   ``observations.json`` (observations runs, see ``analysis.figures``), ``config.yaml``,
   ``env.json``. Those are read on demand by :func:`load_samples` / :func:`load_json`.
@@ -64,7 +68,10 @@ def record_row(metrics_file: Path) -> dict:
                                or not math.isfinite(budget)):
         raise ValueError(f'"budget" must be a number or null, got {budget!r}')
     row = _flatten(rec)
+    options = rec.get("policy_options") if isinstance(rec.get("policy_options"), dict) else {}
     for key, value in _flatten(metrics).items():
+        if key in row and key in options:  # the policy's option echoed at the top level: the metric's column
+            row[f"option_{key}"] = row.pop(key)
         row[f"metric_{key}" if key in row else key] = value
     row["path"] = str(Path(metrics_file).parent)
     row["nonfinite_metrics"] = ",".join(k for k, v in _flatten(metrics).items()

@@ -6,7 +6,9 @@ cells the metric with its 95% interval, picked by :data:`analysis.protocol.RULE`
 per cell; a table that shows several tags its cells ``(p1)``, ``(p2)`` and spells them out).
 Metrics: multiple choice ``acc_mean`` (the paper code's per-token mean rule; ``acc``, lm-eval's
 summed rule, for records that lack it), summarization ``rouge2``, perplexity ``ppl``, retrieval
-(needle in a haystack, RULER) ``acc``.
+``acc`` (needle in a haystack, RULER) or ``score`` (LongBench: lm-eval's per-task F1, ROUGE-L, accuracy or edit
+similarity, each in [0, 1]). An experiment whose tasks of one kind name different metrics gets one table per
+metric, ``<experiment>_<kind>_<metric>``.
 Plus ``benchmark`` (Tables 3-5 style, ``make bench`` records). Budgets are total cache ratios;
 H2O rows keep only the paper's even split (heavy == recent).
 """
@@ -23,7 +25,7 @@ POLICIES = ["full", "local", "strided", "fixed", "streaming_llm", "topk", "h2o",
 LABELS = {"streaming_llm": "StreamingLLM", "strided_h2": "strided+H2", "fixed_h2": "fixed+H2",
           "topk": "top-k", "topk_h2": "top-k+H2", "h2_only": "H2 only", "h2o": "H2O"}
 KIND_METRICS = {"multiple_choice": ["acc_mean", "acc"], "summarization": ["rouge2"],
-                "perplexity": ["ppl"], "streaming": ["ppl"], "retrieval": ["acc"]}
+                "perplexity": ["ppl"], "streaming": ["ppl"], "retrieval": ["acc", "score"]}
 
 
 def label(policy: str) -> str:
@@ -105,11 +107,15 @@ def experiment_tables(df: pd.DataFrame) -> list[Table]:
     out = methods_tables(df)
     for (exp, kind), runs in df[~df["experiment"].isin(EXPERIMENTS)].groupby(["experiment", "task_kind"],
                                                                             dropna=True, sort=True):
-        metric = metric_for(kind, runs)
-        if metric is None:
-            continue
-        out.append(budget_table(f"{exp}_{kind}", f"{exp}: {metric} by policy and budget ({kind})",
-                                runs, metric, 2 if metric == "ppl" else 3))
+        by_metric: dict[str, list[pd.DataFrame]] = {}  # each task's metric: RULER's acc beside LongBench's score
+        for _, task_runs in runs.groupby("task", dropna=False, sort=True):
+            metric = metric_for(kind, task_runs)
+            if metric is not None:
+                by_metric.setdefault(metric, []).append(task_runs)
+        for metric, parts in by_metric.items():
+            name = f"{exp}_{kind}" if len(by_metric) == 1 else f"{exp}_{kind}_{metric}"
+            out.append(budget_table(name, f"{exp}: {metric} by policy and budget ({kind})", pd.concat(parts),
+                                    metric, 2 if metric == "ppl" else 3))
     return out
 
 

@@ -1,21 +1,32 @@
-"""The KV cache a run actually held, for its record: tokens (summed over layers and KV heads, per sequence) and
-their bytes (keys and values), right after the prompt's cut and at the end: the cache the last scored token is
-predicted from (a window's last token is never an input).
+"""The KV cache a run actually held, for its record: tokens (token x KV head entries summed over the layers, per
+sequence), the bytes of their keys and values, and the bytes stored (padding included), right after the prompt's cut
+and at the end: the cache the last scored token is predicted from (a window's last token is never an input).
 
-* :func:`simulated_held`: a one-pass task (the simulated mask holds no cache) from the policy's per-layer budget,
-  which is what the evicting cache holds after the same tokens (tests/test_methods_experiment.py checks it
-  against :meth:`h2o.core.cache.EvictingCache.footprint`; a pooled policy, adakv, stores its heads padded, more
-  than these bytes held). With a prompt of ``context`` tokens the
-  cut keeps ``min(n_l, C)`` tokens per layer ``l`` and KV head; at the end ``compress=decode`` still holds that,
-  ``compress=prefill`` holds it plus the ``W - 1 - C`` continuation tokens fed. Without a prompt the budget is a
-  ratio of the window and the end holds ``min(n_l, W - 1)``. A sliding-window layer holds at most its window.
+A one-pass task's fields come from one function, :func:`figures`, fed footprints in the keys of
+:meth:`h2o.core.cache.EvictingCache.footprint` (``tokens_held``, ``slots_stored``, ``bytes_held``, ``bytes_stored``)
+per sequence (:func:`per_sequence`: the mean over a run's batches, the form generation tasks collect too):
 
-A generation measures its cache instead (:meth:`h2o.core.cache.EvictingCache.footprint`). Bytes count keys and
-values at the model's element size; with a KV quantizer :func:`simulated_held` gives tokens only (bytes None).
+* a real cache's ``footprint()``: a pooled policy's (:func:`measured`, below);
+* for a per-head policy (the simulated mask holds no cache) :func:`formula`, what the evicting cache
+  holds after the same tokens (tests/test_methods_experiment.py and tests/test_kv_figures.py check it against
+  ``footprint()``). With a prompt of ``C`` tokens and a window of ``W`` (``W - 1`` fed), layer ``l``'s budget
+  ``n_l`` per KV head: the cut keeps ``min(n_l, C)`` tokens per KV head; at the end ``compress=decode`` still holds
+  that, ``compress=prefill`` that plus the ``W - 1 - C`` continuation tokens. Without a prompt the budget is a ratio
+  of the window and the end holds ``min(n_l, W - 1)``. A sliding-window layer holds at most its window. Every head
+  holds the same count, so the slots stored are the tokens held and the bytes stored their bytes, ``2 x head size x
+  element size`` each (None with a KV quantizer: tokens only).
+* A pooled policy (:attr:`Policy.pooled`, adakv) holds the same tokens per layer as its formula (one top-k over the
+  layer keeps the inner policy's total) but stores each layer's heads padded to the largest head's count, which
+  depends on the scores: no formula gives it, so the one-pass task feeds its windows through the evicting cache once
+  more (:func:`measured`: the prompt, then the continuation as the timing appends it) and records that footprint,
+  in the task's batches (a batch stores each layer padded to its largest head across its sequences, as a
+  generation task's batch does: the bytes stored per sequence depend on the batch size).
 """
 from __future__ import annotations
 
 import torch
+
+KEYS = ("tokens_held", "slots_stored", "bytes_held", "bytes_stored")
 
 
 def geometry(model) -> tuple[int, int, int, list[int | None]]:
@@ -39,10 +50,9 @@ def per_layer(policy, reference: int, layers: int, most: int) -> list[int]:
     return [int(policy.layer_counts(counts, layer, layers).total[0]) for layer in range(layers)]
 
 
-def simulated_held(model, policy, window: int, context: int | None, quant=None) -> dict:
-    """``kv_tokens_cut`` / ``kv_tokens_end`` (token x KV head slots held per sequence, all layers) and
-    ``kv_bytes_cut`` / ``kv_bytes_end``; ``*_cut`` is None without a prompt."""
-    layers, kv, dim, windows = geometry(model)
+def held_per_layer(model, policy, window: int, context: int | None) -> tuple[list[int] | None, list[int]]:
+    """(tokens per KV head of each layer right after the cut (None without a prompt), the same at the end)."""
+    layers, _, _, windows = geometry(model)
     budget = per_layer(policy, context or window, layers, window)
     prefill = policy.compress == "prefill"
 
@@ -56,8 +66,76 @@ def simulated_held(model, policy, window: int, context: int | None, quant=None) 
                for n, w in zip(budget, windows)]
     else:
         end = [capped(min(n, fed), w) for n, w in zip(budget, windows)]
+    return cut, end
+
+
+def formula(model, held: list[int] | None, quant=None) -> dict | None:
+    """One sequence's footprint from the tokens per KV head of each layer ``held``: every head holds them (None for
+    None; bytes None with a KV quantizer)."""
+    if held is None:
+        return None
+    _, kv, dim, _ = geometry(model)
+    tokens = kv * sum(held)
     size = None if quant is not None else 2 * dim * torch.empty((), dtype=model.dtype).element_size()
-    tokens = lambda held: None if held is None else kv * sum(held)  # noqa: E731
-    nbytes = lambda held: None if held is None or size is None else tokens(held) * size  # noqa: E731
-    return {"kv_tokens_cut": tokens(cut), "kv_tokens_end": tokens(end), "kv_bytes_cut": nbytes(cut),
-            "kv_bytes_end": nbytes(end), "kv_tokens_end_per_layer": end}
+    nbytes = None if size is None else tokens * size
+    return {"tokens_held": tokens, "slots_stored": tokens, "bytes_held": nbytes, "bytes_stored": nbytes}
+
+
+def measured(model, policy, wins: torch.Tensor, context: int | None, batch: int = 1,
+             quant=None) -> tuple[dict | None, dict]:
+    """Footprints per sequence (means over ``wins`` (N, W)) of the evicting cache fed each window as the one-pass task
+    scores it: the prompt ``wins[:, :context]`` in one forward (the cut), then the ``W - 1 - context`` continuation
+    tokens, in one forward under ``compress=prefill`` (appended, never evicted) or one at a time under
+    ``compress=decode``; without a prompt every token one at a time, budget ratios of ``W``. -> (at the cut (None
+    without a prompt), at the end)."""
+    from h2o.core.attach import attach
+
+    N, W = wins.shape
+    cuts, ends = [], []  # (footprint, rows) per batch
+    with torch.no_grad(), attach(model, policy, mode="real", quant=quant) as state:
+        for start in range(0, N, batch):
+            ids = wins[start:start + batch]  # (b, W)
+            cache = state.new_cache(None if context else W)
+            if context:
+                model(ids[:, :context], cache=cache)
+                cuts.append((cache.footprint(), len(ids)))
+            rest = ids[:, context or 0:W - 1]  # (b, W - 1 - C) the continuation fed
+            for step in [rest] if policy.compress == "prefill" else rest.split(1, dim=1):
+                model(step, cache=cache)
+            ends.append((cache.footprint(), len(ids)))
+    return (per_sequence(cuts) if context else None), per_sequence(ends)
+
+
+def per_sequence(footprints: list[tuple[dict, int]]) -> dict:
+    """The mean per sequence of footprints, each of a batch of ``rows`` sequences."""
+    rows = sum(n for _, n in footprints)
+    return {k: sum(f[k] for f, _ in footprints) / rows for k in KEYS}
+
+
+def figures(cut: dict | None, end: dict, end_per_layer: list[int]) -> dict:
+    """The record's KV fields from footprints per sequence (``cut`` None without a prompt; a byte count None with a
+    KV quantizer's formula): ``kv_tokens_cut`` / ``kv_tokens_end`` (token x KV head entries held),
+    ``kv_bytes_cut`` / ``kv_bytes_end`` (their keys' and values' bytes), ``kv_bytes_stored_cut`` /
+    ``kv_bytes_stored`` (the bytes stored, empty slots of padded heads included) and ``kv_tokens_end_per_layer``
+    (tokens per KV head of each layer at the end)."""
+    def whole(v):
+        return None if v is None else round(v)
+
+    def field(f, key):
+        return None if f is None else whole(f[key])
+
+    return {"kv_tokens_cut": field(cut, "tokens_held"), "kv_tokens_end": whole(end["tokens_held"]),
+            "kv_bytes_cut": field(cut, "bytes_held"), "kv_bytes_end": whole(end["bytes_held"]),
+            "kv_bytes_stored_cut": field(cut, "bytes_stored"), "kv_bytes_stored": whole(end["bytes_stored"]),
+            "kv_tokens_end_per_layer": end_per_layer}
+
+
+def simulated_held(model, policy, window: int, context: int | None, quant=None, wins: torch.Tensor | None = None,
+                   batch: int = 1) -> dict:
+    """The record's KV fields (:func:`figures`) of a one-pass task over windows of ``window`` tokens with a prompt of
+    ``context`` (None: none): :func:`formula`, or for a pooled policy :func:`measured` on the run's windows ``wins``
+    (N, W), ``batch`` at a time (its tokens held are the formula's: the same layer totals)."""
+    cut, end = held_per_layer(model, policy, window, context)
+    if policy.pooled and not policy.is_full and wins is not None:
+        return figures(*measured(model, policy, wins, context, batch, quant), end)
+    return figures(formula(model, cut, quant), formula(model, end, quant), end)

@@ -17,7 +17,9 @@ and the only tokens scored (predicted from rows ``C - 1 .. window - 2``). The bu
 ``compress: prefill`` cuts the context once to the budget when it ends and keeps every continuation token;
 ``compress: decode`` cuts it there too and then keeps the budget as the continuation grows (each new token evicts
 one). Without ``context`` there is no prompt, so ``compress: prefill`` is refused in one line. The record has the KV
-cache actually held (h2o.tasks.kv_held): tokens and bytes per sequence right after the cut and at the end.
+cache actually held (h2o.tasks.kv_held): tokens, bytes held and bytes stored per sequence right after the cut and at
+the end (a pooled policy, adakv, stores its heads padded: its windows go through the evicting cache once more to
+measure that).
 """
 from __future__ import annotations
 
@@ -172,6 +174,7 @@ class PerplexityTask(TaskSpec):
         reference = self.context or self.window  # what a budget ratio is taken of
         return Result(metrics, samples, {"window": self.window, "context": self.context, "tokens_scored": count,
                                          "clamped_requests": clamped(policy, [reference] * len(samples)),
-                                         **simulated_held(model, policy, self.window, self.context, quant),
+                                         **simulated_held(model, policy, self.window, self.context, quant,
+                                                          wins, bs),  # a pooled policy's padding: measured
                                          "cpu_s": round(time.process_time() - cpu0, 1),  # this process, all threads
                                          **record(self.batch_size, [sizing])})

@@ -78,7 +78,9 @@ class AdaKV(Policy):
         given = {k: v for k, v in options.items() if v is not None}
         bad = next((k for k in given if k not in takes), None)
         if bad is not None:
-            raise PolicyError(f"{bad}={given[bad]!r}: inner={inner} has no option {bad}; leave it null")
+            own = [k for k in INNER_OPTIONS if k in takes]
+            raise PolicyError(f"{bad}={given[bad]!r}: inner={inner} has no option {bad}; allowed with inner={inner}: "
+                              f"{', '.join(own) or 'none'} (the others null)")
         self.inner = make_policy(inner, budget=budget, heavy=heavy, recent=recent, heavy_share=heavy_share,
                                  **given)
         self.alpha_safeguard = float(a)

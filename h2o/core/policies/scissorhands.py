@@ -6,9 +6,20 @@ tokens it attends, ``alpha_{i,j} < 1/t_i`` (``t_i`` tokens attended at step i); 
 last ``w`` queries each token counts the steps at which it was unimportant,
 ``I_j = sum_{i in the window} 1[alpha_{i,j} < 1/t_i]``; when the cache is over its budget, the tokens of highest
 count are dropped, except the ``r`` most recent ones (the recent window, whose counts Algorithm 2 sets to zero:
-they are never dropped). The paper's settings: a history window of ``w = 400`` queries and a recent window of
-``r = 10`` tokens. (Written from the paper as recalled: the reading corpora held its abstract and introduction
-only; check the constants against its Section 4.)
+they are never dropped).
+
+The defaults, ``history`` ``w = 400`` queries and ``window`` ``r = 10`` tokens, are not checked against the paper's
+own text: the paper's Section 4 and appendix were not reachable from this project's reading corpora (they hold its
+abstract and summaries of it). What was found: the public implementation AnswerDotAI/cold-compress (``cache.py`` at
+commit 15bb300, Aug 2024), which cites the paper, gives ``recent_window`` 10 as "default specified in ScissorHands
+paper ("r" in Algorithm 2)" and ``history_window_size`` 400 as "default specified in paper" (it calls that one "m"
+in Algorithm 2; here ``m`` is the number of tokens dropped at once); its ``cache_configs/scissorhands.yaml``
+(commit 8c71521) runs ``history_window_size: 400``, ``recent_window: 10``, ``attn_thresholding: True`` (with 4
+always-kept first tokens, its own addition). Its rule is not this one: it marks the steps at or above ``1/t``,
+averages the marks over the steps recorded (at most ``w``) and evicts the lowest average (closest to
+``count="important"`` here, normalised by the steps seen). One other implementation found by code search sets
+``w``, ``r`` and ``m`` as shares of the budget (``B/2``, ``B/4``, ``B/2``) and cites no source for them. So 400 and
+10 agree with the one implementation that names the paper as their source; no source found gives the paper's ``m``.
 
 Here, in both paths (the simulated row loop and the evicting cache, one eviction per arriving token):
 
