@@ -135,10 +135,12 @@ def check_input(_model, args, kwargs) -> None:
 
 
 def single_use_generate(model, state: Attached):
-    """``model.generate`` that refuses a cache already used (it would continue the old sequence silently)."""
+    """``model.generate`` that refuses a cache already used (it would continue the old sequence silently), unless
+    the call says it continues one on purpose: ``continue_cache=True`` (a prompt prefilled and compressed first,
+    then generate fed its remaining tokens, as h2o.tasks.question_after does)."""
     generate = model.generate
 
-    def guarded(*args, **kwargs):
+    def guarded(*args, continue_cache: bool = False, **kwargs):
         mask = kwargs.get("attention_mask")
         if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.numel():
             empty = (~mask.bool().any(-1)).nonzero().flatten().tolist()  # one host read per generate call
@@ -148,7 +150,7 @@ def single_use_generate(model, state: Attached):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if state.mode == "real" and cache is None:
             raise PolicyError("mode='real' needs a cache: model.generate(..., cache=h.new_cache())")
-        if isinstance(cache, EvictingCache) and cache.get_seq_length() > 0:
+        if isinstance(cache, EvictingCache) and cache.get_seq_length() > 0 and not continue_cache:
             raise PolicyError(f"this EvictingCache already holds {cache.get_seq_length()} tokens: a cache is "
                               f"single-use; take h.new_cache() for each generate call")
         return generate(*args, **kwargs)

@@ -64,7 +64,6 @@ lm-eval 0.4.13 has no plugin hook for out-of-tree models (its registry is filled
 """
 from __future__ import annotations
 
-from types import MethodType
 
 import torch
 import torch.nn.functional as F
@@ -374,12 +373,7 @@ class H2OLM(HFLM):
         policy's cut at their end), then generate feeds the questions (one chunk) and the answer."""
         ids, mask, split = context_then_question(context, kwargs.pop("attention_mask"), asked)  # (B, C + Q)
         prefill(self.model, ids[:, :split], mask[:, :split], cache)
-        # attach's guard refuses a cache that already holds tokens (a sequence continued by mistake); this one
-        # holds the compressed context on purpose, so generate is the model class's own for this call
-        guarded, self.model.generate = self.model.generate, MethodType(type(self.model).generate, self.model)
-        try:
-            out = super()._model_generate(ids, max_length + ids.shape[1] - context.shape[1], stop, cache=cache,
-                                          attention_mask=mask, **kwargs)  # (B, C + Q + new)
-        finally:
-            self.model.generate = guarded
+        # the cache holds the compressed context on purpose: attach's single-use guard is told so
+        out = super()._model_generate(ids, max_length + ids.shape[1] - context.shape[1], stop, cache=cache,
+                                      attention_mask=mask, continue_cache=True, **kwargs)  # (B, C + Q + new)
         return torch.cat([context, out[:, ids.shape[1]:]], 1)
