@@ -61,7 +61,7 @@ def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
     assert {(n, c) for t, n, c in jobs if t == "austen_ppl"} == {(n, "decode") for n in DECODING | {"full"}}
     assert len(grid.plans) == len({p.path for p in grid.plans}) == 45 + 12  # x3 budgets: 129 + 12 (full's one folder)
     refused, outside = Counter(), Counter()
-    for job, why in grid.refused:
+    for job, why in grid.refused + grid.outside:
         given = dict(o.lstrip("+").split("=", 1) for o in job)
         if given["task.question"] == "after" and "outside the grid of experiment_name=methods" in why:
             outside[given["task"], given["policy"], given["policy.compress"]] += 1  # the question-after axis
@@ -76,7 +76,9 @@ def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
     ctx = next(p for p in grid.plans if p.task.name == "austen_ctx")
     assert (ctx.task.window, ctx.task.context, ctx.task.n_windows, ctx.model.name) == (1152, 1024, 8, "smollm2-135m")
     text = describe(grid)
-    assert text.count("   - refused ") == 99 and text.endswith("; 99 refused (not run)")
+    assert text.count("   - refused ") == len(grid.refused) == 99 - len(grid.outside)
+    assert text.endswith(f"; {len(grid.refused)} refused (not run); {len(grid.outside)} outside the experiment's "
+                         f"grid_only cells (not run, not listed)")
     assert "compress=decode: snapkv is defined at the end of a prompt only" in text
     assert "compress=prefill: task austen_ppl scores sliding windows with no prompt" in text
 

@@ -36,7 +36,7 @@ from h2o.core.validate import BadInput, ConfigError, check
 from h2o.core.policies.budget import Unsupported
 from h2o.pipeline.jobs import classify, summary
 from h2o.pipeline.records import runs_root
-from h2o.pipeline.spec import RunSpec, prepare
+from h2o.pipeline.spec import OutsideGrid, RunSpec, prepare
 
 BAD_INPUT = BadInput  # ConfigError, PolicyError
 
@@ -47,6 +47,7 @@ class Sweep:
     plans: list[RunSpec]
     sweep_dir: str  # hydra.sweep.dir, resolved (multirun only)
     refused: list[tuple[list[str], str]] = field(default_factory=list)  # (job overrides, why), not in ``jobs``
+    outside: list[tuple[list[str], str]] = field(default_factory=list)  # refused by grid_only: counted, not listed
 
 
 def _compose(overrides: list[str], hydra_cfg: bool = False):
@@ -190,7 +191,7 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
         try:
             check_overrides(overrides)
             jobs, sweep_dir = job_overrides(overrides, multirun)
-            plans, kept, refused, compose = [], [], [], Composer()
+            plans, kept, refused, outside, compose = [], [], [], [], Composer()
             for job in jobs:
                 try:
                     plans.append(prepare(compose(job)))
@@ -198,7 +199,7 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
                 except Unsupported as exc:
                     if not multirun:
                         raise
-                    refused.append((job, str(exc)))
+                    (outside if isinstance(exc, OutsideGrid) else refused).append((job, str(exc)))
                 except BAD_INPUT as exc:
                     raise type(exc)(f"{exc}  [job: {' '.join(abbrev(a, 80, quote=False) for a in job)}]") from None
         except BAD_INPUT:
@@ -207,7 +208,7 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
             raise ConfigError(one_line(exc)) from None
     if multirun:
         output_dir("hydra.sweep.dir", sweep_dir)
-    return Sweep(kept, plans, sweep_dir, refused)
+    return Sweep(kept, plans, sweep_dir, refused, outside)
 
 
 SETTING = ("cluster.", "hydra.launcher.")  # two spellings of a Slurm setting: cluster.chunk=4, hydra.launcher.chunk=4
@@ -241,8 +242,10 @@ def describe(sweep: Sweep, root: Path | None = None) -> str:
 
 
 def summary_line(sweep: Sweep, works) -> str:
-    """:func:`h2o.pipeline.jobs.summary` and the refused jobs' count."""
-    return summary(works) + (f"; {len(sweep.refused)} refused (not run)" if sweep.refused else "")
+    """:func:`h2o.pipeline.jobs.summary`, the refused jobs' count and the count outside ``grid_only``'s cells."""
+    return summary(works) + (f"; {len(sweep.refused)} refused (not run)" if sweep.refused else "") + (
+        f"; {len(sweep.outside)} outside the experiment's grid_only cells (not run, not listed)" if sweep.outside
+        else "")
 
 
 def main(argv: list[str] | None = None) -> int:
