@@ -244,17 +244,17 @@ class RunSpec:
     identity: dict = dataclasses.field(default_factory=dict)  # records.identity: what its record must match
 
     def head(self) -> dict:
-        d = self.policy.describe()
-        extra = {k: v for k, v in d.items() if k not in ("policy", "budget", "heavy", "recent")}
-        return {"experiment": self.settings.experiment_name, "model": self.model.name, "task": self.task.name,
-                "task_kind": self.task.kind, "policy": self.cfg.policy.name, "budget": self.policy.budget,
-                "heavy": self.policy.heavy, "recent": self.policy.recent, "shots": self.task.shots,
-                "semantics": self.semantics, "seed": self.settings.seed, "evicts": bool(self.policy.evicts),
-                "limit": self.cfg.task.get("limit"),
-                "policy_options": {k: v for k, v in OmegaConf.to_container(self.cfg.policy, resolve=True).items()
-                                   if k not in ("_target_", "name")},
-                **({"quant": self.quant.describe()} if self.quant is not None else {}),
-                **extra}
+        """The record's run fields, then the policy's described options that do not name one of them: a run field
+        wins (``random``'s ``seed`` is the policy's, in ``policy_options``; the record's ``seed`` is the run's)."""
+        run = {"experiment": self.settings.experiment_name, "model": self.model.name, "task": self.task.name,
+               "task_kind": self.task.kind, "policy": self.cfg.policy.name, "budget": self.policy.budget,
+               "heavy": self.policy.heavy, "recent": self.policy.recent, "shots": self.task.shots,
+               "semantics": self.semantics, "seed": self.settings.seed, "evicts": bool(self.policy.evicts),
+               "limit": self.cfg.task.get("limit"),
+               "policy_options": {k: v for k, v in OmegaConf.to_container(self.cfg.policy, resolve=True).items()
+                                  if k not in ("_target_", "name")},
+               **({"quant": self.quant.describe()} if self.quant is not None else {})}
+        return {**run, **{k: v for k, v in self.policy.describe().items() if k not in run}}
 
     def full_path(self) -> Path:
         """The folder of the ``full`` run with this run's model, task and settings (conf/policy/full.yaml)."""
