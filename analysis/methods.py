@@ -45,15 +45,25 @@ LOWER_IS_BETTER = ("ppl",)
 MIB = 2 ** 20
 
 
-def timing_of(row) -> str:
-    """The record's compression timing (describe() names it only when it is not the default, decode), with
-    :data:`AFTER` where the question came after the compressed context (its protocol names it only then)."""
-    after = any(row.get(k) == "after" for k in ("protocol.question", "question"))
+def compress_of(row) -> str:
+    """The record's compression timing: describe() names ``compress`` only when it is not the default, decode."""
     for key in ("compress", "policy_options.compress"):
         v = row.get(key)
         if isinstance(v, str) and v in TIMINGS:
-            return v + AFTER if after else v
-    return "decode" + AFTER if after else "decode"
+            return v
+    return "decode"
+
+
+def question_of(row) -> str:
+    """Where the task's question went: ``after`` the compressed context, else ``prompt`` (inside it: every record
+    without the field, the protocol naming it only when it is not the default)."""
+    return "after" if any(row.get(k) == "after" for k in ("protocol.question", "question")) else "prompt"
+
+
+def timing_of(row) -> str:
+    """The record's timing label: its :func:`compress_of`, with :data:`AFTER` where the question came after the
+    compressed context."""
+    return compress_of(row) + (AFTER if question_of(row) == "after" else "")
 
 
 def labels(chosen: dict) -> list[str]:

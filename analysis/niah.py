@@ -1,19 +1,26 @@
 """Needle-in-a-haystack heatmaps: accuracy over context length x needle depth, one panel per policy and budget.
 
 From the ``niah`` runs' records (``task_kind`` retrieval; each sample of ``samples.jsonl`` carries ``length``,
-``depth`` and ``acc``, h2o.tasks.long_context): one figure per experiment x model x task,
-``<experiment>_<task>_heatmap`` (e.g. ``niah_niah_heatmap``), its panels ordered by policy then budget (the full
-cache first), each cell the fraction of its samples whose number was found (written in the cell, with the sample
-count in the panel title). One record per policy and budget, picked like a table cell
-(:data:`analysis.protocol.RULE`).
+``depth`` and ``acc``, h2o.tasks.long_context). Each figure is one protocol: one per experiment x model x task x
+compression timing (the policy's ``compress``: decode, the default, or prefill) x question placement
+(``task.question``: prompt, the default, or after the compressed context), named
+``<experiment>_<task>[_<model>][_prefill][_question-after]_heatmap`` (e.g. ``niah_niah_heatmap``; the model only
+where the experiment ran the task on several), the timing and question in its title where not the default. Its
+panels are ordered by policy then budget (the full cache first), each cell the fraction of its samples whose number
+was found (written in the cell, with the sample count in the panel title). The records of one panel's key are
+picked like a table cell (:data:`analysis.protocol.RULE`: one protocol, its seeds' samples pooled); a panel that
+left records out says how many it used in its title ("1 of 2 records").
 """
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from analysis.methods import compress_of, question_of
+from analysis.protocol import choose
 from analysis.records import load_samples
 from analysis.tables import key_str, label, policy_order
 
@@ -36,12 +43,40 @@ def heatmap_panel(ax, table: pd.DataFrame, title: str) -> object:
     return image
 
 
-def niah_runs(df: pd.DataFrame) -> pd.DataFrame:
-    """One record per experiment x model x task x policy x budget of the runs with depth-tagged samples."""
-    from analysis.figures import one_each
+KEYS = ["experiment", "model", "task", "compress", "question"]  # one figure each
+PANEL = ["policy", "budget"]  # one panel each
 
+
+def niah_runs(df: pd.DataFrame) -> pd.DataFrame:
+    """The records with depth-tagged samples, with ``compress`` and ``question`` filled in (their defaults where a
+    record does not name them)."""
     runs = df[(df["task_kind"] == "retrieval") & (df.get("lm_eval_task", pd.Series(index=df.index)) == "niah")]
-    return one_each(runs, ["experiment", "model", "task", "policy", "budget"], "acc")
+    if runs.empty:
+        return runs
+    return runs.assign(compress=[compress_of(r) for _, r in runs.iterrows()],
+                       question=[question_of(r) for _, r in runs.iterrows()])
+
+
+def panel_picks(group: pd.DataFrame) -> list:
+    """One :class:`analysis.protocol.Pick` per policy x budget of one figure's records, full first."""
+    order = {p: i for i, p in enumerate(policy_order(group["policy"].unique()))}
+    keyed = sorted(group.groupby(PANEL, dropna=False), key=lambda kv: (order[kv[0][0]], kv[0][1]))
+    return [p for _, g in keyed if (p := choose(g, "acc")) is not None]
+
+
+def figure_name(exp, model, task, compress, question, several_models: bool) -> tuple[str, str]:
+    """(file name, the title's protocol words): the default protocol unnamed."""
+    parts = [str(exp), str(task), *([str(model)] if several_models else []),
+             *(["prefill"] if compress != "decode" else []), *(["question-after"] if question != "prompt" else [])]
+    words = [*(["compress=prefill"] if compress != "decode" else []),
+             *(["question after the compressed prompt"] if question != "prompt" else [])]
+    return "_".join(parts) + "_heatmap", "".join(f", {w}" for w in words)
+
+
+def default_first(item) -> tuple:
+    """A figure's sort key: by experiment, model and task, then the default protocol before the others."""
+    (exp, model, task, compress, question), _ = item
+    return str(exp), str(model), str(task), compress != "decode", question != "prompt"
 
 
 def figure_niah(df: pd.DataFrame, out: str | Path) -> list[Path]:
@@ -52,17 +87,25 @@ def figure_niah(df: pd.DataFrame, out: str | Path) -> list[Path]:
     written: list[Path] = []
     if runs.empty:
         return written
-    for (exp, model, task), group in runs.groupby(["experiment", "model", "task"], dropna=False):
-        order = {p: i for i, p in enumerate(policy_order(group["policy"].unique()))}
-        group = group.assign(_o=group["policy"].map(order)).sort_values(["_o", "budget"])
-        tables = [(run, cell_table(s)) for _, run in group.iterrows() if (s := load_samples(run["path"]))]
+    models = runs.groupby(["experiment", "task"], dropna=False)["model"].nunique()
+    for (exp, model, task, compress, question), group in sorted(runs.groupby(KEYS, dropna=False), key=default_first):
+        tables = []
+        for pick in panel_picks(group):
+            samples = [s for run in pick.runs for s in load_samples(run["path"])]  # the protocol's seeds pooled
+            if samples:
+                tables.append((pick, cell_table(samples)))
         if not tables:
             continue
+        name, words = figure_name(exp, model, task, compress, question, models[exp, task] > 1)
         fig, axes = panels(len(tables), ncols=4, size=(3.6, 3.0))
-        for ax, (run, table) in zip(axes, tables):
+        for ax, (pick, table) in zip(axes, tables):
+            run = pick.row
             budget = "100%" if run["policy"] == "full" else f"{float(run['budget']):.0%}"
-            image = heatmap_panel(ax, table, f"{label(run['policy'])} {budget} (n={int(run['n_samples'])})")
+            n = sum(int(r["n_samples"]) for r in pick.runs)
+            used = f", {len(pick.runs)} of {len(pick.runs) + pick.left_out} records" if pick.left_out else ""
+            image = heatmap_panel(ax, table, f"{label(run['policy'])} {budget} (n={n}{used})")
         fig.colorbar(image, ax=list(axes[:len(tables)]), shrink=0.8, label="accuracy")
-        fig.suptitle(f"{model} / {task}: needle found, context length x depth ({key_str(exp)})")
-        written += save(fig, out, f"{exp}_{task}_heatmap")
+        title = f"{model} / {task} ({key_str(exp)}): needle found, context length x depth{words}"
+        fig.suptitle(textwrap.fill(title, 42 * min(len(tables), 4)))  # as wide as the panels
+        written += save(fig, out, name)
     return written
