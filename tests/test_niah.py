@@ -91,6 +91,7 @@ def test_niah_sweep_records_cells_and_draws_heatmaps(tmp_path):
         assert rec["metrics"]["acc"] == sum(s["acc"] for s in samples) / 4
         assert [(c["length"], c["depth"], c["n"]) for c in rec["cells"]] == [(1024, 0.2, 2), (1024, 0.8, 2)]
         assert rec["haystack"] == "austen" and rec["chat_template"] is False and rec["cpu_s"] > 0
+        assert rec["headline"] == "acc"  # the metric analysis draws (analysis.figures.headline_metric)
         assert rec["kept_ratio"] == (1.0 if run["policy"] == "full" else pytest.approx(0.2, abs=0.01))
         assert all(s["question_tokens"] > 0 for s in samples)  # the seam: the question's tokens end the prompt
         table = cell_table(samples)

@@ -33,3 +33,35 @@ def test_a_policys_other_options_stay_top_level_fields_in_their_place(hydra_ctx)
     assert keys[:14] == ["experiment", "model", "task", "task_kind", "policy", "budget", "heavy", "recent", "shots",
                          "semantics", "seed", "evicts", "limit", "policy_options"]
     assert keys[14:] == ["compress", "window", "kernel"] and head["compress"] == "prefill"
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    from h2o.assets.model_spec import ModelSpec
+
+    return ModelSpec("tiny-llama", "tiny:llama").load()
+
+
+def test_a_longbench_record_names_score_its_headline_and_analysis_draws_it(tiny_lm, monkeypatch):
+    """LongContextTask.run on a LongBench task, lm-eval's evaluation replaced by two scored samples (the data set is
+    on the hub): its record names ``score`` as its headline, which analysis.figures.headline_metric picks."""
+    import lm_eval
+    import lm_eval.tasks
+    import pandas as pd
+    from omegaconf import OmegaConf
+
+    from analysis.figures import headline_metric
+    from h2o.core.policies import make_policy
+    from h2o.pipeline.spec import build
+
+    task = build("task", OmegaConf.load(CONF / "task" / "longbench.yaml"))
+    scored = [{"doc_id": i, "doc": {"answers": ["x"]}, "filtered_resps": ["y"], "score": s}
+              for i, s in enumerate((0.25, 0.75))]
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: None)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", lambda **kw: {"samples": {task.lm_eval_task: scored}})
+    result = task.run(*tiny_lm, make_policy("h2o", budget=0.2), "real", 0)
+    assert result.metrics["score"] == 0.5 and result.info["headline"] == "score"
+    runs = pd.DataFrame([{"task_kind": "retrieval", "headline": result.info["headline"], "acc": 0.3,
+                          "score": result.metrics["score"]}])  # a column of another task's metric beside it
+    assert headline_metric(runs) == "score"
+    assert headline_metric(runs.assign(headline=None)) == "acc"  # unnamed: the kind's first metric

@@ -245,7 +245,8 @@ class LongContextTask(TaskSpec):
         scores = [s[self.metric] for s in samples]
         metrics = {self.metric: sum(scores) / len(scores), f"{self.metric}_stderr": stderr(scores)}
         prompt, held = (sum(x) for x in zip(*lm.budgets)) if lm.budgets else (0, 0)
-        info = {"cells": cells(samples, self.is_niah, self.metric), "lm_eval_task": self.lm_eval_task, **haystack,
+        info = {"headline": self.metric,  # the metric analysis draws and tabulates (analysis.figures.headline_metric)
+                "cells": cells(samples, self.is_niah, self.metric), "lm_eval_task": self.lm_eval_task, **haystack,
                 "question": self.question,
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
