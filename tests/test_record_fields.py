@@ -65,3 +65,77 @@ def test_a_longbench_record_names_score_its_headline_and_analysis_draws_it(tiny_
                           "score": result.metrics["score"]}])  # a column of another task's metric beside it
     assert headline_metric(runs) == "score"
     assert headline_metric(runs.assign(headline=None)) == "acc"  # unnamed: the kind's first metric
+
+
+def old_kv_end(footprints):
+    """long_context's fields as it computed them itself before kv_held's function (the committed records' code)."""
+    rows = sum(n for _, n in footprints)
+    if not rows:
+        return {}
+    per = lambda key: sum(f[key] for f, _ in footprints) / rows  # noqa: E731
+    return {"kv_tokens_end": round(per("tokens_held"), 1), "kv_bytes_end": round(per("bytes_held")),
+            "kv_bytes_stored": round(per("bytes_stored"))}
+
+
+def old_summarization(footprints):
+    """summarization's fields as it computed them itself: means of each batch's per-sequence values."""
+    stored = [f["bytes_stored"] / n for f, n in footprints]
+    held = [(f["bytes_held"] / n, f["tokens_held"] / n) for f, n in footprints]
+    return {"kv_bytes_per_seq": round(sum(stored) / len(stored)),
+            "kv_held_bytes_per_seq": round(sum(b for b, _ in held) / len(held)),
+            "kv_tokens_per_seq": round(sum(t for _, t in held) / len(held))}
+
+
+@pytest.fixture(scope="module")
+def footprints(tiny_lm):
+    """Real footprints of the evicting cache (adakv: heads held unevenly, stored padded), batches of 2 and 1."""
+    import torch
+
+    from h2o.core.attach import attach
+    from h2o.core.policies import make_policy
+
+    model, _ = tiny_lm
+    ids = torch.randint(5, 200, (3, 37), generator=torch.Generator().manual_seed(0))  # (3, 37) a prompt each
+    out = []
+    with torch.no_grad(), attach(model, make_policy("adakv", budget=0.3, inner="knorm"), mode="real") as state:
+        for batch in (ids[:2], ids[2:]):
+            cache = state.new_cache(None)
+            model(batch, cache=cache)
+            out.append((cache.footprint(), len(batch)))
+    return out
+
+
+def test_generation_tasks_fields_come_from_kv_helds_function_as_before(footprints):
+    from h2o.tasks.kv_held import END, batch_fields, per_sequence
+    from h2o.tasks.summarization import KV_FIELDS, logged_footprint
+
+    assert footprints[0][0]["bytes_stored"] > footprints[0][0]["bytes_held"]  # padding: the figures differ
+    long_context = batch_fields(footprints, END, token_digits=1)
+    assert long_context == old_kv_end(footprints) and list(long_context) == list(old_kv_end(footprints))
+    assert batch_fields([], END) == {} == old_kv_end([])
+    even = footprints[:1] * 3  # batches of one size: the mean per sequence is the mean of the batches' means
+    assert batch_fields(even, KV_FIELDS) == old_summarization(even)
+    assert list(batch_fields(even, KV_FIELDS)) == ["kv_bytes_per_seq", "kv_held_bytes_per_seq", "kv_tokens_per_seq"]
+    # uneven batches: the mean per sequence (the old code averaged the batches' means)
+    mean = per_sequence(footprints)
+    assert mean["bytes_stored"] == (footprints[0][0]["bytes_stored"] + footprints[1][0]["bytes_stored"]) / 3
+    assert batch_fields(footprints, KV_FIELDS)["kv_bytes_per_seq"] == round(mean["bytes_stored"])
+    # a resumed batch's log entry (per-sequence values) gives back its footprint; an old entry has no tokens
+    foot, rows = footprints[0]
+    entry = {"kv": foot["bytes_stored"] / rows, "held": [foot["bytes_held"] / rows, foot["tokens_held"] / rows],
+             "samples": [{}] * rows}
+    assert batch_fields([logged_footprint(entry)], KV_FIELDS) == batch_fields([(foot, rows)], KV_FIELDS)
+    old = batch_fields([logged_footprint({"kv": 10.0, "samples": [{}]}), footprints[1]], KV_FIELDS)
+    assert old["kv_tokens_per_seq"] == round(footprints[1][0]["tokens_held"])  # the batches that have tokens
+
+
+def test_one_pass_figures_keep_their_fields_and_order(footprints):
+    from h2o.tasks.kv_held import figures, per_sequence
+
+    end = per_sequence(footprints)
+    out = figures(None, end, [4, 5])
+    assert list(out) == ["kv_tokens_cut", "kv_tokens_end", "kv_bytes_cut", "kv_bytes_end", "kv_bytes_stored_cut",
+                         "kv_bytes_stored", "kv_tokens_end_per_layer"]
+    assert out == {"kv_tokens_cut": None, "kv_tokens_end": round(end["tokens_held"]), "kv_bytes_cut": None,
+                   "kv_bytes_end": round(end["bytes_held"]), "kv_bytes_stored_cut": None,
+                   "kv_bytes_stored": round(end["bytes_stored"]), "kv_tokens_end_per_layer": [4, 5]}

@@ -4,7 +4,9 @@ and at the end: the cache the last scored token is predicted from (a window's la
 
 A one-pass task's fields come from one function, :func:`figures`, fed footprints in the keys of
 :meth:`h2o.core.cache.EvictingCache.footprint` (``tokens_held``, ``slots_stored``, ``bytes_held``, ``bytes_stored``)
-per sequence (:func:`per_sequence`: the mean over a run's batches, the form generation tasks collect too):
+per sequence (:func:`per_sequence`: the mean over a run's batches). A generation task (long-context, summarization)
+names its fields from its batches' footprints at the end with :func:`batch_fields` (its own field names, the same
+means and rounding). The one-pass task's footprints:
 
 * a real cache's ``footprint()``: a pooled policy's (:func:`measured`, below);
 * for a per-head policy (the simulated mask holds no cache) :func:`formula`, what the evicting cache
@@ -107,9 +109,36 @@ def measured(model, policy, wins: torch.Tensor, context: int | None, batch: int 
 
 
 def per_sequence(footprints: list[tuple[dict, int]]) -> dict:
-    """The mean per sequence of footprints, each of a batch of ``rows`` sequences."""
-    rows = sum(n for _, n in footprints)
-    return {k: sum(f[k] for f, _ in footprints) / rows for k in KEYS}
+    """The mean per sequence of footprints, each of a batch of ``rows`` sequences. A key some footprints hold None
+    for (a quantized cache's bytes, a batch logged before the key was recorded) is the mean over those that have it,
+    None where none has."""
+    out = {}
+    for key in KEYS:
+        have = [(f[key], rows) for f, rows in footprints if f.get(key) is not None]
+        out[key] = sum(v for v, _ in have) / sum(n for _, n in have) if have else None
+    return out
+
+
+CUT = {"tokens_held": "kv_tokens_cut", "bytes_held": "kv_bytes_cut", "bytes_stored": "kv_bytes_stored_cut"}
+END = {"tokens_held": "kv_tokens_end", "bytes_held": "kv_bytes_end", "bytes_stored": "kv_bytes_stored"}
+
+
+def field(per_seq: dict | None, key: str, digits: int | None = None):
+    """One record field from a footprint per sequence: ``round(value, digits)`` (None: a whole number), None
+    without a footprint or a value."""
+    return None if per_seq is None or per_seq.get(key) is None else round(per_seq[key], digits)
+
+
+def fields(per_seq: dict | None, names: dict[str, str], token_digits: int | None = None) -> dict:
+    """The record fields ``names`` ({footprint key: field}) of a footprint per sequence, in ``names``' order: bytes
+    whole, tokens to ``token_digits`` decimals (None: whole)."""
+    return {name: field(per_seq, key, token_digits if key == "tokens_held" else None) for key, name in names.items()}
+
+
+def batch_fields(footprints: list[tuple[dict, int]], names: dict[str, str], token_digits: int | None = None) -> dict:
+    """:func:`fields` of the mean per sequence of a run's batches (a generation task's footprints at the end of each
+    batch, with its rows); {} without any."""
+    return fields(per_sequence(footprints), names, token_digits) if sum(n for _, n in footprints) else {}
 
 
 def figures(cut: dict | None, end: dict, end_per_layer: list[int]) -> dict:
@@ -118,16 +147,10 @@ def figures(cut: dict | None, end: dict, end_per_layer: list[int]) -> dict:
     ``kv_bytes_cut`` / ``kv_bytes_end`` (their keys' and values' bytes), ``kv_bytes_stored_cut`` /
     ``kv_bytes_stored`` (the bytes stored, empty slots of padded heads included) and ``kv_tokens_end_per_layer``
     (tokens per KV head of each layer at the end)."""
-    def whole(v):
-        return None if v is None else round(v)
-
-    def field(f, key):
-        return None if f is None else whole(f[key])
-
-    return {"kv_tokens_cut": field(cut, "tokens_held"), "kv_tokens_end": whole(end["tokens_held"]),
-            "kv_bytes_cut": field(cut, "bytes_held"), "kv_bytes_end": whole(end["bytes_held"]),
-            "kv_bytes_stored_cut": field(cut, "bytes_stored"), "kv_bytes_stored": whole(end["bytes_stored"]),
-            "kv_tokens_end_per_layer": end_per_layer}
+    out = {}
+    for key in CUT:  # each figure at the cut, then at the end
+        out.update({CUT[key]: field(cut, key), END[key]: field(end, key)})
+    return {**out, "kv_tokens_end_per_layer": end_per_layer}
 
 
 def simulated_held(model, policy, window: int, context: int | None, quant=None, wins: torch.Tensor | None = None,

@@ -30,6 +30,7 @@ from functools import lru_cache
 
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, clamped, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
+from h2o.tasks.kv_held import END, batch_fields
 from h2o.tasks.question_after import QUESTIONS, ruler_pattern
 
 NIAH = "niah"
@@ -251,7 +252,7 @@ class LongContextTask(TaskSpec):
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
                 "clamped_requests": clamped(policy, [n for n, _ in lm.budgets]),  # a ratio of each prompt
-                **kv_end(lm.footprints),
+                **batch_fields(lm.footprints, END, token_digits=1),  # the cache at each generation's end
                 "cpu_s": round(time.process_time() - cpu0, 1),  # this process's CPU time in the task, all threads
                 **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
         return Result(metrics, samples, info)
@@ -293,18 +294,6 @@ def tokenizer_here(name: str):
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError):
         return None
-
-
-def kv_end(footprints: list[tuple[dict, int]]) -> dict:
-    """The evicting cache at the end of the generations (:meth:`h2o.core.cache.EvictingCache.footprint` of each
-    batch, its rows), per prompt: token x KV head entries held, their bytes, and the bytes stored (padding and the
-    empty slots of uneven heads included)."""
-    rows = sum(n for _, n in footprints)
-    if not rows:
-        return {}
-    per = lambda key: sum(f[key] for f, _ in footprints) / rows  # noqa: E731
-    return {"kv_tokens_end": round(per("tokens_held"), 1), "kv_bytes_end": round(per("bytes_held")),
-            "kv_bytes_stored": round(per("bytes_stored"))}
 
 
 def cells(samples: list[dict], by_depth: bool, metric: str = "acc") -> list[dict]:

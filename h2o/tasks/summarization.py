@@ -43,6 +43,7 @@ from transformers import StoppingCriteria
 
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_hub_data, clamped, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, choose, record
+from h2o.tasks.kv_held import batch_fields
 
 DATASETS = {  # name -> (hub path, config, article field, summary field); bb_xsum is offline (h2o.assets.data)
     "xsum": ("EdinburghNLP/xsum", None, "document", "summary"),
@@ -76,14 +77,24 @@ def load_split(dataset: str, split: str) -> list[dict]:
     return [{"id": r.get("id", str(i)), "article": r[art], "summary": r[summ]} for i, r in enumerate(ds)]
 
 
-def held_figures(held: list) -> dict:
-    """The record's KV figures beside ``kv_bytes_per_seq`` (bytes stored, padding included): the bytes and the
-    tokens (token x KV head entries over the layers) the cache held, means per sequence over the batches ``held``
-    ([bytes, tokens] each; tokens None in a batch logged before they were recorded). They differ from the bytes
-    stored where a policy gives heads uneven counts (adakv: heads stored padded to the largest)."""
-    tokens = [t for _, t in held if t is not None]
-    return {"kv_held_bytes_per_seq": round(sum(b for b, _ in held) / len(held)),
-            "kv_tokens_per_seq": round(sum(tokens) / len(tokens)) if tokens else None}
+# The record's KV fields (h2o.tasks.kv_held.batch_fields: means per sequence over the batches): the bytes stored
+# (padding included), and the bytes and tokens (token x KV head entries over the layers) the cache held at the end.
+# They differ from the bytes stored where a policy gives heads uneven counts (adakv: heads stored padded to the
+# largest).
+KV_FIELDS = {"bytes_stored": "kv_bytes_per_seq", "bytes_held": "kv_held_bytes_per_seq",
+             "tokens_held": "kv_tokens_per_seq"}
+
+
+def logged_footprint(entry: dict) -> tuple[dict, int]:
+    """(the batch's footprint, its rows) from a resumed batch's log entry, which holds per-sequence values: ``kv``
+    the bytes stored, ``held`` [bytes, tokens] held (absent, or tokens None, in a batch logged before they were)."""
+    rows = len(entry["samples"])
+    held_bytes, tokens = entry.get("held", [entry["kv"], None])
+
+    def total(v):
+        return None if v is None else v * rows
+
+    return {"bytes_stored": total(entry["kv"]), "bytes_held": total(held_bytes), "tokens_held": total(tokens)}, rows
 
 
 class StopOnText(StoppingCriteria):
@@ -201,18 +212,16 @@ class SummarizationTask(TaskSpec):
         sizing = self.sizing(model, tokenizer, policy, prompts, quant)  # before the seed: probing draws no sample
         bs = sizing.size
         torch.manual_seed(seed)
-        samples, kv_bytes, kv_held = [], [], []  # per sequence: bytes stored; (bytes, tokens) held
+        samples, footprints = [], []  # the cache at each batch's end, its rows
         log = RequestLog.open(f"batches{bs}") if self.greedy else None  # resume (greedy: same output)
         for start in tqdm(range(0, len(prompts), bs), desc=f"{self.name} {policy.name}", file=sys.stderr):
             if log is not None and start in log:
-                kv_bytes.append(log[start]["kv"])
-                kv_held.append(log[start].get("held", [log[start]["kv"], None]))
+                footprints.append(logged_footprint(log[start]))
                 samples.extend(log[start]["samples"])
                 continue
             batch = prompts[start:start + bs]
             gens, foot, lens = self.generate(model, tokenizer, policy, batch, quant)
-            kv_bytes.append(foot["bytes_stored"] / len(batch))
-            kv_held.append([foot["bytes_held"] / len(batch), foot["tokens_held"] / len(batch)])
+            footprints.append((foot, len(batch)))
             done = []
             for row, prompt, gen, n in zip(test[start:start + bs], batch, gens, lens):
                 ref = clean(row["summary"])
@@ -221,12 +230,14 @@ class SummarizationTask(TaskSpec):
                              "prompt_tokens": n, **{k: v.fmeasure for k, v in scores.items()}})
             samples.extend(done)
             if log is not None:
-                log[start] = {"kv": kv_bytes[-1], "held": kv_held[-1], "samples": done}
+                log[start] = {"kv": foot["bytes_stored"] / len(batch),  # per sequence, as logged batches were
+                              "held": [foot["bytes_held"] / len(batch), foot["tokens_held"] / len(batch)],
+                              "samples": done}
         metrics = {}
         for k in ("rouge1", "rouge2", "rougeL"):
             metrics.update({k: sum(s[k] for s in samples) / len(samples), f"{k}_stderr": stderr([s[k] for s in samples])})
         info = {"mean_prompt_tokens": round(sum(s["prompt_tokens"] for s in samples) / len(samples), 1),
-                "kv_bytes_per_seq": round(sum(kv_bytes) / len(kv_bytes)), **held_figures(kv_held),
+                **batch_fields(footprints, KV_FIELDS),
                 "shots_used": len(shots),
                 "clamped_requests": clamped(policy, [s["prompt_tokens"] for s in samples]),
                 **record(self.batch_size, [sizing])}
