@@ -12,7 +12,8 @@ task, with the task kind's metric (perplexity: ``ppl``, lower is better; retriev
   budget: prefill keeps every token after the prompt); one line per method, solid for decode and dashed for prefill,
   the full cache a dotted horizontal line; 95% error bars.
 * table ``<experiment>_<task>_methods``: rows the methods, columns budget x timing, each cell the value with its 95%
-  interval and the KV MiB held at the end.
+  interval and the KV MiB held at the end, and the MiB stored where they exceed it (``kv_bytes_stored``: a batch's
+  empty slots, adakv's heads padded to the largest; :data:`STORED`).
 * :func:`comparisons`: each method against H2O (decode) at the same budget, paired by window or prompt where both
   records scored the same ones (:func:`analysis.estimate.paired_difference`): ``>`` better, ``<`` worse at 95%,
   ``≈`` unresolved.
@@ -93,8 +94,10 @@ def picks(runs: pd.DataFrame, metric: str) -> dict[tuple[str, float, str], objec
     return out
 
 
-def kv_mib(pick) -> float:
-    v = pick.row.get("kv_bytes_end") if pick is not None else None
+def kv_mib(pick, key: str = "kv_bytes_end") -> float:
+    """The record's KV bytes ``key`` per sequence in MiB (NaN where it has none): held at the end by default,
+    ``kv_bytes_stored`` the bytes stored (padding included)."""
+    v = pick.row.get(key) if pick is not None else None
     return float(v) / MIB if isinstance(v, (int, float)) and not math.isnan(float(v)) else float("nan")
 
 
@@ -124,14 +127,27 @@ def table(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame) -> T
         rows.append([label(policy)] + [cell(chosen.get((policy, b, t)), digits) for b in budgets for t in timings])
     caption = [f"{metric} [95% interval] · KV MiB held per sequence at the end; — not run or refused (decode for "
                f"methods defined at a prompt's end only, prefill on a task without a prompt); full: 100% of the cache"]
+    if any("(stored " in c for r in rows for c in r[1:]):
+        caption.append(STORED)
     return Table(f"{exp}_{task}_methods", f"{exp}: {metric} of every method by budget and timing ({model}, {task})",
                  header, rows, caption)
 
 
+STORED = ("(stored X): the KV MiB stored per sequence (record `kv_bytes_stored`) where they exceed those held at "
+          "this precision: a batch stores its shorter prompts' empty slots, and a pooled policy (adakv) each "
+          "layer's heads padded to the largest head's count; records written before that field show the bytes "
+          "held only")
+
+
 def cell(pick, digits: int) -> str:
-    """``value [lo, hi] · KV MiB`` (:func:`analysis.tables.pick_text`, then the cache held at the end)."""
-    kv = kv_mib(pick)
-    return pick_text(pick, digits, {}) + ("" if pick is None or math.isnan(kv) else f" · {kv:.1f}")
+    """``value [lo, hi] · KV MiB`` (:func:`analysis.tables.pick_text`, then the cache held at the end), with
+    ``(stored X)`` where the bytes stored exceed it at the shown precision (:data:`STORED`)."""
+    kv, stored = kv_mib(pick), kv_mib(pick, "kv_bytes_stored")
+    if pick is None or math.isnan(kv):
+        return pick_text(pick, digits, {})
+    held = f"{kv:.1f}"
+    padded = f" (stored {stored:.1f})" if not math.isnan(stored) and f"{stored:.1f}" != held else ""
+    return pick_text(pick, digits, {}) + f" · {held}{padded}"
 
 
 def comparisons(metric: str, runs: pd.DataFrame) -> list[str]:

@@ -139,3 +139,31 @@ def test_one_pass_figures_keep_their_fields_and_order(footprints):
     assert out == {"kv_tokens_cut": None, "kv_tokens_end": round(end["tokens_held"]), "kv_bytes_cut": None,
                    "kv_bytes_end": round(end["bytes_held"]), "kv_bytes_stored_cut": None,
                    "kv_bytes_stored": round(end["bytes_stored"]), "kv_tokens_end_per_layer": [4, 5]}
+
+
+def test_the_methods_table_shows_the_bytes_stored_where_they_exceed_those_held(tmp_path):
+    """analysis/methods.py: a cell shows the KV MiB held and, where the record's bytes stored differ at the shown
+    precision (adakv's padded heads), the MiB stored, with the note under the table's caption."""
+    import json
+
+    from analysis.methods import STORED, methods_runs, table
+    from analysis.records import load_runs
+
+    mib = 2 ** 20
+
+    def runs(*records):
+        root = tmp_path / str(len(list(tmp_path.iterdir())))
+        for policy, held, stored in records:
+            rec = {"experiment": "methods", "model": "m", "task": "niah", "task_kind": "retrieval", "policy": policy,
+                   "budget": 0.2, "seed": 0, "n_samples": 10, "metrics": {"acc": 0.5}, "compress": "prefill",
+                   "kv_bytes_end": round(held * mib), **({"kv_bytes_stored": round(stored * mib)} if stored else {})}
+            (root / policy).mkdir(parents=True)
+            (root / policy / "metrics.json").write_text(json.dumps(rec))
+        return methods_runs(load_runs(root))
+
+    t = table("methods", "m", "niah", "acc", runs(("snapkv", 9.4, 9.4), ("adakv", 9.4, 12.78), ("tova", 9.4, None)))
+    cells = {r[0]: r[t.header.index("20% prefill")] for r in t.rows}
+    assert cells["snapkv"].endswith("· 9.4") and cells["tova"].endswith("· 9.4")  # equal, or not recorded
+    assert cells["adakv"].endswith("· 9.4 (stored 12.8)") and t.caption[-1] == STORED
+    t = table("methods", "m", "niah", "acc", runs(("snapkv", 9.4, 9.42)))
+    assert STORED not in t.caption and "stored" not in t.rows[0][t.header.index("20% prefill")]  # shown as 9.4
