@@ -167,3 +167,15 @@ def test_the_methods_table_shows_the_bytes_stored_where_they_exceed_those_held(t
     assert cells["adakv"].endswith("· 9.4 (stored 12.8)") and t.caption[-1] == STORED
     t = table("methods", "m", "niah", "acc", runs(("snapkv", 9.4, 9.42)))
     assert STORED not in t.caption and "stored" not in t.rows[0][t.header.index("20% prefill")]  # shown as 9.4
+
+
+def test_a_task_field_named_like_a_policy_option_keeps_the_policys_value_beside_it(hydra_ctx):
+    from h2o.pipeline.job import with_task_info
+
+    plan = prepare(_compose([*TINY, "policy=snapkv", "policy.compress=prefill", "policy.window=32"]))
+    head, described = plan.head(), plan.policy.describe()
+    record = with_task_info(head, described, {"window": 1152, "context": 1024})
+    assert (record["window"], record["policy_window"], record["context"]) == (1152, 32, 1024)
+    assert "policy_kernel" not in record  # no clash, nothing moved
+    same = with_task_info(head, described, {"window": 32})
+    assert same["window"] == 32 and "policy_window" not in same  # equal values: one field

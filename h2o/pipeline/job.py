@@ -85,7 +85,8 @@ def execute(plan: RunSpec) -> dict:
               "protocol": protocol, "n_samples": result.n_samples, "metrics": result.metrics,
               "wall_s": round(ended - started, 3), "batch_size": plan.cfg.task.get("batch_size"),
               "device": str(getattr(model, "device", "")), "dtype": str(getattr(model, "dtype", "")).replace("torch.", ""),
-              "resumed_requests": resumed(), **result.info}
+              "resumed_requests": resumed()}
+    record = with_task_info(record, plan.policy.describe(), result.info)
     for name, content in files.items():
         write_json(plan.path / name, content)
     write_jsonl(plan.path / "samples.jsonl", result.samples)
@@ -101,6 +102,14 @@ def mirror(plan: RunSpec, record: dict) -> None:
         from h2o.pipeline.wandb_mirror import mirror_run
 
         mirror_run(plan.cfg.logger, plan, record)
+
+
+def with_task_info(record: dict, described: dict, info: dict) -> dict:
+    """``record`` then the task's ``info``. A task field named like one of the policy's described options (the
+    perplexity task's ``window``, 1,152 tokens, beside SnapKV's observation ``window``, 64) is the task's; the
+    policy's value stays beside it as ``policy_<name>`` instead of being lost."""
+    kept = {f"policy_{k}": record[k] for k in info if k in described and k in record and record[k] != info[k]}
+    return {**record, **kept, **info}
 
 
 def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
