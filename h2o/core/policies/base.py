@@ -243,6 +243,28 @@ class Policy(BudgetChecks):
         returns its own (B, H, S) fp32."""
         return acc
 
+    def step_score(self, acc: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """The state :meth:`priority` reads at a decoding step of a policy with ``reads_keys`` (each row of the
+        simulated row loop, each decoding token of the evicting cache): :meth:`cut_score` of the held older keys
+        (B, H, S, D) after RoPE, held (B, H, S) bool, the arriving token not among them."""
+        return self.cut_score(acc, keys, held)
+
+    @property
+    def cut_room(self) -> int:
+        """Slots a cut (a prompt's end, a prefill chunk's) leaves empty for the next token, 0 or 1. Default 0: the
+        cut keeps ``total`` and the next token evicts one by the same score. 1 where the next token's decision
+        reads what the cut dropped (keydiff's anchor over every held key): the cut then keeps ``total - 1``, which
+        is that decision taken early, and the next token takes the free slot."""
+        return 0
+
+    def cut_counts(self, counts: Counts) -> Counts:
+        """The counts a cut keeps: ``counts`` less :attr:`cut_room` tokens (the heavy part first capped)."""
+        if not self.cut_room:
+            return counts
+        total = (counts.total - self.cut_room).clamp(min=0)
+        heavy = torch.minimum(counts.heavy, total)
+        return Counts(total=total, heavy=heavy, recent=total - heavy, length=counts.length)
+
     def decoder(self, counts: Counts, host: Counts) -> "Decoder":
         """The priority at the decoding steps of one evicting-cache layer (counts on the device and on the host).
         Default: :meth:`priority` as it is; a policy may keep state between steps to make the same decisions
