@@ -37,7 +37,9 @@ def test_both_paths_agree_on_a_padded_batch(model, name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_token_by_token_without_a_prompt_equals_the_simulated_mask(model, name):
-    x = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
+    """No token repeats: at layer 0 a repeated token's key norm can tie exactly in one path and differ by an ulp in
+    the other (a key computed in a forward of one token or of all), and then the paths drop different keys."""
+    x = torch.randperm(128, generator=torch.Generator().manual_seed(1))[:40][None]
     policy = make_policy(name, budget=0.2, compress="decode")
     with torch.no_grad():
         with attach(model, policy):
@@ -129,6 +131,32 @@ def ours(model, policy, context, cont):
     return torch.cat(logits), steps
 
 
+def literal_topk(model, score, context, cont, target: int):
+    """kvpress's own selection in :func:`literal_decoding_press`'s loop: ``score(keys (1, Hkv, S, D)) -> (1, Hkv,
+    S)``, each press ``topk(target)`` on the row in the cache's slot order and the kept keys gathered in ``topk``'s
+    order (kvpress's ScorerPress); each new token appended after them. Returns the per-step positions attended."""
+    L = context.shape[1]
+    cache, steps = DynamicCache(), []
+
+    def press_all(pos):
+        for i, layer in enumerate(cache.layers):
+            idx = score(layer.keys).topk(target, dim=-1).indices  # (1, Hkv, target) in topk order
+            gather = idx[..., None].expand(-1, -1, -1, layer.keys.shape[-1])
+            layer.keys, layer.values = layer.keys.gather(2, gather), layer.values.gather(2, gather)
+            pos[i] = pos[i].gather(-1, idx)
+        return pos
+
+    with torch.no_grad():
+        model(context, cache=cache, use_cache=True)
+        pos = press_all([torch.arange(L).expand(1, layer.keys.shape[1], L) for layer in cache.layers])
+        for t in range(cont.shape[1]):
+            pos = [torch.cat([p, torch.full((*p.shape[:2], 1), L + t)], -1) for p in pos]
+            model(cont[:, t:t + 1], cache=cache, position_ids=torch.tensor([[L + t]]))
+            steps.append([p[0].sort(-1).values for p in pos])
+            pos = press_all(pos)
+    return steps
+
+
 def same_steps(a, b) -> bool:
     return all(torch.equal(x, y) for sa, sb in zip(a, b) for x, y in zip(sa, sb))
 
@@ -143,11 +171,23 @@ class NoRoom(KeyDiff):
 
 
 class AnchorWithArriving(KeyDiff):
-    def step_score(self, acc, keys, held):
+    def step_score(self, acc, keys, held, pos, counts):
         """The anchor also over the arriving key (one unpadded sequence: the column after the newest held)."""
         col = torch.arange(held.shape[-1])
         last = torch.where(held, col, -1).amax(-1, keepdim=True)
-        return self.cut_score(acc, keys, held | (col == last + 1))
+        return super().step_score(acc, keys, held | (col == last + 1), pos, counts)
+
+
+class Coarse(Knorm):
+    """knorm with its score rounded to halves: most keys tie exactly, so which one goes is topk's choice."""
+
+    def cut_score(self, acc, keys, held):
+        return torch.round(super().cut_score(acc, keys, held) * 2) / 2
+
+
+class CoarseOldestFirst(Coarse):
+    def step_score(self, acc, keys, held, pos, counts):
+        return self.cut_score(acc, keys, held)  # exact ties to select_slot: the oldest goes
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +216,24 @@ def test_a_broken_rule_holds_other_positions(gqa, broken, name):
     _, ref_steps = literal_decoding_press(gqa, name, ctx, cont, 6)
     _, steps = ours(gqa, broken(budget=7).timed("decode"), ctx, cont)
     assert not same_steps(steps, ref_steps)
+
+
+def test_exact_ties_go_as_kvpress_topk_on_its_slot_order_decides(gqa):
+    """kvpress's slot order (kept keys in topk order, the newest last) decides which tied key goes; ours carries it
+    (h2o/core/policies/decoding_press.py): the same positions at every step; the oldest-first rule differs."""
+    ctx, cont = ids(1, 40), ids(2, 12)
+    coarse = Coarse(budget=7).timed("decode")
+    ref = literal_topk(gqa, lambda keys: coarse.cut_score(None, keys, None), ctx, cont, 6)
+    _, steps = ours(gqa, coarse, ctx, cont)
+    assert same_steps(steps, ref)
+    _, oldest = ours(gqa, CoarseOldestFirst(budget=7).timed("decode"), ctx, cont)
+    assert not same_steps(oldest, ref)
+    with torch.no_grad():  # and the simulated path holds the same
+        x = torch.cat([ctx, cont[:, :-1]], 1)
+        with attach(gqa, coarse, prompt_len=40):
+            sim = gqa(x).logits[0, 39:]
+        real, _ = ours(gqa, coarse, ctx, cont)
+    torch.testing.assert_close(sim, real[:-1], atol=1e-5, rtol=1e-5)
 
 
 def test_the_anchor_without_the_arriving_key_is_kvpress_rule(gqa):

@@ -26,6 +26,7 @@ class CutHooks:
         if self.limited():
             counts, room = self.policy.cut_counts(self.counts), self.policy.cut_room  # room: left for the next
             prio = self.policy.priority(self.pos, self.cut_state(valid), self.n_tok - 1, counts)
+            self.policy.cut_order(self.acc, prio, self.pos, valid, counts)
             keep = self.policy.keep(prio, self.pos, valid, counts)  # (B, H, S)
             if self.policy.pooled:  # heads hold uneven counts: the largest, read once
                 self.host_held = keep.sum(-1).amax(-1).tolist()
@@ -77,4 +78,4 @@ class CutHooks:
         if not self.policy.reads_keys:
             return self.acc
         held = self.pos >= 0 if older is None else (self.pos >= 0) & older
-        return self.policy.step_score(self.acc, self.read()[0], held)
+        return self.policy.step_score(self.acc, self.read()[0], held, self.pos, self.counts)

@@ -240,7 +240,10 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
             keep &= posH > bcast(now - window)
         state = acc if keys is None else policy.cut_score(acc, keys, keep)
         cut = policy.cut_counts(counts) if cut_at else counts  # a cut after the prompt's: the real path's step
-        keep = policy.keep(policy.priority(posH.masked_fill(~keep, -1), state, now, cut), posH, keep, cut)
+        prio = policy.priority(posH.masked_fill(~keep, -1), state, now, cut)
+        if cut_at:
+            policy.cut_order(acc, prio, posH, keep, cut)
+        keep = policy.keep(prio, posH, keep, cut)
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
     if sinks is None and row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
@@ -348,13 +351,15 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
             keep &= posH > edge[i]
         if policy.pooled:  # the token enters every head, then the layer is cut back to its budget
             keep.select(2, i).copy_(tok)
-            state = acc if keys is None else policy.step_score(acc, keys, keep & (posH != now[i].view(B, 1, 1)))
+            older = keep & (posH != now[i].view(B, 1, 1))
+            state = acc if keys is None else policy.step_score(acc, keys, older, posH, counts)
             prio = policy.priority(torch.where(keep, posH, gone), state, now[i], counts)  # (B, Hkv, T)
             keep.copy_(policy.keep(prio, posH, keep, counts, arriving=posH == now[i].view(B, 1, 1)))
             row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
         elif policy.evicts:
             held = torch.where(keep, posH, gone)  # the state as the cache sees it: -1 = not held
-            prio = policy.priority(held, acc if keys is None else policy.step_score(acc, keys, keep), now[i], counts)
+            state = acc if keys is None else policy.step_score(acc, keys, keep, posH, counts)
+            prio = policy.priority(held, state, now[i], counts)  # (B, Hkv, T)
             fill = fills[i] if window is None else torch.where(
                 (keep.sum(-1, keepdim=True) < limit) | pads[i], -inf, inf)  # (B, Hkv, 1): room per head
             slot = column_key(keep, prio, fill).argmin(-1, keepdim=True)  # (B, Hkv, 1)

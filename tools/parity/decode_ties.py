@@ -5,8 +5,9 @@ target_size=n - 1))`` written out on transformers' ``DynamicCache``: the context
 keys per KV head, each continuation token fed alone (positions L, L + 1, ...) and the layer's ``n`` keys pressed
 back to ``n - 1`` after it. ``--ties topk``: kvpress's own selection, ``torch.topk`` on the row in kvpress's slot
 order (the kept keys gathered in ``topk`` order, the newest appended last); ``--ties oldest``: the oldest of exactly
-tied keys goes, the harness's rule (``select_slot``), the kept keys in position order. Prints the NLL per token of
-each prompt's continuation (docs/methods.md, "Measured": ``topk`` gives kvpress's records, ``oldest`` ours).
+tied keys goes (``select_slot``'s tie rule), the kept keys in position order. Prints the NLL per token of each
+prompt's continuation (docs/methods.md, "Measured": ``topk`` gives kvpress's records and the harness's, which carry
+kvpress's slot order; ``oldest`` shows what the tie order alone moves).
 
 Runs in the harness's virtualenv (no kvpress):
     PYTHONPATH=. python tools/parity/decode_ties.py --prompts analysis/parity/prompts.json --ties topk

@@ -243,22 +243,25 @@ class Policy(BudgetChecks):
         returns its own (B, H, S) fp32."""
         return acc
 
-    def step_score(self, acc: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    def step_score(self, acc: torch.Tensor, keys: torch.Tensor, held: torch.Tensor, pos: torch.Tensor,
+                   counts: Counts) -> torch.Tensor:
         """The state :meth:`priority` reads at a decoding step of a policy with ``reads_keys`` (each row of the
         simulated row loop, each decoding token of the evicting cache): :meth:`cut_score` of the held older keys
-        (B, H, S, D) after RoPE, held (B, H, S) bool, the arriving token not among them."""
+        (B, H, S, D) after RoPE, held (B, H, S) bool, the arriving token not among them; pos (B, H, S)."""
         return self.cut_score(acc, keys, held)
 
-    @property
-    def cut_room(self) -> int:
-        """Slots a cut (a prompt's end, a prefill chunk's) leaves empty for the next token, 0 or 1. Default 0: the
-        cut keeps ``total`` and the next token evicts one by the same score. 1 where the next token's decision
-        reads what the cut dropped (keydiff's anchor over every held key): the cut then keeps ``total - 1``, which
-        is that decision taken early, and the next token takes the free slot."""
-        return 0
+    # slots a cut (a prompt's end, a prefill chunk's) leaves empty for the next token, 0 or 1 (:meth:`cut_counts`)
+    cut_room: int = 0
+
+    def cut_order(self, acc: torch.Tensor, prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
+                  counts: Counts) -> None:
+        """Told a cut's ranking (prio, pos, valid (B, H, S): the held slots, the counts it keeps) before the slots
+        are compacted, to set ``acc`` of the kept slots in place. Default: nothing."""
 
     def cut_counts(self, counts: Counts) -> Counts:
-        """The counts a cut keeps: ``counts`` less :attr:`cut_room` tokens (the heavy part first capped)."""
+        """The counts a cut keeps: ``counts`` less ``cut_room`` tokens (the heavy part first capped). 0: the cut
+        keeps ``total`` and the next token evicts one by the same score; 1 where that decision reads what the cut
+        dropped (keydiff's anchor of every held key): the cut keeps ``total - 1``, the decision taken early."""
         if not self.cut_room:
             return counts
         total = (counts.total - self.cut_room).clamp(min=0)

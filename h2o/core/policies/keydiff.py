@@ -8,18 +8,17 @@ Timings: ``compress=prefill`` (kvpress's, the default): the prompt cut once to t
 kvpress's ``DecodingPress(KeyDiffPress, compression_interval=1, target_size=total - 1)`` after a prefilling
 KeyDiffPress to ``total - 1``: the prompt is cut to ``total - 1`` (the anchor over the whole prompt) and each
 arriving token takes the slot of the held key most like the anchor of the held older keys (the arriving key not
-in it), the oldest on ties (docs/methods.md). No Triton row kernel: on CUDA the simulated path runs
+in it), exact ties as kvpress's ``topk`` decides (:mod:`.decoding_press`; docs/methods.md). No Triton row kernel: on CUDA the simulated path runs
 the torch row loop (one-line notice)."""
 import torch
 import torch.nn.functional as F
 
-from .prefill import PrefillOnly
+from .decoding_press import DecodingOrder
 
 
-class KeyDiff(PrefillOnly):
+class KeyDiff(DecodingOrder):
     name = "keydiff"
     reads_keys = True
-    decode_form = True
 
     def cut_score(self, acc, keys, held) -> torch.Tensor:
         """keys (B, H, S, D), held (B, H, S) bool -> (B, H, S) fp32."""

@@ -5,17 +5,17 @@ window.
 Timings: ``compress=prefill`` (kvpress's, the default): the prompt cut once to the budget. ``compress=decode``:
 kvpress's ``DecodingPress(KnormPress, compression_interval=1, target_size=total - 1)`` after a prefilling
 KnormPress to ``total - 1``: the prompt is cut to ``total - 1`` and each arriving token takes the slot of the held
-key of highest norm (the oldest on ties), so every query sees ``total`` keys, itself included (docs/methods.md).
+key of highest norm (exact ties as kvpress's ``topk`` on its slot order decides, :mod:`.decoding_press`), so every
+query sees ``total`` keys, itself included (docs/methods.md).
 No Triton row kernel: on CUDA the simulated path runs the torch row loop (one-line notice)."""
 import torch
 
-from .prefill import PrefillOnly
+from .decoding_press import DecodingOrder
 
 
-class Knorm(PrefillOnly):
+class Knorm(DecodingOrder):
     name = "knorm"
     reads_keys = True
-    decode_form = True
 
     def cut_score(self, acc, keys, held) -> torch.Tensor:
         """keys (B, H, S, D) -> (B, H, S) fp32 (fp64 for fp64 keys)."""

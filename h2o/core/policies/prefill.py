@@ -5,10 +5,10 @@ Selection at a cut (:meth:`PrefillOnly.keep`) is kvpress's ``ScorerPress``, ``sc
 positions per KV head, run as kvpress runs it, so exact ties go the same way (:mod:`.kvpress_select`).
 
 ``compress=decode`` is refused in one line, except for a press with a decoding form (``decode_form``: knorm,
-keydiff, per-key scores): kvpress's ``DecodingPress(press, compression_interval=1)``. At each decoding step the
-arriving token takes the slot of the held token of lowest :meth:`Policy.step_score` (the score of the held older
-keys; the oldest on ties); a cut keeps ``total - 1`` (:attr:`cut_room`), the next token taking the free slot
-(docs/methods.md, "KNorm and KeyDiff at every decoding step").
+keydiff, per-key scores; :mod:`.decoding_press`): kvpress's ``DecodingPress(press, compression_interval=1)``. At
+each decoding step the arriving token takes the slot of the held key kvpress's ``topk`` leaves out (the lowest
+:meth:`Policy.step_score` of the held older keys); a cut keeps ``total - 1`` (:attr:`cut_room`), the next token
+taking the free slot (docs/methods.md, "KNorm and KeyDiff at every decoding step").
 """
 from typing import ClassVar
 
