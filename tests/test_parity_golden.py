@@ -91,3 +91,20 @@ def test_the_tie_rule_is_asserted(model, monkeypatch, name, ratio, cls, keep):
     (newer first) instead of running kvpress's topk on its rows is caught."""
     monkeypatch.setattr(cls, "keep", keep)
     assert largest_gap(model, name, ratio) > 10 * TOLERANCE
+
+
+def older_first_ties(self, acc, keys, held, pos, counts):
+    """The decoding step without kvpress's slot order: exact ties to select_slot, the older key goes."""
+    return self.cut_score(acc, keys, held)
+
+
+@pytest.mark.parametrize("name, ratio, attr, broken", [
+    ("knorm_decode", 0.5, "step_score", older_first_ties),  # kvpress's topk on its slot order decides the ties
+    ("knorm_decode", 0.5, "cut_order", Policy.cut_order),  # the prompt's cut without topk's order
+    ("keydiff_decode", 0.8, "cut_room", 0),  # the prompt cut to n: the first step ranks by the kept keys' anchor
+])
+def test_a_broken_decoding_press_fails(model, monkeypatch, name, ratio, attr, broken):
+    from h2o.core.policies.decoding_press import DecodingOrder
+
+    monkeypatch.setattr(DecodingOrder, attr, broken)
+    assert largest_gap(model, name, ratio) > 10 * TOLERANCE

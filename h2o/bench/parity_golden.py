@@ -63,6 +63,9 @@ def cases() -> dict[str, Case]:
     # kvpress's DecodingPress re-scoring every step, with the kept keys in position order (its published order
     # re-reads slots as positions: docs/methods.md, "A finding")
     out["streaming_llm_ordered"] = Case("streaming_llm_ordered", timing="decode")
+    # DecodingPress at interval 1 after a prefilling press (tools/parity/kvpress_side.py, run_decode)
+    out["knorm_decode"] = Case("knorm", timing="decode")
+    out["keydiff_decode"] = Case("keydiff", timing="decode")
     return out
 
 
@@ -123,7 +126,9 @@ def kvpress_records(venv: Path, prompts: dict, threads: int) -> list[dict]:
             names = [n for n, c in table.items() if (c.timing == "decode") == decode]
             run_kvpress(venv, tmp / "prompts.json", MODEL_DIR, out, ["full"] * (not decode) + names, list(RATIOS),
                         decode, threads, variants)
-        return [json.loads(line) for line in out.read_text().splitlines()]
+        recs = [json.loads(line) for line in out.read_text().splitlines()]
+    # a decoding case's press also has a prefill timing, which its run records too: the case's own timing only
+    return [r for r in recs if r["method"] not in table or r["timing"] == table[r["method"]].timing]
 
 
 def dump(out: dict) -> str:
@@ -153,7 +158,7 @@ def record(venv: Path, threads: int = 1) -> int:
     out = {
         "made_by": "python -m h2o.bench.parity --golden",
         "kvpress": first["kvpress"], "transformers": first["transformers"], "torch": first["torch"],
-        "model": {"folder": str(MODEL_DIR.relative_to(GOLDEN.parents[1])), "sha256": weights_sha256(), "seed": SEED,
+        "model": {"folder": str(MODEL_DIR.relative_to(GOLDEN.parents[2])), "sha256": weights_sha256(), "seed": SEED,
                   "arch": "llama_gqa", "layers": LAYERS},
         "ratios": list(RATIOS), "cases": {n: asdict(c) for n, c in table.items()},
         "largest_gap": {m: float(f"{g:.2e}") for m, g in sorted(gaps.items())},
