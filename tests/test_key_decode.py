@@ -293,3 +293,11 @@ def test_decoding_rows_take_the_torch_loop_with_the_cuda_notice(monkeypatch, nam
     with pytest.warns(RuntimeWarning, match=f"policy={name}: no Triton row kernel form declared"):
         assert not row_kernel.use_kernel(policy, torch.device("cuda"))
     assert f"{name}: no kernel form declared, the torch row loop serves it on CUDA" in row_kernel.coverage()
+
+
+def test_one_rule_per_sequence_refuses_a_policy_that_ranks_keys():
+    from h2o.core.policies import PolicyError
+    from h2o.core.policies.per_sequence import PerSequence
+
+    with pytest.raises(PolicyError, match="PerSequence: knorm ranks the held keys; allowed: policies whose state"):
+        PerSequence([make_policy("h2o", budget=8), make_policy("knorm", budget=8, compress="decode")])

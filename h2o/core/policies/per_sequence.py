@@ -21,6 +21,10 @@ class PerSequence(Policy):
         if odd is not None:  # the batch shares one (B, H, S) state tensor
             raise PolicyError(f"PerSequence: {odd.name} keeps its own state per slot; allowed: policies whose state "
                               f"is the accumulated attention")
+        keyed = next((p for p in policies if p.reads_keys or p.reads_queries), None)
+        if keyed is not None:  # its step and cut read the keys (or the prompt's queries), which no hook here passes
+            raise PolicyError(f"PerSequence: {keyed.name} ranks the held keys; allowed: policies whose state is the "
+                              f"accumulated attention")
         if len({str(p.budget) for p in policies}) != 1:
             raise PolicyError(f"PerSequence: budgets {[p.budget for p in policies]} differ; give one budget")
         self.policies = list(policies)
