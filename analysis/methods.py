@@ -249,11 +249,14 @@ def methods_tables(df: pd.DataFrame) -> list[Table]:
 
 
 def page_body(df: pd.DataFrame, figures: Path, rel: str) -> list[str]:
-    """The docs page's body (after its head): per task its figure, table and comparisons."""
+    """The docs page's body (after its head): per task its figure (and a needle task's heatmaps, one per
+    protocol: :mod:`analysis.niah`), table and comparisons."""
+    from analysis.niah import figure_niah  # it reads this module's timings
+
     lines = []
     for exp, model, task, metric, runs in groups(df):
         lines += [f"## {task} ({model}, {exp})", ""]
-        for p in figure(exp, model, task, metric, runs, figures):
+        for p in figure(exp, model, task, metric, runs, figures) + figure_niah(runs, figures):
             if p.suffix == ".png":
                 lines += [f"![{p.stem}]({rel}/{p.name})", ""]
             else:

@@ -10,9 +10,16 @@ panels are ordered by policy then budget (the full cache first), each cell the f
 was found (written in the cell, with the sample count in the panel title). The records of one panel's key are
 picked like a table cell (:data:`analysis.protocol.RULE`: one protocol, its seeds' samples pooled); a panel that
 left records out says how many it used in its title ("1 of 2 records").
+
+A figure with no full-cache record of its own protocol draws the full cache's record of another protocol of the
+same experiment, model, task and task settings (:func:`full_stand_in`): the full cache holds every token under either
+timing, and at 100% the question inside or after the prompt generates the same tokens
+(tests/test_question_after.py), so that record answers the panel; its title says whose record it is ("record of
+compress=decode, question=prompt (same tokens)", naming what differs from the figure's protocol).
 """
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -64,6 +71,30 @@ def panel_picks(group: pd.DataFrame) -> list:
     return [p for _, g in keyed if (p := choose(g, "acc")) is not None]
 
 
+def task_settings(protocol: str) -> str:
+    """A record's protocol key without what a full cache's tokens do not depend on: the policy's options (its
+    timing among them) and the question's placement."""
+    kept = {k: v for k, v in json.loads(protocol).items() if not k.startswith("policy.") and k != "question"}
+    return json.dumps(kept, sort_keys=True)
+
+
+def full_stand_in(runs: pd.DataFrame, group: pd.DataFrame):
+    """(Pick, the words of its protocol where it differs from the figure's) of the full cache for a figure's records ``group`` that have none: picked by the
+    cell rule from the full records of ``runs`` (same experiment, model and task) whose task settings are those of
+    a record of ``group``; None where there is none."""
+    settings = {task_settings(p) for p in group["protocol"]}
+    full = runs[(runs["policy"] == "full") & runs["protocol"].map(lambda p: task_settings(p) in settings)]
+    for key in ("experiment", "model", "task"):
+        full = full[full[key].astype(str) == str(group[key].iloc[0])]
+    pick = choose(full, "acc") if not full.empty else None
+    if pick is None:
+        return None
+    row, mine = pick.row, group.iloc[0]
+    words = [f"{k}={v}" for k, v, figure in (("compress", compress_of(row), compress_of(mine)),
+                                               ("question", question_of(row), question_of(mine))) if v != figure]
+    return pick, ",\n".join(words)
+
+
 def figure_name(exp, model, task, compress, question, several_models: bool) -> tuple[str, str]:
     """(file name, the title's protocol words): the default protocol unnamed."""
     parts = [str(exp), str(task), *([str(model)] if several_models else []),
@@ -89,21 +120,25 @@ def figure_niah(df: pd.DataFrame, out: str | Path) -> list[Path]:
         return written
     models = runs.groupby(["experiment", "task"], dropna=False)["model"].nunique()
     for (exp, model, task, compress, question), group in sorted(runs.groupby(KEYS, dropna=False), key=default_first):
+        picks = [(p, "") for p in panel_picks(group)]
+        if not any(p.row["policy"] == "full" for p, _ in picks) and (stand_in := full_stand_in(runs, group)):
+            picks.insert(0, stand_in)
         tables = []
-        for pick in panel_picks(group):
+        for pick, source in picks:
             samples = [s for run in pick.runs for s in load_samples(run["path"])]  # the protocol's seeds pooled
             if samples:
-                tables.append((pick, cell_table(samples)))
+                tables.append((pick, source, cell_table(samples)))
         if not tables:
             continue
         name, words = figure_name(exp, model, task, compress, question, models[exp, task] > 1)
         fig, axes = panels(len(tables), ncols=4, size=(3.6, 3.0))
-        for ax, (pick, table) in zip(axes, tables):
+        for ax, (pick, source, table) in zip(axes, tables):
             run = pick.row
             budget = "100%" if run["policy"] == "full" else f"{float(run['budget']):.0%}"
             n = sum(int(r["n_samples"]) for r in pick.runs)
             used = f", {len(pick.runs)} of {len(pick.runs) + pick.left_out} records" if pick.left_out else ""
-            image = heatmap_panel(ax, table, f"{label(run['policy'])} {budget} (n={n}{used})")
+            whose = f"\nrecord of {source}\n(same tokens)" if source else ""
+            image = heatmap_panel(ax, table, f"{label(run['policy'])} {budget} (n={n}{used}){whose}")
         fig.colorbar(image, ax=list(axes[:len(tables)]), shrink=0.8, label="accuracy")
         title = f"{model} / {task} ({key_str(exp)}): needle found, context length x depth{words}"
         fig.suptitle(textwrap.fill(title, 42 * min(len(tables), 4)))  # as wide as the panels

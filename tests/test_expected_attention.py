@@ -11,6 +11,7 @@ from h2o import attach, make_policy
 from h2o.assets.models import SLIDING_ARCHS, TINY_ARCHS, tiny_model
 from h2o.core.attach import attention_modules
 from h2o.core.policies import PolicyError
+from h2o.core.policies.budget import Unsupported
 from h2o.core.prerope import rotary_of
 from tests.test_parity import ids, reference
 from tests.test_prefill_methods import PADS, P, padded_paths
@@ -214,7 +215,7 @@ def test_generate_keeps_the_compressed_prompt():
 def test_refusals_in_one_line():
     for bad, needle in [(dict(n_sink=-1), "n_sink=-1"), (dict(n_future_positions=0), "n_future_positions=0"),
                         (dict(use_covariance="yes"), "use_covariance='yes'"), (dict(epsilon=-1.0), "epsilon=-1.0"),
-                        (dict(compress="decode"), "compress=decode: expected_attention is defined at the end")]:
+                        (dict(compress="decode"), "compress=decode: expected_attention has no faithful decoding")]:
         with pytest.raises(PolicyError, match=needle) as e:
             make_policy("expected_attention", **bad)
         assert "\n" not in str(e.value)
@@ -229,6 +230,26 @@ def test_refusals_in_one_line():
     with pytest.raises(PolicyError, match="rope type 'dynamic', whose frequencies change with the length"):
         with attach(dynamic, make_policy("expected_attention", budget=0.5), prompt_len=8):
             pass
+
+
+@pytest.mark.parametrize("options,why", [
+    ({}, "which n_sink=4 removes: the mean and covariance of 0 queries are NaN, so every score is NaN"),
+    ({"n_sink": 1}, "which n_sink=1 removes: the mean and covariance of 0 queries are NaN"),
+    ({"n_sink": 0}, "with n_sink=0 the covariance is 0 and the future rotation averages positions "
+                    "1..n_future_positions"),
+    ({"inner": "expected_attention"}, "which n_sink=4 removes"),  # through adakv: the inner's refusal
+])
+def test_decode_is_refused_saying_why_kvpress_decoding_form_is_degenerate(options, why):
+    """kvpress's DecodingPress(ExpectedAttentionPress, compression_interval=1) re-scores from one buffered hidden
+    state (tools/parity/expected_attention_decoding.py): refused in one line that says what it would compute under
+    the policy's n_sink, as Unsupported (a sweep lists the job as refused), and prefill stays allowed."""
+    name = "adakv" if "inner" in options else "expected_attention"
+    with pytest.raises(Unsupported, match=r"compress=decode: expected_attention has no faithful decoding form "
+                       r"\(kvpress's DecodingPress\(ExpectedAttentionPress, compression_interval=1\) scores from "
+                       r"the one hidden state buffered since its last cut, ") as e:
+        make_policy(name, compress="decode", **options)
+    assert why in str(e.value) and str(e.value).endswith("; allowed: prefill") and "\n" not in str(e.value)
+    assert make_policy(name, compress="prefill", **options).compress == "prefill"
 
 
 def test_a_forked_prefill_is_refused():

@@ -84,3 +84,39 @@ def test_two_records_of_one_key_are_picked_by_the_cell_rule_and_the_panel_says_s
     panels = drawn["methods_niah_heatmap"]
     assert list(panels) == ["full 100% (n=6)", "H2O 20% (n=6, 1 of 2 records)"]  # the largest sample wins
     assert panels["H2O 20% (n=6, 1 of 2 records)"].to_numpy().tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
+
+
+def test_a_protocol_without_a_full_record_draws_the_full_cache_of_another_and_says_whose(tmp_path, drawn):
+    """The full cache holds every token under either timing and, at 100%, the question inside or after the prompt
+    generates the same tokens: its decode record answers the prefill and question-after figures, titled so."""
+    record(tmp_path, "full", 1.0, lambda n, d: n == 512 or d < 0.2, name="full")
+    record(tmp_path, "snapkv", 0.2, lambda n, d: False, compress="prefill", name="inside")
+    record(tmp_path, "snapkv", 0.2, lambda n, d: True, compress="prefill", question="after", name="after")
+    assert niah.figure_niah(annotate(load_runs(tmp_path)), tmp_path / "fig") == [
+        "methods_niah_heatmap", "methods_niah_prefill_heatmap", "methods_niah_prefill_question-after_heatmap"]
+    full = [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]  # rows 512, 1024; columns the depths
+    assert {t: v.to_numpy().tolist() for t, v in drawn["methods_niah_prefill_heatmap"].items()} == {
+        "full 100% (n=6)\nrecord of compress=decode\n(same tokens)": full, "snapkv 20% (n=6)": [[0.0] * 3] * 2}
+    after = drawn["methods_niah_prefill_question-after_heatmap"]
+    assert list(after) == ["full 100% (n=6)\nrecord of compress=decode,\nquestion=prompt\n(same tokens)",
+                           "snapkv 20% (n=6)"]
+    assert next(iter(after.values())).to_numpy().tolist() == full
+
+
+def test_the_full_cache_of_other_task_settings_or_a_figure_with_its_own_is_not_borrowed(tmp_path, drawn):
+    """A full record of another task setting (here limit=3) never stands in; a figure with a full record of its
+    own protocol (question after, decode) draws that one."""
+    other, own = tmp_path / "other", tmp_path / "own"
+    record(other, "full", 1.0, lambda n, d: True, limit=3, name="full")
+    record(other, "snapkv", 0.2, lambda n, d: False, compress="prefill", name="inside")
+    assert niah.figure_niah(annotate(load_runs(other)), tmp_path / "fig") == [
+        "methods_niah_heatmap", "methods_niah_prefill_heatmap"]
+    assert list(drawn["methods_niah_prefill_heatmap"]) == ["snapkv 20% (n=6)"]  # limit=None there, 3 here
+    record(own, "full", 1.0, lambda n, d: d > 0.2, name="full_inside")
+    record(own, "full", 1.0, lambda n, d: d < 0.2, question="after", name="full_after")
+    record(own, "h2o", 0.2, lambda n, d: False, question="after", name="h2o_after")
+    assert niah.figure_niah(annotate(load_runs(own)), tmp_path / "fig") == [
+        "methods_niah_heatmap", "methods_niah_question-after_heatmap"]
+    after = drawn["methods_niah_question-after_heatmap"]
+    assert list(after) == ["full 100% (n=6)", "H2O 20% (n=6)"]
+    assert after["full 100% (n=6)"].to_numpy().tolist() == [[1.0, 0.0, 0.0]] * 2

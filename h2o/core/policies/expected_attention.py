@@ -27,8 +27,17 @@ tokens is all sinks (kvpress asserts it is longer); ties there go to the newest.
 The queries before RoPE: :mod:`h2o.core.prerope` (the attention function's queries turned back with the rotation
 the module applied). State: the statistics live in the evicting layer from the prompt's forward to its cut
 (``EvictingLayer.queries``); the simulated path computes them from the prompt's rows in the same call.
-No decoding form (kvpress's DecodingPress would re-score with running statistics of the last 256 hidden states;
-not built): ``compress=decode`` is refused in one line.
+No decoding form: ``compress=decode`` is refused in one line (:meth:`ExpectedAttention.timed`). kvpress 0.5.5 has
+none of its own; its wrapper ``DecodingPress(ExpectedAttentionPress(), compression_interval=1)`` (the budget held
+at every step, the harness's decode timing) is degenerate. Its hook buffers the layer's hidden states and clears the
+buffer after each re-score, so at interval N the statistics come from the N states since the last cut; at N = 1 one
+state, which the ``n_sink = 4`` cut removes: the mean and covariance of 0 queries are NaN, every score is NaN (the
+sinks' ``max + 1`` too) and ``topk`` keeps whatever order it returns for NaNs. Measured on kvpress 0.5.5 with the
+parity tiny Llama (24-token prompt, target 16): at every step all scores NaN, the first cut kept positions
+{3, 4, 5, 12..24} of 25 (sinks 0-2 dropped); the same at N <= n_sink (N = 4); at N = n_sink + 1 one query is left
+and the covariance is exactly 0. At any N the future rotation averages positions ``N .. N + 511`` (kvpress reads the
+buffer's length as the prompt's), not the sequence's ``L .. L + 511``. With ``n_sink = 0`` at N = 1: the newest
+query alone, zero covariance, the same wrong positions. No published rule to follow there, so none is built.
 """
 from __future__ import annotations
 
@@ -37,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PolicyError
+from .base import PolicyError, Unsupported
 from .prefill import PrefillOnly
 
 
@@ -82,6 +91,21 @@ class ExpectedAttention(PrefillOnly):
             raise PolicyError(f"epsilon={epsilon!r}: expected a finite number >= 0")
         self.n_future_positions, self.n_sink = n_future_positions, n_sink
         self.use_covariance, self.use_vnorm, self.epsilon = use_covariance, use_vnorm, float(epsilon)
+
+    def timed(self, compress: str):
+        if compress == "decode":
+            raise Unsupported(f"compress=decode: expected_attention has no faithful decoding form (kvpress's "
+                              f"DecodingPress(ExpectedAttentionPress, compression_interval=1) scores from the one "
+                              f"hidden state buffered since its last cut, {self.degenerate()}); allowed: prefill")
+        return super().timed(compress)
+
+    def degenerate(self) -> str:
+        """What kvpress's re-score every step computes from one buffered hidden state under this ``n_sink``."""
+        if self.n_sink:
+            return (f"which n_sink={self.n_sink} removes: the mean and covariance of 0 queries are NaN, so every "
+                    f"score is NaN and top-k keeps an arbitrary set")
+        return ("so with n_sink=0 the covariance is 0 and the future rotation averages positions 1..n_future_positions "
+                "(the buffer's length read as the prompt's), not the sequence's")
 
     def query_stats(self, queries, rows: int, pos: torch.Tensor, length: torch.Tensor) -> QueryStats:
         """queries (:class:`h2o.core.prerope.Queries`) of a prompt's forward, its first ``rows`` rows with

@@ -21,6 +21,19 @@ averages the marks over the steps recorded (at most ``w``) and evicts the lowest
 ``w``, ``r`` and ``m`` as shares of the budget (``B/2``, ``B/4``, ``B/2``) and cites no source for them. So 400 and
 10 agree with the one implementation that names the paper as their source; no source found gives the paper's ``m``.
 
+The authors' own code, github.com/lzcemma/Scissorhands (commit d0bf444, Mar 2024; its README links the NeurIPS 2023
+paper), has one experiment script, OPT-66B perplexity on C4 (``Decentralized_FM_alpha/run_infer_opt_66b_sparse_c4.sh``):
+``LRU_WINDOW=100`` (the history window) and ``POSITION_WINDOW=10`` (the recent window). Its rule
+(``modules/hf_opt_dropkv.py``) is a masked teacher-forced forward, not an evicting cache: in layers 5-35 only, from
+position 100 on, a token counts as important at a step where its weight is above the value at the 90% rank of that
+row's sorted weights (all columns, the causally masked zeros included; a ``1/t``-type threshold is there,
+commented out); at row i the tokens important at none of the last ``LRU_WINDOW`` rows are masked, except the last
+``POSITION_WINDOW``; no fixed budget (the share kept is logged, not imposed). So ``r = 10`` agrees with the authors' script, and ``w`` is 100 there, 400 in cold-compress; the defaults
+stay 400 and 10 until the paper's text is read (the searches of this project's corpora, pages, docs and code, found
+its abstract, reviews and the NeurIPS abstract page only). KVCache-Factory's "Scissorhands-style" selector
+(Zefan-Cai/KVCache-Factory ``pyramidkv/scissorhands.py``, 2026) sums the last ``history_window`` rows' attention with
+an optional decay and takes a top-k under a budget; it sets no window defaults.
+
 Here, in both paths (the simulated row loop and the evicting cache, one eviction per arriving token):
 
 * ``priority`` = ``-I_j`` (the most often unimportant token goes; the oldest on ties, :func:`.base.select_slot`);
