@@ -33,7 +33,7 @@ def hydra_ctx():
 
 
 # ------------------------------------------------------------------------------------------- one merge rule
-def test_the_rule_run_over_policy_task_over_both_and_the_policys_value_beside(hydra_ctx):
+def test_the_rule_run_over_policy_task_over_both_and_the_policys_value_beside():
     run = {"seed": 0, "budget": 0.2, "policy_options": {"seed": 3, "window": 64}}
     described = {"seed": 3, "window": 64, "kernel": 5}
     out = record_fields(run, described, {"wall_s": 1.0, "batch_size": None}, {"window": 1152, "batch_size": 8,
