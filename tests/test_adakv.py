@@ -119,7 +119,7 @@ def model(request):
 
 
 TIMED = [("knorm", "prefill"), ("snapkv", "prefill"), ("expected_attention", "prefill"), ("h2o", "decode"),
-         ("random", "decode"), ("scissorhands", "decode")]
+         ("random", "decode"), ("scissorhands", "decode"), ("keydiff", "decode")]
 OPTIONS = {"snapkv": {"window": 4}, "scissorhands": {"history": 8, "window": 2}}  # both within the prompt
 
 

@@ -18,8 +18,8 @@ from h2o.pipeline.sweep import describe, expand
 from h2o.tasks.kv_held import geometry, simulated_held
 from h2o.tasks.perplexity import PerplexityTask
 
-PREFILL_ONLY = {"snapkv", "pyramidkv", "adakv", "knorm", "keydiff", "expected_attention"}
-DECODING = {"local", "streaming_llm", "h2o", "tova", "scissorhands", "random"}
+PREFILL_ONLY = {"snapkv", "pyramidkv", "adakv", "expected_attention"}
+DECODING = {"local", "streaming_llm", "h2o", "tova", "scissorhands", "random", "knorm", "keydiff"}  # both timings
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
             {(n, c) for n in DECODING for c in ("decode", "prefill")} | {(n, "prefill") for n in PREFILL_ONLY}
             | {("full", "decode")})
     assert {(n, c) for t, n, c in jobs if t == "austen_ppl"} == {(n, "decode") for n in DECODING | {"full"}}
-    assert len(grid.plans) == len({p.path for p in grid.plans}) == 45 + 12  # x3 budgets: 129 + 12 (full's one folder)
+    assert len(grid.plans) == len({p.path for p in grid.plans}) == 51 + 12  # x3 budgets: 147 + 12 (full's one folder)
     refused, outside = Counter(), Counter()
     for job, why in grid.refused + grid.outside:
         given = dict(o.lstrip("+").split("=", 1) for o in job)
@@ -76,7 +76,7 @@ def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
     ctx = next(p for p in grid.plans if p.task.name == "austen_ctx")
     assert (ctx.task.window, ctx.task.context, ctx.task.n_windows, ctx.model.name) == (1152, 1024, 8, "smollm2-135m")
     text = describe(grid)
-    assert text.count("   - refused ") == len(grid.refused) == 99 - len(grid.outside)
+    assert text.count("   - refused ") == len(grid.refused) == 93 - len(grid.outside)
     assert text.endswith(f"; {len(grid.refused)} refused (not run); {len(grid.outside)} outside the experiment's "
                          f"grid_only cells (not run, not listed)")
     assert "compress=decode: snapkv is defined at the end of a prompt only" in text
@@ -91,16 +91,16 @@ def test_the_cluster_grid_crosses_the_papers_models_and_fig4_tasks_with_every_me
     assert (params.model, params.task) == (fig4.model, fig4.task)
     sweep = expand(["experiment=methods_cluster", "model=opt-6.7b", "task=copa", "runs_dir=/nonexistent-runs"],
                    multirun=True)  # one model x task cell of it
-    assert len({p.path for p in sweep.plans}) == 1 + 6 * 3 * 2 + 6 * 3  # full, decoding methods at both
-    assert len(sweep.refused) == 3 + 6 * 3  # full at prefill, the prefill-only methods at decode
+    assert len({p.path for p in sweep.plans}) == 1 + 8 * 3 * 2 + 4 * 3  # full, decoding methods at both
+    assert len(sweep.refused) == 3 + 4 * 3  # full at prefill, the prefill-only methods at decode
     assert {(p.task.shots, p.semantics) for p in sweep.plans} == {(5, "simulated")}
 
 
 def test_a_combination_that_does_not_exist_is_one_line_in_a_single_run(hydra_ctx):
     with pytest.raises(Unsupported, match="compress=prefill: task austen_ppl scores sliding windows"):
         expand(["task=austen_ppl", "policy=h2o", "+policy.compress=prefill"], multirun=False)
-    with pytest.raises(Unsupported, match="compress=decode: knorm is defined at the end of a prompt only"):
-        expand(["task=austen_ctx", "policy=knorm", "policy.compress=decode"], multirun=False)
+    with pytest.raises(Unsupported, match="compress=decode: pyramidkv is defined at the end of a prompt only"):
+        expand(["task=austen_ctx", "policy=pyramidkv", "policy.compress=decode"], multirun=False)
 
 
 # ------------------------------------------------------------------ context then continuation, both paths

@@ -70,7 +70,7 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
     import torch
     import transformers
 
-    from h2o.core.policies import Policy
+    from h2o.bench.parity_table import decodes
 
     torch.set_num_threads(threads)
     done = read_done(out)
@@ -79,7 +79,7 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
              and (OURS.get(m) or EXTRA.get(m)) for r in ratios]
     if decode:
         jobs += [(m, r, "decode") for m in methods if m in DECODE and OURS.get(m) and m not in DECODE_ONLY
-                 and Policy.registry[OURS[m][0]].compress == "decode" for r in ratios]  # ours has a decode form
+                 and decodes(*OURS[m]) for r in ratios]  # ours has a decode form
     with out.open("a") as f:
         for method, ratio, timing in jobs:
             name, options = (OURS.get(method) or EXTRA[method])

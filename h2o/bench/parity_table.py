@@ -142,6 +142,11 @@ NOTES = [
     "- Decode timing, `streaming_llm`: kvpress's DecodingPress re-scores a cache that ScorerPress gathered in top-k "
     "order, so position-based scores read slots as positions; `streaming_llm_ordered` (kvpress's press with the "
     "kept keys in position order, a diagnostic) equals ours (docs/methods.md, \"A finding\").",
+    "- Decode timing, `knorm` and `keydiff` (kvpress's DecodingPress at interval 1): the same held sets by rule "
+    "(docs/methods.md, \"KNorm and KeyDiff at every decoding step\"). Where two held keys' scores tie exactly "
+    "(knorm at layer 0: a token arriving beside a held copy of itself) kvpress drops what `topk` leaves out of its "
+    "row in its slot order; ours carries that order (h2o/core/policies/decoding_press.py). "
+    "tools/parity/decode_ties.py runs that tie order and the older-first one by hand.",
     "- PyramidKV at 20% of 1,024 tokens: its pyramid needs `L (1 - r) >= beta * window` (1,280 tokens at the "
     "defaults), so it falls back to one budget per layer, `round(L (1 - r))` (205, SnapKV's `int` gives 204).",
     "",

@@ -206,7 +206,8 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             if not every and self.room_list != room:
                 self.room_list, self.room = room, torch.tensor(room, device=key_states.device)
             with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-                prio = self.decoding().priority(self.pos, self.acc, self.n_tok, self.host_tok, self.host_held, room)
+                state, tok, held = self.step_state(), self.host_tok, self.host_held
+                prio = self.decoding().priority(self.pos, state, self.n_tok, tok, held, room)
                 slot = select_slot(prio, self.pos, None if every else self.pos >= 0, self.room)  # (B, H, 1)
                 self.decoder.placed(slot)
             self.place(slot, key_states, value_states)
@@ -225,7 +226,8 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         slot = (self.pos < 0).byte().argmax(-1, keepdim=True)  # (B, H, 1) the first empty slot of each head
         self.place(slot, key_states, value_states)
         with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-            prio = self.policy.priority(self.pos, self.acc, self.n_tok, self.counts)  # (B, H, S)
+            state = self.step_state(self.pos != bcast(self.n_tok))  # the arriving token's key not ranked
+            prio = self.policy.priority(self.pos, state, self.n_tok, self.counts)  # (B, H, S)
             keep = self.policy.keep(prio, self.pos, self.pos >= 0, self.counts,
                                     arriving=self.pos == bcast(self.n_tok))
         self.pos = torch.where(keep, self.pos, -1)
@@ -250,14 +252,6 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         """Whether the budget can drop a token (an evicting policy below 100%, not compressed once already)."""
         return self.policy.evicts and not self.policy.is_full and not self.compressed
 
-    def cuts(self) -> bool:
-        """Whether a prefill (chunk) ends with :meth:`cut`: a budget that drops tokens, or a sliding window."""
-        return self.limited() or self.window is not None
-
-    def expire(self, now: torch.Tensor) -> None:
-        """Sliding window: the slots of tokens out of the window of position ``now`` (B,) become empty."""
-        self.pos.masked_fill_(self.pos <= bcast(now - self.window), -1)
-
     def slide_in(self, key_states, value_states):
         """One arriving token on a sliding-window layer: what leaves the window goes first, then the policy
         decides per KV head on what is left (an empty slot where the head is below budget, else the token of
@@ -272,7 +266,8 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             held = self.pos >= 0  # (B, H, S)
             if self.limited():
                 room = held.sum(-1, keepdim=True) < bcast(self.counts.total)  # (B, H, 1)
-                prio = self.decoding().priority(self.pos, self.acc, self.n_tok, self.host_tok, self.host_held, None)
+                state = self.step_state()
+                prio = self.decoding().priority(self.pos, state, self.n_tok, self.host_tok, self.host_held, None)
                 slot = select_slot(prio, self.pos, held, room)  # (B, H, 1)
             else:  # keeps all it may: the first empty slot
                 slot = (~held).byte().argmax(-1, keepdim=True)

@@ -1,15 +1,17 @@
-"""The evicting layer's cut: at the end of a prompt (or of a prefill chunk) the layer keeps the budget and frees
-the rest. What the policy ranks (its accumulated scores, a score of the held keys, or the prompt's query
-statistics against the held keys and values), which slots it keeps (each head's top count, or one top-k over the
-layer's heads for a pooled policy: Ada-KV) and the compaction into fewer slots. Mixed into
-:class:`h2o.core.cache.EvictingLayer` (state shapes: :mod:`h2o.core.cache`).
+"""The evicting layer's cut: at the end of a prompt (or of a prefill chunk) the layer keeps the budget (less the
+policy's ``cut_room``: a slot left for the next token) and frees the rest. What the policy ranks (its accumulated
+scores, a score of the held keys, or the prompt's query statistics against the held keys and values), which slots
+it keeps (each head's top count, or one top-k over the layer's heads for a pooled policy: Ada-KV) and the
+compaction into fewer slots; and what a decoding step ranks for a policy that reads the keys
+(:meth:`CutHooks.step_state`). Mixed into :class:`h2o.core.cache.EvictingLayer` (state shapes:
+:mod:`h2o.core.cache`).
 """
 from __future__ import annotations
 
 import torch
 
 from .policies import PolicyError
-from .policies.base import along_slots
+from .policies.base import along_slots, bcast
 
 
 class CutHooks:
@@ -22,17 +24,27 @@ class CutHooks:
             self.expire(self.n_tok - 1)
         valid = self.pos >= 0
         if self.limited():
-            prio = self.policy.priority(self.pos, self.cut_state(valid), self.n_tok - 1, self.counts)
-            keep = self.policy.keep(prio, self.pos, valid, self.counts)  # (B, H, S)
+            counts, room = self.policy.cut_counts(self.counts), self.policy.cut_room  # room: left for the next
+            prio = self.policy.priority(self.pos, self.cut_state(valid), self.n_tok - 1, counts)
+            self.policy.cut_order(self.acc, prio, self.pos, valid, counts)
+            keep = self.policy.keep(prio, self.pos, valid, counts)  # (B, H, S)
             if self.policy.pooled:  # heads hold uneven counts: the largest, read once
                 self.host_held = keep.sum(-1).amax(-1).tolist()
             else:
-                self.host_held = [min(h, t) for h, t in zip(self.host_held, self.host_total)]
+                self.host_held = [min(h, max(t - room, 0)) for h, t in zip(self.host_held, self.host_total)]
         else:
             keep = valid
         if self.window is not None:  # an upper bound: the window may have freed more on some heads
             self.host_held = [min(h, self.window) for h in self.host_held]
         self.compact(keep, max(self.host_held))
+
+    def cuts(self) -> bool:
+        """Whether a prefill (chunk) ends with ``cut``: a budget that drops tokens, or a sliding window."""
+        return self.limited() or self.window is not None
+
+    def expire(self, now: torch.Tensor) -> None:
+        """Sliding window: the slots of tokens out of the window of position ``now`` (B,) become empty."""
+        self.pos.masked_fill_(self.pos <= bcast(now - self.window), -1)
 
     def compact(self, keep: torch.Tensor, S: int) -> None:
         """Keep the slots ``keep`` (B, H, S') bool, each head's kept slots first in their order, in ``S`` slots
@@ -58,3 +70,12 @@ class CutHooks:
             stats, self.queries = self.queries, None
             return self.policy.query_score(stats, *self.read(), self.pos, valid)
         return self.policy.cut_score(self.acc, self.read()[0], valid) if self.policy.reads_keys else self.acc
+
+    def step_state(self, older: torch.Tensor | None = None) -> torch.Tensor:
+        """What a decoding step's priority reads: ``acc``, or for a policy that reads keys its
+        :meth:`Policy.step_score` of the held keys as attention reads them (``read``), ``older`` (B, H, S)
+        bool the slots of the tokens before the arriving one (None: every held slot)."""
+        if not self.policy.reads_keys:
+            return self.acc
+        held = self.pos >= 0 if older is None else (self.pos >= 0) & older
+        return self.policy.step_score(self.acc, self.read()[0], held, self.pos, self.counts)

@@ -19,8 +19,7 @@ import torch
 from . import row_kernel
 from .policies import Policy
 from .policies.base import bcast, const, declared
-from .policies.h2o import reference_mask
-from .policies.h2o_reference import H2OReference
+from .policies.h2o_reference import H2OReference, reference_allowed, reference_plan
 
 
 def positions(valid: torch.Tensor) -> torch.Tensor:
@@ -189,22 +188,6 @@ def simulated_attention(policy: Policy, query, key, value, valid, scaling: float
     return out.reshape(B, Hq, T, D).transpose(1, 2), probs.reshape(B, Hq, T, T)
 
 
-def reference_plan(policy: Policy, valid: torch.Tensor) -> tuple[int, int]:
-    """(heavy, recent) in tokens for the paper code's rule, checked once per forward: one host read (is the input
-    unpadded); the counts are taken of the length T on the host."""
-    if not bool(valid.all()):
-        raise ValueError("policy=h2o_reference (semantics=reference): needs unpadded input, one sequence at a time")
-    counts = policy.counts(torch.tensor([valid.shape[1]]))  # (1,) on the CPU: no device read
-    return counts.heavy.tolist()[0], counts.recent.tolist()[0]
-
-
-def reference_allowed(logits, allowed, plan: tuple[int, int]):
-    """The paper code's rule (``h2o.core.policies.h2o.reference_mask``), one unpadded sequence at a time;
-    ``plan``: the forward's :func:`reference_plan`."""
-    causal_logits = logits.masked_fill(~allowed, -float("inf"))
-    return reference_mask(causal_logits, *plan)
-
-
 def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None,
                    window: int | None = None) -> torch.Tensor:
     """(B, Hkv, G|1, T, T) bool mask of what each row sees under ``policy`` (logits unused if position-only in
@@ -249,11 +232,18 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     probs = first * valid[:, None, None, :start, None]
     acc = policy.new_state(B, Hkv, T, logits.device)  # (B, Hkv, T) accumulated attention (Policy.new_state)
     policy.accumulate(acc, probs, valid[:, :start])
+    keys = key if policy.evicts and policy.reads_keys else None  # (B, Hkv, T, D) for Policy.step_score
+    cut_at = prompt_len if start == prompt_len and policy.cut_room else 0  # a prompt's cut leaves a slot free
     if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
         now = keep[:, 0].sum(-1) - 1
         if window is not None:  # the window first: what left it is gone before the policy decides
             keep &= posH > bcast(now - window)
-        keep = policy.keep(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), posH, keep, counts)
+        state = acc if keys is None else policy.cut_score(acc, keys, keep)
+        cut = policy.cut_counts(counts) if cut_at else counts  # a cut after the prompt's: the real path's step
+        prio = policy.priority(posH.masked_fill(~keep, -1), state, now, cut)
+        if cut_at:
+            policy.cut_order(acc, prio, posH, keep, cut)
+        keep = policy.keep(prio, posH, keep, cut)
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
     if sinks is None and row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
@@ -261,12 +251,14 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
         return out, None
     if not policy.needs_scores:  # a position-only policy on a sliding layer: the loop writes the rows only
         with serial(logits.device):
-            row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, None, window)
+            row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, None, window, None, keys,
+                     cut_at)
         return out, None
     seen = torch.empty_like(logits)  # (B, Hkv, G, T, T) every row's attention probabilities
     seen[..., :start, :] = first
     with serial(logits.device):
-        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, seen, window, sinks)
+        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, seen, window, sinks, keys,
+                 cut_at)
     return out, seen
 
 
@@ -320,12 +312,14 @@ def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window:
 
 
 def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded=True, seen=None, window=None,
-             sinks=None):
+             sinks=None, keys=None, cut_at=0):
     """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention.
     ``padded`` False: no row from ``start`` on is a pad (their weighting is skipped). ``seen`` (B, Hkv, G, T, T):
     each row's attention probabilities are written there (policies that read the scores). ``window``: first the
     held tokens out of the row's window leave; the budget is then full where a (sequence, KV head) still holds
     ``total`` tokens (its own count: the window frees slots head by head). ``sinks``: :func:`masked_softmax`'s.
+    ``keys`` (B, Hkv, T, D): the held older keys ranked by ``Policy.step_score``. ``cut_at``: the prompt's length
+    where its cut left a slot free (``Policy.cut_room``): the first real row from there takes it.
 
     A :attr:`~h2o.core.policies.Policy.pooled` policy (Ada-KV) adds the row's token to every head, then cuts the
     whole layer back to its budget (:meth:`~h2o.core.policies.Policy.keep`, the token kept), as the cache does.
@@ -337,6 +331,8 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
     B = valid.shape[0]
     before = valid.long().cumsum(-1) - valid.long()  # (B, T) tokens before each column; the cache holds min(., K)
     rooms = (before < counts.total[:, None]) | ~valid  # (B, T) below budget (or a pad: nothing to evict)
+    if 0 < cut_at < T:  # the rows after the cut with no real token between: the free slot is theirs
+        rooms |= (torch.arange(T, device=valid.device) >= cut_at) & (before == before[:, cut_at:cut_at + 1])
     inf = const(float("inf"), torch.float32, logits.device)
     fills = torch.where(rooms, -inf, inf).t().contiguous().view(T, B, 1, 1)  # (T, B, 1, 1) key of a free column
     toks = valid.t().contiguous()  # (T, B): row i's token is real
@@ -355,12 +351,15 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
             keep &= posH > edge[i]
         if policy.pooled:  # the token enters every head, then the layer is cut back to its budget
             keep.select(2, i).copy_(tok)
-            prio = policy.priority(torch.where(keep, posH, gone), acc, now[i], counts)  # (B, Hkv, T)
+            older = keep & (posH != now[i].view(B, 1, 1))
+            state = acc if keys is None else policy.step_score(acc, keys, older, posH, counts)
+            prio = policy.priority(torch.where(keep, posH, gone), state, now[i], counts)  # (B, Hkv, T)
             keep.copy_(policy.keep(prio, posH, keep, counts, arriving=posH == now[i].view(B, 1, 1)))
             row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
         elif policy.evicts:
             held = torch.where(keep, posH, gone)  # the state as the cache sees it: -1 = not held
-            prio = policy.priority(held, acc, now[i], counts)  # (B, Hkv, T)
+            state = acc if keys is None else policy.step_score(acc, keys, keep, posH, counts)
+            prio = policy.priority(held, state, now[i], counts)  # (B, Hkv, T)
             fill = fills[i] if window is None else torch.where(
                 (keep.sum(-1, keepdim=True) < limit) | pads[i], -inf, inf)  # (B, Hkv, 1): room per head
             slot = column_key(keep, prio, fill).argmin(-1, keepdim=True)  # (B, Hkv, 1)

@@ -243,6 +243,31 @@ class Policy(BudgetChecks):
         returns its own (B, H, S) fp32."""
         return acc
 
+    def step_score(self, acc: torch.Tensor, keys: torch.Tensor, held: torch.Tensor, pos: torch.Tensor,
+                   counts: Counts) -> torch.Tensor:
+        """The state :meth:`priority` reads at a decoding step of a policy with ``reads_keys`` (each row of the
+        simulated row loop, each decoding token of the evicting cache): :meth:`cut_score` of the held older keys
+        (B, H, S, D) after RoPE, held (B, H, S) bool, the arriving token not among them; pos (B, H, S)."""
+        return self.cut_score(acc, keys, held)
+
+    # slots a cut (a prompt's end, a prefill chunk's) leaves empty for the next token, 0 or 1 (:meth:`cut_counts`)
+    cut_room: int = 0
+
+    def cut_order(self, acc: torch.Tensor, prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
+                  counts: Counts) -> None:
+        """Told a cut's ranking (prio, pos, valid (B, H, S): the held slots, the counts it keeps) before the slots
+        are compacted, to set ``acc`` of the kept slots in place. Default: nothing."""
+
+    def cut_counts(self, counts: Counts) -> Counts:
+        """The counts a cut keeps: ``counts`` less ``cut_room`` tokens (the heavy part first capped). 0: the cut
+        keeps ``total`` and the next token evicts one by the same score; 1 where that decision reads what the cut
+        dropped (keydiff's anchor of every held key): the cut keeps ``total - 1``, the decision taken early."""
+        if not self.cut_room:
+            return counts
+        total = (counts.total - self.cut_room).clamp(min=0)
+        heavy = torch.minimum(counts.heavy, total)
+        return Counts(total=total, heavy=heavy, recent=total - heavy, length=counts.length)
+
     def decoder(self, counts: Counts, host: Counts) -> "Decoder":
         """The priority at the decoding steps of one evicting-cache layer (counts on the device and on the host).
         Default: :meth:`priority` as it is; a policy may keep state between steps to make the same decisions

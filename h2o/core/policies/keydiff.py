@@ -1,15 +1,22 @@
 """keydiff: keep the keys least like their mean direction (KeyDiff, Park et al., arXiv 2504.15364), as kvpress
 0.5.5's KeyDiffPress: the anchor ``a[k] = mean_j K[k, j] / |K[k, j]|`` over the held keys of KV head k (after RoPE),
-``s[k, j] = -cos(K[k, j], a[k])``. At the end of a prompt only (kvpress's form; the paper's is block-wise, kvpress's
-``BlockPress``; not built). Pads and empty slots are left out of the anchor (kvpress has no padding). Computed in
-at least fp32 (kvpress: the keys' dtype; the same in fp32)."""
+``s[k, j] = -cos(K[k, j], a[k])``. Pads and empty slots are left out of the anchor (kvpress has no padding).
+Computed in at least fp32 (kvpress: the keys' dtype; the same in fp32). The paper's block-wise form (kvpress's
+``BlockPress``) is not built.
+
+Timings: ``compress=prefill`` (kvpress's, the default): the prompt cut once to the budget. ``compress=decode``:
+kvpress's ``DecodingPress(KeyDiffPress, compression_interval=1, target_size=total - 1)`` after a prefilling
+KeyDiffPress to ``total - 1``: the prompt is cut to ``total - 1`` (the anchor over the whole prompt) and each
+arriving token takes the slot of the held key most like the anchor of the held older keys (the arriving key not
+in it), exact ties as kvpress's ``topk`` decides (:mod:`.decoding_press`; docs/methods.md). No Triton row kernel: on CUDA the simulated path runs
+the torch row loop (one-line notice)."""
 import torch
 import torch.nn.functional as F
 
-from .prefill import PrefillOnly
+from .decoding_press import DecodingOrder
 
 
-class KeyDiff(PrefillOnly):
+class KeyDiff(DecodingOrder):
     name = "keydiff"
     reads_keys = True
 

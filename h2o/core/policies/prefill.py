@@ -1,10 +1,17 @@
-"""The base of the methods defined only at the end of a prompt (kvpress's presses: snapkv, knorm, keydiff,
-expected_attention): the whole budget is scored (no recent window), the timing is ``compress="prefill"`` and
-``decode`` is refused in one line (docs/methods.md: their decoding forms are not built).
+"""The base of kvpress's presses (snapkv, knorm, keydiff, expected_attention): the whole budget is scored (no
+recent window), the default timing is ``compress="prefill"`` (kvpress's setting).
 
-Selection (:meth:`PrefillOnly.keep`) is kvpress's ``ScorerPress``, ``scores.topk(n)`` over the prompt's
+Selection at a cut (:meth:`PrefillOnly.keep`) is kvpress's ``ScorerPress``, ``scores.topk(n)`` over the prompt's
 positions per KV head, run as kvpress runs it, so exact ties go the same way (:mod:`.kvpress_select`).
+
+``compress=decode`` is refused in one line, except for a press with a decoding form (``decode_form``: knorm,
+keydiff, per-key scores; :mod:`.decoding_press`): kvpress's ``DecodingPress(press, compression_interval=1)``. At
+each decoding step the arriving token takes the slot of the held key kvpress's ``topk`` leaves out (the lowest
+:meth:`Policy.step_score` of the held older keys); a cut keeps ``total - 1`` (:attr:`cut_room`), the next token
+taking the free slot (docs/methods.md, "KNorm and KeyDiff at every decoding step").
 """
+from typing import ClassVar
+
 import torch
 
 from .base import Counts, Policy
@@ -15,6 +22,7 @@ from .kvpress_select import kvpress_topk
 class PrefillOnly(Policy):
     compress = "prefill"
     newest_upto = 0  # a prompt of at most this many tokens keeps its newest (kvpress has no rule there)
+    decode_form: ClassVar[bool] = False  # True: DecodingPress's form at interval 1 (compress=decode)
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
         super().__init__(budget, heavy, recent, heavy_share)
@@ -22,13 +30,19 @@ class PrefillOnly(Policy):
         Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent window: the whole budget is scored
 
     def timed(self, compress: str) -> Policy:
-        if compress == "decode":
+        if compress == "decode" and not self.decode_form:
             raise Unsupported(f"compress=decode: {self.name} is defined at the end of a prompt only (kvpress's "
                               f"rule); allowed: prefill")
         return super().timed(compress)
 
+    @property
+    def cut_room(self) -> int:
+        """1 in the decoding timing: kvpress's prefilling press keeps ``target = total - 1`` tokens, each step
+        sees them and itself (:class:`Policy`'s)."""
+        return int(self.compress == "decode")
+
     def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
-        return acc  # (B, H, S) fp32: the score at the cut (:meth:`Policy.cut_score` or the accumulated one)
+        return acc  # (B, H, S) fp32: the score at the cut or the step (Policy.cut_score, step_score, or acc)
 
     def keep(self, prio, pos, valid, counts: Counts, arriving=None) -> torch.Tensor:
         """kvpress's selection at the cut (:func:`kvpress_topk`): (B, H, S) bool."""

@@ -1,0 +1,74 @@
+"""kvpress's ``DecodingPress(press, compression_interval=1)`` for a per-key press (knorm, keydiff): its decision at
+every decoding step, exact ties included.
+
+kvpress presses a layer by ``scores.topk(target)`` over the cache's slots in their order and gathers the kept keys
+in ``topk``'s order; the next token is appended after them. Where scores tie exactly (knorm at layer 0: a token
+arriving beside a held copy of itself has the same key norm), which key ``topk`` leaves out depends on that slot
+order. So the decode timing keeps kvpress's slot order in the state: ``acc`` (B, H, S) holds each held slot's place
+in kvpress's row, ``j - n`` for the ``j``-th key ``topk`` returned (``n`` kept), 0 for a token that arrived since
+(last; several such: by position, as they were appended). The prompt's cut sets it from kvpress's prefill ``topk``
+(:meth:`DecodingOrder.cut_order`, the row by position as :func:`.kvpress_select.kvpress_topk` runs it); each step
+where the head is full (the arriving token must evict) runs ``topk(n - 1)`` on the held keys' scores in that order
+and the one left out goes (:meth:`DecodingOrder.step_score`). Both paths call the same two hooks. One host read per
+layer and step (which sequences are full).
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Counts
+from .kvpress_select import rows_by_position
+from .prefill import PrefillOnly
+
+
+class DecodingOrder(PrefillOnly):
+    """A press with kvpress's decoding form (``decode_form``): its ``acc`` in the decode timing is kvpress's slot
+    order, not attention (the scores read only the keys)."""
+
+    decode_form = True
+
+    def accumulate(self, acc, probs, valid=None) -> None:
+        if self.compress == "prefill":
+            super().accumulate(acc, probs, valid)
+
+    def accumulate_prompt(self, acc, probs, valid, left) -> None:
+        if self.compress == "prefill":
+            super().accumulate_prompt(acc, probs, valid, left)
+
+    def cut_order(self, acc, prio, pos, valid, counts: Counts) -> None:
+        """kvpress's prefill press: a sequence that drops keys gets its kept slots' places in ``topk``'s order."""
+        if self.compress == "prefill":
+            return
+        rows, index, lengths = rows_by_position(prio, pos, valid)  # (B, H, L + 1) the scores by position
+        for b, (length, n) in enumerate(zip(lengths, counts.total.tolist())):
+            if n < length:
+                top = rows[b, :, :length].topk(n, dim=-1).indices  # (H, n) columns in topk's order
+                place = torch.zeros_like(rows[b])  # (H, L + 1)
+                place.scatter_(-1, top, torch.arange(n, dtype=place.dtype, device=place.device).expand_as(top) - n)
+                acc[b] = place.gather(-1, index[b]).to(acc.dtype)
+
+    def step_score(self, acc, keys, held, pos, counts: Counts) -> torch.Tensor:
+        """(B, H, S) the priority of a decoding step: where a head is full, 0 for the key ``topk(n - 1)`` leaves out
+        of kvpress's row and 1 for the others (whose places ``acc`` takes, in place); elsewhere the score."""
+        score = self.cut_score(acc, keys, held)  # (B, H, S)
+        if self.compress == "prefill":
+            return score
+        full = held.sum(-1) >= counts.total[:, None]  # (B, H) the arriving token evicts
+        if not bool(full.any()):
+            return score
+        by_pos = torch.where(held, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
+        key = torch.where(held, acc, torch.inf).gather(-1, by_pos)  # places, then positions among equal places
+        order = by_pos.gather(-1, key.argsort(dim=-1, stable=True))  # (B, H, S) kvpress's row: its slots in order
+        out = score.clone()
+        for b, n in enumerate(counts.total.tolist()):
+            if not bool(full[b].any()) or n < 1:
+                continue
+            row = order[b, :, :n]  # (H, n) the held slots in kvpress's order
+            top = score[b].gather(-1, row).topk(n - 1, dim=-1).indices  # (H, n - 1)
+            kept = row.gather(-1, top)  # (H, n - 1) slots, in topk's order
+            mark = torch.zeros_like(score[b]).scatter_(-1, kept, 1.0)  # (H, S) 0: the one left out (or not held)
+            place = acc[b].scatter(-1, kept, torch.arange(n - 1, dtype=acc.dtype, device=acc.device).expand_as(
+                kept) - n)
+            out[b] = torch.where(full[b][:, None], mark, score[b])
+            acc[b] = torch.where(full[b][:, None], place, acc[b])
+        return out
