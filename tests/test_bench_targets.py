@@ -63,6 +63,21 @@ def test_make_bench_writes_the_experiments_record(tmp_path, monkeypatch, capsys)
     assert path.read_text() == before
 
 
+def test_h2o_run_leaves_the_root_logger_as_it_found_it(monkeypatch, tmp_path, capsys):
+    """Hydra's logging configs bind a handler to the sys.stdout of the run (here capsys's, closed after this test):
+    main takes it off again, so no later log line of the process writes to a closed file."""
+    import logging
+
+    from h2o.pipeline import run
+
+    monkeypatch.chdir(tmp_path)  # Hydra's scratch folder (outputs/)
+    monkeypatch.setattr(run, "run_job", lambda cfg: "done")  # the job itself is not the point
+    root = logging.getLogger()
+    before = (root.handlers[:], root.level)
+    assert main(["experiment=bench", *TINY, f"runs_dir={tmp_path}"]) == 0
+    assert (root.handlers, root.level) == before
+
+
 def test_targets_live_in_one_place():
     assert TARGETS == {"decode_long": (">=", 2.0), "decode_short": (">=", 1.15), "kv_bytes": ("<=", 0.21),
                        "simulated": ("<=", 2.0), "simulated_ops": ("<=", 1.5), "syncs_per_step": ("<=", 1)}

@@ -81,12 +81,12 @@ def execute(plan: RunSpec) -> dict:
     ended = time.time()
     files = result.info.pop("files", {})  # extra record files of a task (observations.json)
     protocol = plan.task.protocol(tokenizer)  # every task setting that changes a number, BOS resolved
-    record = {**plan.head(), "scoring": protocol["scoring"], "add_bos_token": protocol["add_bos_token"],
-              "protocol": protocol, "n_samples": result.n_samples, "metrics": result.metrics,
-              "wall_s": round(ended - started, 3), "batch_size": plan.cfg.task.get("batch_size"),
-              "device": str(getattr(model, "device", "")), "dtype": str(getattr(model, "dtype", "")).replace("torch.", ""),
-              "resumed_requests": resumed()}
-    record = with_task_info(record, plan.policy.describe(), result.info)
+    record = plan.record({"scoring": protocol["scoring"], "add_bos_token": protocol["add_bos_token"],
+                          "protocol": protocol, "n_samples": result.n_samples, "metrics": result.metrics,
+                          "wall_s": round(ended - started, 3), "batch_size": plan.cfg.task.get("batch_size"),
+                          "device": str(getattr(model, "device", "")),
+                          "dtype": str(getattr(model, "dtype", "")).replace("torch.", ""),
+                          "resumed_requests": resumed()}, result.info)  # h2o.pipeline.fields: one rule
     for name, content in files.items():
         write_json(plan.path / name, content)
     write_jsonl(plan.path / "samples.jsonl", result.samples)
@@ -102,14 +102,6 @@ def mirror(plan: RunSpec, record: dict) -> None:
         from h2o.pipeline.wandb_mirror import mirror_run
 
         mirror_run(plan.cfg.logger, plan, record)
-
-
-def with_task_info(record: dict, described: dict, info: dict) -> dict:
-    """``record`` then the task's ``info``. A task field named like one of the policy's described options (the
-    perplexity task's ``window``, 1,152 tokens, beside SnapKV's observation ``window``, 64) is the task's; the
-    policy's value stays beside it as ``policy_<name>`` instead of being lost."""
-    kept = {f"policy_{k}": record[k] for k in info if k in described and k in record and record[k] != info[k]}
-    return {**record, **kept, **info}
 
 
 def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:

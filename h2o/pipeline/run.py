@@ -15,6 +15,8 @@ run (h2o.pipeline.wandb_summary) and the sweep's failures, printed (exit status 
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 import uuid
@@ -59,6 +61,25 @@ def hydra_main(cfg: DictConfig) -> str:
     return run_job(cfg)
 
 
+@contextlib.contextmanager
+def logging_kept():
+    """The root logger's handlers and level as they were, after Hydra's run: its logging configs (hydra_logging,
+    job_logging=stdout) put a handler on the sys.stdout of that moment, which a caller in the same process may close
+    afterwards (pytest's captured output), and every later log line would then fail on a closed file."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        yield
+    finally:
+        for handler in root.handlers[:]:
+            if handler not in handlers:
+                root.removeHandler(handler)
+        for handler in handlers:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        root.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Validate every job first, then hand the command line to Hydra; report a sweep's failures at the end."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -92,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             sweep_dir.mkdir(parents=True, exist_ok=True)
             write_json(sweep_dir / SERVED_FILE, served_runs(works))  # read by each job (attempt)
     sys.argv = [sys.argv[0], *argv]
-    hydra_main()
+    with logging_kept():
+        hydra_main()
     if sweep_dir is None:
         return 0
     if any(plan.cfg.logger.get("wandb") for plan in sweep.plans):

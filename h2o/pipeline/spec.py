@@ -5,13 +5,14 @@ fields of its record follow. Nothing is loaded: cheap enough to check every job 
     spec.path                # the run's record folder (h2o.pipeline.records.run_dir)
     spec.identity            # what a finished record there must have been run with (h2o.pipeline.records.identity)
     spec.head()              # the fields of metrics.json that the config fixes
+    spec.record(measured, info)  # every field of metrics.json (h2o.pipeline.fields: one rule for a clash)
     spec.full_path()         # the folder of the full run with this run's model, task and settings
 
 The check, in order: the root keys into :class:`Settings` (the group keys against their files); ``task_overrides.
 <task name>`` (a root key) merged into ``task``, so that one sweep over several tasks gives each its own sample
 count (experiment=default); the experiment's ``grid_only`` cells (a job outside them is refused: OutsideGrid); the
-keys added since older records at their old value left out (:data:`ADDED`); each group (policy, task, model, quant)
-built once by Hydra's ``instantiate`` after its options are checked against the class's dataclass fields
+keys added since older records left out at their default (:data:`ADDED`, one rule); each group (policy, task, model,
+quant) built once by Hydra's ``instantiate`` after its options are checked against the class's dataclass fields
 (:func:`check_types`); the older spelling of the paper code's rule (:func:`reference_spelling`); the checks between
 the objects (the policy's reach on the model, the task on this model and policy); the folder, which must be writable
 and may hold a finished record of this identity only. The spec is then read, never rebuilt: by the runner
@@ -44,6 +45,7 @@ from h2o.core.policies.budget import Unsupported
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
 from h2o.core.quant import Quantizer
 from h2o.core.validate import ConfigError, check, is_int, is_number
+from h2o.pipeline.fields import record_fields
 from h2o.pipeline.records import check_reusable, identity, run_dir
 from h2o.tasks.base import TaskSpec
 
@@ -146,8 +148,9 @@ class Settings:
         overrides = cfg.task_overrides
         check(overrides is None or isinstance(overrides, DictConfig),
               f"task_overrides={overrides!r}: expected {{<task name>: {{key: value}}}}")
-        grid = cfg.get("grid_only", ListConfig([]))  # an older record's config has none
-        rules = OmegaConf.to_container(grid, resolve=True) if isinstance(grid, ListConfig) else None
+        grid = added_default(cfg, "grid_only")
+        rules = (OmegaConf.to_container(grid, resolve=True) if isinstance(grid, ListConfig) else
+                 list(grid) if isinstance(grid, list) else None)
         check(rules is not None and all(isinstance(r, dict) and set(r) == {"when", "only"} and
                                         all(isinstance(r[k], dict) and r[k] for k in r) for r in rules),
               f"grid_only={grid!r}: expected [{{when: {{<key>: <value>}}, only: {{<key>: <value>}}}}]")
@@ -160,14 +163,20 @@ def root_keys() -> dict:
     return {k: v for k, v in group_defaults(".", "config").items() if k not in ("defaults", "hydra")}
 
 
-# group keys an older record's config.yaml may lack: the class's default stands in (model.positions: read from
-# the model's config when null)
-OPTIONAL = {"model": ("positions",), "task": ("question",)}
-ROOT_OPTIONAL = ("grid_only",)  # root keys an older record's config.yaml may lack (an empty list stands in)
-# keys added after records were made, at the value every older record ran with: a config at that value leaves them
-# out of its record (config.yaml, folder, identity), so an older record is the same run; ``++task.question=prompt``
-# is every task's own behaviour, so a sweep may cross it with tasks that have no question
-ADDED = {"task": {"question": "prompt"}}
+# Keys added to the configs after records were made, each with the value every older record ran with (its class's
+# default for a group key, conf/config.yaml's for a root key). The one rule for them: a key missing from an older
+# record's config takes that default; a key at that default is left out of the run's config (so of its record's
+# config.yaml, folder and identity), so that a record made before the key existed is the same run. A config may
+# also spell one for a group that has no such option (``++task.question=prompt`` crossed with tasks that ask no
+# question): at the default it is each of them's own behaviour.
+ADDED = {"model.positions": None,  # ModelSpec: read from the model's config.json when null
+         "task.question": "prompt",  # the long-context and lm-eval tasks: the question inside the prompt
+         "grid_only": []}  # Settings: no sparse cells
+
+
+def added_default(cfg: DictConfig, key: str) -> Any:
+    """``cfg``'s value of the dotted ``key``, or its :data:`ADDED` default where ``cfg`` lacks it."""
+    return OmegaConf.select(cfg, key, default=ADDED[key])
 
 
 class OutsideGrid(Unsupported):
@@ -175,14 +184,15 @@ class OutsideGrid(Unsupported):
 
 
 def without_added_defaults(cfg: DictConfig) -> DictConfig:
-    """A copy of ``cfg`` without the :data:`ADDED` keys that hold their old value."""
-    drop = [(g, k) for g, keys in ADDED.items() for k, v in keys.items() if cfg[g].get(k, None) == v]
+    """A copy of ``cfg`` without the :data:`ADDED` keys that hold their default."""
+    drop = [key for key in ADDED if OmegaConf.select(cfg, key, default=object()) == ADDED[key]]
     if not drop:
         return cfg
     cfg = cfg.copy()
     with open_dict(cfg):
-        for group, key in drop:
-            del cfg[group][key]
+        for key in drop:
+            *group, name = key.split(".")
+            del (cfg[group[0]] if group else cfg)[name]
     return cfg
 
 
@@ -206,11 +216,11 @@ def check_keys(cfg: DictConfig) -> Settings:
     check(not unknown, f"{unknown[0] if unknown else ''}: no such config key; allowed: {', '.join(sorted(root))} "
                        f"and the groups {', '.join(GROUPS)}")
     for key in [*root, *GROUPS]:
-        check(key in cfg or key in ROOT_OPTIONAL, f"{key}: missing (removed?); it is required")
+        check(key in cfg or key in ADDED, f"{key}: missing (removed?); it is required")
     for group in ("model", "task", "policy"):
         check(isinstance(cfg[group], DictConfig) and "name" in cfg[group], f"{group}: expected a config group")
         missing = [k for k in group_defaults(group, str(cfg[group].name))
-                   if k not in cfg[group] and k not in OPTIONAL.get(group, ())]
+                   if k not in cfg[group] and f"{group}.{k}" not in ADDED]
         check(not missing, f"{group}.{missing[0] if missing else ''}: missing (removed?); every key of "
                            f"conf/{group}/{cfg[group].name}.yaml is required")
     lock_mode(), stale_after()  # the lock settings a run reads when it claims its folder
@@ -243,18 +253,25 @@ class RunSpec:
     quant: Quantizer | None = None  # how the run's caches store keys and values (None: unquantized)
     identity: dict = dataclasses.field(default_factory=dict)  # records.identity: what its record must match
 
+    def run_fields(self) -> dict:
+        """The record's fields that the config fixes (the run's, in h2o.pipeline.fields' rule)."""
+        return {"experiment": self.settings.experiment_name, "model": self.model.name, "task": self.task.name,
+                "task_kind": self.task.kind, "policy": self.cfg.policy.name, "budget": self.policy.budget,
+                "heavy": self.policy.heavy, "recent": self.policy.recent, "shots": self.task.shots,
+                "semantics": self.semantics, "seed": self.settings.seed, "evicts": bool(self.policy.evicts),
+                "limit": self.cfg.task.get("limit"),
+                "policy_options": {k: v for k, v in OmegaConf.to_container(self.cfg.policy, resolve=True).items()
+                                   if k not in ("_target_", "name")},
+                **({"quant": self.quant.describe()} if self.quant is not None else {})}
+
+    def record(self, measured: dict | None = None, info: dict | None = None) -> dict:
+        """The record's fields: the config's, the policy's described options (``describe()`` called once), what
+        the run ``measured`` and the task's ``info``, merged by h2o.pipeline.fields' one rule."""
+        return record_fields(self.run_fields(), self.policy.describe(), measured, info)
+
     def head(self) -> dict:
-        """The record's run fields, then the policy's described options that do not name one of them: a run field
-        wins (``random``'s ``seed`` is the policy's, in ``policy_options``; the record's ``seed`` is the run's)."""
-        run = {"experiment": self.settings.experiment_name, "model": self.model.name, "task": self.task.name,
-               "task_kind": self.task.kind, "policy": self.cfg.policy.name, "budget": self.policy.budget,
-               "heavy": self.policy.heavy, "recent": self.policy.recent, "shots": self.task.shots,
-               "semantics": self.semantics, "seed": self.settings.seed, "evicts": bool(self.policy.evicts),
-               "limit": self.cfg.task.get("limit"),
-               "policy_options": {k: v for k, v in OmegaConf.to_container(self.cfg.policy, resolve=True).items()
-                                  if k not in ("_target_", "name")},
-               **({"quant": self.quant.describe()} if self.quant is not None else {})}
-        return {**run, **{k: v for k, v in self.policy.describe().items() if k not in run}}
+        """The record's fields that the config fixes: :meth:`record` before anything is measured."""
+        return self.record()
 
     def full_path(self) -> Path:
         """The folder of the ``full`` run with this run's model, task and settings (conf/policy/full.yaml)."""
