@@ -79,9 +79,9 @@ def task_settings(protocol: str) -> str:
 
 
 def full_stand_in(runs: pd.DataFrame, group: pd.DataFrame):
-    """(Pick, the words of its protocol where it differs from the figure's) of the full cache for a figure's records ``group`` that have none: picked by the
-    cell rule from the full records of ``runs`` (same experiment, model and task) whose task settings are those of
-    a record of ``group``; None where there is none."""
+    """(Pick, the words of its protocol where it differs from the figure's) of the full cache for a figure's records
+    ``group`` that have none: picked by the cell rule from the full records of ``runs`` (same experiment, model and
+    task) whose task settings are those of a record of ``group``; None where there is none."""
     settings = {task_settings(p) for p in group["protocol"]}
     full = runs[(runs["policy"] == "full") & runs["protocol"].map(lambda p: task_settings(p) in settings)]
     for key in ("experiment", "model", "task"):

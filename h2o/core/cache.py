@@ -206,8 +206,8 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             if not every and self.room_list != room:
                 self.room_list, self.room = room, torch.tensor(room, device=key_states.device)
             with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-                state, tok, held = self.step_state(), self.host_tok, self.host_held
-                prio = self.decoding().priority(self.pos, state, self.n_tok, tok, held, room)
+                state = self.step_state()  # acc, or a key-ranking policy's score of the held keys
+                prio = self.decoding().priority(self.pos, state, self.n_tok, self.host_tok, self.host_held, room)
                 slot = select_slot(prio, self.pos, None if every else self.pos >= 0, self.room)  # (B, H, 1)
                 self.decoder.placed(slot)
             self.place(slot, key_states, value_states)

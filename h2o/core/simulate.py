@@ -251,14 +251,14 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
         return out, None
     if not policy.needs_scores:  # a position-only policy on a sliding layer: the loop writes the rows only
         with serial(logits.device):
-            row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, None, window, None, keys,
-                     cut_at)
+            row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, window=window, keys=keys,
+                     cut_at=cut_at)
         return out, None
     seen = torch.empty_like(logits)  # (B, Hkv, G, T, T) every row's attention probabilities
     seen[..., :start, :] = first
     with serial(logits.device):
-        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, seen, window, sinks, keys,
-                 cut_at)
+        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, seen, window, sinks,
+                 keys=keys, cut_at=cut_at)
     return out, seen
 
 

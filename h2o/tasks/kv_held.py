@@ -129,16 +129,14 @@ def field(per_seq: dict | None, key: str, digits: int | None = None):
     return None if per_seq is None or per_seq.get(key) is None else round(per_seq[key], digits)
 
 
-def fields(per_seq: dict | None, names: dict[str, str], token_digits: int | None = None) -> dict:
-    """The record fields ``names`` ({footprint key: field}) of a footprint per sequence, in ``names``' order: bytes
-    whole, tokens to ``token_digits`` decimals (None: whole)."""
-    return {name: field(per_seq, key, token_digits if key == "tokens_held" else None) for key, name in names.items()}
-
-
 def batch_fields(footprints: list[tuple[dict, int]], names: dict[str, str], token_digits: int | None = None) -> dict:
-    """:func:`fields` of the mean per sequence of a run's batches (a generation task's footprints at the end of each
-    batch, with its rows); {} without any."""
-    return fields(per_sequence(footprints), names, token_digits) if sum(n for _, n in footprints) else {}
+    """The record fields ``names`` ({footprint key: field}, in that order) of the mean per sequence of a run's
+    batches (a generation task's footprints at the end of each batch, with its rows): bytes whole, tokens to
+    ``token_digits`` decimals (None: whole); {} without any batch."""
+    if not sum(n for _, n in footprints):
+        return {}
+    per_seq = per_sequence(footprints)
+    return {name: field(per_seq, key, token_digits if key == "tokens_held" else None) for key, name in names.items()}
 
 
 def figures(cut: dict | None, end: dict, end_per_layer: list[int]) -> dict:
