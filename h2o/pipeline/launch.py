@@ -33,6 +33,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from h2o.cli.process import import_submitit
 from h2o.assets.model_spec import ConfigError
 from h2o.assets.resources import check_fits_request
 from h2o.assets.paths import CONF
@@ -134,9 +135,7 @@ class Chunk:
 
     def checkpoint(self, *args, **kwargs):
         """submitit's hook on preemption / timeout: resubmit the same chunk (finished runs are skipped)."""
-        import submitit
-
-        return submitit.helpers.DelayedSubmission(self)
+        return import_submitit().helpers.DelayedSubmission(self)
 
 
 @dataclass
@@ -208,7 +207,7 @@ def describe(works: list[Work], arrs: list[Array], cluster: DictConfig, refused:
 # ------------------------------------------------------------------------------------------- submit
 def submit(arrs: list[Array], cluster: DictConfig, sweep_dir: Path, experiment: str) -> list[dict]:
     """One submitit array per resource class; returns what launch.json records (job ids, chunks)."""
-    import submitit
+    submitit = import_submitit()
 
     records = []
     for i, a in enumerate(arrs):

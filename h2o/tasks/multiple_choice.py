@@ -69,15 +69,11 @@ def check_yaml(folder: Path) -> None:
 
 
 def offline_train_rows(task: str) -> int | None:
-    """Rows of an offline task's converted train split (``<cache>/lm_eval/v1/<task>/train.jsonl``), counted
-    without parsing; None if it is not an offline task or not converted yet."""
-    from h2o.assets.paths import cache_dir
+    """Rows of an offline task's train split (the few-shot pool), converted into the cache first if it is not
+    there yet (a registry fetch, cheap beside loading a model); None if ``task`` is not one of the offline tasks."""
+    from h2o.assets.data import TASKS, task_rows
 
-    path = cache_dir() / "lm_eval" / "v1" / task / "train.jsonl"
-    if not path.is_file():
-        return None
-    with open(path, "rb") as fh:
-        return sum(1 for line in fh if line.strip())
+    return len(task_rows(task, "train")) if task in TASKS else None
 
 
 @dataclass
