@@ -49,7 +49,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_language_once_per_launch()
 
 
-# submitit configures its log handlers when first imported; imported here, at collection, not inside some test
+# Libraries that configure log handlers on the streams of the moment when first imported (transformers,
+# huggingface_hub, submitit): imported here, at collection, not inside a test whose captured streams close after it
+import lm_eval  # noqa: E402,F401  (also sets HF_XET_HIGH_PERFORMANCE in the environment on import)
+import transformers  # noqa: E402,F401
+
 from h2o.cli.process import import_submitit  # noqa: E402
 
 import_submitit()

