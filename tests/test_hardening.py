@@ -661,7 +661,9 @@ def test_each_sweep_process_has_its_own_folder_and_summary(tmp_path, monkeypatch
     assert len(folders) == 2 and all(len(read_jsonl(f / "jobs.jsonl")) == 2 for f in folders)
     # two sweeps forced into one folder: each summary counts only its own jobs; a failure is only its sweep's
     shared = f"hydra.sweep.dir={tmp_path}/shared"
-    assert main(["-m", *TINY, runs, shared, "task=bb_xsum", "task.limit=1", "task.shots=50", "seed=3"]) == 1
+    with monkeypatch.context() as m:  # a job that fails while it runs, past every up-front check
+        m.setattr("h2o.tasks.summarization.SummarizationTask.run", lambda *a, **k: 1 / 0)
+        assert main(["-m", *TINY, runs, shared, "task=bb_xsum", "task.limit=1", "task.shots=1", "seed=3"]) == 1
     capsys.readouterr()
     assert main(["-m", *TINY, *PPL, runs, shared, "seed=0,1"]) == 0
     err = capsys.readouterr().err

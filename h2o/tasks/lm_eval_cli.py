@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import sys
 
+from h2o.cli.process import kept
+
+
 def validate(args) -> None:
     """BadInput (one line) for a bad h2o model argument or path of a parsed lm-eval command line."""
     from pathlib import Path
@@ -51,6 +54,7 @@ def validate(args) -> None:
         quant.check_geometry(*ModelSpec(str(pretrained), str(pretrained)).geometry())
 
 
+@kept()  # lm-eval's logging set-up and its handlers stay inside the command (tests call it in process)
 def main() -> int:
     import h2o.tasks.lm_eval_model  # noqa: F401  (registers --model h2o)
     from lm_eval._cli import HarnessCLI
