@@ -19,10 +19,12 @@ from omegaconf import OmegaConf
 
 from h2o.core.policies import make_policy
 from h2o.assets.model_spec import ConfigError
-from h2o.pipeline.plan import build, prepare
+from h2o.pipeline.spec import build, prepare
 from h2o.core.policies import PolicyError
 from h2o.assets.paths import CONF
-from h2o.pipeline.records import REPO, budget_label, fmt, read_jsonl, runs_root
+from h2o.assets.paths import REPO
+from h2o.store.files import read_jsonl
+from h2o.store.folders import budget_label, fmt, runs_root
 from h2o.pipeline.sweep import Composer, _compose, expand
 from h2o.pipeline.wandb_mirror import Settings, run_id
 from run_folders import check_folders  # tests/run_folders.py
@@ -449,7 +451,7 @@ def test_bos_follows_add_bos_token_and_is_resolved(tiny):
     proto = LmEvalTask("bb_piqa", "bb_piqa", "tasks").protocol(tok)
     assert proto["scoring"] == "mean" and proto["add_bos_token"] is False and "batch_size" not in proto
     assert SummarizationTask("bb_xsum", "bb_xsum").protocol(tok)["scoring"] is None
-    from h2o.bench.streaming import StreamingTask
+    from h2o.tasks.streaming import StreamingTask
     from h2o.tasks.perplexity import PerplexityTask
 
     assert StreamingTask("bench_streaming").add_bos(tok) and not StreamingTask("bench_streaming").add_bos(plain)

@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from h2o.pipeline import launch, run
 from h2o.pipeline.jobs import classify, mark_in_flight, place, summary
-from h2o.pipeline.records import COMPLETE, read_jsonl
+from h2o.store.files import read_jsonl
+from h2o.store.folders import COMPLETE
 from h2o.pipeline.sweep import expand
 
 TINY = ["experiment=default", "model=tiny-llama", "task=austen_ppl", "threads=1",

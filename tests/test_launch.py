@@ -13,7 +13,7 @@ import sys
 import zipfile
 
 from h2o.pipeline import launch, status
-from h2o.pipeline.records import REPO
+from h2o.assets.paths import REPO
 from h2o.pipeline.sweep import expand
 from h2o.tasks.progress import RequestLog, recording
 

@@ -33,7 +33,8 @@ import pytest
 from analysis.__main__ import main as analysis_main
 from analysis.render import MISSING
 from h2o.pipeline import launch, status
-from h2o.pipeline.records import REPO, read_jsonl
+from h2o.assets.paths import REPO
+from h2o.store.files import read_jsonl
 from h2o.pipeline.job import execute
 from h2o.pipeline.sweep import expand
 

@@ -22,7 +22,8 @@ from h2o.core.policies.h2o_reference import H2OReference
 from h2o.core.validate import ConfigError
 from h2o.pipeline import launch, run, spec
 from h2o.pipeline.jobs import classify
-from h2o.pipeline.records import identity, record_identity, runs_root
+from h2o.store.folders import runs_root
+from h2o.store.identity import identity, record_identity
 from h2o.pipeline.spec import RunSpec, Settings, build, prepare
 from h2o.pipeline.sweep import _compose
 from run_folders import recorded  # tests/run_folders.py
@@ -131,9 +132,9 @@ def test_settings_refuse_bad_root_values_in_one_line(hydra_ctx):
 
 # ------------------------------------------------------------------------------------------- old records
 def test_committed_records_are_found_and_reused_where_they_are(hydra_ctx, tmp_path):
-    """The default's records (analysis/default/records, made before the spec existed) from their own config.yaml:
+    """The default's records (studies/default/records, made before the spec existed) from their own config.yaml:
     the spec names their folder, their identity reads back equal, and the job classifier calls them done."""
-    shutil.copytree(REPO / "analysis" / "default" / "records", tmp_path / "default")  # 232 KB
+    shutil.copytree(REPO / "studies" / "default" / "records", tmp_path / "default")  # 232 KB
     folders = sorted(p.parent for p in (tmp_path / "default").rglob("metrics.json"))
     assert len(folders) == 8
     plans = []

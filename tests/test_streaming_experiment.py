@@ -14,9 +14,10 @@ from analysis import streaming_study as ss
 from h2o.assets import model_spec
 from h2o.assets.model_spec import resolve_tiny
 from h2o.assets.models import load_model
-from h2o.bench.streaming import StreamingTask, load_text, stream, text_ids
+from h2o.tasks.streaming import StreamingTask, load_text, stream, text_ids
 from h2o.core.policies import make_policy
-from h2o.pipeline.records import REPO, read_jsonl
+from h2o.assets.paths import REPO
+from h2o.store.files import read_jsonl
 from h2o.pipeline.run import main
 from h2o.pipeline.sweep import expand
 from h2o.tasks.progress import recording

@@ -26,14 +26,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from h2o.assets.paths import atomic_write_text
 from h2o.assets.resources import check_fits_here
 from h2o.cli.args import fail
 from h2o.core.policies.budget import Unsupported
 from h2o.core.validate import BadInput
 from h2o.pipeline.jobs import read_served
-from h2o.pipeline.records import (append_jsonl, claim, clear_partial, env_info, finished, slurm_job_id, write_json,
-                                  write_jsonl)
+from h2o.store.env import env_info, slurm_job_id
+from h2o.store.files import append_jsonl, atomic_write_text, write_json, write_jsonl
+from h2o.store.folders import claim, clear_partial, finished
 from h2o.pipeline.spec import RunSpec, prepare
 from h2o.tasks.progress import recording, resumed
 

@@ -24,7 +24,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.pipeline.records import finished, read_jsonl
+from h2o.store.files import read_jsonl
+from h2o.store.folders import finished
 from h2o.pipeline.spec import RunSpec
 
 LAUNCH_FILE = "launch.json"  # <sweep dir>/launch.json: one Slurm submission (h2o.pipeline.launch)

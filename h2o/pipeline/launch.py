@@ -37,7 +37,8 @@ from h2o.assets.model_spec import ConfigError
 from h2o.assets.resources import check_fits_request
 from h2o.assets.paths import CONF
 from h2o.pipeline.jobs import LAUNCH_FILE, Work, classify, mark_in_flight, served_runs, summary
-from h2o.pipeline.records import runs_root, write_json
+from h2o.store.files import write_json
+from h2o.store.folders import runs_root
 from h2o.pipeline.spec import RunSpec
 from h2o.pipeline.sweep import BAD_INPUT, SETTING, Composer, expand, split_args
 
@@ -111,7 +112,7 @@ class Chunk:
 
         if self.offline:
             os.environ.update(OFFLINE_ENV)
-        from h2o.assets.locks import stale_after
+        from h2o.store.locks import stale_after
 
         outcomes = {}
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):

@@ -31,7 +31,7 @@ from h2o.cli.args import fail
 from h2o.core.validate import ConfigError
 from h2o.pipeline.job import attempt, log
 from h2o.pipeline.jobs import SERVED_FILE, classify, served_runs
-from h2o.pipeline.records import read_jsonl, write_json
+from h2o.store.files import read_jsonl, write_json
 from h2o.pipeline.sweep import BAD_INPUT, expand, summary_line
 
 SWEEP_ENV = "H2O_SWEEP_ID"  # set by main() for a multirun; every job row of the sweep carries it

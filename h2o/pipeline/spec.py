@@ -2,8 +2,8 @@
 fields of its record follow. Nothing is loaded: cheap enough to check every job of a sweep.
 
     spec = prepare(cfg)      # a RunSpec; ConfigError / PolicyError (one line) on any bad value
-    spec.path                # the run's record folder (h2o.pipeline.records.run_dir)
-    spec.identity            # what a finished record there must have been run with (h2o.pipeline.records.identity)
+    spec.path                # the run's record folder (h2o.store.folders.run_dir)
+    spec.identity            # what a finished record there must have been run with (h2o.store.identity.identity)
     spec.head()              # the fields of metrics.json that the config fixes
     spec.record(measured, info)  # every field of metrics.json (h2o.pipeline.fields: one rule for a clash)
     spec.full_path()         # the folder of the full run with this run's model, task and settings
@@ -36,7 +36,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from h2o.assets.locks import lock_mode, stale_after
+from h2o.store.locks import lock_mode, stale_after
 from h2o.assets.model_spec import ModelSpec
 from h2o.assets.paths import group_defaults
 from h2o.cli.paths import check_name, output_dir
@@ -46,7 +46,8 @@ from h2o.core.policies.h2o_reference import H2OReference, as_reference
 from h2o.core.quant import Quantizer
 from h2o.core.validate import ConfigError, check, is_int, is_number
 from h2o.pipeline.fields import record_fields
-from h2o.pipeline.records import check_reusable, identity, run_dir
+from h2o.store.folders import run_dir
+from h2o.store.identity import check_reusable, identity
 from h2o.tasks.base import TaskSpec
 
 GROUPS = ("model", "task", "policy", "logger", "quant")

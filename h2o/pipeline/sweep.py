@@ -35,7 +35,7 @@ from h2o.cli.paths import abbrev, output_dir
 from h2o.core.validate import BadInput, ConfigError, check
 from h2o.core.policies.budget import Unsupported
 from h2o.pipeline.jobs import classify, summary
-from h2o.pipeline.records import runs_root
+from h2o.store.folders import runs_root
 from h2o.pipeline.spec import OutsideGrid, RunSpec, prepare
 
 BAD_INPUT = BadInput  # ConfigError, PolicyError

@@ -11,7 +11,7 @@ h2o.assets.policy_config), ``semantics`` (simulated; ``reference``: the older sp
 ``quant`` (none | uniform | kvquant, h2o.core.quant) with its options spelled ``quant_<option>``:
 ``quant=uniform,quant_bits=4,quant_group_size=64`` or ``quant=kvquant,quant_bits=3,quant_sink=false``
 (kvquant's ``quant_calibration`` defaults to ``<cache>/kvquant/<pretrained>.pt``, fitted by
-``python -m h2o.bench.calibrate --model <pretrained>``); both paths attend to the values the quantized cache holds.
+``python -m h2o.assets.calibrate --model <pretrained>``); both paths attend to the values the quantized cache holds.
 ``pretrained`` also takes ``smollm2-135m``, ``gemma3-270m`` and ``tiny:<arch>``. Integers are token counts, floats
 ratios.
 

@@ -1,4 +1,4 @@
-"""``python -m h2o.bench.streaming``: explore streaming from the command line; prints, writes no run record.
+"""``python -m h2o.tasks.streaming_cli``: explore streaming from the command line; prints, writes no run record.
 
 Run records come from the experiment only: ``make stream`` = ``h2o-run -m experiment=streaming`` (one run per
 policy x budget x chunk, under runs/streaming/). Here: each budget x policy streams the text: ``--policies`` names,
@@ -157,7 +157,7 @@ def validate(args) -> tuple[list[str], list[int]]:
 
 @guard
 def main(argv: list[str] | None = None) -> int:
-    p = ArgParser(prog="python -m h2o.bench.streaming", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="python -m h2o.tasks.streaming_cli", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default="austen", help="austen, moby, pg19 or a text file")
     p.add_argument("--tokens", type=int, default=20000, help="tokens to stream (up to 1M and more)")

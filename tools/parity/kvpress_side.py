@@ -24,7 +24,7 @@ evicted, at the positions it would have had without compression (position ids co
 Usage: python tools/parity/kvpress_side.py --prompts P.json --model CKPT --out OUT.jsonl [--methods a,b]
        [--ratios 0.5,0.8] [--decode] [--variants V.json] [--threads 1]
 Each line of OUT is one record; a record already in OUT (same method, ratio, timing, prompt) is not run again.
-The record loop mirrors h2o.bench.parity.run_ours on purpose: this side may not import the harness.
+The record loop mirrors h2o.parity.driver.run_ours on purpose: this side may not import the harness.
 """
 from __future__ import annotations
 
