@@ -56,8 +56,8 @@ def test_make_bench_writes_the_experiments_record(tmp_path, monkeypatch, capsys)
     # the other ways in (h2o-run experiment=bench, the same as a one-job multirun) name this very record, with the
     # same identity (prepare raises otherwise), and skip it as finished: one record, whichever way
     for multirun in (False, True):
-        [plan] = expand(["experiment=bench", *TINY, f"runs_dir={tmp_path}/runs"], multirun).plans
-        assert plan.path.resolve() == path.parent.resolve()
+        [spec] = expand(["experiment=bench", *TINY, f"runs_dir={tmp_path}/runs"], multirun).specs
+        assert spec.path.resolve() == path.parent.resolve()
     before = path.read_text()
     assert main(["experiment=bench", *TINY, f"runs_dir={tmp_path}/runs"]) == 0
     assert path.read_text() == before

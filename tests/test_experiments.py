@@ -82,11 +82,11 @@ def test_every_group_file_composes_and_builds(hydra_ctx, group):
         assert cfg[group].name == name, f"conf/{group}/{name}.yaml: name must equal the file name"
         obj = build(group, cfg[group])
         assert isinstance(obj, kinds[group])
-        plan = prepare(cfg)
-        rel = plan.path.relative_to(runs_root(plan.cfg)).parts
+        spec = prepare(cfg)
+        rel = spec.path.relative_to(runs_root(spec.cfg)).parts
         # the record's policy: h2o_reference's records are spelled policy=h2o semantics=reference (docs/policies.md)
-        assert rel[:5] == ("adhoc", cfg.model.name, cfg.task.name, f"shots{cfg.task.shots}", plan.cfg.policy.name)
-        assert plan.cfg.policy.name == ("h2o" if name == "h2o_reference" else plan.policy.name)
+        assert rel[:5] == ("adhoc", cfg.model.name, cfg.task.name, f"shots{cfg.task.shots}", spec.cfg.policy.name)
+        assert spec.cfg.policy.name == ("h2o" if name == "h2o_reference" else spec.policy.name)
     from h2o.core.policies import POLICIES
 
     if group == "policy":
@@ -135,7 +135,7 @@ def test_every_experiment_expands_and_fast_compose_equals_hydra(hydra_ctx, monke
     for exp in files("experiment"):
         if exp not in PAPER_GRIDS + METHOD_GRIDS:
             sweep = expand([f"experiment={exp}"], multirun=True)
-            assert sweep.plans and all(p.cfg.experiment_name == exp for p in sweep.plans)
+            assert sweep.specs and all(p.cfg.experiment_name == exp for p in sweep.specs)
             check_folders(exp, sweep)  # every job in the folder its record has been written to
         jobs = job_overrides([f"experiment={exp}", "seed=3", "++task_overrides.x.limit=2"], multirun=True)[0]
         for job in jobs[:: max(1, len(jobs) // 4)]:

@@ -526,16 +526,16 @@ def test_record_identity_is_exact_and_a_differing_record_is_never_reused(tmp_pat
     assert fmt(0.2000001) != fmt(0.2) and fmt(0.19999999) != fmt(0.2) and fmt(0.2) == "0.2"
     assert len({fmt("x_y"), fmt("x y"), fmt("x/y"), fmt("x:y")}) == 4 and "/" not in fmt("x/y")
     assert fmt("..") not in ("..", ".") and not fmt("../x").startswith(".")
-    plan = plan_for(["policy.budget=0.2"], tmp_path)
-    assert plan.path != plan_for(["policy.budget=0.2000001"], tmp_path).path
+    spec = plan_for(["policy.budget=0.2"], tmp_path)
+    assert spec.path != plan_for(["policy.budget=0.2000001"], tmp_path).path
     assert plan_for(["model.name='x y'"], tmp_path).path != plan_for(["model.name=x_y"], tmp_path).path
-    plan.path.mkdir(parents=True)
-    (plan.path / "config.yaml").write_text(OmegaConf.to_yaml(plan.cfg, resolve=True))
-    write_json(plan.path / "metrics.json", {**plan.head(), "metrics": {}, "n_samples": 0, "wall_s": 0.0})  # complete
-    assert plan_for(["policy.budget=0.2"], tmp_path).path == plan.path  # its own config: reused (skipped)
-    stored = OmegaConf.load(plan.path / "config.yaml")
+    spec.path.mkdir(parents=True)
+    (spec.path / "config.yaml").write_text(OmegaConf.to_yaml(spec.cfg, resolve=True))
+    write_json(spec.path / "metrics.json", {**spec.head(), "metrics": {}, "n_samples": 0, "wall_s": 0.0})  # complete
+    assert plan_for(["policy.budget=0.2"], tmp_path).path == spec.path  # its own config: reused (skipped)
+    stored = OmegaConf.load(spec.path / "config.yaml")
     stored.policy.heavy_share = 0.25  # as if an older run with another split had left its record here
-    (plan.path / "config.yaml").write_text(OmegaConf.to_yaml(stored))
+    (spec.path / "config.yaml").write_text(OmegaConf.to_yaml(stored))
     with pytest.raises(ConfigError, match="different config .*policy.heavy.*not reused"):
         plan_for(["policy.budget=0.2"], tmp_path)
 

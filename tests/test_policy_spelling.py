@@ -29,7 +29,7 @@ def hydra_ctx():
 
 
 def same(a, b) -> bool:
-    """Equal policies: one class, one state (``quant`` None, as a plan sets it, is the class default)."""
+    """Equal policies: one class, one state (``quant`` None, as a run_spec sets it, is the class default)."""
     state = lambda p: {k: v for k, v in vars(p).items() if not (k == "quant" and v is None)}  # noqa: E731
     return type(a) is type(b) and state(a) == state(b)
 
@@ -122,9 +122,9 @@ def test_both_spellings_share_todays_record(hydra_ctx, tmp_path, capsys, new, ol
 
 
 def test_h2_only_alias_keeps_its_folder(hydra_ctx, tmp_path):
-    plan = prepare(_compose([f"runs_dir={tmp_path}", "policy=h2_only", "semantics=reference"]))
-    assert plan.path.relative_to(tmp_path).as_posix().endswith("/h2_only/0.2/semantics=reference")
-    assert same(plan.policy, make_policy("h2o_reference", heavy=0.2, recent=0.0))
+    run_spec = prepare(_compose([f"runs_dir={tmp_path}", "policy=h2_only", "semantics=reference"]))
+    assert run_spec.path.relative_to(tmp_path).as_posix().endswith("/h2_only/0.2/semantics=reference")
+    assert same(run_spec.policy, make_policy("h2o_reference", heavy=0.2, recent=0.0))
 
 
 @pytest.mark.parametrize("args, words", [

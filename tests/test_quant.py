@@ -372,10 +372,10 @@ def test_run_folder_names_the_quantizer():
     from h2o.pipeline.sweep import expand
 
     base = ["model=tiny-llama", "task=austen_ppl"]
-    none, = expand([*base, "quant=none"], True).plans
-    uniform, = expand([*base, "quant=uniform", "quant.group_size=16"], True).plans
+    none, = expand([*base, "quant=none"], True).specs
+    uniform, = expand([*base, "quant=uniform", "quant.group_size=16"], True).specs
     assert none.path.name == "0.2" and none.quant is None and "quant" not in none.head()
-    assert none.path == expand(base, True).plans[0].path  # quant=none: the folder of old
+    assert none.path == expand(base, True).specs[0].path  # quant=none: the folder of old
     assert uniform.path.name == "quant=uniform4,group_size=16" and uniform.head()["quant"]["bits"] == 4
     assert uniform.path.parent == none.path
 

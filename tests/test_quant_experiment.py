@@ -28,7 +28,7 @@ def test_quant_experiment_records_make_the_table_and_match_the_bench(tmp_path, m
     args = ["experiment=quant", *SMALL, "quant=none,uniform", "quant.bits=4,2", "++quant.group_size=16",
             f"runs_dir={tmp_path}/runs"]
     sweep = expand(args, multirun=True)
-    assert {(p.policy.name, p.policy.budget if p.policy.name != "full" else 1.0) for p in sweep.plans} == {
+    assert {(p.policy.name, p.policy.budget if p.policy.name != "full" else 1.0) for p in sweep.specs} == {
         ("full", 1.0), ("h2o", 0.2)}
     assert run.main(["-m", *args, f"hydra.sweep.dir={tmp_path}/multirun/q"]) == 0
     records = {}
@@ -47,9 +47,9 @@ def test_quant_experiment_records_make_the_table_and_match_the_bench(tmp_path, m
     assert any(t.name == "quant_austen_ppl_quant" for t in all_tables(load_runs(tmp_path / "runs")))
 
     # one simulated pass over the same windows gives the records' numbers
-    plan = next(p for p in sweep.plans if p.policy.name == "h2o" and p.quant is not None and p.quant.bits == 2)
-    model, tok = plan.model.load()
-    windows = plan.task.windows(tok)
+    spec = next(p for p in sweep.specs if p.policy.name == "h2o" and p.quant is not None and p.quant.bits == 2)
+    model, tok = spec.model.load()
+    windows = spec.task.windows(tok)
     assert windows.shape == (2, 96)
     for policy, label in (("full", "none"), ("h2o", "uniform4"), ("h2o", "uniform2")):
         pol = make_policy("full") if policy == "full" else make_policy("h2o", budget=0.2)

@@ -58,26 +58,26 @@ def test_execute_merges_once_with_the_policy_described_once(hydra_ctx, tmp_path,
     from h2o.pipeline.job import execute
     from h2o.tasks.base import Result
 
-    plan = prepare(_compose([*TINY, "policy=snapkv", "policy.compress=prefill", f"runs_dir={tmp_path}"]))
-    calls, real = [], type(plan.policy).describe
-    monkeypatch.setattr(type(plan.policy), "describe", lambda self: calls.append(1) or real(self))
-    monkeypatch.setattr(type(plan.model), "load", lambda self: (object(), None))
-    monkeypatch.setattr(type(plan.task), "protocol", lambda self, tok: {"scoring": "sum", "add_bos_token": False})
-    monkeypatch.setattr(type(plan.task), "run",
+    spec = prepare(_compose([*TINY, "policy=snapkv", "policy.compress=prefill", f"runs_dir={tmp_path}"]))
+    calls, real = [], type(spec.policy).describe
+    monkeypatch.setattr(type(spec.policy), "describe", lambda self: calls.append(1) or real(self))
+    monkeypatch.setattr(type(spec.model), "load", lambda self: (object(), None))
+    monkeypatch.setattr(type(spec.task), "protocol", lambda self, tok: {"scoring": "sum", "add_bos_token": False})
+    monkeypatch.setattr(type(spec.task), "run",
                         lambda self, *a, **k: Result({"acc": 0.5}, [{"doc_id": 0}], {"window": 1152, "n": 1}))
-    returned = execute(plan)
-    written = json.loads((plan.path / "metrics.json").read_text())
+    returned = execute(spec)
+    written = json.loads((spec.path / "metrics.json").read_text())
     assert len(calls) == 1 and written == returned
-    head = list(plan.head())
+    head = list(spec.head())
     assert list(written)[:len(head)] == head and written["window"] == 1152 and written["policy_window"] == 64
     assert list(written)[len(head):] == [*MEASURED, "policy_window", "n"]
 
 
-def rebuilt(path, plan) -> str:
-    """metrics.json at ``path`` rebuilt by the rule from ``plan`` (its config) and the fields the config cannot
+def rebuilt(path, spec) -> str:
+    """metrics.json at ``path`` rebuilt by the rule from ``spec`` (its config) and the fields the config cannot
     give: what the run measured and the task's info, read back from the record."""
     record = json.loads((path / "metrics.json").read_text())
-    run, described = plan.run_fields(), plan.policy.describe()
+    run, described = spec.run_fields(), spec.policy.describe()
     measured = {k: record[k] for k in MEASURED if k in record}
     info = {}
     for key, value in record.items():
@@ -100,14 +100,14 @@ def test_every_committed_record_rebuilds_from_its_config_as_it_is_written(hydra_
     for folder in folders:
         cfg = OmegaConf.load(folder / "config.yaml")
         cfg.runs_dir = str(tmp_path)
-        plan = prepare(cfg)
+        spec = prepare(cfg)
         records = next((p for p in folder.parents if p.name in ("records", "runs")), None)
         if records is not None:  # <study>/records stands for <runs_dir>/<experiment_name>
-            inside = plan.path.relative_to(runs_root(plan.cfg) / (plan.cfg.experiment_name if records.name ==
+            inside = spec.path.relative_to(runs_root(spec.cfg) / (spec.cfg.experiment_name if records.name ==
                                                                  "records" else ""))
             assert inside == folder.relative_to(records), folder
-        assert record_identity(folder) == plan.identity, folder
-        text, mine = (folder / "metrics.json").read_text(), rebuilt(folder, plan)
+        assert record_identity(folder) == spec.identity, folder
+        text, mine = (folder / "metrics.json").read_text(), rebuilt(folder, spec)
         if mine == text:
             equal += 1
             continue

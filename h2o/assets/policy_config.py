@@ -6,8 +6,8 @@
 
 Each builds the same object: the group file's values, updated with the options given (the file's keys only, the
 values read by Hydra's own override grammar), passed to the file's ``_target_`` (:func:`h2o.make_policy`), as
-Hydra's ``instantiate`` of ``cfg.policy`` does. Older spellings that still work print a one-line notice
-(:func:`notice`) and name the current one.
+Hydra's ``instantiate`` of ``cfg.policy`` does. A second spelling of the same thing is accepted with a one-line
+notice (:func:`notice`) that names the first.
 """
 from __future__ import annotations
 

@@ -11,9 +11,9 @@ fields of its record follow. Nothing is loaded: cheap enough to check every job 
 The check, in order: the root keys into :class:`Settings` (the group keys against their files); ``task_overrides.
 <task name>`` (a root key) merged into ``task``, so that one sweep over several tasks gives each its own sample
 count (experiment=default); the experiment's ``grid_only`` cells (a job outside them is refused: OutsideGrid); the
-keys added since older records left out at their default (:data:`ADDED`, one rule); each group (policy, task, model,
+keys a record's config may lack left out at their default (:data:`ADDED`, one rule); each group (policy, task, model,
 quant) built once by Hydra's ``instantiate`` after its options are checked against the class's dataclass fields
-(:func:`check_types`); the older spelling of the paper code's rule (:func:`reference_spelling`); the checks between
+(:func:`check_types`); the second spelling of the paper code's rule (:func:`reference_spelling`); the checks between
 the objects (the policy's reach on the model, the task on this model and policy); the folder, which must be writable
 and may hold a finished record of this identity only. The spec is then read, never rebuilt: by the runner
 (h2o.pipeline.run), the job classifier (h2o.pipeline.jobs) and the Slurm launcher (h2o.pipeline.launch).
@@ -164,10 +164,10 @@ def root_keys() -> dict:
     return {k: v for k, v in group_defaults(".", "config").items() if k not in ("defaults", "hydra")}
 
 
-# Keys added to the configs after records were made, each with the value every older record ran with (its class's
-# default for a group key, conf/config.yaml's for a root key). The one rule for them: a key missing from an older
-# record's config takes that default; a key at that default is left out of the run's config (so of its record's
-# config.yaml, folder and identity), so that a record made before the key existed is the same run. A config may
+# Keys a committed record's config may lack, each with the value such a record ran with (its class's default for
+# a group key, conf/config.yaml's for a root key). The one rule for them: a key missing from a record's config
+# takes that default; a key at that default is left out of the run's config (so of its record's config.yaml,
+# folder and identity), so that a record without the key and a run at its default are the same run. A config may
 # also spell one for a group that has no such option (``++task.question=prompt`` crossed with tasks that ask no
 # question): at the default it is each of them's own behaviour.
 ADDED = {"model.positions": None,  # ModelSpec: read from the model's config.json when null

@@ -231,14 +231,14 @@ def report_html(markdown: str) -> str:
         return f"<pre>{html.escape(markdown)}</pre>"
 
 
-def after_sweep(plans) -> None:
+def after_sweep(specs) -> None:
     """The runner's hook at the end of a multirun: one summary run per experiment whose jobs use logger=wandb."""
     from h2o.store.folders import runs_root
 
     done = set()
-    for plan in plans:
-        logger = plan.cfg.get("logger") or {}
-        key = (str(runs_root(plan.cfg)), plan.cfg.experiment_name)
+    for spec in specs:
+        logger = spec.cfg.get("logger") or {}
+        key = (str(runs_root(spec.cfg)), spec.cfg.experiment_name)
         if logger.get("wandb") and key not in done:
             done.add(key)
             summarize(Path(key[0]), key[1], Settings.of(logger))

@@ -134,7 +134,7 @@ class Streamer:
         self.model, self.chunk, self.positions = model, chunk, positions
         self.device = next(model.parameters()).device
         self.pols = [build_policy(spec, budget, heavy_share) for spec in specs]
-        # a quantizer set the older way (policy.quant): the key rotation moves stored keys, not packed rows
+        # a quantizer set on the policy (policy.quant): the key rotation moves stored keys, not packed rows
         if any(p.quant is not None for p in self.pols):
             raise ValueError("streaming: a policy with quant set; the streamed cache is not quantized (allowed: none)")
         self.B = len(self.pols)

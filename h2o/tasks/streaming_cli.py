@@ -3,8 +3,8 @@
 Run records come from the experiment only: ``make stream`` = ``h2o-run -m experiment=streaming`` (one run per
 policy x budget x chunk, under runs/streaming/). Here: each budget x policy streams the text: ``--policies`` names,
 or ``--policy`` (repeated) with options spelled as lm-eval's model_args and Hydra's keys (``--policy
-h2o,heavy_share=0.5,score=decay`` <-> ``policy=h2o policy.heavy_share=0.5 policy.score=decay``; the older
-``h2o:heavy_share=1/2:score=decay`` still works); ``--compare-chunk 32`` repeats each run in chunks
+h2o,heavy_share=0.5,score=decay`` <-> ``policy=h2o policy.heavy_share=0.5 policy.score=decay``; also
+``h2o:heavy_share=1/2:score=decay``, with a notice); ``--compare-chunk 32`` repeats each run in chunks
 and prints the difference; ``--batch`` streams the policies of one budget as one batch (the weights read once per
 step: what the long-stream study used); ``--interleave`` advances all runs a window at a time in turns; ``--live``
 appends each window's sample to a file as it ends (``python -m analysis.streaming_study`` reads them); ``--json``

@@ -74,7 +74,7 @@ def make_press(name: str, ratio: float, **options):
 def scorer(name: str, ratio: float = 0.0, **options):
     """The scorer of a decoding-timing press (ratio 0: left to DecodingPress). ``streaming_llm_ordered``: a
     diagnostic, not a kvpress method: StreamingLLMPress whose kept tokens stay in position order (kvpress gathers
-    them in top-k order, so at the next compression "the oldest after the sinks" is no longer the 5th slot)."""
+    them in top-k order, so at the next compression "the oldest after the sinks" is then not the 5th slot)."""
     if name != "streaming_llm_ordered":
         return make_press(name, ratio, **options)
     import kvpress as kp
