@@ -56,10 +56,10 @@ def test_the_table_comes_from_the_record(measured, tmp_path, capsys):
 
 
 def test_the_docs_table_is_the_committed_records():
-    """docs/benchmarks.md shows the committed record's rows (studies/bench/records/bench_methods), one per method it ran."""
+    """docs/benchmarks.md shows the committed record's rows (studies/bench/bench_methods), one per method it ran."""
     from h2o.assets.paths import CONF
 
     root = CONF.parent
-    record = json.loads((root / "studies" / "bench" / "records" / "bench_methods" / "metrics.json").read_text())
+    record = json.loads((root / "studies" / "bench" / "bench_methods" / "metrics.json").read_text())
     assert [r["method"] for r in record["methods"]][0] == "full" and len(record["methods"]) >= 20
     assert every_policy.table(record["methods"]) in (root / "docs" / "benchmarks.md").read_text()
