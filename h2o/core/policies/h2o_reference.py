@@ -4,18 +4,19 @@ Same budget and heavy/recent split as :class:`.h2o.H2O`, another rule: the score
 the heavy set and the recent band overlap, rows before ``heavy`` are never restricted (see ``reference_mask``).
 Simulated only (one pass over one unpadded sequence at a time); the sum score only.
 
-``semantics=reference`` with policy h2o or h2_only is the older spelling of this policy (:func:`as_reference`).
+``semantics=reference`` with policy h2o or h2_only is a second spelling of this policy (:func:`as_reference`).
 The simulated path applies the rule through :func:`reference_plan` and :func:`reference_allowed`.
 """
 import torch
 
-from .base import Policy, PolicyError
+from .base import READ_ROWS, Policy, PolicyError
 from .h2_only import H2Only
 from .h2o import H2O, reference_mask
 
 
 class H2OReference(H2O):
     name = "h2o_reference"
+    reads = frozenset({READ_ROWS})  # simulated only: the unmasked rows of every query
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
         super().__init__(budget, heavy, recent, heavy_share)
