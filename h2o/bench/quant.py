@@ -43,9 +43,11 @@ def quant_of(label: str, calibration: str | None = None):
 
 def kv_bytes_after_prefill(model, policy, quant, length: int) -> tuple[int, int]:
     """(bytes held, bytes of the fp16 full cache) after a prefill of ``length`` tokens."""
+    from h2o.core import engine
+
     cfg = model.config
     H, D, L = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
-    held = length if policy.is_full else int(policy.counts(torch.tensor([length])).total[0])
+    held = engine.held_budget(policy, length)
     row = 2 * D * 2 if quant is None else quant.row_bytes("key", D) + quant.row_bytes("value", D)
     sink = L * H * 2 * D * model.dtype.itemsize if quant is not None and quant.sink else 0  # column 0 as computed
     return L * H * held * row + sink + (quant.const_bytes() if quant else 0), L * H * length * 2 * D * 2

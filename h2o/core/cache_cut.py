@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import step
 from .policies import PolicyError
 from .policies.base import along_slots, bcast
 
@@ -25,9 +26,8 @@ class CutHooks:
         valid = self.pos >= 0
         if self.limited():
             counts, room = self.policy.cut_counts(self.counts), self.policy.cut_room  # room: left for the next
-            prio = self.policy.priority(self.pos, self.cut_state(valid), self.n_tok - 1, counts)
-            self.policy.cut_order(self.acc, prio, self.pos, valid, counts)
-            keep = self.policy.keep(prio, self.pos, valid, counts)  # (B, H, S)
+            slots = step.Slots(self.pos, valid, self.acc, self.n_tok - 1, ranked=self.pos)  # pos: -1 not held
+            keep = step.kept(self.policy, slots, self.cut_state(valid), counts)  # (B, H, S) (h2o.core.step)
             if self.policy.pooled:  # heads hold uneven counts: the largest, read once
                 self.host_held = keep.sum(-1).amax(-1).tolist()
             else:
@@ -69,7 +69,7 @@ class CutHooks:
                                   f"from another policy's cache); allowed: the prompt through this policy's cache")
             stats, self.queries = self.queries, None
             return self.policy.query_score(stats, *self.read(), self.pos, valid)
-        return self.policy.cut_score(self.acc, self.read()[0], valid) if self.policy.reads_keys else self.acc
+        return step.score(self.policy, self.acc, self.read()[0] if self.policy.reads_keys else None, valid)
 
     def step_state(self, older: torch.Tensor | None = None) -> torch.Tensor:
         """What a decoding step's priority reads: ``acc``, or for a policy that reads keys its

@@ -16,10 +16,10 @@ from functools import partial
 
 import torch
 
-from . import row_kernel
+from . import row_kernel, step
 from .policies import Policy
 from .policies.base import bcast, const, declared
-from .policies.h2o_reference import H2OReference, reference_allowed, reference_plan
+from .step import Forward, LayerCall, Rows
 
 
 def positions(valid: torch.Tensor) -> torch.Tensor:
@@ -121,9 +121,9 @@ def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, windo
     """What every layer of a forward with this sliding ``window`` (None: a global layer) shares, built once per
     forward and window by the attention function: (the mask of a policy that does not read the scores (full,
     position-only in closed form), (B, 1, 1, T, T), else None; the row plan of the others (:func:`row_plan`), or
-    for policy h2o_reference its (heavy, recent) (:func:`reference_plan`), else None)."""
-    if isinstance(policy, H2OReference):
-        return None, reference_plan(policy, valid)
+    for a whole-forward rule (the paper code's) its :meth:`Policy.mask_plan`, else None)."""
+    if policy.whole_forward:
+        return None, policy.mask_plan(valid)
     if policy.is_full:
         return causal_valid(valid, window), None
     if closed(policy, window):
@@ -156,32 +156,32 @@ def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int,
     return code // 2, bool(code % 2)
 
 
-def simulated_attention(policy: Policy, query, key, value, valid, scaling: float,
-                        prompt_len: int = 0, plan: tuple | None = None,
-                        window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                        layer: tuple[int, int] | None = None, queries=None):
+def simulated_attention(policy: Policy, query, key, value, valid, scaling: float, call: LayerCall | None = None):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T).
 
-    ``plan``: what :func:`forward_plan` built for this forward and window (None: built here). ``window``: the
-    layer's sliding window (a token leaves the layer's cache once it is out of the window, before the policy
-    decides: the policy applies to the tokens inside it); ``softcap``: see :func:`scores`; ``sinks``: see
-    :func:`masked_softmax`; ``layer``: (this layer's index, the model's layers), for per-layer budgets; ``queries``:
-    the forward's queries before RoPE (:class:`h2o.core.prerope.Queries`) for a policy that reads them."""
-    mask, rows = plan if plan is not None else (None, None)
+    ``call`` (:class:`h2o.core.step.LayerCall`): ``prompt_len``; ``plan``: what :func:`forward_plan` built for this
+    forward and window (None: built here); ``window``: the layer's sliding window (a token leaves the layer's cache
+    once it is out of the window, before the policy decides: the policy applies to the tokens inside it);
+    ``softcap``: see :func:`scores`; ``sinks``: see :func:`masked_softmax`; ``layer``: (this layer's index, the
+    model's layers), for per-layer budgets; ``queries``: the forward's queries before RoPE
+    (:class:`h2o.core.prerope.Queries`) for a policy that reads them."""
+    call = call or LayerCall()
+    window, sinks = call.window, call.sinks
+    mask, rows = call.plan if call.plan is not None else (None, None)
     probs = None
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]
-    logits = scores(grouped(query, Hkv), key, scaling, softcap)  # (B, Hkv, G, T, T)
-    reference = isinstance(policy, H2OReference)  # the paper code's rule, not the evicting cache's
+    logits = scores(grouped(query, Hkv), key, scaling, call.softcap)  # (B, Hkv, G, T, T)
+    reference = policy.whole_forward  # a mask over the whole forward (the paper code's rule), not a cache's
     if mask is not None and not reference:
         allowed = mask
     else:
         allowed = causal_valid(valid, window)  # (B, 1, 1, T, T)
         if reference:
-            allowed = allowed & reference_allowed(logits, allowed, rows or reference_plan(policy, valid))
+            allowed = allowed & policy.forward_mask(logits, allowed, rows or policy.mask_plan(valid))
         elif not policy.is_full:
-            allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows, window, sinks, key,
-                                              layer, value, queries)
+            allowed, probs = policy_attention(policy, logits, allowed, valid, call.prompt_len, rows, call,
+                                              (key, value))
     if probs is None:
         probs = masked_softmax(logits, allowed, sinks)  # (B, Hkv, G, T, T)
     out = grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
@@ -193,26 +193,31 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows
     """(B, Hkv, G|1, T, T) bool mask of what each row sees under ``policy`` (logits unused if position-only in
     closed form). ``rows``: the forward's :func:`row_plan` (None: made here). ``allowed`` must include the
     sliding ``window`` where there is one (:func:`causal_valid`)."""
-    return policy_attention(policy, logits, allowed, valid, prompt_len, rows, window)[0]
+    return policy_attention(policy, logits, allowed, valid, prompt_len, rows, LayerCall(window=window))[0]
 
 
 def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None,
-                     window: int | None = None, sinks: torch.Tensor | None = None, key: torch.Tensor | None = None,
-                     layer: tuple[int, int] | None = None, value: torch.Tensor | None = None,
-                     queries=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     call: LayerCall | None = None, kv: tuple | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(:func:`policy_allowed`'s mask, and where the torch row loop computes them anyway, every row's attention
     probabilities (B, Hkv, G, T, T) fp32, equal to ``masked_softmax(logits, mask, sinks)`` (None otherwise)): the
-    layer then skips a second softmax over the whole T x T. With ``sinks`` the torch loop serves (the kernel's
-    softmax has none). ``key`` (B, Hkv, T, D): for a score of the keys (:meth:`Policy.cut_score`); ``layer``:
-    (index, layers) for a per-layer budget (:meth:`Policy.layer_counts`); ``value`` (B, Hkv, T, D) and ``queries``
-    (:class:`h2o.core.prerope.Queries`): for a score of the prompt's queries (``Policy.reads_queries``)."""
+    layer then skips a second softmax over the whole T x T. ``call`` (:class:`h2o.core.step.LayerCall`): the
+    layer's ``window``, ``sinks`` (then the torch loop serves: the kernel's softmax has none), ``layer`` (index,
+    layers) for a per-layer budget (:meth:`Policy.layer_counts`) and the prompt's ``queries``
+    (:class:`h2o.core.prerope.Queries`, ``Policy.reads_queries``); ``kv``: the layer's (key, value)
+    (B, Hkv, T, D), for a score of the keys (:meth:`Policy.cut_score`) or of the queries against both."""
+    call = call or LayerCall()
+    window = call.window
+    key, value = kv if kv is not None else (None, None)
     T = valid.shape[1]
     counts = policy.counts(reference_length(valid, prompt_len))
-    if layer is not None:
-        counts = policy.layer_counts(counts, *layer)
+    if call.layer is not None:
+        counts = policy.layer_counts(counts, *call.layer)
+    f = Forward(logits, allowed, valid, prompt_len, counts, window, call.sinks, key, value, call.queries)
     if policy.evicts and policy.compress == "prefill":
-        return compressed_once(policy, logits, allowed, valid, prompt_len, counts, window, key, value,
-                               queries), None
+        return compressed_once(policy, f), None
+    if policy.evicts and policy.compress == "interval":
+        return interval_rows(policy, f)
     if closed(policy, window):
         held = closed_form(policy, valid, counts, max(prompt_len - 1, 0), window)  # (B, 1, 1, T, T)
         if not prompt_len:
@@ -228,7 +233,7 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     start, padded = rows if rows is not None else row_plan(policy, valid, prompt_len)
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
-    first = masked_softmax(logits[..., :start, :], allowed[..., :start, :], sinks)  # (B, Hkv, G, start, T)
+    first = masked_softmax(logits[..., :start, :], allowed[..., :start, :], call.sinks)  # (B, Hkv, G, start, T)
     probs = first * valid[:, None, None, :start, None]
     acc = policy.new_state(B, Hkv, T, logits.device)  # (B, Hkv, T) accumulated attention (Policy.new_state)
     policy.accumulate(acc, probs, valid[:, :start])
@@ -236,42 +241,37 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     cut_at = prompt_len if start == prompt_len and policy.cut_room else 0  # a prompt's cut leaves a slot free
     if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
         now = keep[:, 0].sum(-1) - 1
-        if window is not None:  # the window first: what left it is gone before the policy decides
-            keep &= posH > bcast(now - window)
+        keep = step.expire(keep, posH, now, window)  # the window first: what left it is gone before the policy
         state = acc if keys is None else policy.cut_score(acc, keys, keep)
         cut = policy.cut_counts(counts) if cut_at else counts  # a cut after the prompt's: the real path's step
-        prio = policy.priority(posH.masked_fill(~keep, -1), state, now, cut)
-        if cut_at:
-            policy.cut_order(acc, prio, posH, keep, cut)
-        keep = policy.keep(prio, posH, keep, cut)
+        keep = step.kept(policy, step.Slots(posH, keep, acc, now), state, cut, order=bool(cut_at))
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
-    if sinks is None and row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
-        row_kernel.score_rows(policy, logits, valid, pos, counts, keep, acc, out, start, window)
+    r = Rows(pos, posH, keep, acc, out, start, padded, cut_at=cut_at)
+    f.key = keys
+    if call.sinks is None and row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
+        row_kernel.score_rows(policy, f, r)
         return out, None
     if not policy.needs_scores:  # a position-only policy on a sliding layer: the loop writes the rows only
         with serial(logits.device):
-            row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, window=window, keys=keys,
-                     cut_at=cut_at)
+            row_loop(policy, f, r)
         return out, None
-    seen = torch.empty_like(logits)  # (B, Hkv, G, T, T) every row's attention probabilities
-    seen[..., :start, :] = first
+    r.seen = torch.empty_like(logits)  # (B, Hkv, G, T, T) every row's attention probabilities
+    r.seen[..., :start, :] = first
     with serial(logits.device):
-        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, seen, window, sinks,
-                 keys=keys, cut_at=cut_at)
-    return out, seen
+        row_loop(policy, f, r)
+    return out, r.seen
 
 
-def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, counts, window: int | None = None,
-                    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                    queries=None) -> torch.Tensor:
+def compressed_once(policy: Policy, f: Forward) -> torch.Tensor:
     """``compress="prefill"``: the prompt's rows see their prefix; the cache is cut once to the budget at the end
     of the prompt, as the real path's cut (the window first, then the top ``total`` by priority, the scores of the
     prompt's rows, :meth:`Policy.cut_score` of the ``key`` (B, Hkv, T, D), or ``query_score`` of the prompt's
     ``queries`` against ``key`` and ``value``); every later token is kept, so a later
     row sees what the cut kept and every newer token (inside the window). Without a prompt nothing is cut.
     -> (B, Hkv | 1, 1, T, T) bool."""
-    allowed = causal_valid(valid, window) if allowed is None else allowed  # (B, 1, 1, T, T)
+    logits, valid, prompt_len, window, key = f.logits, f.valid, f.prompt_len, f.window, f.key
+    allowed = causal_valid(valid, window) if f.allowed is None else f.allowed  # (B, 1, 1, T, T)
     if not prompt_len:
         return allowed
     B, T = valid.shape
@@ -286,16 +286,75 @@ def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, cou
         probs = masked_softmax(logits[..., :prompt_len, :], allowed[..., :prompt_len, :])  # (B, Hkv, G, P, T)
         policy.accumulate_prompt(acc, probs * valid[:, None, None, :prompt_len, None], valid[:, :prompt_len],
                                  now[:, None] - pos[:, :prompt_len])
-    if window is not None:  # the window first: what left it is gone before the policy decides
-        keep = keep & (posH > bcast(now - window))
+    keep = step.expire(keep, posH, now, window)  # the window first: what left it is gone before the policy decides
     if policy.reads_queries:  # the prompt rows' query statistics against the held keys and values
-        stats = policy.query_stats(queries, prompt_len, pos[:, :prompt_len], now + 1)
-        acc = policy.query_score(stats, key, value, posH, keep)
-    elif policy.reads_keys:
-        acc = policy.cut_score(acc, key, keep)
-    keep = policy.keep(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), posH, keep, counts)
+        stats = policy.query_stats(f.queries, prompt_len, pos[:, :prompt_len], now + 1)
+        state = policy.query_score(stats, key, f.value, posH, keep)
+    else:
+        state = step.score(policy, acc, key, keep)
+    keep = step.kept(policy, step.Slots(posH, keep, acc, now), state, f.counts, order=False)
     held = keep[:, :, None, None, :] | (col >= prompt_len)  # (B, Hkv, 1, 1, T)
     return torch.where((col < prompt_len)[:, None], allowed, allowed & held)
+
+
+def cut_rows(policy: Policy, keep: torch.Tensor, posH: torch.Tensor, acc: torch.Tensor, now: torch.Tensor,
+             f: Forward) -> torch.Tensor:
+    """A cut over the columns held ``keep`` (B, Hkv, T) bool, judged with the token at position ``now`` (B,) in, as
+    the evicting cache's cut (:meth:`h2o.core.cache_cut.CutHooks.cut`): the steps of :mod:`h2o.core.step`."""
+    keep = step.expire(keep, posH, now, f.window)
+    return step.kept(policy, step.Slots(posH, keep, acc, now), step.score(policy, acc, f.key, keep),
+                     policy.cut_counts(f.counts))
+
+
+def interval_rows(policy: Policy, f: Forward) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``compress="interval"`` (:mod:`h2o.core.schedule`): the prompt's rows see their prefix and the held set is
+    cut to the budget at the prompt's end; each later row adds its token (what left the window goes), sees what is
+    held, adds its attention to the scores, and after every ``interval`` real tokens since the prompt the held set
+    is cut back to the budget (:func:`cut_rows`). The first token is the prompt where there is none (the evicting
+    cache counts from its first forward). -> (mask (B, Hkv, 1, T, T) bool, every row's attention probabilities
+    (B, Hkv, G, T, T) fp32, or None where the rule reads no scores)."""
+    valid, P, window = f.valid, f.prompt_len, f.window
+    B, T = valid.shape
+    allowed = causal_valid(valid, window) if f.allowed is None else f.allowed  # (B, 1, 1, T, T)
+    Hkv = 1 if f.logits is None else f.logits.shape[1]
+    scored = f.logits is not None and policy.needs_scores
+    col = torch.arange(T, device=valid.device)
+    pos = positions(valid)  # (B, T)
+    posH = pos[:, None, :].expand(B, Hkv, T)
+    keep = (valid & (col < P))[:, None, :].expand(B, Hkv, T).clone()
+    acc = policy.new_state(B, Hkv, T, valid.device)  # (B, Hkv, T) (Policy.new_state)
+    out = allowed.expand(B, Hkv, 1, T, T).clone()  # the prompt's rows: their prefix
+    seen = torch.empty_like(f.logits) if scored else None  # (B, Hkv, G, T, T)
+    if P:
+        now = keep[:, 0].sum(-1) - 1
+        if scored:
+            first = masked_softmax(f.logits[..., :P, :], allowed[..., :P, :], f.sinks)  # (B, Hkv, G, P, T)
+            seen[..., :P, :] = first
+            policy.accumulate_prompt(acc, first * valid[:, None, None, :P, None], valid[:, :P],
+                                     now[:, None] - pos[:, :P])
+        keep = cut_rows(policy, keep, posH, acc, now, f)
+    generated = pos - valid[:, :P].sum(-1, keepdim=True).clamp(min=1) + 1  # (B, T) tokens since the prompt
+    due = valid & (col >= P) & (generated > 0) & (generated % policy.interval == 0)  # (B, T) a cut after the row
+    cuts = due.any(0).tolist()  # the one host read
+    low = const(torch.finfo(torch.float32).min, torch.float32, valid.device)
+    sink_row = None if f.sinks is None else f.sinks.view(1, *f.sinks.shape[1:3], 1)  # (1, Hkv, G, 1)
+    with serial(valid.device):
+        for i in range(P, T):
+            tok = valid[:, i]  # (B,)
+            keep.select(2, i).copy_(tok.view(B, 1))
+            if window is not None:  # out of the window: gone (a pad row: nothing leaves)
+                keep &= posH > bcast(pos[:, i] - window)
+            row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
+            out.select(-2, i).copy_(row)
+            if scored:
+                p = torch.where(row, f.logits.select(-2, i), low)  # (B, Hkv, G, T)
+                p = torch.softmax(p, -1) if sink_row is None else with_sinks(p, sink_row)
+                seen.select(-2, i).copy_(p)
+                p = p.unsqueeze(-2) * tok.to(p.dtype).view(B, 1, 1, 1, 1)  # (B, Hkv, G, 1, T): pad rows add nothing
+                policy.accumulate(acc, p, tok.view(B, 1))
+            if cuts[i]:
+                keep = torch.where(bcast(due[:, i]), cut_rows(policy, keep, posH, acc, pos[:, i], f), keep)
+    return out, seen
 
 
 def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window: int | None = None
@@ -311,15 +370,15 @@ def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window:
     return (held | itself)[:, None, None]
 
 
-def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded=True, seen=None, window=None,
-             sinks=None, keys=None, cut_at=0):
-    """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention.
-    ``padded`` False: no row from ``start`` on is a pad (their weighting is skipped). ``seen`` (B, Hkv, G, T, T):
-    each row's attention probabilities are written there (policies that read the scores). ``window``: first the
-    held tokens out of the row's window leave; the budget is then full where a (sequence, KV head) still holds
-    ``total`` tokens (its own count: the window frees slots head by head). ``sinks``: :func:`masked_softmax`'s.
-    ``keys`` (B, Hkv, T, D): the held older keys ranked by ``Policy.step_score``. ``cut_at``: the prompt's length
-    where its cut left a slot free (``Policy.cut_room``): the first real row from there takes it.
+def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
+    """Rows ``r.start``..T-1, one step each: evict (or restrict), add the token, accumulate its attention.
+    ``r.padded`` False: no row from ``start`` on is a pad (their weighting is skipped). ``r.seen``
+    (B, Hkv, G, T, T): each row's attention probabilities are written there (policies that read the scores).
+    ``f.window``: first the held tokens out of the row's window leave; the budget is then full where a (sequence, KV
+    head) still holds ``total`` tokens (its own count: the window frees slots head by head). ``f.sinks``:
+    :func:`masked_softmax`'s. ``f.key`` (B, Hkv, T, D): the held older keys ranked by ``Policy.step_score`` (None:
+    the rule reads none). ``r.cut_at``: the prompt's length where its cut left a slot free (``Policy.cut_room``):
+    the first real row from there takes it.
 
     A :attr:`~h2o.core.policies.Policy.pooled` policy (Ada-KV) adds the row's token to every head, then cuts the
     whole layer back to its budget (:meth:`~h2o.core.policies.Policy.keep`, the token kept), as the cache does.
@@ -327,6 +386,9 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
     ``where`` and one ``argmin`` per row. Per-row inputs are laid out row-major once, so each row reads them with
     one ``select`` (this loop issues every op of the CPU path: for h2o ~39 aten ops per row, views included,
     counted with torch.profiler)."""
+    logits, valid, counts, window, sinks, keys = f.logits, f.valid, f.counts, f.window, f.sinks, f.key
+    pos, posH, keep, acc, out, start, padded, seen, cut_at = (r.pos, r.posH, r.keep, r.acc, r.out, r.start, r.padded,
+                                                              r.seen, r.cut_at)
     T = logits.shape[-1]
     B = valid.shape[0]
     before = valid.long().cumsum(-1) - valid.long()  # (B, T) tokens before each column; the cache holds min(., K)

@@ -47,7 +47,9 @@ class Work:
 
 def never_evicts(plan: RunSpec) -> bool:
     """A non-full policy that keeps every token (ratio budget 1.0) under the default semantics: the full run."""
-    return plan.policy.name != "full" and plan.policy.is_full and plan.semantics == plan.task.semantics[0]
+    from h2o.core import engine
+
+    return plan.policy.name != "full" and engine.keeps_all(plan.policy) and plan.semantics == plan.task.semantics[0]
 
 
 def classify(jobs: list[list[str]], plans: list[RunSpec]) -> list[Work]:

@@ -31,6 +31,7 @@ from typing import Callable, ClassVar
 
 import torch
 
+from ..schedule import COMPRESS, Schedule, make_schedule  # noqa: F401 (COMPRESS re-exported)
 from .budget import BudgetPart, Counts, PolicyError, Unsupported, check_part, to_count  # noqa: F401 (re-exported)
 from .checks import BudgetChecks
 
@@ -56,7 +57,6 @@ class KernelForm:
     decay: float = 0.0
 
 
-COMPRESS = ("decode", "prefill")  # Policy.compress
 # the methods whose answers are the policy's decisions
 RULE = ("priority", "restrict", "score", "accumulate", "accumulate_prompt", "cut_score")
 
@@ -105,9 +105,15 @@ class Policy(BudgetChecks):
     # True: a layer's budget is shared by its KV heads (Ada-KV): every eviction is a cut of the whole layer by
     # :meth:`keep` (a decoding step too), heads hold uneven counts, the evicting cache stores them padded
     pooled: ClassVar[bool] = False
-    # when an evicting policy compresses: "decode" (the budget kept at every step as the sequence grows) or
-    # "prefill" (kvpress's protocol: cut once to the budget at the end of the prompt, every later token kept)
+    # True: the rule is a mask over one whole forward (the paper code's H2O, :mod:`.h2o_reference`), not a cache:
+    # the simulated path only, one unpadded sequence at a time, no sliding window; the forward's plan is built once
+    # (:meth:`mask_plan`) and each layer's mask from its logits (:meth:`forward_mask`)
+    whole_forward: ClassVar[bool] = False
+    # when an evicting policy compresses (its schedule, :mod:`h2o.core.schedule`): "decode" (the budget kept at
+    # every step as the sequence grows), "prefill" (kvpress's protocol: cut once to the budget at the end of the
+    # prompt, every later token kept) or "interval" (cut back to the budget every ``interval`` generated tokens)
     compress: str = "decode"
+    interval: int | None = None  # compress="interval": the generated tokens between two cuts
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):
@@ -154,15 +160,20 @@ class Policy(BudgetChecks):
         notice("policy.quant = q is spelled attach(model, policy, quant=q) now (the cache's option)")
         self._quant = quantizer
 
-    def timed(self, compress: str) -> "Policy":
-        """This policy with the compression timing ``compress`` (:data:`COMPRESS`); returns it."""
-        if compress not in COMPRESS:
-            raise PolicyError(f"compress={compress!r}: allowed: {', '.join(COMPRESS)}")
+    def timed(self, compress: str, interval: int | None = None) -> "Policy":
+        """This policy with the compression timing ``compress`` (:data:`COMPRESS`) and its option ``interval``
+        (:func:`h2o.core.schedule.make_schedule`); returns it."""
+        schedule = make_schedule(compress, interval)
         if compress != "decode" and not self.evicts:
             raise Unsupported(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
                               f"allowed: decode")
-        self.compress = compress
+        self.compress, self.interval = compress, schedule.every
         return self
+
+    @property
+    def schedule(self) -> Schedule:
+        """When this rule runs (:class:`h2o.core.schedule.Schedule`): ``compress`` with its ``interval``."""
+        return Schedule(self.compress, self.interval)
 
     # ----------------------------------------------------------------- budget
     def counts(self, length: torch.Tensor) -> Counts:
@@ -284,6 +295,17 @@ class Policy(BudgetChecks):
         loop serves it (on CUDA with a one-line notice, :func:`h2o.core.row_kernel.use_kernel`)."""
         return None
 
+    # --------------------------------------------------- whole-forward rules
+    def mask_plan(self, valid: torch.Tensor):
+        """A :attr:`whole_forward` rule's plan, built once per forward from valid (B, T) bool (shared by the
+        layers)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a whole-forward rule")  # abstract
+
+    def forward_mask(self, logits: torch.Tensor, allowed: torch.Tensor, plan) -> torch.Tensor:
+        """A :attr:`whole_forward` rule's mask: logits (B, Hkv, G, T, T), allowed (B, 1, 1, T, T) bool causal and
+        padding, ``plan`` (:meth:`mask_plan`) -> bool broadcastable to the logits."""
+        raise NotImplementedError(f"{type(self).__name__} is not a whole-forward rule")  # abstract
+
     # ---------------------------------------------------- restricting policies
     def restrict(self, logits: torch.Tensor, acc: torch.Tensor, allowed: torch.Tensor,
                  counts: Counts) -> torch.Tensor:
@@ -295,7 +317,7 @@ class Policy(BudgetChecks):
 
     def describe(self) -> dict:
         out = {"policy": self.name, "budget": self.budget, "heavy": self.heavy, "recent": self.recent}
-        return out if self.compress == "decode" else {**out, "compress": self.compress}  # the default unnamed
+        return {**out, **self.schedule.describe()}  # the default timing (decode) unnamed
 
     def __repr__(self):
         return f"{type(self).__name__}(heavy={self.heavy}, recent={self.recent})"
