@@ -18,7 +18,7 @@ from h2o.assets.models import TINY_ARCHS, tiny_model
 from h2o.core.policies import POLICIES, PolicyError
 from h2o.core.policies.base import along_slots
 from h2o.core.policies.budget import Unsupported
-from h2o.core.schedule import Schedule
+from h2o.core.schedule import Interval
 import tests.test_prefill_methods as methods
 
 ARCHS = (*TINY_ARCHS, "mistral")  # mistral: every layer a sliding window of 16 tokens
@@ -260,7 +260,7 @@ def test_spelled_alike_in_the_api_hydra_and_lm_eval():
     from h2o.assets.policy_config import build_policy, parse
 
     api = make_policy("h2o", budget=0.2, compress="interval", interval=4)
-    assert api.schedule == Schedule("interval", 4) and api.interval == 4
+    assert api.schedule == Interval(4) and api.interval == 4 and api.schedule != Interval(3)
     assert api.describe() == {"policy": "h2o", "budget": 0.2, "heavy": 0.1, "recent": 0.1, "score": "sum",
                               "compress": "interval", "interval": 4}
     name, options = parse("policy=h2o,budget=0.2,compress=interval,interval=4", where="--model_args ")

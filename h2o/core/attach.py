@@ -179,7 +179,7 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         notice(f"attach(..., semantics='reference') is spelled attach(..., make_policy({policy.name!r}, ...)) now")
     if policy.whole_forward and mode != "simulated":
         raise PolicyError(f"policy={policy.name} (the paper code's mask rule): mode={mode}; allowed: mode=simulated")
-    if mode == "simulated" and policy.compress == "prefill" and not prompt_len and not policy.is_full:
+    if mode == "simulated" and policy.evicts and policy.schedule.once and not prompt_len and not policy.is_full:
         raise PolicyError(f"compress=prefill: {policy.name} compresses a prompt at its end, and this forward has no "
                           f"prompt (prompt_len=0); allowed: a task with a prompt, or compress=decode")
     modules = attention_modules(model)

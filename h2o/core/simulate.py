@@ -214,9 +214,10 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     if call.layer is not None:
         counts = policy.layer_counts(counts, *call.layer)
     f = Forward(logits, allowed, valid, prompt_len, counts, window, call.sinks, key, value, call.queries)
-    if policy.evicts and policy.compress == "prefill":
+    schedule = policy.schedule
+    if policy.evicts and schedule.once:
         return compressed_once(policy, f), None
-    if policy.evicts and policy.compress == "interval":
+    if policy.evicts and schedule.cuts_later:
         return interval_rows(policy, f)
     if closed(policy, window):
         held = closed_form(policy, valid, counts, max(prompt_len - 1, 0), window)  # (B, 1, 1, T, T)
@@ -307,10 +308,11 @@ def cut_rows(policy: Policy, keep: torch.Tensor, posH: torch.Tensor, acc: torch.
 
 
 def interval_rows(policy: Policy, f: Forward) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``compress="interval"`` (:mod:`h2o.core.schedule`): the prompt's rows see their prefix and the held set is
-    cut to the budget at the prompt's end; each later row adds its token (what left the window goes), sees what is
-    held, adds its attention to the scores, and after every ``interval`` real tokens since the prompt the held set
-    is cut back to the budget (:func:`cut_rows`). The first token is the prompt where there is none (the evicting
+    """A schedule that cuts after decoding steps (``compress="interval"``, :mod:`h2o.core.schedule`): the prompt's
+    rows see their prefix and the held set is cut to the budget at the prompt's end; each later row adds its token
+    (what left the window goes), sees what is held, adds its attention to the scores, and after the real tokens
+    since the prompt its ``cuts_after`` names (every ``interval``) the held set is cut back to the budget
+    (:func:`cut_rows`). The first token is the prompt where there is none (the evicting
     cache counts from its first forward). -> (mask (B, Hkv, 1, T, T) bool, every row's attention probabilities
     (B, Hkv, G, T, T) fp32, or None where the rule reads no scores)."""
     valid, P, window = f.valid, f.prompt_len, f.window
@@ -334,7 +336,7 @@ def interval_rows(policy: Policy, f: Forward) -> tuple[torch.Tensor, torch.Tenso
                                      now[:, None] - pos[:, :P])
         keep = cut_rows(policy, keep, posH, acc, now, f)
     generated = pos - valid[:, :P].sum(-1, keepdim=True).clamp(min=1) + 1  # (B, T) tokens since the prompt
-    due = valid & (col >= P) & (generated > 0) & (generated % policy.interval == 0)  # (B, T) a cut after the row
+    due = valid & (col >= P) & (generated > 0) & policy.schedule.cuts_after(generated)  # (B, T) a cut after the row
     cuts = due.any(0).tolist()  # the one host read
     low = const(torch.finfo(torch.float32).min, torch.float32, valid.device)
     sink_row = None if f.sinks is None else f.sinks.view(1, *f.sinks.shape[1:3], 1)  # (1, Hkv, G, 1)

@@ -188,7 +188,7 @@ class Policy(BudgetChecks):
         """This policy with the compression timing ``compress`` (:data:`COMPRESS`) and its option ``interval``
         (:func:`h2o.core.schedule.make_schedule`); returns it."""
         schedule = make_schedule(compress, interval)
-        if compress != "decode" and not self.evicts:
+        if not schedule.evicts_each_step and not self.evicts:
             raise Unsupported(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
                               f"allowed: decode")
         self.compress, self.interval = compress, schedule.every
@@ -197,7 +197,7 @@ class Policy(BudgetChecks):
     @property
     def schedule(self) -> Schedule:
         """When this rule runs (:class:`h2o.core.schedule.Schedule`): ``compress`` with its ``interval``."""
-        return Schedule(self.compress, self.interval)
+        return make_schedule(self.compress, self.interval)
 
     # ----------------------------------------------------------------- budget
     def counts(self, length: torch.Tensor) -> Counts:

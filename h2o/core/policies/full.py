@@ -1,4 +1,5 @@
 """full: the unmodified cache. Every token stays; the reference every table compares against."""
+from ..schedule import make_schedule
 from .base import NOTHING, Policy
 from .budget import Unsupported
 
@@ -14,7 +15,7 @@ class Full(Policy):
         super().__init__(budget=1.0)
 
     def timed(self, compress: str, interval: int | None = None) -> Policy:
-        if compress in ("prefill", "interval"):  # nothing is ever cut: one run (decode, the default) serves all
+        if not make_schedule(compress, interval).evicts_each_step:  # nothing is ever cut: one run (decode) serves all
             raise Unsupported(f"compress={compress}: full keeps every token, so its one run serves every timing; "
                               "allowed: decode")
         return super().timed(compress, interval)

@@ -9,6 +9,7 @@ The simulated path applies the rule through :func:`reference_plan` and :func:`re
 """
 import torch
 
+from ..schedule import make_schedule
 from .base import READ_ROWS, Policy, PolicyError, Unsupported
 from .h2_only import H2Only
 from .h2o import H2O, reference_mask
@@ -29,9 +30,9 @@ class H2OReference(H2O):
         return reference_allowed(logits, allowed, plan)
 
     def timed(self, compress: str, interval: int | None = None) -> Policy:
-        if compress == "interval":  # one mask over one forward: no decoding steps to schedule
-            raise Unsupported("compress=interval: h2o_reference is the paper code's mask over one forward (no "
-                              "decoding form); allowed: decode")
+        if make_schedule(compress, interval).cuts_later:  # one mask over one forward: no decoding steps to schedule
+            raise Unsupported(f"compress={compress}: h2o_reference is the paper code's mask over one forward (no "
+                              f"decoding form); allowed: decode")
         return super().timed(compress, interval)
 
 

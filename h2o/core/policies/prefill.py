@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from ..schedule import make_schedule
 from .base import Counts, Policy
 from .budget import Unsupported
 from .kvpress_select import kvpress_topk
@@ -30,7 +31,7 @@ class PrefillOnly(Policy):
         Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent window: the whole budget is scored
 
     def timed(self, compress: str, interval: int | None = None) -> Policy:
-        if compress in ("decode", "interval") and not self.decode_form:
+        if not make_schedule(compress, interval).once and not self.decode_form:
             raise Unsupported(f"compress={compress}: {self.name} is defined at the end of a prompt only (kvpress's "
                               f"rule, no decoding form); allowed: prefill")
         return super().timed(compress, interval)
