@@ -25,6 +25,7 @@ ARCHS = (*TINY_ARCHS, "mistral")  # mistral: every layer a sliding window of 16 
 # every evicting rule with a decoding form (the others refuse: test_rules_without_a_decoding_form_refuse)
 RULES = ("fixed", "fixed_h2", "h2_only", "h2o", "keydiff", "knorm", "local", "random", "scissorhands",
          "streaming_llm", "strided", "strided_h2", "tova")
+# adakv: with its default inner, snapkv (over a rule with a decoding form it takes it: test_a_pooled_rule_agrees...)
 REFUSED = ("adakv", "expected_attention", "full", "h2o_reference", "pyramidkv", "snapkv", "topk", "topk_h2")
 L, P, PADS = methods.L, methods.P, methods.PADS
 
@@ -73,6 +74,14 @@ def test_both_paths_agree_on_a_padded_batch(model, name):
     held = cache.held_tokens()[:, :, 0].tolist()
     if model.config.model_type != "mistral":  # a sliding window may hold fewer
         assert held == [[t + 2 for t in totals]] * len(cache.layers)
+
+
+@pytest.mark.parametrize("inner", ["h2o", "knorm"])
+def test_a_pooled_rule_agrees_in_both_paths(model, inner):
+    """Ada-KV over a rule with a decoding form: each cut is one top-k over the layer's heads (uneven counts)."""
+    policy = make_policy("adakv", budget=0.3, inner=inner, compress="interval", interval=5)
+    sim, full, cache = both_paths(model, policy)
+    assert not torch.allclose(sim[:, P:], full[:, P:], atol=1e-3)
 
 
 @pytest.mark.parametrize("every", [1, 4])
