@@ -35,7 +35,7 @@ from .policies.base import Decoder, along_slots, bcast
 from .cache_batch import BatchHooks, CacheBatchHooks
 from .cache_cut import CutHooks
 from .rerotate import KeyRerotation, KeyShifter, held_alike
-from .simulate import serial
+from .masks import serial
 
 
 class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
@@ -257,31 +257,6 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         """Whether an arriving decoding token evicts one held token when the budget is full (the schedule
         ``decode``; under ``prefill`` and ``interval`` it takes a new or empty slot, :mod:`h2o.core.schedule`)."""
         return self.limited() and self.policy.schedule.evicts_each_step
-
-    def slide_in(self, key_states, value_states):
-        """One arriving token on a sliding-window layer: what leaves the window goes first, then the policy
-        decides per KV head on what is left (an empty slot where the head is below budget, else the token of
-        lowest priority). A slot is added when some sequence may need more: ``min(tokens + 1, window, budget)``
-        (the upper bound of what it holds with the arriving token)."""
-        if self.steps_evict() or not self.limited():  # held: min(tokens, window, budget if it evicts)
-            totals = self.host_total if self.limited() else [None] * len(self.host_tok)
-            bound = [min(n + 1, self.window, n + 1 if t is None else t) for n, t in zip(self.host_tok, totals)]
-        else:  # a schedule that cuts later (interval): what it holds, plus the arriving token
-            bound = [min(h + 1, self.window) for h in self.host_held]
-        if self.keys.shape[-2] < max(bound):  # a new empty slot (the arriving token's rows as a placeholder)
-            self.append(key_states, value_states)
-        with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-            self.expire(self.n_tok)
-            held = self.pos >= 0  # (B, H, S)
-            if self.steps_evict():
-                room = held.sum(-1, keepdim=True) < bcast(self.counts.total)  # (B, H, 1)
-                state = self.step_state()
-                prio = self.decoding().priority(self.pos, state, self.n_tok, self.host_tok, self.host_held, None)
-                slot = select_slot(prio, self.pos, held, room)  # (B, H, 1)
-            else:  # keeps all it may: the first empty slot
-                slot = (~held).byte().argmax(-1, keepdim=True)
-        self.place(slot, key_states, value_states)
-        self.host_held = bound
 
     def decoding(self):
         """The policy's form for this layer's decoding steps (:meth:`Policy.decoder`), made once per budget. On a
