@@ -24,6 +24,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import socket
@@ -212,17 +213,50 @@ def clear_partial(path: Path) -> None:
         (path / name).unlink(missing_ok=True)
 
 
+NONFINITE = "nonfinite"  # the field naming what a record held as inf or nan (written as null)
+
+
+def finite(obj: Any, where: str = "", found: dict | None = None) -> Any:
+    """``obj`` with every inf and nan float replaced by None (strict JSON has no such numbers); each one's dotted
+    path and value as text go to ``found`` (e.g. ``{"metrics.ppl": "inf"}``)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        if found is not None:
+            found[where or "."] = str(obj)
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v, f"{where}.{k}" if where else str(k), found) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v, f"{where}[{i}]", found) for i, v in enumerate(obj)]
+    return obj
+
+
+def strict(obj: Any) -> Any:
+    """A record as written: strict JSON. The rule: an inf or nan anywhere is written as null, and an object record
+    gains ``nonfinite``: {dotted path: "inf" | "-inf" | "nan"} naming each (analysis reads those metrics as NaN,
+    left out of every mean); a record with none is written unchanged."""
+    found: dict = {}
+    out = finite(obj, "", found)
+    if found and isinstance(out, dict):
+        out[NONFINITE] = {**(out.get(NONFINITE) or {}), **found}
+    return out
+
+
+def dumps(obj: Any, **kw) -> str:
+    """json.dumps of :func:`strict` (obj), refusing any non-finite number left (allow_nan=False)."""
+    return json.dumps(strict(obj), allow_nan=False, default=str, **kw)
+
+
 def write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+    atomic_write_text(path, dumps(obj, indent=2) + "\n")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows))
+    atomic_write_text(path, "".join(dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def append_jsonl(path: Path, row: dict) -> None:
     """Append one line in one write, fsync'd (several jobs of a sweep may write at once)."""
-    append_line(Path(path), json.dumps(row, default=str))
+    append_line(Path(path), dumps(row))
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -31,7 +31,7 @@ from h2o.cli.args import fail
 from h2o.core.validate import ConfigError
 from h2o.pipeline.job import attempt, log
 from h2o.pipeline.jobs import SERVED_FILE, classify, served_runs
-from h2o.pipeline.records import read_jsonl, write_json
+from h2o.pipeline.records import finished, read_jsonl, write_json
 from h2o.pipeline.sweep import BAD_INPUT, expand, summary_line
 
 SWEEP_ENV = "H2O_SWEEP_ID"  # set by main() for a multirun; every job row of the sweep carries it
@@ -99,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
             sweep = expand(overrides, multirun)
             for model in {plan.model.key(): plan.model for plan in sweep.plans}.values():
                 check_fits_here(model)  # before any job loads anything
+            for plan in sweep.plans:  # data a cluster run prefetches (make prefetch): an unfinished run needs it
+                if not finished(plan.path):
+                    plan.task.check_data()
         except BAD_INPUT as exc:
             return fail(exc)
         if multirun:

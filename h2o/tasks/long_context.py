@@ -68,6 +68,11 @@ class LongContextTask(TaskSpec):
     quantizes = True
 
     def __post_init__(self):
+        for key in ("lengths", "depths"):  # a bare value (task.lengths=512) or a text is not a list
+            value = getattr(self, key)
+            check(isinstance(value, (list, tuple)),
+                  f"task.{key}={value!r}: expected a list, e.g. task.{key}=[{value!r}]; allowed: "
+                  + ("a list of token counts (ints > 0)" if key == "lengths" else "a list of fractions in [0, 1]"))
         self.lengths, self.depths = list(self.lengths), list(self.depths)
         check(bool(self.lengths) and all(isinstance(n, int) and not isinstance(n, bool) and n > 0
                                          for n in self.lengths),
@@ -143,6 +148,16 @@ class LongContextTask(TaskSpec):
                                              f"positions{plus}; allowed: <= {room}")
         if self.family != "longbench":  # LongBench's prompts are its own, cut to the length
             self.check_lengths(model)
+
+    def check_data(self) -> None:
+        """RULER's qa files, RULER's essays (``text=essays``) and LongBench's hub data: the data a cluster run
+        reads from the prefetched caches (h2o.tasks.long_context_data); a book is fetched by the task itself."""
+        from h2o.tasks.long_context_data import not_fetched
+
+        lost = not_fetched(self)
+        check(not lost, f"task={self.name}: its data are not on this machine ({'; '.join(lost)}); allowed: fetch "
+                        f"them first with `make prefetch EXP=<experiment>` (python -m h2o.pipeline.prefetch "
+                        f"task={self.name} ...), on a machine with internet")
 
     def check_lengths(self, model) -> None:
         """Each length holds the task's fixed text, judged with the model's tokenizer (loaded alone, from this

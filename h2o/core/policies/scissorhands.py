@@ -75,6 +75,7 @@ class Scissorhands(Policy):
     name = "scissorhands"
     splits = False  # the whole budget is scored, the recent window is an option in tokens
     needs_scores = True
+    token_options = ("history", "window")  # queries, tokens: at most the model's positions
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, history: int = 400, window: int = 10,
                  count: str = "unimportant"):
