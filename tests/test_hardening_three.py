@@ -258,3 +258,56 @@ def test_unknown_flag_is_one_line_everywhere(module, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         main([*REQUIRED.get(module, []), "--bogus"])
     one_line_exit_2(exit_.value.code, capsys, [f"python -m {module}", "unrecognized arguments: --bogus"])
+
+
+# ------------------------------------------------------------------------------------------------ resume
+class Killed(BaseException):
+    """The run dies here (not an Exception: nothing in the run catches it), as a preempted job would."""
+
+
+RESUMED = [  # (args, requests kept before the kill: about half of the run's)
+    (["task=bb_copa", "task.limit=4", "task.shots=1", "task.batch_size=1", "policy.budget=0.3"], 3),
+    (["task=niah", "task.lengths=[400,512]", "task.depths=[0.5]", "task.samples=1", "task.batch_size=1",
+      "policy.budget=0.3"], 1),
+]
+TIMINGS = {"wall_s", "cpu_s", "resumed_requests"}  # how long it took, and how much came from before the kill
+
+
+@pytest.mark.parametrize("args, before", RESUMED, ids=["multiple-choice", "retrieval"])
+def test_a_run_killed_mid_way_and_resumed_records_what_an_uninterrupted_one_does(args, before, tmp_path, monkeypatch):
+    """The run dies after ``before`` requests' results is kept (lm-eval's request cache, h2o.tasks.progress);
+    the same command resumes it from there; its record equals an uninterrupted run's field by field, timings
+    aside (mean_seq_len was once the resumed part's mean only)."""
+    from h2o.assets.data import write_task
+    from h2o.pipeline.records import read_jsonl
+    from h2o.pipeline.run import main
+    from h2o.tasks import progress
+
+    write_task("bb_copa")
+    monkeypatch.chdir(tmp_path)
+    run = [*TINY, "seed=3", *args]
+    assert main([*run, f"runs_dir={tmp_path}/whole"]) == 0
+    keep = progress.RequestLog.__setitem__
+    kept = []
+
+    def dies(self, key, value):
+        keep(self, key, value)
+        kept.append(key)
+        if len(kept) == before:
+            raise Killed
+
+    monkeypatch.setattr(progress.RequestLog, "__setitem__", dies)
+    with pytest.raises(Killed):
+        main([*run, f"runs_dir={tmp_path}/killed"])
+    assert not list((tmp_path / "killed").rglob("metrics.json")) and list((tmp_path / "killed").rglob("partial"))
+    monkeypatch.setattr(progress.RequestLog, "__setitem__", keep)
+    assert main([*run, f"runs_dir={tmp_path}/killed"]) == 0
+    (whole,), (resumed,) = (list((tmp_path / d).rglob("metrics.json")) for d in ("whole", "killed"))
+    a, b = json.loads(whole.read_text()), json.loads(resumed.read_text())
+    assert b["resumed_requests"] == before and a["resumed_requests"] == 0
+    assert set(a) == set(b)
+    for key in sorted(set(a) - TIMINGS):
+        assert a[key] == b[key], (key, a[key], b[key])
+    assert read_jsonl(whole.parent / "samples.jsonl") == read_jsonl(resumed.parent / "samples.jsonl")
+    field = "mean_seq_len" if a["task_kind"] == "multiple_choice" else "mean_prompt_tokens"
+    assert a[field] > 0

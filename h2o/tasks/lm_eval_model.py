@@ -193,6 +193,12 @@ class H2OLM(HFLM):
         self.question = question  # prompt | after: the question inside the compressed prompt or after it
         self._batch: list[str] = []  # the contexts of the batch being generated (tok_batch_encode's strings)
         self.truncate = "left"  # a prompt over max_length - max_gen_toks: lm-eval's left cut, or "middle" (LongBench)
+        # per scored row / generated prompt, kept across an interruption (h2o.tasks.progress.row_log): a resumed
+        # run's stats and budgets cover the requests lm-eval's cache answered too (None outside a run)
+        from h2o.tasks.progress import row_log
+
+        self.row_log, self.prompt_log, self.batch_log = row_log("lm_rows"), row_log("lm_prompts"), row_log("lm_batches")
+        self._probing = False  # batch_size=auto's probe rows are not the run's
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -238,8 +244,12 @@ class H2OLM(HFLM):
             F.log_softmax(self._model_call(ids), dim=-1, dtype=self.softmax_dtype)  # (b, L, V), as scored
 
         stats = dict(self.stats)
-        sizing = choose("auto", self.model, step, len(requests) - pos if requests else self.max_batch_size,
-                        self.max_batch_size)
+        self._probing = True
+        try:
+            sizing = choose("auto", self.model, step, len(requests) - pos if requests else self.max_batch_size,
+                            self.max_batch_size)
+        finally:
+            self._probing = False
         self.stats = stats
         self.sizings.append(sizing)
         return sizing.size
@@ -259,6 +269,43 @@ class H2OLM(HFLM):
             if prompts is not None:
                 prompts.append(self.prompt_of(row[:match]) if match is not None else len(row))
         return torch.tensor(lengths, device=inps.device)
+
+    def log_rows(self, inps: torch.Tensor, lengths: torch.Tensor, short: list[bool]) -> None:
+        """Each scored row's (true length, clamped) into the run's row log, keyed by the row's tokens: lm-eval
+        scores one row per distinct model input (its requests grouped by context + continuation[:-1]), so a row
+        scored again after an interruption replaces its line and every row counts once."""
+        if self.row_log is None or self._probing:
+            return
+        import hashlib
+
+        rows = {}
+        for row, n, c in zip(inps.tolist(), lengths.tolist(), short):
+            rows[hashlib.sha1(repr(row[:n]).encode()).hexdigest()] = [int(n), int(bool(c))]
+        self.row_log.update(rows)
+
+    def row_stats(self) -> dict:
+        """``rows``, ``tokens``, ``clamped`` of every row the run scored, before an interruption too (the row log);
+        this process's own (``stats``) outside a run."""
+        if self.row_log is None or not self.row_log.rows:
+            return dict(self.stats)
+        values = list(self.row_log.rows.values())
+        return {**self.stats, "rows": len(values), "tokens": sum(v[0] for v in values),
+                "clamped": sum(v[1] for v in values)}
+
+    def all_budgets(self) -> list[tuple[int, int]]:
+        """(prompt tokens, tokens held) of every generated prompt of the run, before an interruption too (the
+        prompt log, keyed by the prompt's text as lm-eval's request cache keys it); ``budgets`` outside a run."""
+        if self.prompt_log is None or not self.prompt_log.rows:
+            return list(self.budgets)
+        return [tuple(v) for v in self.prompt_log.rows.values()]
+
+    def all_footprints(self) -> list[tuple[dict, int]]:
+        """(cache footprint at its end, rows) of every generate call of the run, before an interruption too (the
+        batch log, keyed by the batch's prompts); ``footprints`` outside a run. Equal to an uninterrupted run's
+        when the resumed batches are the same (batch_size=1, or an interruption between whole batches)."""
+        if self.batch_log is None or not self.batch_log.rows:
+            return list(self.footprints)
+        return [(v[0], v[1]) for v in self.batch_log.rows.values()]
 
     def prompt_of(self, inp: list[int]) -> int:
         """The context tokens of the request whose model input is ``inp`` (compress=prefill compresses them)."""
@@ -281,9 +328,12 @@ class H2OLM(HFLM):
             else attn_mask.sum(-1)
         self.stats["rows"] += inps.shape[0]
         self.stats["tokens"] += int(lengths.sum())
+        short = [False] * inps.shape[0] if attn_mask is not None else \
+            self.policy.short(torch.tensor(prompts or lengths.tolist(), dtype=torch.long)).tolist()
+        self.log_rows(inps, lengths, short)
         if attn_mask is not None:
             return super()._model_call(inps, attn_mask, labels)
-        self.stats["clamped"] += clamped(self.policy, prompts or lengths.tolist())
+        self.stats["clamped"] += sum(short)  # h2o.tasks.base.clamped
         with torch.no_grad():
             if isinstance(self.policy, H2OReference):  # the paper code's rule: one unpadded sequence at a time
                 out = None
@@ -341,10 +391,14 @@ class H2OLM(HFLM):
             out[i, T - len(r):], cut[i, T - len(r):] = r, 1
         return out, cut
 
-    def question_tokens(self, context: str) -> int:
+    def question_tokens(self, context: str, doc: dict | None = None, task: str | None = None) -> int:
         """Trailing tokens of ``context``'s encoding that are its request's question (0: none known). The question
-        is encoded as the end of the prompt: tokens(context) - tokens(context less the question)."""
+        is encoded as the end of the prompt: tokens(context) - tokens(context less the question). ``doc`` and
+        ``task``: found from them when this process did not generate the request (a resumed run's requests that
+        lm-eval's cache answered)."""
         question = self.questions.get(context)
+        if question is None and doc is not None:
+            question = question_of(context, doc, task)
         if not question:
             return 0
         return len(self.tok_encode(context)) - len(self.tok_encode(context[:-len(question)]))
@@ -364,6 +418,13 @@ class H2OLM(HFLM):
                 out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
         held = prompt if self.policy.is_full else cache.layers[0].host_total  # a full policy never evicts
         self.budgets.extend(zip(prompt, held))
+        if self.prompt_log is not None and len(self._batch) == len(prompt):
+            import hashlib
+
+            self.prompt_log.update({hashlib.sha1(text.encode()).hexdigest(): [int(n), int(k)]
+                                    for text, n, k in zip(self._batch, prompt, held)})
+            self.batch_log.update({hashlib.sha1("\x00".join(self._batch).encode()).hexdigest():
+                                   [cache.footprint(), context.shape[0]]})
         self.footprints.append((cache.footprint(), context.shape[0]))
         return out
 

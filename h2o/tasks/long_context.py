@@ -260,14 +260,15 @@ class LongContextTask(TaskSpec):
         samples = [self.sample_row(s, lm) for s in out["samples"][self.lm_eval_task]]
         scores = [s[self.metric] for s in samples]
         metrics = {self.metric: sum(scores) / len(scores), f"{self.metric}_stderr": stderr(scores)}
-        prompt, held = (sum(x) for x in zip(*lm.budgets)) if lm.budgets else (0, 0)
+        budgets = lm.all_budgets()  # every generated prompt, those before an interruption included
+        prompt, held = (sum(x) for x in zip(*budgets)) if budgets else (0, 0)
         info = {"headline": self.metric,  # the metric analysis draws and tabulates (analysis.figures.headline_metric)
                 "cells": cells(samples, self.is_niah, self.metric), "lm_eval_task": self.lm_eval_task, **haystack,
                 "question": self.question,
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
-                "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
-                "clamped_requests": clamped(policy, [n for n, _ in lm.budgets]),  # a ratio of each prompt
-                **batch_fields(lm.footprints, END, token_digits=1),  # the cache at each generation's end
+                "mean_prompt_tokens": round(prompt / len(budgets), 1) if budgets else None,
+                "clamped_requests": clamped(policy, [n for n, _ in budgets]),  # a ratio of each prompt
+                **batch_fields(lm.all_footprints(), END, token_digits=1),  # the cache at each generation's end
                 "cpu_s": round(time.process_time() - cpu0, 1),  # this process's CPU time in the task, all threads
                 **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
         return Result(metrics, samples, info)
@@ -278,13 +279,14 @@ class LongContextTask(TaskSpec):
             context = s["arguments"][0][0]
             return {"doc_id": s["doc_id"], "length": doc["length"], "depth": doc["depth"],
                     "needle_depth": doc["needle_depth"], "prompt_tokens": doc["prompt_tokens"],
-                    "question_tokens": lm.question_tokens(context), "target": doc["answer"],
+                    "question_tokens": lm.question_tokens(context, doc, self.lm_eval_task), "target": doc["answer"],
                     "generation": generation, "acc": float(s["exact_match"])}
         if self.family == "longbench":
             return {"doc_id": s["doc_id"], "length": self.lengths[0], "target": doc.get("answers"),
                     "generation": generation, "score": float(s["score"])}
         length = int(doc["max_length"])
-        asked = {"question_tokens": lm.question_tokens(s["arguments"][0][0])} if self.question == "after" else {}
+        asked = ({"question_tokens": lm.question_tokens(s["arguments"][0][0], s["doc"], self.lm_eval_task)}
+                 if self.question == "after" else {})
         return {"doc_id": s["doc_id"], "length": length, "target": doc["outputs"], **asked,
                 "generation": generation, "acc": float(s[str(length)])}
 
