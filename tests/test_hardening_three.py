@@ -7,6 +7,7 @@ import json
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -311,3 +312,60 @@ def test_a_run_killed_mid_way_and_resumed_records_what_an_uninterrupted_one_does
     assert read_jsonl(whole.parent / "samples.jsonl") == read_jsonl(resumed.parent / "samples.jsonl")
     field = "mean_seq_len" if a["task_kind"] == "multiple_choice" else "mean_prompt_tokens"
     assert a[field] > 0
+
+
+# ------------------------------------------------------------------------------------------- strict records
+def test_a_record_holds_no_non_finite_number(tmp_path, capsys):
+    """The rule (h2o.pipeline.records.strict): an inf or nan is written as null and named in ``nonfinite``;
+    the file parses as strict JSON; analysis reads the named metric as NaN, left out of every mean."""
+    from analysis.records import load_runs
+    from h2o.pipeline.records import append_jsonl, write_json, write_jsonl
+
+    def strict_load(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-finite {c} in a record"))
+
+    good = {"experiment": "x", "model": "m", "task": "copa", "task_kind": "multiple_choice", "policy": "h2o",
+            "budget": 0.2, "shots": 0, "semantics": "simulated", "seed": 0, "n_samples": 3}
+    (tmp_path / "nan").mkdir()
+    write_json(tmp_path / "nan" / "metrics.json", {**good, "metrics": {"ppl": float("inf"), "acc": float("nan"),
+                                                                       "acc_norm": 0.25}, "cells": [1.0, -float("inf")]})
+    rec = strict_load((tmp_path / "nan" / "metrics.json").read_text())
+    assert rec["metrics"] == {"ppl": None, "acc": None, "acc_norm": 0.25} and rec["cells"] == [1.0, None]
+    assert rec["nonfinite"] == {"metrics.ppl": "inf", "metrics.acc": "nan", "cells[1]": "-inf"}
+    write_jsonl(tmp_path / "s.jsonl", [{"ll": float("-inf")}, {"ll": -1.5}])
+    append_jsonl(tmp_path / "s.jsonl", {"ll": float("nan")})
+    rows = [strict_load(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert rows == [{"ll": None, "nonfinite": {"ll": "-inf"}}, {"ll": -1.5}, {"ll": None, "nonfinite": {"ll": "nan"}}]
+    (tmp_path / "good").mkdir()
+    write_json(tmp_path / "good" / "metrics.json", {**good, "seed": 1, "metrics": {"ppl": 3.0, "acc": 0.5}})
+    assert "nonfinite" not in json.loads((tmp_path / "good" / "metrics.json").read_text())  # unchanged
+    df = load_runs(tmp_path)
+    row = df[df.path.str.endswith("nan")].iloc[0]
+    assert row.nonfinite_metrics == "ppl,acc" and np.isnan(row.ppl) and np.isnan(row.acc) and row.acc_norm == 0.25
+    assert df.ppl.mean() == 3.0 and "non-finite metric(s) ppl,acc" in capsys.readouterr().err
+
+
+def test_every_float_option_refuses_inf_and_nan_through_the_api():
+    from h2o import PolicyError, make_policy
+
+    for name, option in (("pyramidkv", "beta"), ("h2o", "heavy_share"), ("h2o", "decay"), ("h2o", "budget"),
+                         ("expected_attention", "epsilon"), ("adakv", "alpha_safeguard")):
+        for bad in (float("inf"), float("nan"), -float("inf")):
+            with pytest.raises(PolicyError, match=f"{option}={bad}: not a finite number"):
+                make_policy(name, **{option: bad})
+
+
+# ----------------------------------------------------------------------------------------- bench.methods
+def test_bench_methods_table_of_a_record_with_a_row_lacking_a_field(tmp_path, capsys):
+    from h2o.bench import methods
+
+    row = {"method": "h2o", "compress": "decode", "prefill_s": 0.1, "kv_bytes_prefill": 2**20,
+           "kv_prefill_vs_full": 0.2, "tokens_held": 12.0, "kv_meta_bytes": 0, "decode_tok_s": 5.0,
+           "decode_vs_full": 0.9, "decode_cpu_vs_full": 0.9, "kv_bytes": 2**21}
+    for bad, words in (({k: v for k, v in row.items() if k != "compress"}, ["methods row 0 (h2o) lacks 'compress'"]),
+                       ({**row, "prefill_s": "fast"}, ["methods row 0 (h2o): prefill_s='fast' is not a number"]),
+                       ("x", ["methods row 0 is str"])):
+        (tmp_path / "metrics.json").write_text(json.dumps({"methods": [bad]}))
+        one_line_exit_2(methods.main([str(tmp_path)]), capsys, ["error:", *words, "allowed: a make bench record"])
+    (tmp_path / "metrics.json").write_text(json.dumps({"methods": [row]}))
+    assert methods.main([str(tmp_path)]) == 0 and "| h2o | decode | 0.10 |" in capsys.readouterr().out
