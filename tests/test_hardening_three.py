@@ -270,11 +270,16 @@ RESUMED = [  # (args, requests kept before the kill: about half of the run's)
     (["task=bb_copa", "task.limit=4", "task.shots=1", "task.batch_size=1", "policy.budget=0.3"], 3),
     (["task=niah", "task.lengths=[400,512]", "task.depths=[0.5]", "task.samples=1", "task.batch_size=1",
       "policy.budget=0.3"], 1),
+    (["task=bb_xsum", "task.limit=2", "task.shots=0", "task.max_new_tokens=4", "task.doc_max_words=60",
+      "task.greedy=true", "task.batch_size=1", "policy.budget=0.5"], 1),  # greedy: sampled runs do not resume
+    (["task=austen_ppl", "task.n_windows=2", "task.window=48", "task.batch_size=1", "policy=streaming_llm",
+      "policy.budget=0.5"], 1),
 ]
 TIMINGS = {"wall_s", "cpu_s", "resumed_requests"}  # how long it took, and how much came from before the kill
 
 
-@pytest.mark.parametrize("args, before", RESUMED, ids=["multiple-choice", "retrieval"])
+@pytest.mark.parametrize("args, before", RESUMED, ids=["multiple-choice", "retrieval", "summarization",
+                                                       "perplexity"])
 def test_a_run_killed_mid_way_and_resumed_records_what_an_uninterrupted_one_does(args, before, tmp_path, monkeypatch):
     """The run dies after ``before`` requests' results is kept (lm-eval's request cache, h2o.tasks.progress);
     the same command resumes it from there; its record equals an uninterrupted run's field by field, timings
@@ -310,7 +315,8 @@ def test_a_run_killed_mid_way_and_resumed_records_what_an_uninterrupted_one_does
     for key in sorted(set(a) - TIMINGS):
         assert a[key] == b[key], (key, a[key], b[key])
     assert read_jsonl(whole.parent / "samples.jsonl") == read_jsonl(resumed.parent / "samples.jsonl")
-    field = "mean_seq_len" if a["task_kind"] == "multiple_choice" else "mean_prompt_tokens"
+    field = {"multiple_choice": "mean_seq_len", "perplexity": "tokens_scored"}.get(a["task_kind"],
+                                                                                  "mean_prompt_tokens")
     assert a[field] > 0
 
 
@@ -327,8 +333,8 @@ def test_a_record_holds_no_non_finite_number(tmp_path, capsys):
     good = {"experiment": "x", "model": "m", "task": "copa", "task_kind": "multiple_choice", "policy": "h2o",
             "budget": 0.2, "shots": 0, "semantics": "simulated", "seed": 0, "n_samples": 3}
     (tmp_path / "nan").mkdir()
-    write_json(tmp_path / "nan" / "metrics.json", {**good, "metrics": {"ppl": float("inf"), "acc": float("nan"),
-                                                                       "acc_norm": 0.25}, "cells": [1.0, -float("inf")]})
+    metrics = {"ppl": float("inf"), "acc": float("nan"), "acc_norm": 0.25}
+    write_json(tmp_path / "nan" / "metrics.json", {**good, "metrics": metrics, "cells": [1.0, -float("inf")]})
     rec = strict_load((tmp_path / "nan" / "metrics.json").read_text())
     assert rec["metrics"] == {"ppl": None, "acc": None, "acc_norm": 0.25} and rec["cells"] == [1.0, None]
     assert rec["nonfinite"] == {"metrics.ppl": "inf", "metrics.acc": "nan", "cells[1]": "-inf"}

@@ -124,10 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        print(f"error: {path}: not a readable record ({type(e).__name__}); allowed: a make bench run folder", file=sys.stderr)
+        print(f"error: {path}: not a readable record ({type(e).__name__}); allowed: a make bench run folder",
+              file=sys.stderr)
         return 2
     if not isinstance(record, dict) or not record.get(SECTION):
-        print(f"error: {path}: no methods section (task.methods was null, or the record predates it)", file=sys.stderr)
+        print(f"error: {path}: no methods section (task.methods was null, or the record predates it)",
+              file=sys.stderr)
         return 2
     bad = row_error(record[SECTION])
     if bad:
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 FIELDS = ("method", "compress", "prefill_s", "kv_bytes_prefill", "kv_prefill_vs_full", "tokens_held",
-          "kv_meta_bytes", "decode_tok_s", "decode_vs_full", "decode_cpu_vs_full", "kv_bytes")  # what a row's cells read
+          "kv_meta_bytes", "decode_tok_s", "decode_vs_full", "decode_cpu_vs_full", "kv_bytes")  # what cells() reads
 TEXT = ("method", "compress")  # the others: numbers (or null where the table prints -)
 
 
