@@ -286,7 +286,7 @@ class H2OLM(HFLM):
     def row_stats(self) -> dict:
         """``rows``, ``tokens``, ``clamped`` of every row the run scored, before an interruption too (the row log);
         this process's own (``stats``) outside a run."""
-        if self.row_log is None or not self.row_log.rows:
+        if self.row_log is None or not self.row_log.resumed:  # nothing from before: this process's, as ever
             return dict(self.stats)
         values = list(self.row_log.rows.values())
         return {**self.stats, "rows": len(values), "tokens": sum(v[0] for v in values),
@@ -295,7 +295,7 @@ class H2OLM(HFLM):
     def all_budgets(self) -> list[tuple[int, int]]:
         """(prompt tokens, tokens held) of every generated prompt of the run, before an interruption too (the
         prompt log, keyed by the prompt's text as lm-eval's request cache keys it); ``budgets`` outside a run."""
-        if self.prompt_log is None or not self.prompt_log.rows:
+        if self.prompt_log is None or not self.prompt_log.resumed:
             return list(self.budgets)
         return [tuple(v) for v in self.prompt_log.rows.values()]
 
@@ -303,7 +303,7 @@ class H2OLM(HFLM):
         """(cache footprint at its end, rows) of every generate call of the run, before an interruption too (the
         batch log, keyed by the batch's prompts); ``footprints`` outside a run. Equal to an uninterrupted run's
         when the resumed batches are the same (batch_size=1, or an interruption between whole batches)."""
-        if self.batch_log is None or not self.batch_log.rows:
+        if self.batch_log is None or not self.batch_log.resumed:
             return list(self.footprints)
         return [(v[0], v[1]) for v in self.batch_log.rows.values()]
 
