@@ -485,6 +485,20 @@ def test_lm_eval_cli_bad_input(model_args, words, capsys, tmp_path, monkeypatch)
     one_line_exit_2(lm_eval_cli.main(), capsys, words)
 
 
+def test_lm_eval_cli_refuses_ruler_qa_without_its_data(capsys, tmp_path, monkeypatch):
+    """``--tasks ruler_qa_hotpot`` with its JSON not fetched: one line naming make prefetch, before any load."""
+    from lm_eval.models.huggingface import HFLM
+
+    from h2o.tasks import lm_eval_cli
+
+    monkeypatch.setenv("H2O_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(HFLM, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+    monkeypatch.setattr("sys.argv", ["lm_eval_cli", "--model", "hf", "--model_args", "pretrained=x", "--tasks",
+                                     "ruler_qa_hotpot", "--output_path", str(tmp_path / "out")])
+    one_line_exit_2(lm_eval_cli.main(), capsys, ["--tasks ruler_qa_hotpot", "not on this machine",
+                                                 "hotpot_dev_distractor_v1.json", "make prefetch"])
+
+
 def test_analysis_cli_bad_paths(capsys, tmp_path):
     from analysis.__main__ import main
 

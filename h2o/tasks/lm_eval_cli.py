@@ -104,10 +104,26 @@ def main() -> int:
             from h2o.tasks.ruler_offline import from_env
 
             from_env()
+            check_qa_data(getattr(args, "tasks", None))
     except BadInput as exc:
         return fail(exc)
     parser.execute(args)
     return 0
+
+
+def check_qa_data(tasks) -> None:
+    """ConfigError when ``--tasks`` names RULER's qa tasks (or the ``ruler`` group) and their JSON file is not in
+    the cache (lm-eval would download it mid-run, after the model loaded, and fail offline): ``make prefetch``."""
+    from h2o.tasks.long_context_data import qa
+    from h2o.tasks.ruler_offline import QA_TASKS
+
+    names = {n.strip() for n in (tasks.split(",") if isinstance(tasks, str) else list(tasks or []))}
+    for task in sorted(QA_TASKS):
+        asset = qa(task)
+        if (task in names or "ruler" in names) and not asset.cached():
+            raise ConfigError(f"--tasks {task}: its data are not on this machine ({asset.what}); allowed: fetch "
+                              f"them first with `python -m h2o.pipeline.prefetch task={task}` (make prefetch), on a "
+                              f"machine with internet")
 
 
 def uses_ruler(tasks) -> bool:
