@@ -74,7 +74,6 @@ from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
 from h2o.core.policies.h2o_reference import H2OReference, as_reference
 from h2o.core.quant import QuantError, Quantizer
-from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 from h2o.tasks.question_after import QUESTIONS, context_then_question, prefill, question_of
 
@@ -197,7 +196,8 @@ class H2OLM(HFLM):
         # run's stats and budgets cover the requests lm-eval's cache answered too (None outside a run)
         from h2o.tasks.progress import row_log
 
-        self.row_log, self.prompt_log, self.batch_log = row_log("lm_rows"), row_log("lm_prompts"), row_log("lm_batches")
+        self.row_log, self.prompt_log = row_log("lm_rows"), row_log("lm_prompts")
+        self.batch_log = row_log("lm_batches")
         self._probing = False  # batch_size=auto's probe rows are not the run's
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
