@@ -34,7 +34,7 @@ def write_rows(records: list[dict], path: str | None) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work (validate)
         with open(path, "w") as f:
             for r in records:
-                from h2o.pipeline.records import dumps as strict_dumps  # inf, nan: null
+                from h2o.assets.strict_json import dumps as strict_dumps  # inf, nan: null
                 f.write(strict_dumps(r) + "\n")
 
 

@@ -105,7 +105,7 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
                         rec["n_tokens"] = a.shape[1]
                     rec["held_per_layer"] = held
                     rec["seconds"] = round(time.perf_counter() - t0, 2)
-                    from h2o.pipeline.records import dumps as strict_dumps  # inf, nan: null
+                    from h2o.assets.strict_json import dumps as strict_dumps  # inf, nan: null
                     f.write(strict_dumps(rec) + "\n")
                     f.flush()
                     print(f"h2o {method} r={ratio} {timing} {p['id']}: nll/token "

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), file=sys.stderr, flush=True)
         if args.json:
             with open(args.json, "a") as f:
-                from h2o.pipeline.records import dumps as strict_dumps  # inf, nan: null
+                from h2o.assets.strict_json import dumps as strict_dumps  # inf, nan: null
                 f.write(strict_dumps(row) + "\n")
 
     _, fp16 = kv_bytes_after_prefill(model, make_policy("full"), None, args.window)

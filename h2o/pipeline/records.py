@@ -24,7 +24,6 @@ import contextlib
 import functools
 import hashlib
 import json
-import math
 import os
 import platform
 import socket
@@ -37,6 +36,7 @@ from typing import Any, Iterator
 
 from h2o.assets.locks import append_line, folder_lock
 from h2o.assets.paths import REPO, atomic_write_text, group_defaults
+from h2o.assets.strict_json import NONFINITE, dumps, finite, strict  # noqa: F401  (re-exported: the record rule)
 from h2o.cli.paths import SAFE, check_name
 from h2o.core.validate import ConfigError, check, is_number
 
@@ -211,39 +211,6 @@ def clear_partial(path: Path) -> None:
         f.unlink(missing_ok=True)
     for name in ("samples.jsonl", "env.json"):
         (path / name).unlink(missing_ok=True)
-
-
-NONFINITE = "nonfinite"  # the field naming what a record held as inf or nan (written as null)
-
-
-def finite(obj: Any, where: str = "", found: dict | None = None) -> Any:
-    """``obj`` with every inf and nan float replaced by None (strict JSON has no such numbers); each one's dotted
-    path and value as text go to ``found`` (e.g. ``{"metrics.ppl": "inf"}``)."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        if found is not None:
-            found[where or "."] = str(obj)
-        return None
-    if isinstance(obj, dict):
-        return {k: finite(v, f"{where}.{k}" if where else str(k), found) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [finite(v, f"{where}[{i}]", found) for i, v in enumerate(obj)]
-    return obj
-
-
-def strict(obj: Any) -> Any:
-    """A record as written: strict JSON. The rule: an inf or nan anywhere is written as null, and an object record
-    gains ``nonfinite``: {dotted path: "inf" | "-inf" | "nan"} naming each (analysis reads those metrics as NaN,
-    left out of every mean); a record with none is written unchanged."""
-    found: dict = {}
-    out = finite(obj, "", found)
-    if found and isinstance(out, dict):
-        out[NONFINITE] = {**(out.get(NONFINITE) or {}), **found}
-    return out
-
-
-def dumps(obj: Any, **kw) -> str:
-    """json.dumps of :func:`strict` (obj), refusing any non-finite number left (allow_nan=False)."""
-    return json.dumps(strict(obj), allow_nan=False, default=str, **kw)
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -76,6 +76,7 @@ from h2o.core.policies.h2o_reference import H2OReference, as_reference
 from h2o.core.quant import QuantError, Quantizer
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 from h2o.tasks.question_after import QUESTIONS, context_then_question, prefill, question_of
+from h2o.tasks.resume_logs import ResumeLogs
 
 SEMANTICS = ("simulated", "reference")
 SCORING = ("sum", "mean")
@@ -157,7 +158,7 @@ def from_left_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
 
 
 @register_model("h2o")
-class H2OLM(HFLM):
+class H2OLM(ResumeLogs, HFLM):
     def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", semantics: str = "simulated",
                  scoring: str = "sum", quant: str | Quantizer | None = "none", question: str = "prompt", **kwargs):
         """``policy`` and ``quant``: names with their options in ``kwargs`` (model_args), or built objects;
@@ -192,13 +193,7 @@ class H2OLM(HFLM):
         self.question = question  # prompt | after: the question inside the compressed prompt or after it
         self._batch: list[str] = []  # the contexts of the batch being generated (tok_batch_encode's strings)
         self.truncate = "left"  # a prompt over max_length - max_gen_toks: lm-eval's left cut, or "middle" (LongBench)
-        # per scored row / generated prompt, kept across an interruption (h2o.tasks.progress.row_log): a resumed
-        # run's stats and budgets cover the requests lm-eval's cache answered too (None outside a run)
-        from h2o.tasks.progress import row_log
-
-        self.row_log, self.prompt_log = row_log("lm_rows"), row_log("lm_prompts")
-        self.batch_log = row_log("lm_batches")
-        self._probing = False  # batch_size=auto's probe rows are not the run's
+        self.open_logs()  # what a resumed run's record needs from before the interruption (h2o.tasks.resume_logs)
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -269,43 +264,6 @@ class H2OLM(HFLM):
             if prompts is not None:
                 prompts.append(self.prompt_of(row[:match]) if match is not None else len(row))
         return torch.tensor(lengths, device=inps.device)
-
-    def log_rows(self, inps: torch.Tensor, lengths: torch.Tensor, short: list[bool]) -> None:
-        """Each scored row's (true length, clamped) into the run's row log, keyed by the row's tokens: lm-eval
-        scores one row per distinct model input (its requests grouped by context + continuation[:-1]), so a row
-        scored again after an interruption replaces its line and every row counts once."""
-        if self.row_log is None or self._probing:
-            return
-        import hashlib
-
-        rows = {}
-        for row, n, c in zip(inps.tolist(), lengths.tolist(), short):
-            rows[hashlib.sha1(repr(row[:n]).encode()).hexdigest()] = [int(n), int(bool(c))]
-        self.row_log.update(rows)
-
-    def row_stats(self) -> dict:
-        """``rows``, ``tokens``, ``clamped`` of every row the run scored, before an interruption too (the row log);
-        this process's own (``stats``) outside a run."""
-        if self.row_log is None or not self.row_log.resumed:  # nothing from before: this process's, as ever
-            return dict(self.stats)
-        values = list(self.row_log.rows.values())
-        return {**self.stats, "rows": len(values), "tokens": sum(v[0] for v in values),
-                "clamped": sum(v[1] for v in values)}
-
-    def all_budgets(self) -> list[tuple[int, int]]:
-        """(prompt tokens, tokens held) of every generated prompt of the run, before an interruption too (the
-        prompt log, keyed by the prompt's text as lm-eval's request cache keys it); ``budgets`` outside a run."""
-        if self.prompt_log is None or not self.prompt_log.resumed:
-            return list(self.budgets)
-        return [tuple(v) for v in self.prompt_log.rows.values()]
-
-    def all_footprints(self) -> list[tuple[dict, int]]:
-        """(cache footprint at its end, rows) of every generate call of the run, before an interruption too (the
-        batch log, keyed by the batch's prompts); ``footprints`` outside a run. Equal to an uninterrupted run's
-        when the resumed batches are the same (batch_size=1, or an interruption between whole batches)."""
-        if self.batch_log is None or not self.batch_log.resumed:
-            return list(self.footprints)
-        return [(v[0], v[1]) for v in self.batch_log.rows.values()]
 
     def prompt_of(self, inp: list[int]) -> int:
         """The context tokens of the request whose model input is ``inp`` (compress=prefill compresses them)."""
@@ -418,13 +376,7 @@ class H2OLM(HFLM):
                 out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
         held = prompt if self.policy.is_full else cache.layers[0].host_total  # a full policy never evicts
         self.budgets.extend(zip(prompt, held))
-        if self.prompt_log is not None and len(self._batch) == len(prompt):
-            import hashlib
-
-            self.prompt_log.update({hashlib.sha1(text.encode()).hexdigest(): [int(n), int(k)]
-                                    for text, n, k in zip(self._batch, prompt, held)})
-            self.batch_log.update({hashlib.sha1("\x00".join(self._batch).encode()).hexdigest():
-                                   [cache.footprint(), context.shape[0]]})
+        self.log_generated(prompt, held, cache.footprint(), context.shape[0])
         self.footprints.append((cache.footprint(), context.shape[0]))
         return out
 

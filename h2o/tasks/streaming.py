@@ -286,7 +286,7 @@ class StreamingTask(TaskSpec):
 
         def on_sample(sample: dict) -> None:
             with open(live, "a", encoding="utf-8") as f:
-                from h2o.pipeline.records import dumps as strict_dumps  # inf, nan: null
+                from h2o.assets.strict_json import dumps as strict_dumps  # inf, nan: null
                 f.write(strict_dumps(sample) + "\n")
 
         metrics, samples = stream(model, ids, policy, chunk=self.chunk, positions=self.positions,

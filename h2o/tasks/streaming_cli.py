@@ -191,12 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     def save(rec, samples):
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work
         with open(args.json, "a") as f:
-            from h2o.pipeline.records import dumps as strict_dumps  # inf, nan: null
+            from h2o.assets.strict_json import dumps as strict_dumps  # inf, nan: null
             f.write(strict_dumps({**rec, "samples": samples}) + "\n")
 
     def live(label, sample):
         with open(Path(args.live) / f"{label}.jsonl", "a") as f:
-            from h2o.pipeline.records import dumps as strict_dumps  # inf, nan: null
+            from h2o.assets.strict_json import dumps as strict_dumps  # inf, nan: null
             f.write(strict_dumps(sample) + "\n")
 
     if args.live:

@@ -113,7 +113,6 @@ class Policy(BudgetChecks):
     # outranks it from then on or no older one does (local, streaming_llm, strided; docs/attention.md): the window
     # takes one older token per row as one arrives. Else the simulated path runs the row loop on sliding layers
     window_closed_form: ClassVar[bool] = False
-    token_options: ClassVar[tuple[str, ...]] = ()  # options counted in tokens: at most the model's positions
     splits: ClassVar[bool] = True  # the rule reads the heavy and recent parts apart (False: only their sum)
     # True: a layer's budget is shared by its KV heads (Ada-KV): every eviction is a cut of the whole layer by
     # :meth:`keep` (a decoding step too), heads hold uneven counts, the evicting cache stores them padded
