@@ -67,7 +67,7 @@ def record_row(metrics_file: Path) -> dict:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not math.isfinite(budget)):
         raise ValueError(f'"budget" must be a number or null, got {budget!r}')
-    noted = rec.pop("nonfinite", None)  # h2o.pipeline.records.strict: an inf or nan written as null, named here
+    noted = rec.pop("nonfinite", None)  # h2o.store.strict_json: an inf or nan written as null, named here
     noted = [k[len("metrics."):] for k in noted if k.startswith("metrics.")] if isinstance(noted, dict) else []
     row = _flatten(rec)
     options = rec.get("policy_options") if isinstance(rec.get("policy_options"), dict) else {}

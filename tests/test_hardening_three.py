@@ -237,7 +237,7 @@ def test_generate_refuses_an_all_padding_row(tiny):
 
 
 def test_the_runner_redoes_a_record_whose_budget_does_not_parse(tmp_path):
-    from h2o.pipeline.records import finished
+    from h2o.store.folders import finished
 
     record = {"model": "m", "task": "t", "policy": "h2o", "metrics": {}, "n_samples": 0, "wall_s": 0.0}
     for budget, done in ((0.2, True), (128, True), (None, True), ("abc", False), (True, False)):
@@ -248,8 +248,7 @@ def test_the_runner_redoes_a_record_whose_budget_does_not_parse(tmp_path):
 REQUIRED = {"analysis": ["tables"], "analysis.streaming_study": ["root"], "h2o.pipeline.wandb_workspace": ["--entity", "e"]}
 
 
-@pytest.mark.parametrize("module", ["h2o.pipeline.wandb_sync", "h2o.pipeline.wandb_workspace", "h2o.bench.quant",
-                                    "h2o.bench.calibrate", "h2o.assets.data", "analysis.results_pages",
+@pytest.mark.parametrize("module", ["h2o.pipeline.wandb_sync", "h2o.pipeline.wandb_workspace", "h2o.assets.calibrate", "h2o.assets.data", "analysis.results_pages",
                                     "analysis.streaming_study", "analysis"])
 def test_unknown_flag_is_one_line_everywhere(module, capsys, monkeypatch):
     import importlib
@@ -285,7 +284,7 @@ def test_a_run_killed_mid_way_and_resumed_records_what_an_uninterrupted_one_does
     the same command resumes it from there; its record equals an uninterrupted run's field by field, timings
     aside (mean_seq_len was once the resumed part's mean only)."""
     from h2o.assets.data import write_task
-    from h2o.pipeline.records import read_jsonl
+    from h2o.store.files import read_jsonl
     from h2o.pipeline.run import main
     from h2o.tasks import progress
 
@@ -322,10 +321,10 @@ def test_a_run_killed_mid_way_and_resumed_records_what_an_uninterrupted_one_does
 
 # ------------------------------------------------------------------------------------------- strict records
 def test_a_record_holds_no_non_finite_number(tmp_path, capsys):
-    """The rule (h2o.pipeline.records.strict): an inf or nan is written as null and named in ``nonfinite``;
+    """The rule (h2o.store.strict_json.strict): an inf or nan is written as null and named in ``nonfinite``;
     the file parses as strict JSON; analysis reads the named metric as NaN, left out of every mean."""
     from analysis.records import load_runs
-    from h2o.pipeline.records import append_jsonl, write_json, write_jsonl
+    from h2o.store.files import append_jsonl, write_json, write_jsonl
 
     def strict_load(text):
         return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-finite {c} in a record"))
@@ -363,7 +362,7 @@ def test_every_float_option_refuses_inf_and_nan_through_the_api():
 
 # ----------------------------------------------------------------------------------------- bench.methods
 def test_bench_methods_table_of_a_record_with_a_row_lacking_a_field(tmp_path, capsys):
-    from h2o.bench import methods
+    from h2o.bench import every_policy as methods
 
     row = {"method": "h2o", "compress": "decode", "prefill_s": 0.1, "kv_bytes_prefill": 2**20,
            "kv_prefill_vs_full": 0.2, "tokens_held": 12.0, "kv_meta_bytes": 0, "decode_tok_s": 5.0,

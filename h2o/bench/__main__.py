@@ -34,7 +34,7 @@ def write_rows(records: list[dict], path: str | None) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work (validate)
         with open(path, "w") as f:
             for r in records:
-                from h2o.assets.strict_json import dumps as strict_dumps  # inf, nan: null
+                from h2o.store.strict_json import dumps as strict_dumps  # inf, nan: null
                 f.write(strict_dumps(r) + "\n")
 
 
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="full,local,h2o")
     p.add_argument("--budget", default="0.2", help="budgets: ratios of the prompt or token counts, comma-separated")
     p.add_argument("--quant", default="none", help="KV quantization of each policy variant, comma-separated: "
-                   "none, uniform8/4/3/2, kvquant4/3/2 (h2o.bench.quant)")
+                   "none, uniform8/4/3/2, kvquant4/3/2 (h2o.core.quant.quant_of)")
     p.add_argument("--baselines", default="sdpa,sliding", help=f"of {','.join(BASELINES)}, or 'none'")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)

@@ -211,7 +211,7 @@ def write(out: Path, record: dict) -> None:
     """The JSON replaced whole (never a torn file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    from h2o.assets.strict_json import dumps as strict_dumps  # inf, nan: null
+    from h2o.store.strict_json import dumps as strict_dumps  # inf, nan: null
     tmp.write_text(strict_dumps(record, indent=1))
     tmp.replace(out)
 
