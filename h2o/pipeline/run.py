@@ -32,6 +32,7 @@ from h2o.core.validate import ConfigError
 from h2o.pipeline.job import attempt, log
 from h2o.pipeline.jobs import SERVED_FILE, classify, served_runs
 from h2o.store.files import read_jsonl, write_json
+from h2o.store.folders import finished
 from h2o.pipeline.sweep import BAD_INPUT, expand, summary_line
 
 SWEEP_ENV = "H2O_SWEEP_ID"  # set by main() for a multirun; every job row of the sweep carries it
@@ -86,6 +87,9 @@ def _main(argv: list[str]) -> int:
             sweep = expand(overrides, multirun)
             for model in {spec.model.key(): spec.model for spec in sweep.specs}.values():
                 check_fits_here(model)  # before any job loads anything
+            for spec in sweep.specs:  # data a cluster run prefetches (make prefetch): an unfinished run needs it
+                if not finished(spec.path):
+                    spec.task.check_data()
         except (BAD_INPUT, FetchError) as exc:  # a fetch for an up-front data check says what to do in one line
             return fail(exc)
         if multirun:

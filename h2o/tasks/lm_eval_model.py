@@ -75,9 +75,9 @@ from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
 from h2o.core import engine
 from h2o.core.quant import QuantError, Quantizer
-from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 from h2o.tasks.question_after import QUESTIONS, context_then_question, prefill, question_of
+from h2o.tasks.resume_logs import ResumeLogs
 
 SEMANTICS = ("simulated", "reference")
 SCORING = ("sum", "mean")
@@ -159,7 +159,7 @@ def from_left_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
 
 
 @register_model("h2o")
-class H2OLM(HFLM):
+class H2OLM(ResumeLogs, HFLM):
     def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", semantics: str = "simulated",
                  scoring: str = "sum", quant: str | Quantizer | None = "none", question: str = "prompt", **kwargs):
         """``policy`` and ``quant``: names with their options in ``kwargs`` (model_args), or built objects;
@@ -194,6 +194,7 @@ class H2OLM(HFLM):
         self.question = question  # prompt | after: the question inside the compressed prompt or after it
         self._batch: list[str] = []  # the contexts of the batch being generated (tok_batch_encode's strings)
         self.truncate = "left"  # a prompt over max_length - max_gen_toks: lm-eval's left cut, or "middle" (LongBench)
+        self.open_logs()  # what a resumed run's record needs from before the interruption (h2o.tasks.resume_logs)
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -239,8 +240,12 @@ class H2OLM(HFLM):
             F.log_softmax(self._model_call(ids), dim=-1, dtype=self.softmax_dtype)  # (b, L, V), as scored
 
         stats = dict(self.stats)
-        sizing = choose("auto", self.model, step, len(requests) - pos if requests else self.max_batch_size,
-                        self.max_batch_size)
+        self._probing = True
+        try:
+            sizing = choose("auto", self.model, step, len(requests) - pos if requests else self.max_batch_size,
+                            self.max_batch_size)
+        finally:
+            self._probing = False
         self.stats = stats
         self.sizings.append(sizing)
         return sizing.size
@@ -282,9 +287,12 @@ class H2OLM(HFLM):
             else attn_mask.sum(-1)
         self.stats["rows"] += inps.shape[0]
         self.stats["tokens"] += int(lengths.sum())
+        short = [False] * inps.shape[0] if attn_mask is not None else \
+            self.policy.short(torch.tensor(prompts or lengths.tolist(), dtype=torch.long)).tolist()
+        self.log_rows(inps, lengths, short)
         if attn_mask is not None:
             return super()._model_call(inps, attn_mask, labels)
-        self.stats["clamped"] += clamped(self.policy, prompts or lengths.tolist())
+        self.stats["clamped"] += sum(short)  # h2o.tasks.base.clamped
         with torch.no_grad():
             if engine.whole_forward(self.policy):  # the paper code's rule: one unpadded sequence at a time
                 out = None
@@ -342,10 +350,14 @@ class H2OLM(HFLM):
             out[i, T - len(r):], cut[i, T - len(r):] = r, 1
         return out, cut
 
-    def question_tokens(self, context: str) -> int:
+    def question_tokens(self, context: str, doc: dict | None = None, task: str | None = None) -> int:
         """Trailing tokens of ``context``'s encoding that are its request's question (0: none known). The question
-        is encoded as the end of the prompt: tokens(context) - tokens(context less the question)."""
+        is encoded as the end of the prompt: tokens(context) - tokens(context less the question). ``doc`` and
+        ``task``: found from them when this process did not generate the request (a resumed run's requests that
+        lm-eval's cache answered)."""
         question = self.questions.get(context)
+        if question is None and doc is not None:
+            question = question_of(context, doc, task)
         if not question:
             return 0
         return len(self.tok_encode(context)) - len(self.tok_encode(context[:-len(question)]))
@@ -365,6 +377,7 @@ class H2OLM(HFLM):
                 out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
         held = prompt if engine.keeps_all(self.policy) else cache.layers[0].host_total  # full never evicts
         self.budgets.extend(zip(prompt, held))
+        self.log_generated(prompt, held, cache.footprint(), context.shape[0])
         self.footprints.append((cache.footprint(), context.shape[0]))
         return out
 

@@ -136,8 +136,9 @@ class LmEvalTask(TaskSpec):
         metrics = {m: float(res[f"{m},none"]) for m in METRICS if res.get(f"{m},none") not in (None, "N/A")}
         samples = [sample_row(s, lm.n_cont_tokens) for s in out["samples"][self.lm_eval_task]]
         metrics.update(mean_accuracy(samples))
-        info = {"mean_seq_len": round(lm.stats["tokens"] / max(lm.stats["rows"], 1), 1),
-                "clamped_requests": lm.stats["clamped"],
+        stats = lm.row_stats()  # every scored row, those before an interruption included
+        info = {"mean_seq_len": round(stats["tokens"] / max(stats["rows"], 1), 1),
+                "clamped_requests": stats["clamped"],
                 "headline": HEADLINE[self.scoring], "lm_eval_task": self.lm_eval_task,
                 **record(self.batch_size, lm.sizings if isinstance(self.batch_size, str) else
                          [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
