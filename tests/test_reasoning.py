@@ -123,7 +123,7 @@ def run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_four_tasks_through_h2o_run(chat_model, tmp_path):
-    over = [f"task_overrides.{t}={{data_files: {DATA / t}.jsonl, limit: 1, n: 2, max_gen_toks: 4}}" for t in TASKS]
+    over = [f"+task_overrides.{t}={{data_files: {DATA / t}.jsonl, limit: 1, n: 2, max_gen_toks: 4}}" for t in TASKS]
     run(["-m", "h2o.pipeline.run", "-m", "model=tiny-llama", f"model.pretrained={chat_model}",
          f"task={','.join(TASKS)}", "policy=h2o", "policy.budget=0.5", "threads=1", *over,
          f"runs_dir={tmp_path / 'runs'}", "experiment_name=reasoning_test"], tmp_path)
