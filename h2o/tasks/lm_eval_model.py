@@ -26,6 +26,9 @@ Only the model call changes:
 * generation requests: ``model.generate`` inside ``attach(model, policy, mode="real")`` with a fresh evicting
   cache per call (left-padded batches); the budget is a ratio of each prompt's length, and each generated row's
   ``(prompt tokens, budget tokens)`` is kept in ``budgets`` (in the order lm-eval generates).
+With ``generation_log=<file>`` (or ``track_rows`` set, as h2o.tasks.reasoning does) each generated answer's tokens,
+length-limit stop, KV held at its end and peak, and time are kept in ``generations`` (task, doc id, repeat; appended
+to the file as JSON lines; h2o.tasks.generation_rows).
 Every policy runs through the harness's attention function and cache, ``full`` included (no pass-through to the
 plain model): at 100% budget generations equal lm-eval's ``hf`` model token for token and log-likelihoods agree
 within float noise (tests/test_long_context.py).

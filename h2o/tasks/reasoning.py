@@ -35,11 +35,15 @@ TASKS = {"aime24": ("aime", "Maxwell-Jia/AIME_2024", ("none", "exact_match")),
          "hendrycks_math500": ("hendrycks_math", "HuggingFaceH4/MATH-500", ("none", "exact_match")),
          "minerva_math500": ("minerva_math", "HuggingFaceH4/MATH-500", ("none", "math_verify"))}
 THINKING = (None, True, False)
-# mean generated tokens per answer of a 7-8B reasoning model (for the time estimates only: h2o.pipeline.launch)
+# For the time estimates only (h2o.pipeline.launch), not measured here: the mean tokens of a 7-8B reasoning model's
+# answer with the full cache (a compressed cache can make answers longer, up to max_gen_toks), the problems of each
+# data set, and the cost of one generated token in scored prompt tokens (the model's ``s_per_mtok``): ~5 ms per
+# answer token at batch 8 through ``generate`` (one step ~40 ms, the batch waiting for its longest answer) against
+# ~0.15 ms per prompt token.
 EXPECTED_TOKENS = {"aime24": 14000, "aime25": 14000, "gsm8k_cot_zeroshot": 1500, "hendrycks_math500": 4000,
                    "minerva_math500": 4000}
 PROBLEMS = {"aime24": 30, "aime25": 30, "gsm8k_cot_zeroshot": 1319, "hendrycks_math500": 500, "minerva_math500": 500}
-DECODE_COST = 10  # one generated token in scored-prompt-token equivalents (batched decoding; an estimate's constant)
+DECODE_COST = 30
 
 
 def folder(lm_eval_task: str) -> Path:
