@@ -26,7 +26,7 @@ import inspect
 
 import torch
 
-from .base import Counts, Policy, PolicyError
+from .base import READ_WINDOW, Counts, Policy, PolicyError
 from .kvpress_select import kvpress_adakv
 
 # the inner policies' options this wrapper passes on (null in conf/policy/adakv.yaml: the inner's default)
@@ -58,6 +58,7 @@ def ranked(keys: list[torch.Tensor]) -> torch.Tensor:
 class AdaKV(Policy):
     name = "adakv"
     pooled = True
+    reads = frozenset({READ_WINDOW})  # the default inner's (snapkv); an instance takes its inner's
     compress = "prefill"  # the default inner's (snapkv); an instance takes its inner's
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, inner: str = "snapkv",
@@ -87,7 +88,7 @@ class AdaKV(Policy):
         p = self.inner
         self.heavy, self.recent, self.budget = p.heavy, p.recent, p.budget
         self.splits, self.needs_scores, self.reads_keys = p.splits, p.needs_scores, p.reads_keys
-        self.reads_queries = p.reads_queries
+        self.reads, self.reads_queries = p.reads, p.reads_queries
         self.compress = p.compress
 
     def timed(self, compress: str) -> Policy:
@@ -121,6 +122,9 @@ class AdaKV(Policy):
 
     def cut_score(self, acc, keys, held) -> torch.Tensor:
         return self.inner.cut_score(acc, keys, held)
+
+    def read_window(self) -> int:
+        return self.inner.read_window()
 
     def query_stats(self, queries, rows, pos, length):  # an inner that reads the prompt's queries (reads_queries)
         return self.inner.query_stats(queries, rows, pos, length)

@@ -57,6 +57,14 @@ class KernelForm:
 
 
 COMPRESS = ("decode", "prefill")  # Policy.compress
+
+# What a rule reads from a forward beyond keys' positions (Policy.reads; both paths compute only that):
+READ_KEYS = "keys"  # the held keys after RoPE, at a cut and at decoding steps (Policy.cut_score, step_score)
+READ_WINDOW = "window"  # the attention of a prompt's last Policy.read_window() query rows (snapkv, tova)
+READ_ROWS = "rows"  # the attention of every query row, accumulated (h2o's heavy hitters)
+READ_QUERIES = "queries"  # the prompt's queries' statistics before RoPE (Policy.query_stats, expected_attention)
+READS = (READ_KEYS, READ_WINDOW, READ_ROWS, READ_QUERIES)
+NOTHING: frozenset[str] = frozenset()  # a rule of positions alone (and of the budget): full, local, strided...
 # the methods whose answers are the policy's decisions
 RULE = ("priority", "restrict", "score", "accumulate", "accumulate_prompt", "cut_score")
 
@@ -87,10 +95,14 @@ class Policy(BudgetChecks):
 
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = True  # False: keeps the whole cache and restricts each query (top-k)
-    needs_scores: ClassVar[bool] = False  # True: uses accumulated attention ``acc``
-    reads_keys: ClassVar[bool] = False  # True: at a cut, :meth:`cut_score` is given the held keys
+    # What the rule reads from a forward (a subset of :data:`READS`), declared on every policy's class: a prefill
+    # computes the attention output and only these statistics. The flags below follow from it where a class sets
+    # it (``__init_subclass__``); an instance that wraps others (adakv, PerSequence) sets all of them itself.
+    reads: ClassVar[frozenset[str]] = NOTHING
+    needs_scores: ClassVar[bool] = False  # True: uses accumulated attention ``acc`` (READ_ROWS or READ_WINDOW)
+    reads_keys: ClassVar[bool] = False  # True: at a cut, :meth:`cut_score` is given the held keys (READ_KEYS)
     # True: the prompt's queries before RoPE go to the policy's ``query_stats`` (h2o.core.prerope.Queries), and at
-    # the cut ``query_score(stats, keys, values, pos, held)`` replaces ``acc`` (expected_attention)
+    # the cut ``query_score(stats, keys, values, pos, held)`` replaces ``acc`` (expected_attention; READ_QUERIES)
     reads_queries: ClassVar[bool] = False
     # True: the priority ignores ``acc`` and a token the cache dropped would never be among the ``total - 1`` older
     # tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
@@ -112,8 +124,21 @@ class Policy(BudgetChecks):
 
     def __init_subclass__(cls, **kw):
         super().__init_subclass__(**kw)
+        if "reads" in vars(cls):
+            cls.reads = frozenset(cls.reads)
+            odd = sorted(cls.reads - set(READS))
+            if odd:
+                raise TypeError(f"{cls.__name__}.reads: {odd} not in {READS}")
+            cls.reads_keys, cls.reads_queries = READ_KEYS in cls.reads, READ_QUERIES in cls.reads
+            if cls.reads & {READ_ROWS, READ_WINDOW}:
+                cls.needs_scores = True
         if vars(cls).get("name"):  # its own name: a subclass inheriting one does not replace its parent
             Policy.registry[cls.name] = cls
+
+    def read_window(self) -> int:
+        """Under :data:`READ_WINDOW`: how many of a forward's last real query rows the rule reads the attention of
+        (the rows before them add nothing to its state). 0 for a rule that does not read a window."""
+        return 0
 
     def __init__(self, budget: BudgetPart = 1.0, heavy: BudgetPart | None = None,
                  recent: BudgetPart | None = None, heavy_share: float = 0.5):

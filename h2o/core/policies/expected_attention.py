@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import PolicyError, Unsupported
+from .base import READ_QUERIES, PolicyError, Unsupported
 from .prefill import PrefillOnly
 
 
@@ -75,7 +75,7 @@ def average_rotation(cos: torch.Tensor, sin: torch.Tensor, D: int) -> torch.Tens
 
 class ExpectedAttention(PrefillOnly):
     name = "expected_attention"
-    reads_queries = True
+    reads = frozenset({READ_QUERIES})  # the prompt's queries' statistics (the held keys, values at the cut)
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, n_future_positions: int = 512,
                  n_sink: int = 4, use_covariance: bool = True, use_vnorm: bool = True, epsilon: float = 0.0):

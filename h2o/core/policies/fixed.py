@@ -7,7 +7,7 @@ are dropped first, then the oldest summaries.
 """
 import torch
 
-from .base import Counts, Policy, bcast, tiered
+from .base import NOTHING, Counts, Policy, bcast, tiered
 from .protected import Tiered
 
 
@@ -20,6 +20,7 @@ def pattern(counts: Counts) -> tuple[torch.Tensor, torch.Tensor]:
 
 class Fixed(Policy):
     name = "fixed"
+    reads = NOTHING  # positions alone
     position_only = True
 
     def priority(self, pos, acc, now, counts: Counts):

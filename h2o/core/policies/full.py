@@ -1,5 +1,5 @@
 """full: the unmodified cache. Every token stays; the reference every table compares against."""
-from .base import Policy
+from .base import NOTHING, Policy
 from .budget import Unsupported
 
 
@@ -7,6 +7,7 @@ class Full(Policy):
     """Keeps everything (budget 100%)."""
 
     name = "full"
+    reads = NOTHING  # positions alone
     splits = False
 
     def __init__(self, budget=1.0, heavy=None, recent=None, heavy_share=0.5):

@@ -10,12 +10,13 @@ grouped-query attention. 20% budget = 10% heavy + 10% recent by default. ``score
 """
 import torch
 
-from .base import Counts, const, recent_window
+from .base import READ_ROWS, Counts, const, recent_window
 from .score import Scored, window_form
 
 
 class H2O(Scored):
     name = "h2o"
+    reads = frozenset({READ_ROWS})
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, score="sum", decay=0.99):
         super().__init__(budget, heavy, recent, heavy_share)

@@ -9,13 +9,14 @@ The simulated path applies the rule through :func:`reference_plan` and :func:`re
 """
 import torch
 
-from .base import Policy, PolicyError
+from .base import READ_ROWS, Policy, PolicyError
 from .h2_only import H2Only
 from .h2o import H2O, reference_mask
 
 
 class H2OReference(H2O):
     name = "h2o_reference"
+    reads = frozenset({READ_ROWS})  # simulated only: the unmasked rows of every query
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
         super().__init__(budget, heavy, recent, heavy_share)

@@ -13,12 +13,13 @@ the torch row loop (one-line notice)."""
 import torch
 import torch.nn.functional as F
 
+from .base import READ_KEYS
 from .decoding_press import DecodingOrder
 
 
 class KeyDiff(DecodingOrder):
     name = "keydiff"
-    reads_keys = True
+    reads = frozenset({READ_KEYS})  # the held keys after RoPE, at the cut and at each decoding step
 
     def cut_score(self, acc, keys, held) -> torch.Tensor:
         """keys (B, H, S, D), held (B, H, S) bool -> (B, H, S) fp32."""

@@ -10,12 +10,13 @@ query sees ``total`` keys, itself included (docs/methods.md).
 No Triton row kernel: on CUDA the simulated path runs the torch row loop (one-line notice)."""
 import torch
 
+from .base import READ_KEYS
 from .decoding_press import DecodingOrder
 
 
 class Knorm(DecodingOrder):
     name = "knorm"
-    reads_keys = True
+    reads = frozenset({READ_KEYS})  # the held keys after RoPE, at the cut and at each decoding step
 
     def cut_score(self, acc, keys, held) -> torch.Tensor:
         """keys (B, H, S, D) -> (B, H, S) fp32 (fp64 for fp64 keys)."""

@@ -1,11 +1,12 @@
 """local: only the most recent tokens, the whole budget as a sliding window (paper: Fig. 4, Table 1, Table 9)."""
-from .base import Counts, Policy
+from .base import NOTHING, Counts, Policy
 
 
 class Local(Policy):
     """Evicts the oldest token: priority is the position."""
 
     name = "local"
+    reads = NOTHING  # positions alone
     position_only = True
     splits = False
     window_closed_form = True  # the budget's window within the layer's window

@@ -30,6 +30,7 @@ class PerSequence(Policy):
         self.policies = list(policies)
         self.heavy, self.recent, self.budget = policies[0].heavy, policies[0].recent, policies[0].budget
         self.needs_scores = any(p.needs_scores for p in policies)
+        self.reads = frozenset().union(*(p.reads for p in policies))
         self.name = "+".join(p.name for p in policies)
 
     def counts(self, length: torch.Tensor) -> Counts:
@@ -43,6 +44,9 @@ class PerSequence(Policy):
     def accumulate(self, acc, probs, valid=None):
         for b, p in enumerate(self.policies):  # in place on each sequence's view of acc
             p.accumulate(acc[b:b + 1], probs[b:b + 1], None if valid is None else valid[b:b + 1])
+
+    def read_window(self) -> int:
+        return max(p.read_window() for p in self.policies)
 
     def __repr__(self):
         return f"PerSequence({self.policies})"

@@ -10,12 +10,13 @@ With L prompt tokens, ``k`` tokens kept on average (``budget * L`` for a ratio, 
 """
 import torch
 
-from .base import Counts, PolicyError
+from .base import READ_WINDOW, Counts, PolicyError
 from .snapkv import SnapKV
 
 
 class PyramidKV(SnapKV):
     name = "pyramidkv"
+    reads = frozenset({READ_WINDOW})  # snapkv's
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, window: int = 64, kernel: int = 5,
                  beta: float = 20):

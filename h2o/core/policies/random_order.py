@@ -12,7 +12,7 @@ policies that do, and every evicting policy that is not position-only goes throu
 """
 import torch
 
-from .base import Counts, Policy, PolicyError
+from .base import NOTHING, Counts, Policy, PolicyError
 
 P = 2**31 - 1  # a prime: every step below stays < 2**62, exact in int64
 ROUNDS = ((48271, 11), (69621, 7), (16807, 3))  # (multiplier, increment) of each mixing round
@@ -31,6 +31,7 @@ def uniform(pos: torch.Tensor, seed: int) -> torch.Tensor:
 class Random(Policy):
     name = "random"
     splits = False  # the whole budget is drawn
+    reads = NOTHING  # a hash of (head, position)
     needs_scores = True  # see the module docstring: the row loop's probabilities, not a score
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, seed: int = 0):

@@ -66,7 +66,7 @@ No Triton row kernel: on CUDA the simulated path runs the torch row loop (one-li
 """
 import torch
 
-from .base import Counts, Policy, PolicyError, bcast, const
+from .base import READ_WINDOW, Counts, Policy, PolicyError, bcast, const
 
 COUNTS = ("unimportant", "important")
 
@@ -74,7 +74,8 @@ COUNTS = ("unimportant", "important")
 class Scissorhands(Policy):
     name = "scissorhands"
     splits = False  # the whole budget is scored, the recent window is an option in tokens
-    needs_scores = True
+    # the state holds the last ``history`` steps' marks, each from its own row: a prompt's older rows leave it
+    reads = frozenset({READ_WINDOW})
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, history: int = 400, window: int = 10,
                  count: str = "unimportant"):
@@ -91,6 +92,9 @@ class Scissorhands(Policy):
 
     def new_state(self, B, H, S, device):
         return torch.zeros(B, H, S, self.history, dtype=torch.uint8, device=device)  # (B, H, S, w)
+
+    def read_window(self) -> int:
+        return self.history
 
     def marks(self, probs: torch.Tensor) -> torch.Tensor:
         """probs (B, H, G, r, S) -> (B, H, S, r) uint8: per row, the query heads for which the token was unimportant

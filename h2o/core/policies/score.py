@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Counts, KernelForm, Policy, PolicyError, bcast, const
+from .base import READ_ROWS, Counts, KernelForm, Policy, PolicyError, bcast, const
 
 SCORES = ("sum", "mean", "decay")
 
@@ -25,7 +25,7 @@ SCORES = ("sum", "mean", "decay")
 class Scored(Policy):
     """Base of the score-based policies: the ``score`` and ``decay`` options and their two hooks."""
 
-    needs_scores = True
+    reads = frozenset({READ_ROWS})  # every query row's attention, summed (or decayed) into acc
 
     def set_score(self, score: str = "sum", decay: float = 0.99) -> None:
         if score not in SCORES:

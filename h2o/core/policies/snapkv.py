@@ -20,13 +20,13 @@ one sequence).
 import torch
 import torch.nn.functional as F
 
-from .base import Counts, PolicyError, bcast
+from .base import READ_WINDOW, Counts, PolicyError, bcast
 from .prefill import PrefillOnly
 
 
 class SnapKV(PrefillOnly):
     name = "snapkv"
-    needs_scores = True
+    reads = frozenset({READ_WINDOW})  # the attention of the prompt's last ``window`` rows
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, window: int = 64, kernel: int = 5):
         super().__init__(budget, heavy, recent, heavy_share)
@@ -36,6 +36,9 @@ class SnapKV(PrefillOnly):
             raise PolicyError(f"kernel={kernel!r}: the pooling kernel must be an odd int >= 1")
         self.window, self.kernel = window, kernel
         self.newest_upto = window  # a prompt of at most w tokens is all window (kvpress asserts L > w)
+
+    def read_window(self) -> int:
+        return self.window
 
     def accumulate_prompt(self, acc, probs, valid, left) -> None:
         """acc (B, H, S) += the rows of the last ``window`` (left < window) of probs (B, H, G, r, S), / (w G)."""

@@ -3,11 +3,12 @@
 The whole budget is used: ``sinks`` sink tokens and ``total - sinks`` recent ones. When a budget is too small to
 hold the sinks and the query, the sinks shrink to ``total - 1`` (a ratio budget on a short sequence).
 """
-from .base import TIER, Counts, Policy, PolicyError, bcast
+from .base import NOTHING, TIER, Counts, Policy, PolicyError, bcast
 
 
 class StreamingLLM(Policy):
     name = "streaming_llm"
+    reads = NOTHING  # positions alone
     position_only = True
     splits = False
     window_closed_form = True  # the sinks are the oldest tokens: the first to leave a window

@@ -7,7 +7,7 @@ at position 0 (not at each query) so that a dropped token is never needed again,
 """
 import torch
 
-from .base import Counts, Policy, bcast, recent_window, tiered
+from .base import NOTHING, Counts, Policy, bcast, recent_window, tiered
 from .protected import Tiered
 
 
@@ -19,6 +19,7 @@ def stride_of(counts: Counts) -> torch.Tensor:
 
 class Strided(Policy):
     name = "strided"
+    reads = NOTHING  # positions alone
     position_only = True
     window_closed_form = True  # newer tokens outrank a dropped non-grid token; no older one outranks a grid token
 

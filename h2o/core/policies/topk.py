@@ -5,7 +5,7 @@ for it and restricts each query; its run records say so (``evicts: false``). ``k
 """
 import torch
 
-from .base import Counts, Decoder, Policy, const
+from .base import NOTHING, Counts, Decoder, Policy, const
 
 
 def per_seq(n: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -55,6 +55,7 @@ class TopK(Policy):
     name = "topk"
     evicts = False
     splits = False  # k is the whole budget
+    reads = NOTHING  # each decoding query's own logits, which attention computes anyway; a prefill sees all
 
     def restrict(self, logits, acc, allowed, counts: Counts):
         return allowed & (top_rank(logits, allowed) < per_seq(counts.total, logits))  # (..., q, S)

@@ -6,7 +6,7 @@ two parts never overlap, so a query sees exactly as many keys as under top-k. Li
 """
 import torch
 
-from .base import Counts, KernelForm, const
+from .base import READ_ROWS, Counts, KernelForm, const
 from .topk import TopK, per_seq, top_mask, top_rank
 
 
@@ -14,7 +14,7 @@ class TopKH2(TopK):
     name = "topk_h2"
     evicts = False
     splits = True  # the heavy part first, then top-k up to the whole budget
-    needs_scores = True
+    reads = frozenset({READ_ROWS})  # the heavy hitters' accumulated attention (each query's logits: its own)
 
     def restrict(self, logits, acc, allowed, counts: Counts):
         hitters = top_rank(acc.expand_as(logits), allowed) < per_seq(counts.heavy, logits)  # (..., q, S)

@@ -14,18 +14,21 @@ head.
 """
 import torch
 
-from .base import Counts, Policy, bcast, const
+from .base import READ_WINDOW, Counts, Policy, bcast, const
 
 
 class TOVA(Policy):
     name = "tova"
     splits = False  # the whole budget is scored
-    needs_scores = True
+    reads = frozenset({READ_WINDOW})  # the newest row's attention: a window of one row (each decoding row too)
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
         super().__init__(budget, heavy, recent, heavy_share)
         zero = 0.0 if isinstance(self.budget, float) else 0
         Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent window: the whole budget is scored
+
+    def read_window(self) -> int:
+        return 1
 
     def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """acc (B, H, S) <- the last valid row of probs (B, H, G, r, S), averaged over (H, G); a sequence with no
