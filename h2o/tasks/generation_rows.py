@@ -16,7 +16,8 @@ import time
 import torch
 from transformers import LogitsProcessor
 
-FIELDS = ("prompt_tokens", "gen_tokens", "at_limit", "kv_tokens_end", "kv_bytes_end", "kv_tokens_peak", "kv_bytes_peak", "time_s")
+FIELDS = ("prompt_tokens", "gen_tokens", "at_limit", "kv_tokens_end", "kv_bytes_end", "kv_tokens_peak", "kv_bytes_peak",
+          "time_s")
 
 
 class StepWatch(LogitsProcessor):

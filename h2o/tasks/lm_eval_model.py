@@ -407,8 +407,8 @@ class H2OLM(HFLM):
         return watch
 
     def note_rows(self, out: torch.Tensor, width: int, prompts: list[int], watch, stop: list[str]) -> None:
-        """Each row of ``out`` (B, width + new) (``prompts``: each row's prompt tokens) with its context and its answer as lm-eval returns it (the same
-        decoding and cut as HFLM.generate_until) -> ``rows``."""
+        """Each row of ``out`` (B, width + new) (``prompts``: each row's prompt tokens) with its context and its
+        answer as lm-eval returns it (the same decoding and cut as HFLM.generate_until) -> ``rows``."""
         from lm_eval.models.utils import postprocess_generated_text
 
         from h2o.tasks.generation_rows import row_fields

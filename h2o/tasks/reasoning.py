@@ -59,7 +59,7 @@ def yaml_of(lm_eval_task: str) -> Path:
         text = path.read_text(encoding="utf-8")
         if any(line.strip() == f"task: {lm_eval_task}" for line in text.splitlines()):
             return path
-    raise FileNotFoundError(f"lm-eval has no YAML for task {lm_eval_task} in {folder(lm_eval_task)}")  # pragma: no cover
+    raise FileNotFoundError(f"lm-eval has no YAML for task {lm_eval_task} in {folder(lm_eval_task)}")
 
 
 def stand_in(lm_eval_task: str, data_files: str, into: Path, repeats: int | None = None) -> Path:
