@@ -66,6 +66,7 @@ def validate(args) -> None:
               f"--include_path={abbrev(args.include_path)}: {why or 'no such folder'}; expected a folder of task YAMLs")
     if getattr(args, "output_path", None):
         output_dir("--output_path", Path(args.output_path).parent)
+    check_sampling(getattr(args, "gen_kwargs", None))
     if getattr(args, "model", None) != "h2o":
         return
     options = dict(args.model_args or {}) if isinstance(args.model_args or {}, dict) else {}
@@ -82,10 +83,37 @@ def validate(args) -> None:
     check(options.get("scoring", "sum") in SCORING,
           f"--model_args scoring={options.get('scoring')!r}: allowed: {', '.join(SCORING)}")
     check_batch_size(from_text(getattr(args, "batch_size", 1)), "--batch_size", schedule=True)
+    thinking = options.get("enable_thinking")
+    check(thinking in (None, True, False),
+          f"--model_args enable_thinking={thinking!r}: allowed: true, false (absent: the chat template's default)")
+    check(thinking is not True or options.get("think_end_token"),
+          "--model_args enable_thinking=true without think_end_token: lm-eval scores the text after the end of the "
+          "thinking; allowed: think_end_token=<its text> (e.g. </think>)")
+    if options.get("generation_log"):
+        output_dir("--model_args generation_log", Path(str(options["generation_log"])).parent)
     quant = make_lm_quant(options.get("quant", "none"), {k: v for k, v in options.items()
                                                          if k.startswith(QUANT_PREFIX)}, pretrained)
     if quant is not None:
         quant.check_geometry(*ModelSpec(str(pretrained), str(pretrained)).geometry())
+
+
+def check_sampling(gen_kwargs) -> None:
+    """BadInput for a bad ``--gen_kwargs`` sampling value: temperature < 0, top_p outside (0, 1],
+    max_gen_toks < 1."""
+    from h2o.core.validate import check
+
+    kw = gen_kwargs if isinstance(gen_kwargs, dict) else {}
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    if "temperature" in kw:
+        t = kw["temperature"]
+        check(number(t) and t >= 0, f"--gen_kwargs temperature={t!r}: allowed: a number >= 0 (0: greedy)")
+    if "top_p" in kw:
+        p = kw["top_p"]
+        check(number(p) and 0 < p <= 1, f"--gen_kwargs top_p={p!r}: allowed: a number in (0, 1]")
+    if "max_gen_toks" in kw:
+        m = kw["max_gen_toks"]
+        check(isinstance(m, int) and not isinstance(m, bool) and m >= 1,
+              f"--gen_kwargs max_gen_toks={m!r}: allowed: an int >= 1")
 
 
 @kept()  # lm-eval's logging set-up and its handlers stay inside the command (tests call it in process)
