@@ -476,7 +476,7 @@ LM_EVAL_BAD = [
     ("pretrained=tiny:llama,question=sideways", ["--model_args question='sideways'", "allowed: prompt, after"]),
     ("pretrained=tiny:llama,policy=tova,windw=8",
      ["--model_args windw=8", "no such option of --model h2o (policy=tova)", "allowed: pretrained, policy",
-      "quant_<option>", "policy=tova's options (budget, heavy, recent, heavy_share, compress)", "HFLM arguments",
+      "quant_<option>", "policy=tova's options (budget, heavy, recent, heavy_share, compress, interval)", "HFLM arguments",
       "max_length"]),
     ("pretrained=tiny:opt,policy=expected_attention", ["policy=expected_attention", "tiny:opt has no rotary"]),
     ("pretrained=tiny:llama,policy=scissorhands,history=1000000000000",

@@ -19,7 +19,8 @@ import sys
 from h2o.cli.process import kept
 from h2o.core.validate import ConfigError
 
-OWN_KEYS = ("pretrained", "policy", "semantics", "scoring", "quant", "question")  # H2OLM's own model_args
+OWN_KEYS = ("pretrained", "policy", "semantics", "scoring", "quant", "question",  # H2OLM's own model_args
+            "generation_log")
 
 
 def check_keys(options: dict, policy) -> None:
@@ -70,6 +71,12 @@ def validate(args) -> None:
     if getattr(args, "model", None) != "h2o":
         return
     options = dict(args.model_args or {}) if isinstance(args.model_args or {}, dict) else {}
+    thinking = options.get("enable_thinking")
+    check(thinking in (None, True, False),
+          f"--model_args enable_thinking={thinking!r}: allowed: true, false (absent: the chat template's default)")
+    check(thinking is not True or options.get("think_end_token"),
+          "--model_args enable_thinking=true without think_end_token: lm-eval scores the text after the end of the "
+          "thinking; allowed: think_end_token=<its text> (e.g. </think>)")
     check_pretrained(options.get("pretrained", "smollm2-135m"), "--model_args pretrained")
     policy = lm_policy(options.get("policy", "full"), dict(options), options.get("semantics", "simulated"))
     check_keys(options, policy)
@@ -83,12 +90,6 @@ def validate(args) -> None:
     check(options.get("scoring", "sum") in SCORING,
           f"--model_args scoring={options.get('scoring')!r}: allowed: {', '.join(SCORING)}")
     check_batch_size(from_text(getattr(args, "batch_size", 1)), "--batch_size", schedule=True)
-    thinking = options.get("enable_thinking")
-    check(thinking in (None, True, False),
-          f"--model_args enable_thinking={thinking!r}: allowed: true, false (absent: the chat template's default)")
-    check(thinking is not True or options.get("think_end_token"),
-          "--model_args enable_thinking=true without think_end_token: lm-eval scores the text after the end of the "
-          "thinking; allowed: think_end_token=<its text> (e.g. </think>)")
     if options.get("generation_log"):
         output_dir("--model_args generation_log", Path(str(options["generation_log"])).parent)
     quant = make_lm_quant(options.get("quant", "none"), {k: v for k, v in options.items()
