@@ -66,8 +66,8 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
         if state.quant is not None:  # attend to the values a quantized cache would hold
             key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
         mask = plan[0]
-        if mask is not None and mask.shape[2] == 1 and softcap is None and sinks is None and state.observer is None \
-                and not isinstance(state.policy, H2OReference):  # a mask of positions alone: the fused kernel
+        # a mask of positions alone (full, a closed form; the forward plan has none for the others): the fused kernel
+        if mask is not None and mask.shape[2] == 1 and softcap is None and sinks is None and state.observer is None:
             causal = attention_mask is None and window is None and state.policy.is_full  # no pad: plain causal
             out = simulated_fused(query, key, value, mask, scaling, causal)  # (B, Hq, T, D)
             state.flag(module.layer_idx, out)
