@@ -46,8 +46,8 @@ figures: install ## regenerate the figures from runs/
 report: install ## analysis/out/REPORT.md: every paper number beside ours, with a verdict (any runs/, even empty)
 	$(PY) -m analysis report --runs runs --out analysis/out
 
-docs-results: install ## docs/results/*.md and their figures, regenerated from the study records committed under analysis/<study>/
-	$(PY) -m analysis.results_pages --studies analysis --out docs/results
+docs-results: install ## docs/results/*.md and their figures, regenerated from the study records committed under studies/<study>/
+	$(PY) -m analysis.results_pages --studies studies --out docs/results
 
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
@@ -123,7 +123,7 @@ wandb: install ## mirror EXP's records in runs/ to wandb (offline unless WANDB_M
 
 # Parity with kvpress (outside CI): kvpress 0.5.5 in its own virtualenv .parity-venv (torch 2.13.0 first, then
 # kvpress with its transformers pin), each of its presses beside the harness's method on the same SmolLM2 prompts;
-# records under runs/parity/ (resumable), table in docs/results/parity.md. PARITY_ARGS: python -m h2o.bench.parity
+# records under runs/parity/ (resumable), table in docs/results/parity.md. PARITY_ARGS: python -m h2o.parity
 # options (--contexts, --needles, --context-len, --cont-len, --ratios, --methods, --decode, --out). Measured with
 # --contexts 2 --needles 1 --context-len 1024 --cont-len 128 --ratios 0.8 --decode: 41 min (kvpress side) beside
 # 31 min (ours) on 2 shared cores at load ~12; the defaults (2 x 2,048-token contexts, 2 needles, 3 ratios) are
@@ -132,6 +132,6 @@ wandb: install ## mirror EXP's records in runs/ to wandb (offline unless WANDB_M
 PARITY_ARGS ?= --decode
 parity: install ## kvpress 0.5.5 beside the harness, same prompts (own venv .parity-venv; PARITY_ARGS) -> docs/results/parity.md
 	tools/parity/setup_venv.sh .parity-venv
-	$(PY) -m h2o.bench.parity $(PARITY_ARGS)
+	$(PY) -m h2o.parity.driver $(PARITY_ARGS)
 
 .PHONY: help install test slurm-up slurm-down tables figures report docs-results data model bench stream sweep wandb status prefetch gpu-check parity

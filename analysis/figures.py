@@ -37,18 +37,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from analysis.plotting import panels, save  # first: it selects matplotlib's display-free backend
 
-matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from analysis.labels import POLICIES, key_str, label, metric_for, policy_order  # noqa: E402
 from analysis.layout import eligible  # noqa: E402
 from analysis.protocol import annotate, as_records, choose, select  # noqa: E402
 from analysis.records import load_json, load_samples  # noqa: E402
-from analysis.tables import POLICIES, key_str, label, metric_for, policy_order  # noqa: E402
 
 SEMANTICS_STYLE = {"simulated": "-", "real": "-.", "reference": ":"}  # "--" is the full cache
 PAPER_FIGURES = [  # (file stem, title, experiments, policies drawn: None = every policy run)
@@ -69,26 +68,6 @@ def fit_power_law(scores) -> tuple[float, float]:
         return float("nan"), float("nan")
     slope, intercept = np.polyfit(np.log10(np.arange(1, len(s) + 1)), np.log10(s), 1)
     return -slope, 10 ** intercept
-
-
-def save(fig, out: str | Path, name: str) -> list[Path]:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / f"{name}.png", out / f"{name}.pdf"]
-    for p in paths:
-        fig.savefig(p, dpi=150)
-    plt.close(fig)
-    return paths
-
-
-def panels(n: int, ncols: int = 3, size=(4.2, 3.2), nrows=None):
-    nrows = nrows or -(-n // ncols)
-    ncols = min(n, ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows),
-                             squeeze=False, layout="constrained")
-    for ax in axes.ravel()[n:]:
-        ax.set_visible(False)
-    return fig, axes.ravel()
 
 
 def color(policy: str) -> str:
@@ -161,7 +140,7 @@ def budget_figure(runs: pd.DataFrame, out, name: str, title: str, policies=None)
 
 def headline_metric(runs: pd.DataFrame) -> str | None:
     """The metric the records name as their headline (``headline``, e.g. ``acc_mean``) when they
-    all name one and have it, else the task kind's (:func:`analysis.tables.metric_for`)."""
+    all name one and have it, else the task kind's (:func:`analysis.labels.metric_for`)."""
     named = runs["headline"].dropna().unique() if "headline" in runs.columns else []
     if len(named) == 1 and named[0] in runs.columns and \
             pd.to_numeric(runs[named[0]], errors="coerce").notna().any():

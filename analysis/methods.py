@@ -19,7 +19,7 @@ task, with the task kind's metric (perplexity: ``ppl``, lower is better; retriev
   ``≈`` unresolved.
 
 ``python -m analysis methods --runs runs --out analysis/out`` writes the figures and tables; ``make figures`` and
-``make tables`` include them; docs/results/methods.md is regenerated from the records under analysis/methods/
+``make tables`` include them; docs/results/methods.md is regenerated from the records under studies/methods/
 (a study of kind ``methods``, :mod:`analysis.results_pages`).
 """
 from __future__ import annotations
@@ -30,12 +30,11 @@ from pathlib import Path
 import pandas as pd
 
 from analysis.estimate import Z95, difference, paired_difference
-from analysis.protocol import annotate, choose
+from analysis.protocol import TIMINGS, annotate, choose, compress_of, question_of
 from analysis.render import Table
-from analysis.tables import label, metric_for, num, pick_text
+from analysis.labels import label, metric_for, num, pick_text
 
 EXPERIMENTS = ("methods", "methods_cluster")
-TIMINGS = ("decode", "prefill")
 AFTER = ", question after"  # the label's suffix for task.question=after
 LABELS = (*TIMINGS, *(t + AFTER for t in TIMINGS))  # every timing label, the table's column order
 STYLES = {"decode": ("-", "o", 0.985), "prefill": ("--", "s", 1.015), "decode" + AFTER: ((0, (1, 1)), "v", 0.955),
@@ -44,21 +43,6 @@ ORDER = ["full", "local", "streaming_llm", "h2o", "tova", "scissorhands", "rando
          "adakv", "knorm", "keydiff", "expected_attention"]
 LOWER_IS_BETTER = ("ppl",)
 MIB = 2 ** 20
-
-
-def compress_of(row) -> str:
-    """The record's compression timing: describe() names ``compress`` only when it is not the default, decode."""
-    for key in ("compress", "policy_options.compress"):
-        v = row.get(key)
-        if isinstance(v, str) and v in TIMINGS:
-            return v
-    return "decode"
-
-
-def question_of(row) -> str:
-    """Where the task's question went: ``after`` the compressed context, else ``prompt`` (inside it: every record
-    without the field, the protocol naming it only when it is not the default)."""
-    return "after" if any(row.get(k) == "after" for k in ("protocol.question", "question")) else "prompt"
 
 
 def timing_of(row) -> str:
@@ -140,7 +124,7 @@ STORED = ("(stored X): the KV MiB stored per sequence (record `kv_bytes_stored`)
 
 
 def cell(pick, digits: int) -> str:
-    """``value [lo, hi] · KV MiB`` (:func:`analysis.tables.pick_text`, then the cache held at the end), with
+    """``value [lo, hi] · KV MiB`` (:func:`analysis.labels.pick_text`, then the cache held at the end), with
     ``(stored X)`` where the bytes stored exceed it at the shown precision (:data:`STORED`)."""
     kv, stored = kv_mib(pick), kv_mib(pick, "kv_bytes_stored")
     if pick is None or math.isnan(kv):
@@ -196,7 +180,7 @@ def question_comparisons(metric: str, runs: pd.DataFrame) -> list[str]:
 def figure(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame, out) -> list[Path]:
     from matplotlib import colormaps
 
-    from analysis.figures import panels, save
+    from analysis.plotting import panels, save
 
     chosen = picks(runs, metric)
     fig, axes = panels(2, ncols=2, size=(5.6, 4.2))

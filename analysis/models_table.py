@@ -15,7 +15,8 @@ import pandas as pd
 from analysis.protocol import RULE, annotate, as_records, choose, protocol_notes, select
 from analysis.render import MISSING, Table
 from analysis.report import findings
-from analysis.tables import label, metric_for, num, pick_text, policy_order, ratio
+from analysis.labels import label, metric_for, num, pick_text, policy_order
+from analysis.tables import ratio
 
 EXPERIMENT = "models"
 LOWER_IS_BETTER = {"ppl"}

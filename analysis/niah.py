@@ -26,10 +26,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.methods import compress_of, question_of
-from analysis.protocol import choose
+from analysis.protocol import choose, compress_of, question_of
 from analysis.records import load_samples
-from analysis.tables import key_str, label, policy_order
+from analysis.labels import key_str, label, policy_order
 
 
 def cell_table(samples: list[dict]) -> pd.DataFrame:
@@ -112,7 +111,7 @@ def default_first(item) -> tuple:
 
 def figure_niah(df: pd.DataFrame, out: str | Path) -> list[Path]:
     """Every heatmap figure the records allow; returns the files written."""
-    from analysis.figures import panels, save
+    from analysis.plotting import panels, save
 
     runs = niah_runs(df)
     written: list[Path] = []

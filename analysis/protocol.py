@@ -31,6 +31,7 @@ CELL_KEYS = ["model", "task", "shots", "semantics", "policy", "budget", "heavy",
 NOT_PROTOCOL = {"batch_size", "_target_", "name", "include_path", "shots", "budget", "heavy",
                 "recent", "policy", "model", "task", "seed", "semantics"}
 LEGACY_FIELDS = ["limit", "scoring", "add_bos_token"]
+TIMINGS = ("decode", "prefill")  # when a policy compresses: at every decoding step, or once at the prompt's end
 
 
 def _clean(v):
@@ -234,3 +235,18 @@ def compare(a: Pick, b: Pick, metric: str) -> Estimate:
         if d is not None:
             return d
     return difference(a.est, b.est)
+
+
+def compress_of(row) -> str:
+    """The record's compression timing: describe() names ``compress`` only when it is not the default, decode."""
+    for key in ("compress", "policy_options.compress"):
+        v = row.get(key)
+        if isinstance(v, str) and v in TIMINGS:
+            return v
+    return "decode"
+
+
+def question_of(row) -> str:
+    """Where the task's question went: ``after`` the compressed context, else ``prompt`` (inside it: every record
+    without the field, the protocol naming it only when it is not the default)."""
+    return "after" if any(row.get(k) == "after" for k in ("protocol.question", "question")) else "prompt"

@@ -10,7 +10,7 @@ import pandas as pd
 
 from analysis.protocol import RULE, annotate, as_records, choose, protocol_notes, select
 from analysis.render import MISSING, Table
-from analysis.tables import key_str, label, metric_for, pick_text, policy_order
+from analysis.labels import key_str, label, metric_for, pick_text, policy_order
 
 SCHEME_ORDER = ("uniform", "kvquant")
 

@@ -17,7 +17,8 @@ from analysis.layout import fmt
 from analysis.paper import OUT_OF_SCOPE, load_paper
 from analysis.paper_tables import SPECS, paper_tables
 from analysis.protocol import RULE, annotate, as_records, choose, compare, select, task_protocol
-from analysis.tables import KIND_METRICS, experiment_tables, key_str, label, metric_for
+from analysis.labels import KIND_METRICS, key_str, label, metric_for
+from analysis.tables import experiment_tables
 
 VERDICTS = ["within", "outside", "not comparable", "no interval", "not run"]
 LEGEND = ("verdict: **within** = the paper's value lies in our 95% interval; **outside** = it "

@@ -1,9 +1,9 @@
 """The results pages of the manual, regenerated from committed study records (``make docs-results``).
 
-``python -m analysis.results_pages [--studies analysis] [--out docs/results]`` reads every ``<studies>/<study>/``
+``python -m analysis.results_pages [--studies studies] [--out docs/results]`` reads every ``<studies>/<study>/``
 that holds a ``study.yaml`` and writes ``<out>/<study>.md`` with its figures in ``<out>/<study>/`` (PNG), then
 ``<out>/index.md`` listing the studies. ``--collect RUNS DEST`` first copies the finished run records under ``RUNS``
-(``runs/default``) into ``DEST`` (``analysis/default/records``): their record files only, never a partial log. Nothing on a page is typed by hand but the study's description: every
+(``runs/default``) into ``DEST`` (``studies/default/records``): their record files only, never a partial log. Nothing on a page is typed by hand but the study's description: every
 number comes from the records beside its ``study.yaml``, so a measured number in the docs always has its record.
 
 ``study.yaml``::
@@ -207,7 +207,7 @@ def collect(runs: Path, dest: Path) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m analysis.results_pages", description=__doc__.split("\n")[0])
-    p.add_argument("--studies", default="analysis", help="folder of the study folders (default: analysis)")
+    p.add_argument("--studies", default="studies", help="folder of the study folders (default: studies)")
     p.add_argument("--out", default="docs/results", help="where the pages go (default: docs/results)")
     p.add_argument("--collect", nargs=2, metavar=("RUNS", "DEST"),
                    help="first copy the finished run records under RUNS into DEST (a study's records folder)")

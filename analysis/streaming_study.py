@@ -3,7 +3,7 @@
 ``python -m analysis.streaming_study runs/streaming --out analysis/out/streaming`` reads, from every folder under
 the root, the run records of the streaming experiment (``make stream``: ``metrics.json`` with ``task_kind``
 streaming and its ``samples.jsonl``, one sample per window) and the window samples written live by
-``python -m h2o.bench.streaming --live DIR`` (``DIR/<label>_<budget>_c<chunk>.jsonl``; the committed study), each
+``python -m h2o.tasks.streaming_cli --live DIR`` (``DIR/<label>_<budget>_c<chunk>.jsonl``; the committed study), each
 sample with ``tokens``, ``chunk_ppl`` = the window's perplexity, ``ppl`` = everything so far. It writes ``study.png``
 (one panel per feeding x budget, each policy relative to StreamingLLM) and ``study.md`` (the table; past 10 windows
 also the mean relative window perplexity per block of 10 windows; then each policy's chunked run beside its

@@ -24,9 +24,9 @@ def recorded() -> dict[str, list[str]]:
 
 def folders(sweep) -> list[str]:
     """Each job's run folder relative to its runs_dir, in job order."""
-    from h2o.pipeline.records import runs_root
+    from h2o.store.folders import runs_root
 
-    return [str(p.path.relative_to(runs_root(p.cfg))) for p in sweep.plans]
+    return [str(p.path.relative_to(runs_root(p.cfg))) for p in sweep.specs]
 
 
 def check_folders(exp: str, sweep) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from h2o import attach, make_policy
 from h2o.assets.models import SLIDING_ARCHS, TINY_ARCHS, tiny_model
-from h2o.bench import parity
+from h2o.parity.pairs import kept as tokens_kept
 from h2o.core.policies import PolicyError
 from tests.test_parity import ids
 from tests.test_prefill_methods import L as PL, P, PADS, batch, padded_paths, prompt_keys
@@ -83,7 +83,7 @@ CUTS = [("snapkv", 0.8, 0.2), ("snapkv", 0.5, 0.8), ("knorm", 0.8, 0.2), ("knorm
 @pytest.mark.parametrize("inner,ratio,alpha", CUTS)
 def test_cut_is_the_flattened_topk_with_the_safeguard(inner, ratio, alpha):
     model = tiny_model("llama_gqa", seed=3)
-    n, ctx = parity.kept(L, ratio), ids(1, L)
+    n, ctx = tokens_kept(L, ratio), ids(1, L)
     opts = {"window": W} if inner == "snapkv" else {}
     cache = cut(model, make_policy("adakv", inner=inner, budget=n, alpha_safeguard=alpha, **opts), ctx)
     uneven = False
@@ -101,7 +101,7 @@ def test_naive_reference_is_not_blind():
     """A per-head top-k (the inner policy alone) and a cut without the safeguard keep other tokens; with
     alpha_safeguard = 1 every head keeps its own top n: the inner policy."""
     model = tiny_model("llama_gqa", seed=3)
-    n, ctx = parity.kept(L, 0.8), ids(1, L)
+    n, ctx = tokens_kept(L, 0.8), ids(1, L)
     scores = layer_scores(model, "knorm", ctx)
     cache = cut(model, make_policy("adakv", inner="knorm", budget=n, alpha_safeguard=0.8), ctx)
     held = [held_mask(layer, L) for layer in cache.layers]
@@ -238,7 +238,7 @@ def test_beam_search_moves_each_beams_uneven_heads_with_it():
 # ------------------------------------------------------------------------------ tokens held, bytes stored
 def test_footprint_shows_the_padding():
     model = tiny_model("llama_gqa", seed=3)
-    n, ctx = parity.kept(L, 0.8), ids(1, L)
+    n, ctx = tokens_kept(L, 0.8), ids(1, L)
     cache = cut(model, make_policy("adakv", inner="knorm", budget=n), ctx)
     f = cache.footprint()
     layers, hkv = len(cache.layers), model.config.num_key_value_heads
@@ -257,7 +257,7 @@ def test_hydra_lm_eval_and_the_api_build_the_same_policy():
     from hydra import initialize_config_dir
     from lm_eval.utils import simple_parse_args_string
 
-    from h2o.pipeline.plan import build
+    from h2o.pipeline.spec import build
     from h2o.assets.paths import CONF
     from h2o.pipeline.sweep import _compose
     from h2o.tasks.lm_eval_model import lm_policy

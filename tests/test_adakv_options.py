@@ -13,7 +13,7 @@ from h2o import PolicyError, make_policy
 from h2o.assets.policy_config import group_file
 from h2o.core.policies import Policy
 from h2o.core.policies.adakv import INNER_OPTIONS, inner_names
-from h2o.pipeline.plan import build
+from h2o.pipeline.spec import build
 from h2o.pipeline.sweep import _compose
 
 BASE = {"self", "budget", "heavy", "recent", "heavy_share"}  # every policy's: adakv's own, passed to the inner

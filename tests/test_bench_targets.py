@@ -40,7 +40,7 @@ def test_make_bench_writes_the_experiments_record(tmp_path, monkeypatch, capsys)
     m, targets = rec["metrics"], rec["targets"]
     assert m["kv_bytes_prefill 40x3 h2o/full"] == pytest.approx(budget_tokens(0.2, 40) / 40)
     assert targets["kv_bytes_max 40x3 h2o/full"]["met"]  # 8 kept of 40 + 2 decoded
-    from h2o.bench.methods import method_names  # every method's row, the targets untouched by them
+    from h2o.bench.every_policy import method_names  # every method's row, the targets untouched by them
     assert [r["method"] for r in rec["methods"]] == ["full", *method_names()]
     assert set(targets) == set(m) and all(t["met"] == meets("decode_long", t["value"]) for k, t in targets.items()
                                           if k.startswith("decode 40x3 h2o/"))
@@ -56,8 +56,8 @@ def test_make_bench_writes_the_experiments_record(tmp_path, monkeypatch, capsys)
     # the other ways in (h2o-run experiment=bench, the same as a one-job multirun) name this very record, with the
     # same identity (prepare raises otherwise), and skip it as finished: one record, whichever way
     for multirun in (False, True):
-        [plan] = expand(["experiment=bench", *TINY, f"runs_dir={tmp_path}/runs"], multirun).plans
-        assert plan.path.resolve() == path.parent.resolve()
+        [spec] = expand(["experiment=bench", *TINY, f"runs_dir={tmp_path}/runs"], multirun).specs
+        assert spec.path.resolve() == path.parent.resolve()
     before = path.read_text()
     assert main(["experiment=bench", *TINY, f"runs_dir={tmp_path}/runs"]) == 0
     assert path.read_text() == before

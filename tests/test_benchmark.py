@@ -1,4 +1,4 @@
-"""h2o.bench.throughput and h2o.bench.streaming on tiny random models: values, not timings."""
+"""h2o.bench.throughput and h2o.tasks.streaming on tiny random models: values, not timings."""
 import math
 
 import pytest
@@ -10,7 +10,8 @@ from h2o.bench.simulated import simulated_forward
 from h2o.bench.throughput import benchmark, fork_cache, run_once, shared_prefill
 from h2o.bench.variants import Variant, budget_tokens, make_variants, variant_context
 from h2o.assets.models import tiny_model
-from h2o.bench.streaming import CachePositions, KeyShifter, flatness, stream
+from h2o.core.rerotate import CachePositions, KeyShifter
+from h2o.tasks.streaming import flatness, stream
 
 T, GEN, B = 105, 6, 2  # 10% of 105 = 10.5: floor makes the budget 20 tokens, one below 0.2 * 105
 METRICS = {"throughput_tok_s", "decode_tok_s", "latency_s", "kv_bytes", "kv_bytes_max", "peak_mem_bytes"}

@@ -134,15 +134,15 @@ def test_a_bad_study_is_one_line(tmp_path, capsys, spec, says):
     assert err.count("\n") == 1 and says in err and "study.yaml" in err
 
 
-# pages of docs/results/ that another command writes from records committed under analysis/
-OTHER_GENERATORS = {"parity.md": "make parity (h2o.bench.parity_table) from analysis/parity/"}
+# pages of docs/results/ that another command writes from records committed under studies/
+OTHER_GENERATORS = {"parity.md": "make parity (h2o.parity.table) from studies/parity/"}
 
 
 def test_the_parity_page_is_what_its_records_give(tmp_path):
-    """docs/results/parity.md is rebuilt from the parity records committed under analysis/parity/."""
-    from h2o.bench.parity_table import write_table
+    """docs/results/parity.md is rebuilt from the parity records committed under studies/parity/."""
+    from h2o.parity.table import write_table
 
-    records = REPO / "analysis" / "parity"
+    records = REPO / "studies" / "parity"
     write_table(records, tmp_path / "parity.md", json.loads((records / "prompts.json").read_text()))
     assert (tmp_path / "parity.md").read_text() == (REPO / "docs" / "results" / "parity.md").read_text()
 
@@ -151,10 +151,10 @@ def test_the_committed_pages_are_what_the_records_give(tmp_path):
     """docs/results/ is regenerated, never edited: building it again from analysis/ gives the same Markdown
     (figures are compared by name: their bytes depend on matplotlib's build)."""
     import shutil
-    for spec in (REPO / "analysis").glob("*/study.yaml"):  # the same layout, so relative links read the same
-        shutil.copytree(spec.parent, tmp_path / "analysis" / spec.parent.name)
+    for spec in (REPO / "studies").glob("*/study.yaml"):  # the same layout, so relative links read the same
+        shutil.copytree(spec.parent, tmp_path / "studies" / spec.parent.name)
     out, committed = tmp_path / "docs" / "results", REPO / "docs" / "results"
-    assert results_pages.main(["--studies", str(tmp_path / "analysis"), "--out", str(out)]) == 0
+    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
     assert {p.name for p in out.glob("*.md")} == {p.name for p in committed.glob("*.md")} - set(OTHER_GENERATORS)
     for page in out.glob("*.md"):
         assert page.read_text() == (committed / page.name).read_text(), f"run `make docs-results`: {page.name}"
@@ -168,7 +168,7 @@ def test_collect_copies_finished_records_only(tmp_path):
     (done / "partial").mkdir()
     (done / "partial" / "windows.jsonl").write_text("{}\n")
     run(runs, finished=False, experiment="default", model="smollm2-135m", task="austen_ppl")
-    dest = tmp_path / "analysis" / "default" / "records"
+    dest = tmp_path / "studies" / "default" / "records"
     assert results_pages.collect(runs, dest) == 1
     copied = dest / done.relative_to(runs)
     assert sorted(p.name for p in copied.iterdir()) == ["config.yaml", "metrics.json", "samples.jsonl"]

@@ -19,10 +19,12 @@ from omegaconf import OmegaConf
 
 from h2o.core.policies import make_policy
 from h2o.assets.model_spec import ConfigError
-from h2o.pipeline.plan import build, prepare
+from h2o.pipeline.spec import build, prepare
 from h2o.core.policies import PolicyError
 from h2o.assets.paths import CONF
-from h2o.pipeline.records import REPO, budget_label, fmt, read_jsonl, runs_root
+from h2o.assets.paths import REPO
+from h2o.store.files import read_jsonl
+from h2o.store.folders import budget_label, fmt, runs_root
 from h2o.pipeline.sweep import Composer, _compose, expand
 from h2o.pipeline.wandb_mirror import Settings, run_id
 from run_folders import check_folders  # tests/run_folders.py
@@ -80,11 +82,11 @@ def test_every_group_file_composes_and_builds(hydra_ctx, group):
         assert cfg[group].name == name, f"conf/{group}/{name}.yaml: name must equal the file name"
         obj = build(group, cfg[group])
         assert isinstance(obj, kinds[group])
-        plan = prepare(cfg)
-        rel = plan.path.relative_to(runs_root(plan.cfg)).parts
+        spec = prepare(cfg)
+        rel = spec.path.relative_to(runs_root(spec.cfg)).parts
         # the record's policy: h2o_reference's records are spelled policy=h2o semantics=reference (docs/policies.md)
-        assert rel[:5] == ("adhoc", cfg.model.name, cfg.task.name, f"shots{cfg.task.shots}", plan.cfg.policy.name)
-        assert plan.cfg.policy.name == ("h2o" if name == "h2o_reference" else plan.policy.name)
+        assert rel[:5] == ("adhoc", cfg.model.name, cfg.task.name, f"shots{cfg.task.shots}", spec.cfg.policy.name)
+        assert spec.cfg.policy.name == ("h2o" if name == "h2o_reference" else spec.policy.name)
     from h2o.core.policies import POLICIES
 
     if group == "policy":
@@ -133,7 +135,7 @@ def test_every_experiment_expands_and_fast_compose_equals_hydra(hydra_ctx, monke
     for exp in files("experiment"):
         if exp not in PAPER_GRIDS + METHOD_GRIDS:
             sweep = expand([f"experiment={exp}"], multirun=True)
-            assert sweep.plans and all(p.cfg.experiment_name == exp for p in sweep.plans)
+            assert sweep.specs and all(p.cfg.experiment_name == exp for p in sweep.specs)
             check_folders(exp, sweep)  # every job in the folder its record has been written to
         jobs = job_overrides([f"experiment={exp}", "seed=3", "++task_overrides.x.limit=2"], multirun=True)[0]
         for job in jobs[:: max(1, len(jobs) // 4)]:
@@ -449,7 +451,7 @@ def test_bos_follows_add_bos_token_and_is_resolved(tiny):
     proto = LmEvalTask("bb_piqa", "bb_piqa", "tasks").protocol(tok)
     assert proto["scoring"] == "mean" and proto["add_bos_token"] is False and "batch_size" not in proto
     assert SummarizationTask("bb_xsum", "bb_xsum").protocol(tok)["scoring"] is None
-    from h2o.bench.streaming import StreamingTask
+    from h2o.tasks.streaming import StreamingTask
     from h2o.tasks.perplexity import PerplexityTask
 
     assert StreamingTask("bench_streaming").add_bos(tok) and not StreamingTask("bench_streaming").add_bos(plain)

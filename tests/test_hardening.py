@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from h2o.pipeline.records import read_jsonl
+from h2o.store.files import read_jsonl
 
 TINY = ["model=tiny-llama", "threads=1"]
 NIAH = ["task=niah", "task.lengths=[1024]"]
@@ -405,7 +405,7 @@ STREAM_BAD = [
 
 @pytest.mark.parametrize("args, words", STREAM_BAD, ids=[" ".join(a) for a, _ in STREAM_BAD])
 def test_streaming_cli_bad_input(args, words, capsys, tmp_path, monkeypatch):
-    from h2o.bench.streaming_cli import main
+    from h2o.tasks.streaming_cli import main
 
     cli_bad_input(main, args, words, capsys, tmp_path, monkeypatch)
 
@@ -465,15 +465,15 @@ PARITY_BAD = [
     (["--sides", "kvpress", "--venv", "{tmp}/novenv"], ["--venv=", "novenv", "tools/parity/setup_venv.sh"]),
     (["--threads", "0"], ["--threads='0'", "an int >= 1"]),
     (["--ratios", "abc"], ["--ratios='abc'", "a number in (0, 1)"]),
-    (["--bogus"], ["python -m h2o.bench.parity", "unrecognized arguments: --bogus"]),
+    (["--bogus"], ["python -m h2o.parity", "unrecognized arguments: --bogus"]),
 ]
 
 
 @pytest.mark.parametrize("args, words", PARITY_BAD, ids=[" ".join(a[:1]) + ("-" + a[1] if len(a) > 1 else "")
                                                          for a, _ in PARITY_BAD])
 def test_parity_cli_bad_input(args, words, capsys, tmp_path, monkeypatch):
-    """``python -m h2o.bench.parity`` (make parity): bad values stop before the model loads or anything is written."""
-    from h2o.bench import parity
+    """``python -m h2o.parity`` (make parity): bad values stop before the model loads or anything is written."""
+    from h2o.parity import driver as parity
 
     (tmp_path / "afile").write_text("x")
     no_load(monkeypatch)
@@ -509,7 +509,7 @@ def test_results_pages_cli_bad_input(args, words, capsys, tmp_path):
 def plan_for(args: list[str], runs: Path):
     from hydra import compose, initialize_config_dir
 
-    from h2o.pipeline.plan import prepare
+    from h2o.pipeline.spec import prepare
     from h2o.assets.paths import CONF
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -520,21 +520,22 @@ def test_record_identity_is_exact_and_a_differing_record_is_never_reused(tmp_pat
     from omegaconf import OmegaConf
 
     from h2o.assets.model_spec import ConfigError
-    from h2o.pipeline.records import fmt, write_json
+    from h2o.store.files import write_json
+    from h2o.store.folders import fmt
 
     assert fmt(0.2000001) != fmt(0.2) and fmt(0.19999999) != fmt(0.2) and fmt(0.2) == "0.2"
     assert len({fmt("x_y"), fmt("x y"), fmt("x/y"), fmt("x:y")}) == 4 and "/" not in fmt("x/y")
     assert fmt("..") not in ("..", ".") and not fmt("../x").startswith(".")
-    plan = plan_for(["policy.budget=0.2"], tmp_path)
-    assert plan.path != plan_for(["policy.budget=0.2000001"], tmp_path).path
+    spec = plan_for(["policy.budget=0.2"], tmp_path)
+    assert spec.path != plan_for(["policy.budget=0.2000001"], tmp_path).path
     assert plan_for(["model.name='x y'"], tmp_path).path != plan_for(["model.name=x_y"], tmp_path).path
-    plan.path.mkdir(parents=True)
-    (plan.path / "config.yaml").write_text(OmegaConf.to_yaml(plan.cfg, resolve=True))
-    write_json(plan.path / "metrics.json", {**plan.head(), "metrics": {}, "n_samples": 0, "wall_s": 0.0})  # complete
-    assert plan_for(["policy.budget=0.2"], tmp_path).path == plan.path  # its own config: reused (skipped)
-    stored = OmegaConf.load(plan.path / "config.yaml")
+    spec.path.mkdir(parents=True)
+    (spec.path / "config.yaml").write_text(OmegaConf.to_yaml(spec.cfg, resolve=True))
+    write_json(spec.path / "metrics.json", {**spec.head(), "metrics": {}, "n_samples": 0, "wall_s": 0.0})  # complete
+    assert plan_for(["policy.budget=0.2"], tmp_path).path == spec.path  # its own config: reused (skipped)
+    stored = OmegaConf.load(spec.path / "config.yaml")
     stored.policy.heavy_share = 0.25  # as if an older run with another split had left its record here
-    (plan.path / "config.yaml").write_text(OmegaConf.to_yaml(stored))
+    (spec.path / "config.yaml").write_text(OmegaConf.to_yaml(stored))
     with pytest.raises(ConfigError, match="different config .*policy.heavy.*not reused"):
         plan_for(["policy.budget=0.2"], tmp_path)
 

@@ -236,7 +236,7 @@ def test_generate_refuses_an_all_padding_row(tiny):
 
 
 def test_the_runner_redoes_a_record_whose_budget_does_not_parse(tmp_path):
-    from h2o.pipeline.records import finished
+    from h2o.store.folders import finished
 
     record = {"model": "m", "task": "t", "policy": "h2o", "metrics": {}, "n_samples": 0, "wall_s": 0.0}
     for budget, done in ((0.2, True), (128, True), (None, True), ("abc", False), (True, False)):
@@ -247,8 +247,7 @@ def test_the_runner_redoes_a_record_whose_budget_does_not_parse(tmp_path):
 REQUIRED = {"analysis": ["tables"], "analysis.streaming_study": ["root"], "h2o.pipeline.wandb_workspace": ["--entity", "e"]}
 
 
-@pytest.mark.parametrize("module", ["h2o.pipeline.wandb_sync", "h2o.pipeline.wandb_workspace", "h2o.bench.quant",
-                                    "h2o.bench.calibrate", "h2o.assets.data", "analysis.results_pages",
+@pytest.mark.parametrize("module", ["h2o.pipeline.wandb_sync", "h2o.pipeline.wandb_workspace", "h2o.assets.calibrate", "h2o.assets.data", "analysis.results_pages",
                                     "analysis.streaming_study", "analysis"])
 def test_unknown_flag_is_one_line_everywhere(module, capsys, monkeypatch):
     import importlib

@@ -10,7 +10,8 @@ from omegaconf import OmegaConf
 
 from h2o.pipeline import launch, run
 from h2o.pipeline.jobs import classify, mark_in_flight, place, summary
-from h2o.pipeline.records import COMPLETE, read_jsonl
+from h2o.store.files import read_jsonl
+from h2o.store.folders import COMPLETE
 from h2o.pipeline.sweep import expand
 
 TINY = ["experiment=default", "model=tiny-llama", "task=austen_ppl", "threads=1",
@@ -18,41 +19,41 @@ TINY = ["experiment=default", "model=tiny-llama", "task=austen_ppl", "threads=1"
         "task_overrides.austen_ppl.batch_size=1"]
 
 
-def finish(plan) -> None:
-    """A record of the plan's config that counts as finished (its config.yaml; metrics.json with every COMPLETE
+def finish(spec) -> None:
+    """A record of the spec's config that counts as finished (its config.yaml; metrics.json with every COMPLETE
     field and the semantics), without running it."""
-    plan.path.mkdir(parents=True, exist_ok=True)
-    (plan.path / "config.yaml").write_text(OmegaConf.to_yaml(plan.cfg, resolve=True))
-    (plan.path / "metrics.json").write_text(json.dumps({**{k: 0 for k in COMPLETE}, "metrics": {"ppl": 1.0},
-                                                        "semantics": plan.semantics}))
+    spec.path.mkdir(parents=True, exist_ok=True)
+    (spec.path / "config.yaml").write_text(OmegaConf.to_yaml(spec.cfg, resolve=True))
+    (spec.path / "metrics.json").write_text(json.dumps({**{k: 0 for k in COMPLETE}, "metrics": {"ppl": 1.0},
+                                                        "semantics": spec.semantics}))
 
 
 def works_of(tmp_path, *overrides):
     sweep = expand([*TINY, f"runs_dir={tmp_path}/runs", f"hydra.sweep.dir={tmp_path}/multirun/s", *overrides],
                    multirun=True)
-    return sweep, classify(sweep.jobs, sweep.plans)
+    return sweep, classify(sweep.jobs, sweep.specs)
 
 
 def by_job(works):
-    return {(w.plan.policy.name, 1.0 if w.plan.policy.name == "full" else w.plan.policy.budget): w for w in works}
+    return {(w.spec.policy.name, 1.0 if w.spec.policy.name == "full" else w.spec.policy.budget): w for w in works}
 
 
 def test_each_state_of_the_classifier(tmp_path):
     sweep, works = works_of(tmp_path, "policy=h2o,full,local", "policy.budget=0.2,1.0")
-    states = [(w.plan.policy.name, w.plan.policy.budget if w.plan.policy.name != "full" else 1.0, w.state)
+    states = [(w.spec.policy.name, w.spec.policy.budget if w.spec.policy.name != "full" else 1.0, w.state)
               for w in works]
     # full's second job names its first one's folder; h2o and local at 1.0 never evict and full is in the sweep
     # (after h2o in the order: the sweep's order does not matter)
     assert states == [("h2o", 0.2, "todo"), ("h2o", 1.0, "served"), ("full", 1.0, "todo"), ("full", 1.0, "dup"),
                       ("local", 0.2, "todo"), ("local", 1.0, "served")]
-    full = by_job(works)[("full", 1.0)].plan.path
+    full = by_job(works)[("full", 1.0)].spec.path
     assert all(w.served_by == full for w in works if w.state == "served")
     assert {"full", "1.0"} <= set(full.parts) and "h2o" not in full.parts
     assert summary(works) == ("6 jobs: 3 to run, 0 finished already, 1 duplicates, 2 served by the full run "
                               "(budget 1.0 never evicts)")
 
-    finish(by_job(works)[("h2o", 0.2)].plan)
-    finish(by_job(works)[("local", 1.0)].plan)  # a record of its own (a sweep before this rule): done, kept
+    finish(by_job(works)[("h2o", 0.2)].spec)
+    finish(by_job(works)[("local", 1.0)].spec)  # a record of its own (a sweep before this rule): done, kept
     _, works = works_of(tmp_path, "policy=h2o,full,local", "policy.budget=0.2,1.0")
     assert [w.state for w in works] == ["done", "served", "todo", "dup", "todo", "done"]
 
@@ -62,9 +63,9 @@ def test_served_by_a_finished_full_run_outside_the_sweep_and_todo_without_one(tm
     (alone,) = works
     assert alone.state == "todo" and alone.served_by is None  # no full run to serve it: it runs itself
     _, (full,) = works_of(tmp_path, "policy=full")
-    finish(full.plan)
+    finish(full.spec)
     _, (again,) = works_of(tmp_path, "policy=h2o", "policy.budget=1.0")
-    assert again.state == "served" and again.served_by == full.plan.path
+    assert again.state == "served" and again.served_by == full.spec.path
     # another semantics evicts differently (a 1.0 budget under `reference` is not the full run's cell)
     _, (ref,) = works_of(tmp_path, "policy=h2o", "policy.budget=1.0", "semantics=reference")
     assert ref.state == "todo"
@@ -72,7 +73,7 @@ def test_served_by_a_finished_full_run_outside_the_sweep_and_todo_without_one(tm
 
 def test_in_flight_and_placed_states(tmp_path, monkeypatch):
     sweep, works = works_of(tmp_path, "policy=local,h2o", "policy.budget=0.2,0.4")
-    runs = [str(w.plan.path) for w in works]
+    runs = [str(w.spec.path) for w in works]
     (tmp_path / "multirun/old").mkdir(parents=True)
     (tmp_path / "multirun/old/launch.json").write_text(json.dumps({"arrays": [{"tasks": [
         {"job_id": "9_0", "runs": runs[:2]}, {"job_id": "9_1", "runs": runs[2:3]}]}]}))
@@ -83,7 +84,7 @@ def test_in_flight_and_placed_states(tmp_path, monkeypatch):
     (bin_dir / "sacct").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     by, why = place(works, tmp_path / "multirun")
-    assert {s: [runs.index(str(w.plan.path)) for w in ws] for s, ws in by.items()} == {
+    assert {s: [runs.index(str(w.spec.path)) for w in ws] for s, ws in by.items()} == {
         "done": [], "running": [0], "queued": [1], "failed": [2], "left": [3]}
     assert why == {runs[2]: "ValueError: x (job 9_1)"}
     mark_in_flight(works, tmp_path / "multirun")  # a second submission leaves the running task's runs alone
@@ -104,7 +105,7 @@ def test_local_runner_skips_the_runs_full_serves(tmp_path, monkeypatch):
     assert len(records) == 2 and {"full", "1.0"} <= set(records[0]) and {"h2o", "0.2"} <= set(records[1])
     # no record at h2o 1.0: the table shows full's there (analysis/tables.py)
     assert json.loads((sweep_dir / "served.json").read_text()) == {
-        str(w.plan.path): str(w.served_by) for w in classify(*(lambda s: (s.jobs, s.plans))(
+        str(w.spec.path): str(w.served_by) for w in classify(*(lambda s: (s.jobs, s.specs))(
             expand(args[1:], multirun=True))) if w.state == "served"} != {}
     assert run.main(args) == 0  # again: nothing reruns
     assert len(list((tmp_path / "runs").rglob("metrics.json"))) == 2

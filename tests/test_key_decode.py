@@ -261,7 +261,7 @@ def hydra_ctx():
 def test_decode_is_spelled_alike_in_hydra_lm_eval_and_the_api(hydra_ctx, name):
     from lm_eval.utils import simple_parse_args_string
 
-    from h2o.pipeline.plan import build
+    from h2o.pipeline.spec import build
     from h2o.pipeline.sweep import _compose
     from h2o.tasks.lm_eval_model import lm_policy
 

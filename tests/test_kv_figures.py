@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[1]
 # SmolLM2-135M's config.json (30 layers, 9 query / 3 KV heads of 64), fp32 as the records ran (their "dtype")
 SMOLLM2 = SimpleNamespace(config=LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                                              hidden_size=576, head_dim=64), dtype=torch.float32)
-CTX = "analysis/methods/records/smollm2-135m/austen_ctx/shots0"
-PPL = "analysis/quant/records/smollm2-135m/austen_ppl/shots0"
+CTX = "studies/methods/records/smollm2-135m/austen_ctx/shots0"
+PPL = "studies/quant/records/smollm2-135m/austen_ppl/shots0"
 RECORDS = [f"{CTX}/h2o/0.2/compress=decode", f"{CTX}/snapkv/0.2", f"{CTX}/pyramidkv/0.2",
            f"{CTX}/full/1.0/compress=decode", f"{CTX}/scissorhands/0.2/compress=prefill", f"{CTX}/adakv/0.2/compress=prefill",
            f"{PPL}/h2o/0.2/n_windows=4", f"{PPL}/h2o/0.2/n_windows=4,quant=uniform4", f"{PPL}/full/1.0/n_windows=4"]

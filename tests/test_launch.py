@@ -13,7 +13,7 @@ import sys
 import zipfile
 
 from h2o.pipeline import launch, status
-from h2o.pipeline.records import REPO
+from h2o.assets.paths import REPO
 from h2o.pipeline.sweep import expand
 from h2o.tasks.progress import RequestLog, recording
 
@@ -64,7 +64,7 @@ def test_status_names_what_the_scheduler_ended(tmp_path, monkeypatch, capsys):
     rest against a real Slurm: submission, requeue, preemption, time limits, cancellation, sacct's states."""
     sweep = [*TINY, "policy=local,h2o", "policy.budget=0.2", f"runs_dir={tmp_path}/runs",
              f"hydra.sweep.dir={tmp_path}/multirun/s1"]
-    runs = [str(p.path) for p in expand(sweep, multirun=True).plans]
+    runs = [str(p.path) for p in expand(sweep, multirun=True).specs]
     (tmp_path / "multirun/s1").mkdir(parents=True)
     (tmp_path / "multirun/s1/launch.json").write_text(json.dumps({"arrays": [{"tasks": [
         {"job_id": "7_0", "runs": runs[:1]}, {"job_id": "7_1", "runs": runs[1:]}]}]}))

@@ -86,7 +86,7 @@ def test_closed_form_equals_the_row_loop(name):
 
 @pytest.mark.parametrize("choice,syncs", [("torch", 2), ("triton", 1)])
 def test_simulated_h2o_syncs_do_not_grow_with_layers(monkeypatch, choice, syncs):
-    """Simulated h2o (padded batch): the guard's read per forward and, for the torch loop, the row plan's
+    """Simulated h2o (padded batch): the guard's read per forward and, for the torch loop, the row spec's
     (:func:`h2o.core.simulate.row_plan`, once per forward); the kernel walks from the prompt on, no read."""
     monkeypatch.setenv("H2O_ROW_KERNEL", choice)
     batch = torch.cat([ids(24), ids(24).flip(-1)])

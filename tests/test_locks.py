@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from h2o.assets import locks
-from h2o.pipeline.records import claim, finished, read_jsonl, append_jsonl
+from h2o.store import locks
+from h2o.store.files import append_jsonl, read_jsonl
+from h2o.store.folders import claim, finished
 
 HOLD = """
 import importlib.util, sys, time

@@ -12,10 +12,10 @@ import pytest
 from h2o.assets.paths import CONF
 
 
-def plans(experiment: str, *overrides: str):
+def run_specs(experiment: str, *overrides: str):
     from h2o.pipeline.sweep import expand
 
-    return expand([f"experiment={experiment}", *overrides], multirun=True).plans
+    return expand([f"experiment={experiment}", *overrides], multirun=True).specs
 
 
 def test_model_positions_are_declared_and_match_the_configs_here():
@@ -39,14 +39,14 @@ def test_model_positions_are_declared_and_match_the_configs_here():
 def test_niah_and_ruler_cluster_grids_are_clipped_offline(capsys):
     from h2o.pipeline import launch
 
-    niah = {p.model.name: p for p in plans("niah_cluster", "policy=full", "policy.budget=0.2")}  # a run per model
+    niah = {p.model.name: p for p in run_specs("niah_cluster", "policy=full", "policy.budget=0.2")}  # a run per model
     assert niah["llama-3-8b"].task.lengths == [1000, 2000, 4000, 8000] and len(niah) == 7
     assert all(p.task.lengths == [1000, 2000] for m, p in niah.items() if m != "llama-3-8b")
     # 11 depths x 10 samples x (prompt + 12 generated) at 1,000 and 2,000, at OPT-6.7B's 135 s per million tokens
     assert launch.run_minutes(niah["opt-6.7b"], launch.cluster_config([])) == pytest.approx(
         135 * 110 * 3024 / 1e6 / 60)
     ruler = {(p.model.name, p.task.name): p.task.lengths
-             for p in plans("ruler_cluster", "model=opt-13b,llama-3-8b", "policy=full", "policy.budget=0.2")}
+             for p in run_specs("ruler_cluster", "model=opt-13b,llama-3-8b", "policy=full", "policy.budget=0.2")}
     assert len(ruler) == 10 and ruler["opt-13b", "ruler_qa_squad"] == [1024, 2048]
     assert ruler["llama-3-8b", "ruler_niah_multikey_1"] == [1024, 2048, 4096, 8192]
     assert launch.main(["experiment=niah_cluster", "model=opt-6.7b,llama-3-8b", "--dry"]) == 0
@@ -58,7 +58,7 @@ def test_longbench_cluster_lists_the_english_subset_per_task():
     from h2o.tasks.longbench import ENGLISH, gen_tokens
     from h2o.tasks.multiple_choice import yaml_task_names
 
-    found = plans("longbench_cluster", "policy=full,h2o", "policy.budget=0.2")
+    found = run_specs("longbench_cluster", "policy=full,h2o", "policy.budget=0.2")
     names = {p.task.name for p in found}
     assert names == set(ENGLISH) and len(ENGLISH) == 16
     assert set(ENGLISH) <= set(yaml_task_names(found[0].task.lm_eval_folder()))
@@ -124,7 +124,7 @@ def test_prefetch_check_names_each_long_context_asset(tmp_path, monkeypatch, cap
     assert lines["task ruler_niah_single_1"].endswith("cached (or fetched by the task itself)")
     from h2o.tasks.long_context_data import assets
 
-    task = plans("ruler_cluster", "model=llama-3-8b", "task=ruler_niah_multikey_1", "policy=full",
+    task = run_specs("ruler_cluster", "model=llama-3-8b", "task=ruler_niah_multikey_1", "policy=full",
                  "policy.budget=0.2")[0].task
     kinds = [(a.what.split(" (")[0], a.needed) for a in assets(task)]
     assert kinds == [("book austen", True), ("RULER's essays", False), ("nltk's punkt_tab sentence model", False)]

@@ -17,7 +17,7 @@ N = 200
 
 
 def record(root, policy, budget, metrics, task="longbench_qasper", lm_eval_task=None, n=N):
-    """A metrics.json as the runner writes a long-context run (h2o.pipeline.job: plan.head(), then the task's)."""
+    """A metrics.json as the runner writes a long-context run (h2o.pipeline.job: spec.head(), then the task's)."""
     options = {"budget": budget, "heavy": None, "recent": None, "heavy_share": 0.5}
     head = {"policy": policy, "budget": budget, "heavy": None, "recent": None}
     if policy == "h2o":  # its describe() extras at the top level, its options in policy_options

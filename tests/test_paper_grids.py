@@ -45,13 +45,13 @@ def test_experiment_lists_the_papers_grid(exp):
     models, tasks, shots, policies, budgets, n_jobs, n_runs, n_paper = GRIDS[exp]
     sweep = expand([f"experiment={exp}"], multirun=True)
     check_folders(exp, sweep)  # every job in the folder its record has been written to
-    listed = [cell(p.model.name, p.task.name, p.task.shots, p.policy.name, p.policy.budget) for p in sweep.plans]
+    listed = [cell(p.model.name, p.task.name, p.task.shots, p.policy.name, p.policy.budget) for p in sweep.specs]
     expected = {cell(*c) for c in product(models, tasks, shots, policies, budgets)}
     assert set(listed) == expected
     assert len(listed) == n_jobs and status(sweep).count("dup") == n_jobs - n_runs
-    assert len({p.path for p in sweep.plans}) == n_runs == len(expected)
-    assert all(p.cfg.experiment_name == exp and p.path.parts[-6] == exp for p in sweep.plans)
-    mc = [p for p in sweep.plans if p.task.kind == "multiple_choice"]
+    assert len({p.path for p in sweep.specs}) == n_runs == len(expected)
+    assert all(p.cfg.experiment_name == exp and p.path.parts[-6] == exp for p in sweep.specs)
+    mc = [p for p in sweep.specs if p.task.kind == "multiple_choice"]
     assert all(p.task.scoring == "mean" and p.task.add_bos_token is False for p in mc)  # the paper code's protocol
     if exp == "table1":  # the paper's 20 cells: full at 0/1/5 shots, local and H2O at 20% with 5 shots
         paper = {cell("llama-7b", t, s, "full", 0.2) for t in tasks for s in (0, 1, 5)} | \
@@ -65,12 +65,12 @@ def test_default_spends_its_time_on_one_budget():
     """The CPU default: 4 policies at 20% on the needle task (1,024 tokens x 5 depths x 4 samples) and 16 Austen
     windows, 8 runs; the Austen runs keep their folders (records of earlier defaults stay readable)."""
     sweep = expand(["experiment=default"], multirun=True)
-    assert len({p.path for p in sweep.plans}) == len(sweep.plans) == 8
-    assert {p.policy.name for p in sweep.plans} == {"full", "local", "streaming_llm", "h2o"}
-    assert {p.policy.budget for p in sweep.plans if p.policy.name != "full"} == {0.2}
+    assert len({p.path for p in sweep.specs}) == len(sweep.specs) == 8
+    assert {p.policy.name for p in sweep.specs} == {"full", "local", "streaming_llm", "h2o"}
+    assert {p.policy.budget for p in sweep.specs if p.policy.name != "full"} == {0.2}
     sizes = {p.task.name: (p.task.shots, getattr(p.task, "n_windows", None), getattr(p.task, "lengths", None),
-                           len(getattr(p.task, "depths", [])) * getattr(p.task, "samples", 0)) for p in sweep.plans}
+                           len(getattr(p.task, "depths", [])) * getattr(p.task, "samples", 0)) for p in sweep.specs}
     assert sizes == {"niah": (0, None, [1024], 20), "austen_ppl": (0, 16, None, 0)}
-    ppl = sorted(str(p.path).split("/default/", 1)[1] for p in sweep.plans if p.task.name == "austen_ppl")
+    ppl = sorted(str(p.path).split("/default/", 1)[1] for p in sweep.specs if p.task.name == "austen_ppl")
     assert ppl == [f"smollm2-135m/austen_ppl/shots0/{name}/{b}" for name, b in
                    [("full", "1.0"), ("h2o", "0.2"), ("local", "0.2"), ("streaming_llm", "0.2")]]

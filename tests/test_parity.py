@@ -3,7 +3,7 @@
 The references use transformers alone (a DynamicCache whose layers are cut by hand, the eager attention weights
 the model returns), written from the definitions in docs/methods.md, not from kvpress's code: the context is
 prefilled with full attention, each layer keeps n tokens per KV head chosen by the method's score, and what follows
-is one forward through that cache at the original positions. The harness side (h2o.bench.parity.forwards, the
+is one forward through that cache at the original positions. The harness side (h2o.parity.driver.forwards, the
 evicting cache) must give the same logits. The kvpress side itself needs its own virtualenv and runs only in
 `make parity`; here its command line is checked for bad input.
 """
@@ -19,8 +19,9 @@ import torch
 from transformers import DynamicCache
 
 from h2o.assets.models import tiny_model
-from h2o.bench import parity
-from h2o.bench.parity_table import write_table
+from h2o.parity import driver as parity
+from h2o.parity.pairs import kept as tokens_kept
+from h2o.parity.table import write_table
 from h2o.core.policies import make_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +74,7 @@ def observed(n: int, hkv: int):
 @pytest.mark.parametrize("ratio", [0.5, 0.8])
 @pytest.mark.parametrize("method", ["streaming_llm", "observed_attention"])
 def test_harness_side_equals_reference(model, method, ratio):
-    n = parity.kept(L, ratio)
+    n = tokens_kept(L, ratio)
     hkv = model.config.num_key_value_heads
     ctx, cont = ids(1, L), ids(2, M)
     name, options = parity.OURS[method]
@@ -91,7 +92,7 @@ def test_harness_side_equals_reference(model, method, ratio):
 
 def test_reference_catches_a_wrong_selection(model):
     """The comparison above fails when one kept token differs (the reference is not blind)."""
-    n, hkv = parity.kept(L, 0.5), model.config.num_key_value_heads
+    n, hkv = tokens_kept(L, 0.5), model.config.num_key_value_heads
     ctx, cont = ids(1, L), ids(2, M)
     first, rest, _ = parity.forwards(model, make_policy("streaming_llm", budget=n, sinks=4), ctx, [cont], L)
     wrong = torch.cat([torch.arange(3), torch.arange(L - (n - 3), L)])  # 3 sinks instead of 4
@@ -120,8 +121,8 @@ def test_stepwise_decode_holds_the_budget(model):
 
 
 def test_kept_is_kvpress_rounding():
-    assert parity.kept(2048, 0.8) == 409 and parity.kept(2048, 0.5) == 1024
-    assert parity.kept(10, 0.8) == 1  # int(10 * 0.19999999999999996); floor(0.2 * 10 + 1e-9) would be 2
+    assert tokens_kept(2048, 0.8) == 409 and tokens_kept(2048, 0.5) == 1024
+    assert tokens_kept(10, 0.8) == 1  # int(10 * 0.19999999999999996); floor(0.2 * 10 + 1e-9) would be 2
 
 
 class Bytes:

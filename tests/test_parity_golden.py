@@ -1,7 +1,7 @@
 """Golden numbers: our side of parity on the committed tiny model equals kvpress 0.5.5's recorded figures.
 
-tests/data/parity_golden/kvpress.json was written once by `python -m h2o.bench.parity --golden` (kvpress in its own
-virtualenv, on the weights in tests/data/parity_golden/model/); here only our side runs (h2o.bench.parity_golden,
+tests/data/parity_golden/kvpress.json was written once by `python -m h2o.parity --golden` (kvpress in its own
+virtualenv, on the weights in tests/data/parity_golden/model/); here only our side runs (h2o.parity.golden,
 the evicting cache), on the same weights and token ids, and each method's NLL per token of every continuation must
 be within TOLERANCE of kvpress's. A method whose selection drifts by one token fails (the broken variants below).
 """
@@ -12,7 +12,8 @@ import json
 import pytest
 import torch
 
-from h2o.bench.parity_golden import RECORD, TOLERANCE, Case, cases, load_model, ours_nll, weights_sha256
+from h2o.parity.golden import Case, cases, load_model, ours_nll, weights_sha256
+from h2o.parity.pairs import RECORD, TOLERANCE
 from h2o.core.policies import Policy
 from h2o.core.policies.adakv import AdaKV
 from h2o.core.policies.prefill import PrefillOnly

@@ -15,7 +15,7 @@ from h2o.core.policies import Policy
 from h2o.core.policies.base import Decoder, declared
 from h2o.core.policies.h2o import H2O
 from h2o.core.simulate import causal_valid, policy_allowed
-from h2o.pipeline.plan import build
+from h2o.pipeline.spec import build
 
 TOY = '''
 """toy_recency: heavy hitters with a small bonus for newer tokens (no window, no closed form, no kernel)."""

@@ -13,9 +13,10 @@ from h2o import PolicyError, attach, make_policy
 from h2o.assets import policy_config
 from h2o.assets.models import tiny_model
 from h2o.core.policies.h2o import reference_mask
-from h2o.pipeline.plan import build, prepare
+from h2o.pipeline.spec import build, prepare
 from h2o.assets.paths import CONF
-from h2o.pipeline.records import COMPLETE, identity
+from h2o.store.folders import COMPLETE
+from h2o.store.identity import identity
 from h2o.pipeline.sweep import _compose
 
 
@@ -28,7 +29,7 @@ def hydra_ctx():
 
 
 def same(a, b) -> bool:
-    """Equal policies: one class, one state (``quant`` None, as a plan sets it, is the class default)."""
+    """Equal policies: one class, one state (``quant`` None, as a run_spec sets it, is the class default)."""
     state = lambda p: {k: v for k, v in vars(p).items() if not (k == "quant" and v is None)}  # noqa: E731
     return type(a) is type(b) and state(a) == state(b)
 
@@ -121,9 +122,9 @@ def test_both_spellings_share_todays_record(hydra_ctx, tmp_path, capsys, new, ol
 
 
 def test_h2_only_alias_keeps_its_folder(hydra_ctx, tmp_path):
-    plan = prepare(_compose([f"runs_dir={tmp_path}", "policy=h2_only", "semantics=reference"]))
-    assert plan.path.relative_to(tmp_path).as_posix().endswith("/h2_only/0.2/semantics=reference")
-    assert same(plan.policy, make_policy("h2o_reference", heavy=0.2, recent=0.0))
+    run_spec = prepare(_compose([f"runs_dir={tmp_path}", "policy=h2_only", "semantics=reference"]))
+    assert run_spec.path.relative_to(tmp_path).as_posix().endswith("/h2_only/0.2/semantics=reference")
+    assert same(run_spec.policy, make_policy("h2o_reference", heavy=0.2, recent=0.0))
 
 
 @pytest.mark.parametrize("args, words", [
@@ -156,7 +157,7 @@ CASES = [  # (Hydra overrides, lm-eval model_args, streaming spec, its older spe
 
 @pytest.mark.parametrize("overrides,model_args,spec,older", CASES, ids=[c[2] for c in CASES])
 def test_one_policy_from_hydra_lm_eval_and_the_streaming_cli(hydra_ctx, overrides, model_args, spec, older):
-    from h2o.bench.stream_parts import build_policy
+    from h2o.tasks.streaming_parts import build_policy
     from h2o.tasks.lm_eval_model import lm_policy
 
     hydra = build("policy", _compose(overrides).policy)
@@ -209,7 +210,7 @@ def test_bad_policy_options_are_one_line(call, words):
     (["--policies", "h2o_reference"], ["h2o_reference", "allowed"]),
 ])
 def test_streaming_cli_bad_policies_exit_2(argv, words, capsys):
-    from h2o.bench.streaming_cli import main
+    from h2o.tasks.streaming_cli import main
 
     assert main(["--model", "tiny:llama", "--budgets", "96", *argv]) == 2
     err = capsys.readouterr().err.strip()

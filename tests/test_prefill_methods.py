@@ -5,7 +5,8 @@ import torch
 
 from h2o import attach, make_policy
 from h2o.assets.models import TINY_ARCHS, tiny_model
-from h2o.bench import parity
+from h2o.parity import driver as parity
+from h2o.parity.pairs import kept as tokens_kept
 from tests.test_parity import ids, reference
 
 L, P, PADS = 36, 24, (0, 5)
@@ -86,7 +87,7 @@ def prompt_keys(model, context):
 @pytest.mark.parametrize("ratio", [0.5, 0.8])
 def test_cut_is_kvpress_rule(name, ratio):
     model = tiny_model("llama_gqa", seed=3)
-    n = parity.kept(40, ratio)
+    n = tokens_kept(40, ratio)
     ctx, cont = ids(1, 40), ids(2, 9)
     keys = prompt_keys(model, ctx)
     with torch.no_grad(), attach(model, make_policy(name, budget=n), mode="real") as h:
@@ -103,7 +104,7 @@ def test_naive_references_are_not_blind():
     """A broken rule (the highest norms; the anchor of raw, unnormalised keys) keeps other positions."""
     model = tiny_model("llama_gqa", seed=3)
     keys = prompt_keys(model, ids(1, 40))
-    n = parity.kept(40, 0.5)
+    n = tokens_kept(40, 0.5)
     high = [k.norm(dim=-1).topk(n, -1).indices.sort(-1).values for k in keys]
     assert any(not torch.equal(h, naive_knorm(k, n)) for h, k in zip(high, keys))
 

@@ -2,6 +2,8 @@
 scheme, memory counted from the rows, bad input up front. Tiny models; the calibration is fitted on random tokens."""
 from __future__ import annotations
 
+import math
+import time
 
 import pytest
 import torch
@@ -62,6 +64,82 @@ def test_uniform_is_flexgen_min_max(bits):
         assert torch.allclose(out[b, h, t, g * 16:(g + 1) * 16], torch.stack(ref), atol=1e-6)
     step = (x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)) / levels
     assert ((out - x).abs() <= step * 0.5 + 2e-3 * x.abs().amax()).all()  # half a step (+ fp16 scale rounding)
+
+
+# ---- references the tests compare against: one simulated pass, and a cache fed token by token
+def perplexity(model, windows, policy, quant, batch_size: int) -> float:
+    """Perplexity of ``windows`` (N, W) in one simulated pass each, every token but the first predicted."""
+    from h2o.core.attach import attach
+
+    nll, count = 0.0, 0
+    k = windows.shape[1] - 1
+    for s in range(0, len(windows), batch_size):
+        ids = windows[s:s + batch_size]
+        with torch.no_grad(), attach(model, policy, quant=quant):
+            logits = model(ids).logits[:, -k - 1:-1].float()  # (b, k, V)
+        nll += float(torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, -k:], reduction="sum"))
+        count += ids[:, -k:].numel()
+    return math.exp(nll / count)
+
+
+def hf_cache_bytes(cache) -> int:
+    """Bytes a transformers ``QuantizedCache`` (hqq) holds: packed codes, scales and zero points, residual keys and
+    values in the model's dtype."""
+    total = 0
+    for layer in cache.layers:
+        for packed, meta in (layer._quantized_keys, layer._quantized_values):
+            total += packed.nbytes + meta["scale"].nbytes + meta["zero"].nbytes
+        total += layer.keys.nbytes + layer.values.nbytes
+    return total
+
+
+def decoded_ppl(model, windows, cache_of) -> tuple[float, float, float, int]:
+    """Each window fed token by token through ``cache_of(window_len)`` (a fresh cache; a context manager may
+    wrap the forwards, see :func:`hf_cache`) -> (perplexity, decode seconds per token (wall, this process's CPU),
+    bytes held at the end of the last window, all of it fed)."""
+    nll, count, seconds, cpu = 0.0, 0, 0.0, 0.0
+    for ids in windows:
+        with cache_of(len(ids)) as (cache, nbytes):
+            t0, c0 = time.perf_counter(), time.process_time()
+            for t in range(len(ids)):  # the last token too: the cache then holds the window, as in the table
+                with torch.no_grad():
+                    logits = model(ids[None, t:t + 1], cache=cache, use_cache=True).logits[0, -1].float()
+                nll -= float(logits.log_softmax(-1)[ids[t + 1]]) if t + 1 < len(ids) else 0.0
+            seconds, cpu = seconds + time.perf_counter() - t0, cpu + time.process_time() - c0
+            held = nbytes(cache)
+        count += len(ids)
+    return math.exp(nll / (count - len(windows))), seconds / count, cpu / count, held
+
+
+def hf_cache(model, backend: str, bits: int, residual: int, group: int = 64, axis: int = 0):
+    """cache_of for transformers' QuantizedCache at its defaults: ``axis`` 0 (hqq cuts the flattened (B, H, T, D)
+    tensor into ``group`` rows and scales each column: strided groups), the last up to ``residual`` tokens kept in
+    the model's dtype until they are flushed into the quantized part (the whole cache re-quantized at each flush).
+    Axis 1 (groups of ``group`` channels of each vector, as ``uniform``) fails on SmolLM2 in hqq 0.2.8.post1: its
+    4-bit codes pack two rows a byte, and 3 KV heads x 1 token give an odd number of groups (dequantize: "The size
+    of tensor a (4) must match the size of tensor b (3)")."""
+    from contextlib import contextmanager
+
+    from transformers import QuantizedCache
+
+    @contextmanager
+    def make(length):
+        yield QuantizedCache(backend, model.config, nbits=bits, axis_key=axis, axis_value=axis, q_group_size=group,
+                             residual_length=residual), hf_cache_bytes
+    return make
+
+
+def ours_cache(model, policy, quant):
+    """cache_of for the harness's evicting cache (real path) with ``quant``."""
+    from contextlib import contextmanager
+
+    from h2o.core.attach import attach
+
+    @contextmanager
+    def make(length):
+        with attach(model, policy, mode="real", quant=quant) as h:
+            yield h.new_cache(ref_len=length), lambda c: c.nbytes()
+    return make
 
 
 def test_kvquant_outliers_kept_and_range_of_the_rest():
@@ -228,21 +306,6 @@ def test_left_padded_sink_is_the_first_real_token_in_both_paths(gqa, calibration
     assert torch.allclose(real[valid], sim[valid], atol=1e-6)
 
 
-def test_bench_counts_the_bytes_the_cache_holds(calibrations):
-    """h2o.bench.quant's memory column equals EvictingCache.nbytes after a prefill (rows, sink, constants)."""
-    from h2o.bench.quant import kv_bytes_after_prefill
-
-    model = tiny_model("llama")
-    ids = torch.randint(3, 256, (1, 50), generator=G(14))
-    for quant in (Uniform(4, 16), KVQuant(3, calibration=calibrations["llama"]),
-                  KVQuant(3, calibration=calibrations["llama"], sink=False)):
-        for policy in (make_policy("full"), make_policy("h2o", budget=0.2)):
-            with torch.no_grad(), attach(model, policy, mode="real", quant=quant) as h:
-                cache = h.new_cache()
-                model(ids, cache=cache)
-            assert kv_bytes_after_prefill(model, policy, quant, 50)[0] == cache.nbytes()
-
-
 def test_quant_none_changes_nothing(gqa):
     assert make_quant("none") is None
     ids = torch.randint(0, 128, (1, 20), generator=G(6))
@@ -309,10 +372,10 @@ def test_run_folder_names_the_quantizer():
     from h2o.pipeline.sweep import expand
 
     base = ["model=tiny-llama", "task=austen_ppl"]
-    none, = expand([*base, "quant=none"], True).plans
-    uniform, = expand([*base, "quant=uniform", "quant.group_size=16"], True).plans
+    none, = expand([*base, "quant=none"], True).specs
+    uniform, = expand([*base, "quant=uniform", "quant.group_size=16"], True).specs
     assert none.path.name == "0.2" and none.quant is None and "quant" not in none.head()
-    assert none.path == expand(base, True).plans[0].path  # quant=none: the folder of old
+    assert none.path == expand(base, True).specs[0].path  # quant=none: the folder of old
     assert uniform.path.name == "quant=uniform4,group_size=16" and uniform.head()["quant"]["bits"] == 4
     assert uniform.path.parent == none.path
 
@@ -377,11 +440,9 @@ def test_lm_eval_model_args_set_the_quantizer(tmp_path):
 
 
 def test_decoded_perplexity_matches_one_pass_and_transformers_quantized_cache_runs():
-    """h2o.bench.quant's token-by-token rows: our evicting cache fed token by token gives the one-pass perplexity
+    """Token by token: our evicting cache fed one token at a time gives the one-pass perplexity
     (unquantized: equal; uniform4: to quantization noise); transformers' QuantizedCache (hqq) at 8 bits is the
     unquantized perplexity, at 2 bits it is not, and its bytes are the packed codes + scales + residual."""
-    from h2o.bench.quant import decoded_ppl, hf_cache, ours_cache, perplexity
-
     model = tiny_model("llama")
     windows = torch.randint(3, 256, (2, 40), generator=G(17))
     full = make_policy("full")
@@ -398,27 +459,11 @@ def test_decoded_perplexity_matches_one_pass_and_transformers_quantized_cache_ru
     assert bytes2 < bytes8 < fp32
 
 
-def test_long_context_scores_the_last_tokens_only(capsys):
-    """--long: one pass over the whole context, the perplexity of its last ``scored`` tokens only."""
-    from h2o.bench.quant import main, perplexity
-
-    model = tiny_model("llama")
-    ids = torch.randint(3, 256, (1, 60), generator=G(18))
-    policy, quant = make_policy("h2o", budget=0.2), Uniform(4, 16)
-    with torch.no_grad(), attach(model, policy, quant=quant):
-        logp = model(ids).logits[0, -11:-1].log_softmax(-1)
-    want = float((-logp.gather(-1, ids[0, -10:, None])).mean().exp())
-    assert perplexity(model, ids, policy, quant, 1, scored=10) == pytest.approx(want, rel=1e-5)
-    assert perplexity(model, ids, policy, quant, 1) != pytest.approx(want, rel=1e-3)
-    assert main(["--long", "100", "--long-scored", "100"]) == 2
-    assert "--long-scored=100: allowed 1-99" in capsys.readouterr().err
-
-
 def test_streaming_refuses_a_quantized_cache(capsys, tmp_path, monkeypatch):
     """The streaming key shifter rotates stored keys: quant with the streaming task is one line, exit 2, before
     loading; the Streamer itself refuses a policy with quant set."""
     from h2o.assets import model_spec
-    from h2o.bench.streaming import Streamer
+    from h2o.tasks.streaming import Streamer
     from h2o.pipeline.run import main
 
     monkeypatch.chdir(tmp_path)

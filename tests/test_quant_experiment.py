@@ -1,6 +1,6 @@
 """The quantization study as an experiment (conf/experiment/quant.yaml: austen_ppl x quant): its records hold what
-``python -m h2o.bench.quant`` computes, its table comes from them (analysis/quant_tables.py), and one helper names
-kvquant's calibration file (h2o.assets.paths.calibration_file)."""
+one simulated pass over the same windows gives (tests/test_quant.py's reference), its table comes from them
+(analysis/quant_tables.py), and one helper names kvquant's calibration file (h2o.assets.paths.calibration_file)."""
 from __future__ import annotations
 
 import json
@@ -11,12 +11,12 @@ from analysis.quant_tables import quant_tables
 from analysis.records import load_runs
 from analysis.tables import all_tables
 from h2o.assets.paths import calibration_file
-from h2o.bench.quant import perplexity
 from h2o.core.policies import make_policy
 from h2o.core.quant import make_quant
 from h2o.core.validate import BadInput
 from h2o.pipeline import run
 from h2o.pipeline.sweep import expand
+from test_quant import perplexity
 
 SMALL = ["model=tiny-llama", "threads=1", "task_overrides.austen_ppl.n_windows=2",
          "++task_overrides.austen_ppl.window=96"]
@@ -28,7 +28,7 @@ def test_quant_experiment_records_make_the_table_and_match_the_bench(tmp_path, m
     args = ["experiment=quant", *SMALL, "quant=none,uniform", "quant.bits=4,2", "++quant.group_size=16",
             f"runs_dir={tmp_path}/runs"]
     sweep = expand(args, multirun=True)
-    assert {(p.policy.name, p.policy.budget if p.policy.name != "full" else 1.0) for p in sweep.plans} == {
+    assert {(p.policy.name, p.policy.budget if p.policy.name != "full" else 1.0) for p in sweep.specs} == {
         ("full", 1.0), ("h2o", 0.2)}
     assert run.main(["-m", *args, f"hydra.sweep.dir={tmp_path}/multirun/q"]) == 0
     records = {}
@@ -46,10 +46,10 @@ def test_quant_experiment_records_make_the_table_and_match_the_bench(tmp_path, m
             assert cell.startswith(f"{records[(policy, row[1])]:.2f} [")  # value, then its 95% interval
     assert any(t.name == "quant_austen_ppl_quant" for t in all_tables(load_runs(tmp_path / "runs")))
 
-    # the bench's one-pass perplexity on the same windows gives the records' numbers
-    plan = next(p for p in sweep.plans if p.policy.name == "h2o" and p.quant is not None and p.quant.bits == 2)
-    model, tok = plan.model.load()
-    windows = plan.task.windows(tok)
+    # one simulated pass over the same windows gives the records' numbers
+    spec = next(p for p in sweep.specs if p.policy.name == "h2o" and p.quant is not None and p.quant.bits == 2)
+    model, tok = spec.model.load()
+    windows = spec.task.windows(tok)
     assert windows.shape == (2, 96)
     for policy, label in (("full", "none"), ("h2o", "uniform4"), ("h2o", "uniform2")):
         pol = make_policy("full") if policy == "full" else make_policy("h2o", budget=0.2)

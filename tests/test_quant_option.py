@@ -103,9 +103,9 @@ def test_a_plan_carries_the_quantizer_and_a_task_that_cannot_store_it_refuses(ca
     from h2o.pipeline.run import main
     from h2o.pipeline.sweep import expand
 
-    plan, = expand(["model=tiny-llama", "task=austen_ppl", "quant=uniform", "quant.group_size=16"], True).plans
-    assert isinstance(plan.quant, Uniform) and (plan.quant.bits, plan.quant.group_size) == (4, 16)
-    assert "_quant" not in vars(plan.policy) and plan.head()["quant"] == plan.quant.describe()
+    spec, = expand(["model=tiny-llama", "task=austen_ppl", "quant=uniform", "quant.group_size=16"], True).specs
+    assert isinstance(spec.quant, Uniform) and (spec.quant.bits, spec.quant.group_size) == (4, 16)
+    assert "_quant" not in vars(spec.policy) and spec.head()["quant"] == spec.quant.describe()
     monkeypatch.chdir(tmp_path)
     model_spec._LOADED.clear()
     assert main(["model=tiny-llama", "task=observations", "quant=uniform", "quant.group_size=16"]) == 2

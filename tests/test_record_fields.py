@@ -170,9 +170,9 @@ def test_the_methods_table_shows_the_bytes_stored_where_they_exceed_those_held(t
 
 
 def test_a_task_field_named_like_a_policy_option_keeps_the_policys_value_beside_it(hydra_ctx):
-    plan = prepare(_compose([*TINY, "policy=snapkv", "policy.compress=prefill", "policy.window=32"]))
-    record = plan.record({}, {"window": 1152, "context": 1024})
+    spec = prepare(_compose([*TINY, "policy=snapkv", "policy.compress=prefill", "policy.window=32"]))
+    record = spec.record({}, {"window": 1152, "context": 1024})
     assert (record["window"], record["policy_window"], record["context"]) == (1152, 32, 1024)
     assert "policy_kernel" not in record  # no clash, nothing moved
-    same = plan.record({}, {"window": 32})
+    same = spec.record({}, {"window": 32})
     assert same["window"] == 32 and "policy_window" not in same  # equal values: one field

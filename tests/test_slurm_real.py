@@ -33,7 +33,8 @@ import pytest
 from analysis.__main__ import main as analysis_main
 from analysis.render import MISSING
 from h2o.pipeline import launch, status
-from h2o.pipeline.records import REPO, read_jsonl
+from h2o.assets.paths import REPO
+from h2o.store.files import read_jsonl
 from h2o.pipeline.job import execute
 from h2o.pipeline.sweep import expand
 
@@ -181,7 +182,7 @@ def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(time_lim
     sweep = [*TINY, "model=tiny-llama,tiny-opt", "policy=full,h2o", "policy.budget=0.2,1.0", f"runs_dir={tmp}/runs"]
     # finished before the submission: tiny-opt x h2o 0.2, run here
     done_first = execute(expand([*TINY, "model=tiny-opt", "policy=h2o", "policy.budget=0.2",
-                                 f"runs_dir={tmp}/runs"], multirun=False).plans[0])
+                                 f"runs_dir={tmp}/runs"], multirun=False).specs[0])
     local_log = (tmp / "local.log").open("w")
     local = subprocess.Popen([sys.executable, "-m", "h2o.pipeline.run", "-m", *sweep[:-1], f"runs_dir={tmp}/local",
                               f"hydra.sweep.dir={tmp}/local-multirun"], cwd=tmp, stdout=subprocess.DEVNULL,
@@ -196,14 +197,14 @@ def test_sweep_only_work_left_requeue_preempt_resume_tables_equal_local(time_lim
     assert counts(out.splitlines()[0]) == {"jobs": 8, "to run": 3, "finished already": 1, "duplicates": 2,
                                            "served by the full run": 2}
     assert "array 0: gpus=0 mem=4G cpus=1 time=15min  2 tasks, 3 runs (chunk <= 2)" in out
-    plan = json.loads((tmp / "multirun/s1/launch.json").read_text())
-    assert len(plan["arrays"]) == 1
-    tasks = plan["arrays"][0]["tasks"]
+    spec = json.loads((tmp / "multirun/s1/launch.json").read_text())
+    assert len(spec["arrays"]) == 1
+    tasks = spec["arrays"][0]["tasks"]
     array = tasks[0]["job_id"].split("_")[0]
     assert array not in before and [t["job_id"] for t in tasks] == [f"{array}_0", f"{array}_1"]
     assert [(t["model"], [Path(r).parts[-3] for r in t["runs"]]) for t in tasks] == [
         ("tiny-llama", ["full", "h2o"]), ("tiny-opt", ["full"])]  # chunks of one model, sweep order
-    assert {Path(s["served_by"]).parts[-3:-1] for s in plan["served"]} == {("full", "1.0")}
+    assert {Path(s["served_by"]).parts[-3:-1] for s in spec["served"]} == {("full", "1.0")}
     first, second = Path(tasks[0]["runs"][0]), Path(tasks[1]["runs"][0])
     assert job(f"{array}_0")["TimeLimit"] == "00:15:00"
 

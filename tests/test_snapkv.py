@@ -6,7 +6,8 @@ import torch
 
 from h2o import attach, make_policy
 from h2o.assets.models import tiny_model
-from h2o.bench import parity
+from h2o.parity import driver as parity
+from h2o.parity.pairs import kept as tokens_kept
 from h2o.core.policies import PolicyError
 from tests.test_parity import ids, reference
 
@@ -43,7 +44,7 @@ def eager(model, context):
 @pytest.mark.parametrize("ratio", [0.5, 0.8])
 def test_cut_holds_kvpress_snapkv_positions(arch, ratio):
     model = tiny_model(arch, seed=3)
-    n = parity.kept(L, ratio)
+    n = tokens_kept(L, ratio)
     hkv = getattr(model.config, "num_key_value_heads", model.config.num_attention_heads)
     ctx = ids(1, L)
     held = held_after(model, make_policy("snapkv", budget=n, window=W), ctx)
@@ -53,7 +54,7 @@ def test_cut_holds_kvpress_snapkv_positions(arch, ratio):
 
 def test_logits_after_the_prompt_are_kvpress_protocol():
     model = tiny_model("llama_gqa", seed=3)
-    n, hkv = parity.kept(L, 0.8), model.config.num_key_value_heads
+    n, hkv = tokens_kept(L, 0.8), model.config.num_key_value_heads
     ctx, cont = ids(1, L), ids(2, 9)
     first, rest, held = parity.forwards(model, make_policy("snapkv", budget=n, window=W), ctx, [cont], L)
     ref_first, ref_rest = reference(model, ctx, cont, lambda i, attn: naive_snapkv(attn[0], n, hkv))
@@ -65,7 +66,7 @@ def test_logits_after_the_prompt_are_kvpress_protocol():
 def test_naive_reference_is_not_blind():
     """Max pooling (the paper's) or a window of another size keep other positions on this model."""
     model = tiny_model("llama_gqa", seed=3)
-    n, hkv = parity.kept(L, 0.8), model.config.num_key_value_heads
+    n, hkv = tokens_kept(L, 0.8), model.config.num_key_value_heads
     ctx = ids(1, L)
     held = held_after(model, make_policy("snapkv", budget=n, window=W), ctx)
     attns = eager(model, ctx)

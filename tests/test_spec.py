@@ -22,7 +22,8 @@ from h2o.core.policies.h2o_reference import H2OReference
 from h2o.core.validate import ConfigError
 from h2o.pipeline import launch, run, spec
 from h2o.pipeline.jobs import classify
-from h2o.pipeline.records import identity, record_identity, runs_root
+from h2o.store.folders import runs_root
+from h2o.store.identity import identity, record_identity
 from h2o.pipeline.spec import RunSpec, Settings, build, prepare
 from h2o.pipeline.sweep import _compose
 from run_folders import recorded  # tests/run_folders.py
@@ -131,20 +132,20 @@ def test_settings_refuse_bad_root_values_in_one_line(hydra_ctx):
 
 # ------------------------------------------------------------------------------------------- old records
 def test_committed_records_are_found_and_reused_where_they_are(hydra_ctx, tmp_path):
-    """The default's records (analysis/default/records, made before the spec existed) from their own config.yaml:
+    """The default's records (studies/default/records, made before the spec existed) from their own config.yaml:
     the spec names their folder, their identity reads back equal, and the job classifier calls them done."""
-    shutil.copytree(REPO / "analysis" / "default" / "records", tmp_path / "default")  # 232 KB
+    shutil.copytree(REPO / "studies" / "default" / "records", tmp_path / "default")  # 232 KB
     folders = sorted(p.parent for p in (tmp_path / "default").rglob("metrics.json"))
     assert len(folders) == 8
-    plans = []
+    run_specs = []
     for folder in folders:
         cfg = OmegaConf.load(folder / "config.yaml")
         cfg.runs_dir = str(tmp_path)
         s = prepare(cfg)  # check_reusable: a finished record of another identity would be refused here
         assert s.path == folder
         assert record_identity(s.path) == s.identity
-        plans.append(s)
-    assert [w.state for w in classify([[]] * len(plans), plans)] == ["done"] * 8
+        run_specs.append(s)
+    assert [w.state for w in classify([[]] * len(run_specs), run_specs)] == ["done"] * 8
 
 
 def test_every_recorded_experiment_still_exists():
@@ -200,7 +201,8 @@ def test_the_cli_guard_turns_bad_input_into_one_line_and_exit_2(capsys):
     assert capsys.readouterr().err.strip() == "error: prog: argument --n: invalid int value: 'x'"
 
 
-HISTORY = re.compile(r"\bissue \d+|\bissue's\b|~\d+ before\b|\bwas \d|\bno longer\b|\bformerly\b", re.I)
+HISTORY = re.compile(r"\bissue \d+|\bissue's\b|~\d+ before\b|\bwas \d|\bno longer\b|\bformerly\b|\bolder (spelling|home|"
+                     r"place|way|name)s?\b|\bstill works\b|\bmoved (here )?from\b|\bused to (live|be)\b", re.I)
 
 
 def comments(path: Path) -> list[tuple[int, str]]:
@@ -222,8 +224,8 @@ def comments(path: Path) -> list[tuple[int, str]]:
 
 
 def test_comments_explain_and_never_narrate_history():
-    files = [*(REPO / "h2o").rglob("*.py"), *(REPO / "analysis").rglob("*.py"), *(REPO / "conf").rglob("*.yaml"),
-             REPO / "Makefile"]
+    files = [*(REPO / "h2o").rglob("*.py"), *(REPO / "analysis").rglob("*.py"), *(REPO / "tools").rglob("*.py"),
+             *(REPO / "conf").rglob("*.yaml"), REPO / "Makefile"]
     found = [f"{f.relative_to(REPO)}:{i}: {c.strip()}" for f in files for i, c in comments(f) if HISTORY.search(c)]
     assert found == []
 

@@ -14,9 +14,10 @@ from analysis import streaming_study as ss
 from h2o.assets import model_spec
 from h2o.assets.model_spec import resolve_tiny
 from h2o.assets.models import load_model
-from h2o.bench.streaming import StreamingTask, load_text, stream, text_ids
+from h2o.tasks.streaming import StreamingTask, load_text, stream, text_ids
 from h2o.core.policies import make_policy
-from h2o.pipeline.records import REPO, read_jsonl
+from h2o.assets.paths import REPO
+from h2o.store.files import read_jsonl
 from h2o.pipeline.run import main
 from h2o.pipeline.sweep import expand
 from h2o.tasks.progress import recording
@@ -55,9 +56,9 @@ def test_make_stream_is_the_experiment_with_the_knobs_as_overrides():
     assert {"task.tokens=500", "policy=h2o,local", "policy.budget=64,128", "task.chunk=1,32"} <= set(args)
     assert "-m analysis.streaming_study ${H2O_RUNS:-runs}/streaming" in out.stdout  # then the chunk comparison
     sweep = expand(args[1:], True)
-    jobs = sorted((p.policy.name, p.policy.budget, p.task.chunk, p.task.tokens) for p in sweep.plans)
+    jobs = sorted((p.policy.name, p.policy.budget, p.task.chunk, p.task.tokens) for p in sweep.specs)
     assert jobs == sorted((p, b, c, 500) for p in ("h2o", "local") for b in (64, 128) for c in (1, 32))
-    h2o = next(p for p in sweep.plans if p.policy.name == "h2o" and p.policy.budget == 64 and p.task.chunk == 32)
+    h2o = next(p for p in sweep.specs if p.policy.name == "h2o" and p.policy.budget == 64 and p.task.chunk == 32)
     assert (h2o.policy.heavy, h2o.policy.recent) == (21, 43)  # the authors' heavy share 1/3
     assert h2o.path.parts[-7:-1] == ("streaming", "smollm2-135m", "bench_streaming", "shots0", "h2o", "64tok")
     assert "chunk=32" in h2o.path.name and "tokens=500" in h2o.path.name

@@ -5,7 +5,8 @@ import torch
 
 from h2o import make_policy
 from h2o.assets.models import tiny_model
-from h2o.bench import parity
+from h2o.parity import driver as parity
+from h2o.parity.pairs import kept as tokens_kept
 from h2o.core.policies import PolicyError
 from tests.test_parity import ids, reference
 from tests.test_policies import random_logits, run_mask
@@ -63,7 +64,7 @@ def test_prefill_cut_is_kvpress_tova(ratio):
     """At a prompt's end the evicting cache keeps kvpress's TOVAPress set: the last token, plus the n - 1 others
     of highest attention from the last query averaged over all query heads (the same for every KV head)."""
     model = tiny_model("llama_gqa", seed=3)
-    L, n = 40, parity.kept(40, ratio)
+    L, n = 40, tokens_kept(40, ratio)
     hkv = model.config.num_key_value_heads
     ctx, cont = ids(1, L), ids(2, 9)
 

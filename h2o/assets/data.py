@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from h2o.assets.fetch import FetchError, bigbench_task, fetch_austen, fetch_bigbench, fetch_moby_dick
-from h2o.assets.paths import atomic_write_text, cache_dir
+from h2o.assets.paths import cache_dir
+from h2o.store.files import atomic_write_text
 
 SPLIT_SEED = 1234
 LM_EVAL_FORMAT = "v1"  # bump when the JSONL layout changes: old files are then ignored

@@ -36,7 +36,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from h2o.assets.paths import atomic_write_text, cache_dir, cache_lock
+from h2o.assets.paths import cache_dir, cache_lock
+from h2o.store.files import atomic_write_text
 from h2o.assets.r_data import read_rdb
 
 BIGBENCH_VERSION = "1.0.0"

@@ -45,7 +45,7 @@ def cache_dir() -> Path:
 def calibration_file(model: str, given: str | None = None) -> Path:
     """kvquant's calibration file for ``model`` (a conf/model name or pretrained id): ``given`` when set (a
     relative path is taken inside the cache folder), else ``<cache>/kvquant/<model>.pt`` with ``:`` as ``-``
-    (``tiny:llama`` -> ``tiny-llama.pt``), where ``python -m h2o.bench.calibrate --model <model>`` writes it."""
+    (``tiny:llama`` -> ``tiny-llama.pt``), where ``python -m h2o.assets.calibrate --model <model>`` writes it."""
     if given:
         path = Path(str(given)).expanduser()
         return path if path.is_absolute() else cache_dir() / path
@@ -58,16 +58,9 @@ CACHE_DIR: Path = Path(os.environ.get("H2O_CACHE") or Path.home() / ".cache" / "
 @contextlib.contextmanager
 def cache_lock(name: str) -> Iterator[None]:
     """Hold an exclusive lock on ``<cache>/.locks/<name>/`` so two processes never fetch at once (flock, or an
-    O_EXCL lock file where flock does not work: h2o.assets.locks)."""
-    from h2o.assets.locks import folder_lock
+    O_EXCL lock file where flock does not work: h2o.store.locks)."""
+    from h2o.store.locks import folder_lock
 
     with folder_lock(cache_dir() / ".locks" / name, wait=True):
         yield
 
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file and a rename (no half-written files), fsync'd: the
-    file and its folder before and after the rename (h2o.assets.locks.durable_write)."""
-    from h2o.assets.locks import durable_write
-
-    durable_write(Path(path), text.encode("utf-8"))

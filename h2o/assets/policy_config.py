@@ -2,12 +2,12 @@
 
     h2o-run policy=h2o policy.budget=0.2 policy.heavy_share=0.5                  Hydra
     python -m h2o.tasks.lm_eval_cli --model_args policy=h2o,budget=0.2,heavy_share=0.5,...      lm-eval
-    python -m h2o.bench.streaming --policy h2o,heavy_share=0.5 --budgets 96     (the budget: --budgets)
+    python -m h2o.tasks.streaming_cli --policy h2o,heavy_share=0.5 --budgets 96     (the budget: --budgets)
 
 Each builds the same object: the group file's values, updated with the options given (the file's keys only, the
 values read by Hydra's own override grammar), passed to the file's ``_target_`` (:func:`h2o.make_policy`), as
-Hydra's ``instantiate`` of ``cfg.policy`` does. Older spellings that still work print a one-line notice
-(:func:`notice`) and name the current one.
+Hydra's ``instantiate`` of ``cfg.policy`` does. A second spelling of the same thing is accepted with a one-line
+notice (:func:`notice`) that names the first.
 """
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--policies", default="full,local,h2o")
     p.add_argument("--budget", default="0.2", help="budgets: ratios of the prompt or token counts, comma-separated")
     p.add_argument("--quant", default="none", help="KV quantization of each policy variant, comma-separated: "
-                   "none, uniform8/4/3/2, kvquant4/3/2 (h2o.bench.quant)")
+                   "none, uniform8/4/3/2, kvquant4/3/2 (h2o.core.quant.quant_of)")
     p.add_argument("--baselines", default="sdpa,sliding", help=f"of {','.join(BASELINES)}, or 'none'")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)

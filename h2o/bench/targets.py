@@ -10,7 +10,7 @@ experiment) beside the harness's full cache, the ``compare`` policies and transf
 4. the largest batch of full and the policy within ``memory_fraction`` of the memory (:mod:`h2o.bench.max_batch`:
    found under a CUDA memory cap, estimated on the CPU) at ``memory`` (prompt, generated tokens).
 5. every registered method beside full at ``methods`` (prompt, batch), each prefilling its own prompt in its own
-   timing: prefill time, KV bytes and tokens held after the compression, decode throughput (:mod:`h2o.bench.methods`;
+   timing: prefill time, KV bytes and tokens held after the compression, decode throughput (:mod:`h2o.bench.every_policy`;
    information, no target).
 
 Record: ``metrics`` = {target name: measured ratio}, ``targets`` = {name: {value, target, met}}, samples = every
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from h2o.bench import methods
+from h2o.bench import every_policy
 from h2o.bench.max_batch import largest_batch_under_cap, print_max_batch
 from h2o.bench.simulated import simulated_forward
 from h2o.bench.throughput import benchmark
@@ -111,7 +111,7 @@ def run_targets(model, task, policy, seed: int = 0, model_name: str | None = Non
     for r in capped:
         r["model"] = model_name
     print_max_batch(capped, out=out)
-    if task.methods:  # every method of the registry side by side (h2o.bench.methods)
+    if task.methods:  # every method of the registry side by side (h2o.bench.every_policy)
         P, B = task.methods
-        recs += methods.measure(model, P, B, task.methods_gen, budget, **common)
+        recs += every_policy.measure(model, P, B, task.methods_gen, budget, **common)
     return recs + capped

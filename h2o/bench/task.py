@@ -63,7 +63,7 @@ class TargetsTask(TaskSpec):
     The run's policy is measured against full, the ``compare`` policies and transformers' caches at every part;
     metrics: each target's measured ratio; ``targets``: {name: {value, target, met}}; samples: every variant's
     record; ``methods``: every registered method at the run's budget, at ``methods`` ([prompt, batch]; null:
-    none) with ``methods_gen`` tokens each (:mod:`h2o.bench.methods`)."""
+    none) with ``methods_gen`` tokens each (:mod:`h2o.bench.every_policy`)."""
 
     name: str
     long: list = field(default_factory=lambda: [4096, 8])
@@ -124,7 +124,7 @@ class TargetsTask(TaskSpec):
                                   f"budget below 1.0")
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
-        from h2o.bench.methods import rows
+        from h2o.bench.every_policy import rows
         from h2o.bench.targets import check_targets, run_targets
 
         self.check_policy(policy)

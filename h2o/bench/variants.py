@@ -27,7 +27,7 @@ class Variant:
     budget: float | int = 1.0
     attn: str = "sdpa"  # attention implementation of the unmodified model (baselines)
     obj: Policy | None = field(default=None, compare=False)  # a built policy (else at_budget(policy, budget))
-    quant: str = "none"  # KV quantization of a policy variant: none, uniform4, kvquant3, ... (h2o.bench.quant)
+    quant: str = "none"  # KV quantization of a policy variant: none, uniform4, kvquant3, ... (h2o.core.quant.quant_of)
     calibration: str | None = field(default=None, compare=False)  # kvquant's calibration file
 
     @staticmethod
@@ -35,7 +35,7 @@ class Variant:
         return Variant("policy", policy.name, policy.budget, obj=policy)
 
     def build_quant(self):
-        from h2o.bench.quant import quant_of
+        from h2o.core.quant import quant_of
 
         return quant_of(self.quant, self.calibration)
 

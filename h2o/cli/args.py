@@ -8,7 +8,7 @@
     split_list("--budgets", "0.1,0.2", budget_value, "a budget")   # [0.1, 0.2]; a bad item -> ConfigError
 
 Every bad value raises a :class:`h2o.core.validate.BadInput` (``ConfigError`` for config values, ``PolicyError``
-for policy options). ``h2o-run``, ``python -m h2o.bench``, ``python -m h2o.bench.streaming`` and
+for policy options). ``h2o-run``, ``python -m h2o.bench``, ``python -m h2o.tasks.streaming_cli`` and
 ``h2o.tasks.lm_eval_cli`` all check through these helpers; ``python -m analysis`` (which imports nothing of h2o)
 mirrors the path rules.
 """

@@ -168,7 +168,7 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
            quant: Quantizer | None = None):
     """``quant`` (h2o.core.quant, None: unquantized): how the caches store keys and values, in both paths: the
     evicting caches of ``new_cache()`` hold packed rows, the simulated path attends to the same values decoded.
-    Older spellings that still work, with a notice: ``semantics="reference"`` (the policy h2o_reference, for an
+    Accepted with a one-line notice naming the first spelling: ``semantics="reference"`` (the policy h2o_reference, for an
     h2o or h2_only policy) and a quantizer set as ``policy.quant`` (read when ``quant`` is not given)."""
     if not isinstance(policy, Policy):
         raise PolicyError(f"policy={policy!r}: expected a Policy, e.g. h2o.make_policy('h2o', budget=0.2)")

@@ -1,4 +1,4 @@
-"""One line on stderr, once per process, for an older spelling that still works and the one that replaces it."""
+"""One line on stderr, once per process, for an input spelled a second way: what was given and the spelling to use."""
 from __future__ import annotations
 
 import sys

@@ -1,3 +1,4 @@
-"""Pipeline: configs to runs (plan, sweep, run), run records and the wandb mirror.
+"""Pipeline: configs to runs (spec, sweep, run, jobs, Slurm) and the wandb mirror; the records themselves are
+written through store.
 
-Imports tasks, bench, core, cli and assets; analysis/ imports none of the package."""
+Imports tasks, bench, store, core, cli and assets; analysis/ imports none of the package."""

@@ -26,14 +26,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from h2o.assets.paths import atomic_write_text
 from h2o.assets.resources import check_fits_here
 from h2o.cli.args import fail
 from h2o.core.policies.budget import Unsupported
 from h2o.core.validate import BadInput
 from h2o.pipeline.jobs import read_served
-from h2o.pipeline.records import (append_jsonl, claim, clear_partial, env_info, finished, slurm_job_id, write_json,
-                                  write_jsonl)
+from h2o.store.env import env_info, slurm_job_id
+from h2o.store.files import append_jsonl, atomic_write_text, write_json, write_jsonl
+from h2o.store.folders import claim, clear_partial, finished
 from h2o.pipeline.spec import RunSpec, prepare
 from h2o.tasks.progress import recording, resumed
 
@@ -64,44 +64,44 @@ def _crash_hook(path: Path) -> None:
         os._exit(17)
 
 
-def execute(plan: RunSpec) -> dict:
+def execute(spec: RunSpec) -> dict:
     """Run the spec and write its record; returns the metrics.json content."""
     import torch
 
     started = time.time()
-    if plan.settings.threads:
-        torch.set_num_threads(plan.settings.threads)
-    seed_everything(plan.settings.seed)
-    clear_partial(plan.path)
-    atomic_write_text(plan.path / "config.yaml", OmegaConf.to_yaml(plan.cfg, resolve=True))
-    _crash_hook(plan.path)
-    model, tokenizer = plan.model.load()
-    with recording(plan.path / PARTIAL):  # per-request results kept across a preemption (h2o.tasks.progress)
-        result = plan.task.run(model, tokenizer, plan.policy, plan.semantics, plan.settings.seed, quant=plan.quant)
+    if spec.settings.threads:
+        torch.set_num_threads(spec.settings.threads)
+    seed_everything(spec.settings.seed)
+    clear_partial(spec.path)
+    atomic_write_text(spec.path / "config.yaml", OmegaConf.to_yaml(spec.cfg, resolve=True))
+    _crash_hook(spec.path)
+    model, tokenizer = spec.model.load()
+    with recording(spec.path / PARTIAL):  # per-request results kept across a preemption (h2o.tasks.progress)
+        result = spec.task.run(model, tokenizer, spec.policy, spec.semantics, spec.settings.seed, quant=spec.quant)
     ended = time.time()
     files = result.info.pop("files", {})  # extra record files of a task (observations.json)
-    protocol = plan.task.protocol(tokenizer)  # every task setting that changes a number, BOS resolved
-    record = plan.record({"scoring": protocol["scoring"], "add_bos_token": protocol["add_bos_token"],
+    protocol = spec.task.protocol(tokenizer)  # every task setting that changes a number, BOS resolved
+    record = spec.record({"scoring": protocol["scoring"], "add_bos_token": protocol["add_bos_token"],
                           "protocol": protocol, "n_samples": result.n_samples, "metrics": result.metrics,
-                          "wall_s": round(ended - started, 3), "batch_size": plan.cfg.task.get("batch_size"),
+                          "wall_s": round(ended - started, 3), "batch_size": spec.cfg.task.get("batch_size"),
                           "device": str(getattr(model, "device", "")),
                           "dtype": str(getattr(model, "dtype", "")).replace("torch.", ""),
                           "resumed_requests": resumed()}, result.info)  # h2o.pipeline.fields: one rule
     for name, content in files.items():
-        write_json(plan.path / name, content)
-    write_jsonl(plan.path / "samples.jsonl", result.samples)
-    write_json(plan.path / "env.json", env_info(started, ended))
-    write_json(plan.path / "metrics.json", record)  # last: the run is finished once this exists
-    shutil.rmtree(plan.path / PARTIAL, ignore_errors=True)
+        write_json(spec.path / name, content)
+    write_jsonl(spec.path / "samples.jsonl", result.samples)
+    write_json(spec.path / "env.json", env_info(started, ended))
+    write_json(spec.path / "metrics.json", record)  # last: the run is finished once this exists
+    shutil.rmtree(spec.path / PARTIAL, ignore_errors=True)
     return record
 
 
-def mirror(plan: RunSpec, record: dict) -> None:
+def mirror(spec: RunSpec, record: dict) -> None:
     """The record to wandb with ``logger=wandb`` (its failures printed, never raised: h2o.pipeline.wandb_mirror)."""
-    if plan.cfg.logger.get("wandb"):
+    if spec.cfg.logger.get("wandb"):
         from h2o.pipeline.wandb_mirror import mirror_run
 
-        mirror_run(plan.cfg.logger, plan, record)
+        mirror_run(spec.cfg.logger, spec, record)
 
 
 def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
@@ -123,8 +123,8 @@ def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
         return state
 
     try:
-        plan = prepare(cfg)
-        check_fits_here(plan.model)
+        spec = prepare(cfg)
+        check_fits_here(spec.model)
     except Unsupported as exc:  # a combination that does not exist: listed as refused by the dry run too
         if not multirun:
             sys.exit(fail(exc))
@@ -135,29 +135,29 @@ def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
             sys.exit(fail(exc))
         log(f"invalid job {entry['overrides']}: {exc}")
         return outcome("failed", exc=exc)
-    if finished(plan.path):
-        log(f"skip, finished already: {plan.path}")
-        return outcome("skipped", plan.path)
-    served_by = read_served(sweep_dir).get(str(plan.path)) if multirun else None
+    if finished(spec.path):
+        log(f"skip, finished already: {spec.path}")
+        return outcome("skipped", spec.path)
+    served_by = read_served(sweep_dir).get(str(spec.path)) if multirun else None
     if served_by:  # never evicts: the full run's record is its value (h2o.pipeline.jobs)
-        log(f"skip, served by the full run {served_by}: {plan.path}")
-        return outcome("served", plan.path)
-    with claim(plan.path) as mine:
-        if not mine or finished(plan.path):
-            log(f"skip, {'being run by another process' if not mine else 'finished already'}: {plan.path}")
-            return outcome("busy" if not mine else "skipped", plan.path)
-        log(f"run {plan.model.name} {plan.task.name} {plan.policy.name} budget={plan.policy.budget} -> {plan.path}")
+        log(f"skip, served by the full run {served_by}: {spec.path}")
+        return outcome("served", spec.path)
+    with claim(spec.path) as mine:
+        if not mine or finished(spec.path):
+            log(f"skip, {'being run by another process' if not mine else 'finished already'}: {spec.path}")
+            return outcome("busy" if not mine else "skipped", spec.path)
+        log(f"run {spec.model.name} {spec.task.name} {spec.policy.name} budget={spec.policy.budget} -> {spec.path}")
         try:
-            record = execute(plan)
+            record = execute(spec)
         except Exception as exc:  # noqa: BLE001 - a failing job must not end the sweep
             if not multirun and isinstance(exc, BadInput):  # found only once loaded: still one line
-                log(f"FAILED {plan.path} (left unfinished)")
+                log(f"FAILED {spec.path} (left unfinished)")
                 sys.exit(fail(exc))
-            if not multirun or plan.settings.fail_fast:
+            if not multirun or spec.settings.fail_fast:
                 raise
             traceback.print_exc()
-            log(f"FAILED {plan.path}: {type(exc).__name__}: {exc}")
-            return outcome("failed", plan.path, exc)
+            log(f"FAILED {spec.path}: {type(exc).__name__}: {exc}")
+            return outcome("failed", spec.path, exc)
     log(f"done in {record['wall_s']:.1f} s: {json.dumps(record['metrics'])}")
-    mirror(plan, record)
-    return outcome("done", plan.path)
+    mirror(spec, record)
+    return outcome("done", spec.path)

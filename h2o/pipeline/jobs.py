@@ -24,7 +24,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.pipeline.records import finished, read_jsonl
+from h2o.store.files import read_jsonl
+from h2o.store.folders import finished
 from h2o.pipeline.spec import RunSpec
 
 LAUNCH_FILE = "launch.json"  # <sweep dir>/launch.json: one Slurm submission (h2o.pipeline.launch)
@@ -40,28 +41,28 @@ class Work:
 
     index: int
     overrides: list[str]
-    plan: RunSpec
+    spec: RunSpec
     state: str
     served_by: Path | None = None
 
 
-def never_evicts(plan: RunSpec) -> bool:
+def never_evicts(spec: RunSpec) -> bool:
     """A non-full policy that keeps every token (ratio budget 1.0) under the default semantics: the full run."""
-    return plan.policy.name != "full" and plan.policy.is_full and plan.semantics == plan.task.semantics[0]
+    return spec.policy.name != "full" and spec.policy.is_full and spec.semantics == spec.task.semantics[0]
 
 
-def classify(jobs: list[list[str]], plans: list[RunSpec]) -> list[Work]:
+def classify(jobs: list[list[str]], specs: list[RunSpec]) -> list[Work]:
     """Each job's state (``dup`` > ``done`` > ``served`` > ``todo``, see the module's docstring)."""
-    paths = {plan.path for plan in plans}
+    paths = {spec.path for spec in specs}
     seen, out = set(), []
-    for i, (job, plan) in enumerate(zip(jobs, plans)):
-        served = plan.full_path() if never_evicts(plan) else None
+    for i, (job, spec) in enumerate(zip(jobs, specs)):
+        served = spec.full_path() if never_evicts(spec) else None
         if served is not None and not (served in paths or finished(served)):
             served = None  # no full run to serve it: run it
-        state = ("dup" if plan.path in seen else "done" if finished(plan.path) else
+        state = ("dup" if spec.path in seen else "done" if finished(spec.path) else
                  "served" if served is not None else "todo")
-        seen.add(plan.path)
-        out.append(Work(i, list(job), plan, state, served))
+        seen.add(spec.path)
+        out.append(Work(i, list(job), spec, state, served))
     return out
 
 
@@ -79,7 +80,7 @@ def summary(works: list[Work]) -> str:
 
 def served_runs(works: list[Work]) -> dict[str, str]:
     """{run folder: the full run's folder} of the served jobs (``launch.json`` ``served``, ``served.json``)."""
-    return {str(w.plan.path): str(w.served_by) for w in works if w.state == "served"}
+    return {str(w.spec.path): str(w.served_by) for w in works if w.state == "served"}
 
 
 def read_served(sweep_dir: Path) -> dict[str, str]:
@@ -141,7 +142,7 @@ def mark_in_flight(works: list[Work], root: Path) -> None:
     """``todo`` jobs held by an earlier submission's pending or running task become ``queued``."""
     busy = in_flight(root)
     for w in works:
-        if w.state == "todo" and str(w.plan.path) in busy:
+        if w.state == "todo" and str(w.spec.path) in busy:
             w.state = "queued"
 
 
@@ -162,7 +163,7 @@ def place(works: list[Work], root: Path) -> tuple[dict[str, list[Work]], dict[st
     for w in works:
         if w.state not in ("todo", "done"):
             continue
-        path = str(w.plan.path)
+        path = str(w.spec.path)
         if finished(path):
             out["done"].append(w)
             continue

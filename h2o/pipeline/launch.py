@@ -37,7 +37,8 @@ from h2o.assets.model_spec import ConfigError
 from h2o.assets.resources import check_fits_request
 from h2o.assets.paths import CONF
 from h2o.pipeline.jobs import LAUNCH_FILE, Work, classify, mark_in_flight, served_runs, summary
-from h2o.pipeline.records import runs_root, write_json
+from h2o.store.files import write_json
+from h2o.store.folders import runs_root
 from h2o.pipeline.spec import RunSpec
 from h2o.pipeline.sweep import BAD_INPUT, SETTING, Composer, expand, split_args
 
@@ -69,14 +70,14 @@ def cluster_config(overrides: list[str]) -> DictConfig:
 
 
 # ------------------------------------------------------------------------------------------- estimates
-def resources(plan: RunSpec) -> dict:
-    r = {"gpus": 0, "mem_gb": 16, "cpus": 4, "load_min": 10, "s_per_mtok": 1000, **(plan.model.resources or {})}
+def resources(spec: RunSpec) -> dict:
+    r = {"gpus": 0, "mem_gb": 16, "cpus": 4, "load_min": 10, "s_per_mtok": 1000, **(spec.model.resources or {})}
     return r
 
 
-def run_minutes(plan: RunSpec, cluster: DictConfig) -> float:
+def run_minutes(spec: RunSpec, cluster: DictConfig) -> float:
     """Estimated minutes of one run: the model's seconds per million tokens x the task's size (x limit / docs)."""
-    task = plan.task
+    task = spec.task
     if task.kind == "perplexity":
         mtok = task.n_windows * task.window / 1e6
     elif task.kind == "retrieval":  # long-context prompts, sized by their own grid (h2o.tasks.long_context)
@@ -87,7 +88,7 @@ def run_minutes(plan: RunSpec, cluster: DictConfig) -> float:
         limit = getattr(task, "limit", None)
         if limit and size.docs:
             mtok *= min(1.0, limit / size.docs)
-    return resources(plan)["s_per_mtok"] * mtok / 60
+    return resources(spec)["s_per_mtok"] * mtok / 60
 
 
 @dataclass
@@ -111,7 +112,7 @@ class Chunk:
 
         if self.offline:
             os.environ.update(OFFLINE_ENV)
-        from h2o.assets.locks import stale_after
+        from h2o.store.locks import stale_after
 
         outcomes = {}
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -160,10 +161,10 @@ def arrays(works: list[Work], cluster: DictConfig, sweep_dir: str) -> list[Array
     by_model: dict[str, list[Work]] = {}
     for w in works:
         if w.state == "todo":
-            by_model.setdefault(w.plan.model.name, []).append(w)
+            by_model.setdefault(w.spec.model.name, []).append(w)
     out: dict[tuple, Array] = {}
     for model, items in by_model.items():
-        r = resources(items[0].plan)
+        r = resources(items[0].spec)
         key = (int(r["gpus"]), float(r["mem_gb"]), int(r["cpus"]))
         array = out.setdefault(key, Array(key))
         array.models.append(model)
@@ -171,17 +172,17 @@ def arrays(works: list[Work], cluster: DictConfig, sweep_dir: str) -> list[Array
 
         def close():
             if current:
-                minutes = r["load_min"] + sum(run_minutes(w.plan, cluster) for w in current)
+                minutes = r["load_min"] + sum(run_minutes(w.spec, cluster) for w in current)
                 limit = max(math.ceil(minutes * cluster.time_factor), cluster.min_time_min)
                 if cluster.max_time_min:  # the site's limit: a longer run resumes after each requeue
                     limit = min(limit, cluster.max_time_min)
                 array.chunks.append(Chunk(model, [w.overrides for w in current], [w.index for w in current],
-                                          [str(w.plan.path) for w in current], sweep_dir, bool(cluster.offline),
+                                          [str(w.spec.path) for w in current], sweep_dir, bool(cluster.offline),
                                           minutes, limit))
                 current.clear()
 
         for w in items:
-            over = current and (r["load_min"] + sum(run_minutes(x.plan, cluster) for x in [*current, w])
+            over = current and (r["load_min"] + sum(run_minutes(x.spec, cluster) for x in [*current, w])
                                 > cluster.max_task_min)
             if len(current) >= cluster.chunk or over:
                 close()
@@ -242,9 +243,9 @@ def check_assets(works: list[Work]) -> None:
 
     for w in works:
         if w.state == "todo":
-            why = missing_model(w.plan.model) or missing_data(w.plan.task)
+            why = missing_model(w.spec.model) or missing_data(w.spec.task)
             if why:
-                raise ConfigError(f"{w.plan.model.name} x {w.plan.task.name}: {why}; run `make prefetch EXP=...` on "
+                raise ConfigError(f"{w.spec.model.name} x {w.spec.task.name}: {why}; run `make prefetch EXP=...` on "
                                   f"the login node first (or cluster.offline=false where compute nodes reach the hub)")
 
 
@@ -259,9 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cluster = cluster_config(cluster_args)
         sweep = expand(overrides, multirun=True)
-        for plan in sweep.plans:  # the weights vs what each array task asks of its node
-            check_fits_request(plan.model)
-        works = classify(sweep.jobs, sweep.plans)
+        for spec in sweep.specs:  # the weights vs what each array task asks of its node
+            check_fits_request(spec.model)
+        works = classify(sweep.jobs, sweep.specs)
         sweep_dir = Path(sweep.sweep_dir).resolve()
         mark_in_flight(works, sweep_dir.parent)  # submitted before and still pending or running: not again
         arrs = arrays(works, cluster, str(sweep_dir))
@@ -273,11 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     if "--list" in flags:
         from h2o.pipeline.sweep import describe as list_jobs
 
-        print(list_jobs(sweep, runs_root(sweep.plans[0].cfg) if sweep.plans else None))
+        print(list_jobs(sweep, runs_root(sweep.specs[0].cfg) if sweep.specs else None))
     print(describe(works, arrs, cluster, len(sweep.refused)))
     if dry or not arrs:
         return 0
-    experiment = sweep.plans[0].cfg.experiment_name
+    experiment = sweep.specs[0].cfg.experiment_name
     sweep_dir.mkdir(parents=True, exist_ok=True)
     submitted = submit(arrs, cluster, sweep_dir, experiment)
     served = [{"run": run, "served_by": full} for run, full in served_runs(works).items()]

@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    models = {p.model.name: p.model for p in sweep.plans}
-    tasks = {p.task.name: p.task for p in sweep.plans}
+    models = {p.model.name: p.model for p in sweep.specs}
+    tasks = {p.task.name: p.task for p in sweep.specs}
     missing = 0
     for kind, items, why_missing, fetch, cached in (
             ("model", models, missing_model, fetch_model, "cached"),

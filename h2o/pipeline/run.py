@@ -31,7 +31,7 @@ from h2o.cli.args import fail
 from h2o.core.validate import ConfigError
 from h2o.pipeline.job import attempt, log
 from h2o.pipeline.jobs import SERVED_FILE, classify, served_runs
-from h2o.pipeline.records import read_jsonl, write_json
+from h2o.store.files import read_jsonl, write_json
 from h2o.pipeline.sweep import BAD_INPUT, expand, summary_line
 
 SWEEP_ENV = "H2O_SWEEP_ID"  # set by main() for a multirun; every job row of the sweep carries it
@@ -97,12 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         overrides = [a for a in argv if not a.startswith("-")]
         try:
             sweep = expand(overrides, multirun)
-            for model in {plan.model.key(): plan.model for plan in sweep.plans}.values():
+            for model in {spec.model.key(): spec.model for spec in sweep.specs}.values():
                 check_fits_here(model)  # before any job loads anything
         except BAD_INPUT as exc:
             return fail(exc)
         if multirun:
-            works = classify(sweep.jobs, sweep.plans)
+            works = classify(sweep.jobs, sweep.specs)
             log(summary_line(sweep, works))
             sweep_id = f"{os.getpid()}-{uuid.uuid4().hex[:6]}"
             os.environ[SWEEP_ENV] = sweep_id  # each job row carries it: the summary counts this process's jobs
@@ -117,10 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         hydra_main()
     if sweep_dir is None:
         return 0
-    if any(plan.cfg.logger.get("wandb") for plan in sweep.plans):
+    if any(spec.cfg.logger.get("wandb") for spec in sweep.specs):
         from h2o.pipeline.wandb_summary import after_sweep
 
-        after_sweep(sweep.plans)  # the experiment's summary run (tables, figures, Fig. 4 plots); never raises
+        after_sweep(sweep.specs)  # the experiment's summary run (tables, figures, Fig. 4 plots); never raises
     mine = lambda rows: [r for r in rows if r.get("sweep_id") == os.environ.get(SWEEP_ENV)]  # noqa: E731
     jobs = mine(read_jsonl(sweep_dir / "jobs.jsonl"))
     failures = mine(read_jsonl(sweep_dir / "failures.jsonl"))

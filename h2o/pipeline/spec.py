@@ -2,8 +2,8 @@
 fields of its record follow. Nothing is loaded: cheap enough to check every job of a sweep.
 
     spec = prepare(cfg)      # a RunSpec; ConfigError / PolicyError (one line) on any bad value
-    spec.path                # the run's record folder (h2o.pipeline.records.run_dir)
-    spec.identity            # what a finished record there must have been run with (h2o.pipeline.records.identity)
+    spec.path                # the run's record folder (h2o.store.folders.run_dir)
+    spec.identity            # what a finished record there must have been run with (h2o.store.identity.identity)
     spec.head()              # the fields of metrics.json that the config fixes
     spec.record(measured, info)  # every field of metrics.json (h2o.pipeline.fields: one rule for a clash)
     spec.full_path()         # the folder of the full run with this run's model, task and settings
@@ -11,9 +11,9 @@ fields of its record follow. Nothing is loaded: cheap enough to check every job 
 The check, in order: the root keys into :class:`Settings` (the group keys against their files); ``task_overrides.
 <task name>`` (a root key) merged into ``task``, so that one sweep over several tasks gives each its own sample
 count (experiment=default); the experiment's ``grid_only`` cells (a job outside them is refused: OutsideGrid); the
-keys added since older records left out at their default (:data:`ADDED`, one rule); each group (policy, task, model,
+keys a record's config may lack left out at their default (:data:`ADDED`, one rule); each group (policy, task, model,
 quant) built once by Hydra's ``instantiate`` after its options are checked against the class's dataclass fields
-(:func:`check_types`); the older spelling of the paper code's rule (:func:`reference_spelling`); the checks between
+(:func:`check_types`); the second spelling of the paper code's rule (:func:`reference_spelling`); the checks between
 the objects (the policy's reach on the model, the task on this model and policy); the folder, which must be writable
 and may hold a finished record of this identity only. The spec is then read, never rebuilt: by the runner
 (h2o.pipeline.run), the job classifier (h2o.pipeline.jobs) and the Slurm launcher (h2o.pipeline.launch).
@@ -36,7 +36,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from h2o.assets.locks import lock_mode, stale_after
+from h2o.store.locks import lock_mode, stale_after
 from h2o.assets.model_spec import ModelSpec
 from h2o.assets.paths import group_defaults
 from h2o.cli.paths import check_name, output_dir
@@ -46,7 +46,8 @@ from h2o.core.policies.h2o_reference import H2OReference, as_reference
 from h2o.core.quant import Quantizer
 from h2o.core.validate import ConfigError, check, is_int, is_number
 from h2o.pipeline.fields import record_fields
-from h2o.pipeline.records import check_reusable, identity, run_dir
+from h2o.store.folders import run_dir
+from h2o.store.identity import check_reusable, identity
 from h2o.tasks.base import TaskSpec
 
 GROUPS = ("model", "task", "policy", "logger", "quant")
@@ -163,10 +164,10 @@ def root_keys() -> dict:
     return {k: v for k, v in group_defaults(".", "config").items() if k not in ("defaults", "hydra")}
 
 
-# Keys added to the configs after records were made, each with the value every older record ran with (its class's
-# default for a group key, conf/config.yaml's for a root key). The one rule for them: a key missing from an older
-# record's config takes that default; a key at that default is left out of the run's config (so of its record's
-# config.yaml, folder and identity), so that a record made before the key existed is the same run. A config may
+# Keys a committed record's config may lack, each with the value such a record ran with (its class's default for
+# a group key, conf/config.yaml's for a root key). The one rule for them: a key missing from a record's config
+# takes that default; a key at that default is left out of the run's config (so of its record's config.yaml,
+# folder and identity), so that a record without the key and a run at its default are the same run. A config may
 # also spell one for a group that has no such option (``++task.question=prompt`` crossed with tasks that ask no
 # question): at the default it is each of them's own behaviour.
 ADDED = {"model.positions": None,  # ModelSpec: read from the model's config.json when null

@@ -25,7 +25,7 @@ def report(works: list[Work], root: Path) -> str:
              f"{n['served']} served by the full run",
              " | ".join(f"{s} {len(by[s])}" for s in STATES)]
     for w in by["failed"]:
-        p = w.plan
+        p = w.spec
         lines.append(f"FAILED {p.model.name} {p.task.name} {p.policy.name} {p.policy.budget}: {why[str(p.path)]}")
     return "\n".join(lines)
 
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(report(classify(sweep.jobs, sweep.plans), Path(sweep.sweep_dir).resolve().parent))
+    print(report(classify(sweep.jobs, sweep.specs), Path(sweep.sweep_dir).resolve().parent))
     return 0
 
 

@@ -35,7 +35,7 @@ from h2o.cli.paths import abbrev, output_dir
 from h2o.core.validate import BadInput, ConfigError, check
 from h2o.core.policies.budget import Unsupported
 from h2o.pipeline.jobs import classify, summary
-from h2o.pipeline.records import runs_root
+from h2o.store.folders import runs_root
 from h2o.pipeline.spec import OutsideGrid, RunSpec, prepare
 
 BAD_INPUT = BadInput  # ConfigError, PolicyError
@@ -44,7 +44,7 @@ BAD_INPUT = BadInput  # ConfigError, PolicyError
 @dataclass
 class Sweep:
     jobs: list[list[str]]  # the override list of each job, in launch order
-    plans: list[RunSpec]
+    specs: list[RunSpec]
     sweep_dir: str  # hydra.sweep.dir, resolved (multirun only)
     refused: list[tuple[list[str], str]] = field(default_factory=list)  # (job overrides, why), not in ``jobs``
     outside: list[tuple[list[str], str]] = field(default_factory=list)  # refused by grid_only: counted, not listed
@@ -191,10 +191,10 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
         try:
             check_overrides(overrides)
             jobs, sweep_dir = job_overrides(overrides, multirun)
-            plans, kept, refused, outside, compose = [], [], [], [], Composer()
+            specs, kept, refused, outside, compose = [], [], [], [], Composer()
             for job in jobs:
                 try:
-                    plans.append(prepare(compose(job)))
+                    specs.append(prepare(compose(job)))
                     kept.append(job)
                 except Unsupported as exc:
                     if not multirun:
@@ -208,7 +208,7 @@ def expand(overrides: list[str], multirun: bool) -> Sweep:
             raise ConfigError(one_line(exc)) from None
     if multirun:
         output_dir("hydra.sweep.dir", sweep_dir)
-    return Sweep(kept, plans, sweep_dir, refused, outside)
+    return Sweep(kept, specs, sweep_dir, refused, outside)
 
 
 SETTING = ("cluster.", "hydra.launcher.")  # two spellings of a Slurm setting: cluster.chunk=4, hydra.launcher.chunk=4
@@ -223,18 +223,18 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str], list[str]]:
 
 def status(sweep: Sweep) -> list[str]:
     """Per job: ``dup``, ``done``, ``served`` or ``todo`` (:func:`h2o.pipeline.jobs.classify`)."""
-    return [w.state for w in classify(sweep.jobs, sweep.plans)]
+    return [w.state for w in classify(sweep.jobs, sweep.specs)]
 
 
 def describe(sweep: Sweep, root: Path | None = None) -> str:
     """The dry-run listing: one line per job, then a summary."""
-    works = classify(sweep.jobs, sweep.plans)
+    works = classify(sweep.jobs, sweep.specs)
     lines = [f"{'#':>4} {'status':6} {'model':14} {'task':12} {'shots':>5} {'policy':14} {'budget':8} run folder"]
-    for i, (plan, state) in enumerate(zip(sweep.plans, (w.state for w in works))):
-        p = plan.policy
+    for i, (spec, state) in enumerate(zip(sweep.specs, (w.state for w in works))):
+        p = spec.policy
         budget = "1.0" if p.name == "full" else str(p.budget)
-        folder = plan.path.relative_to(root) if root and plan.path.is_relative_to(root) else plan.path
-        lines.append(f"{i:>4} {state:6} {plan.model.name:14} {plan.task.name:12} {plan.task.shots:>5} "
+        folder = spec.path.relative_to(root) if root and spec.path.is_relative_to(root) else spec.path
+        lines.append(f"{i:>4} {state:6} {spec.model.name:14} {spec.task.name:12} {spec.task.shots:>5} "
                      f"{p.name:14} {budget:8} {folder}")
     lines += [f"   - refused {' '.join(job)}: {why}" for job, why in sweep.refused]
     lines.append(summary_line(sweep, works))
@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         sweep = expand(overrides, multirun=True)
     except BAD_INPUT as exc:
         return fail(exc)
-    root = runs_root(sweep.plans[0].cfg) if sweep.plans else None
+    root = runs_root(sweep.specs[0].cfg) if sweep.specs else None
     print(describe(sweep, root))
     return 0
 

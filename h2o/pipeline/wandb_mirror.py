@@ -30,7 +30,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.pipeline.records import append_jsonl, fmt, read_jsonl
+from h2o.store.files import append_jsonl, read_jsonl
+from h2o.store.folders import fmt
 
 LEDGER = "h2o-mirrored.jsonl"
 HEAD = ("experiment", "model", "task", "task_kind", "policy", "budget", "heavy", "recent", "shots", "semantics",
@@ -246,11 +247,11 @@ def mirror_folder(folder: Path, s: Settings, record: dict | None = None, root: P
         return "failed"
 
 
-def mirror_run(logger_cfg, plan, record: dict) -> bool:
+def mirror_run(logger_cfg, spec, record: dict) -> bool:
     """The runner's hook (``logger=wandb``): mirror the record just written. Returns True on success."""
-    from h2o.pipeline.records import runs_root
+    from h2o.store.folders import runs_root
 
-    return mirror_folder(plan.path, Settings.of(logger_cfg), record, runs_root(plan.cfg), sweep_id()) == "logged"
+    return mirror_folder(spec.path, Settings.of(logger_cfg), record, runs_root(spec.cfg), sweep_id()) == "logged"
 
 
 def sweep_id() -> str | None:

@@ -25,7 +25,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from h2o.pipeline.records import fmt
+from h2o.store.folders import fmt
 from h2o.pipeline.wandb_mirror import Settings, is_number, run_id, start, table
 
 CURVE_METRIC = {"multiple_choice": "acc", "summarization": "rouge2", "perplexity": "ppl", "retrieval": "acc"}
@@ -78,7 +78,7 @@ def curve_title(key: tuple) -> str:
 
 
 def streaming_rows(found: list[tuple[Path, dict]], max_points: int = 500) -> dict[tuple, list[dict]]:
-    from h2o.pipeline.records import read_jsonl
+    from h2o.store.files import read_jsonl
 
     out = defaultdict(list)
     for folder, r in found:
@@ -231,14 +231,14 @@ def report_html(markdown: str) -> str:
         return f"<pre>{html.escape(markdown)}</pre>"
 
 
-def after_sweep(plans) -> None:
+def after_sweep(specs) -> None:
     """The runner's hook at the end of a multirun: one summary run per experiment whose jobs use logger=wandb."""
-    from h2o.pipeline.records import runs_root
+    from h2o.store.folders import runs_root
 
     done = set()
-    for plan in plans:
-        logger = plan.cfg.get("logger") or {}
-        key = (str(runs_root(plan.cfg)), plan.cfg.experiment_name)
+    for spec in specs:
+        logger = spec.cfg.get("logger") or {}
+        key = (str(runs_root(spec.cfg)), spec.cfg.experiment_name)
         if logger.get("wandb") and key not in done:
             done.add(key)
             summarize(Path(key[0]), key[1], Settings.of(logger))

@@ -18,7 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-from h2o.pipeline.records import fmt, read_jsonl
+from h2o.store.files import read_jsonl
+from h2o.store.folders import fmt
 from h2o.pipeline.wandb_mirror import Settings, mirror_folder, read_record, split_root
 
 MODES = ("offline", "online", "disabled")

@@ -96,8 +96,8 @@ def adds_bos(tokenizer, add_bos_token: bool | None) -> bool:
 
 
 def as_run(policy, semantics: str):
-    """The policy a task runs: ``policy``, or under the older ``semantics="reference"`` the policy h2o_reference
-    on its heavy/recent split (a plan hands over h2o_reference already; a direct ``run`` call may not)."""
+    """The policy a task runs: ``policy``, or under ``semantics="reference"`` (its second spelling) the policy h2o_reference
+    on its heavy/recent split (a RunSpec hands over h2o_reference already; a direct ``run`` call may not)."""
     from h2o.core.policies.h2o_reference import as_reference
 
     return as_reference(policy) if semantics == "reference" else policy

@@ -6,12 +6,12 @@
 model_args beyond HFLM's: ``policy`` (a name of h2o.POLICIES, default full) and its options, spelled as in Hydra
 (``policy=h2o policy.budget=0.2`` <-> ``policy=h2o,budget=0.2``: the keys and defaults of conf/policy/<name>.yaml
 and the other arguments the factory takes, e.g. ``compress=prefill`` <-> ``+policy.compress=prefill``;
-h2o.assets.policy_config), ``semantics`` (simulated; ``reference``: the older spelling of policy=h2o_reference),
+h2o.assets.policy_config), ``semantics`` (simulated; ``reference``: a second spelling of policy=h2o_reference),
 ``scoring`` (sum | mean),
 ``quant`` (none | uniform | kvquant, h2o.core.quant) with its options spelled ``quant_<option>``:
 ``quant=uniform,quant_bits=4,quant_group_size=64`` or ``quant=kvquant,quant_bits=3,quant_sink=false``
 (kvquant's ``quant_calibration`` defaults to ``<cache>/kvquant/<pretrained>.pt``, fitted by
-``python -m h2o.bench.calibrate --model <pretrained>``); both paths attend to the values the quantized cache holds.
+``python -m h2o.assets.calibrate --model <pretrained>``); both paths attend to the values the quantized cache holds.
 ``pretrained`` also takes ``smollm2-135m``, ``gemma3-270m`` and ``tiny:<arch>``. Integers are token counts, floats
 ratios.
 
@@ -109,7 +109,7 @@ def make_lm_quant(quant: str = "none", options: dict | None = None, pretrained=N
 def lm_policy(policy: str | Policy, args: dict, semantics: str = "simulated") -> Policy:
     """``--model_args policy=<name>,<key>=<value>,...`` -> the policy Hydra builds from ``policy=<name>
     policy.<key>=<value>`` (h2o.assets.policy_config); takes every policy option out of ``args`` (a Policy
-    object is used as it is). ``semantics=reference`` (older spelling, a notice) -> policy h2o_reference."""
+    object is used as it is). ``semantics=reference`` (a second spelling, a notice) -> policy h2o_reference."""
     from h2o.assets.policy_config import build_policy, notice, option_keys, read_value
 
     keys = {k for name in POLICIES for k in option_keys(name)}  # every policy's: another policy's is an error

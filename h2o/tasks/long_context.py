@@ -194,7 +194,7 @@ class LongContextTask(TaskSpec):
         return adds_bos(tokenizer, self.add_bos_token)
 
     def protocol(self, tokenizer) -> dict:
-        """TaskSpec's; ``question`` only where it is not the default (the protocol of every older record)."""
+        """TaskSpec's; ``question`` only where it is not the default (so a record without the field reads as the default)."""
         out = super().protocol(tokenizer)
         if self.question == "prompt":
             del out["question"]

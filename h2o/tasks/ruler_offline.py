@@ -136,7 +136,7 @@ def fetch_qa(task: str) -> str:
     """Download the JSON of qa task ``task`` into :func:`qa_file` (once; a machine with internet)."""
     import requests
 
-    from h2o.assets.paths import atomic_write_text
+    from h2o.store.files import atomic_write_text
 
     url = qa_urls()[task]
     f = qa_file(url)

@@ -44,7 +44,7 @@ Summary metrics: ``ppl``, ``nll``, ``ppl_past_context`` (tokens past the model's
 :func:`flatness`).
 
 Run records: ``make stream`` = ``h2o-run -m experiment=streaming`` (:class:`StreamingTask`, one run per policy x
-budget x chunk). Exploration, no record (:mod:`h2o.tasks.streaming_cli`): ``python -m h2o.bench.streaming --text
+budget x chunk). Exploration, no record (:mod:`h2o.tasks.streaming_cli`): ``python -m h2o.tasks.streaming_cli --text
 austen --tokens 20000 --policies h2o,h2o:heavy_share=1/2,streaming_llm,local --budgets 96,192,384 --compare-chunk 32
 --batch --progress``; ``--tokens 1000000`` streams a million tokens (the text repeats if shorter).
 """
@@ -64,7 +64,7 @@ from tqdm import tqdm
 
 from h2o.core.attach import attach, attention_modules
 from h2o.core.cache import EvictingCache
-from h2o.core.rerotate import CachePositions, KeyShifter, rotary_module  # noqa: F401 (re-exported)
+from h2o.core.rerotate import KeyShifter
 from h2o.assets.resources import rss_bytes
 from h2o.tasks.streaming_parts import HEAVY_SHARE, Windows, build_policy, estimate, flatness
 from h2o.core.policies import Policy
@@ -134,7 +134,7 @@ class Streamer:
         self.model, self.chunk, self.positions = model, chunk, positions
         self.device = next(model.parameters()).device
         self.pols = [build_policy(spec, budget, heavy_share) for spec in specs]
-        # a quantizer set the older way (policy.quant): the key rotation moves stored keys, not packed rows
+        # a quantizer set on the policy (policy.quant): the key rotation moves stored keys, not packed rows
         if any(p.quant is not None for p in self.pols):
             raise ValueError("streaming: a policy with quant set; the streamed cache is not quantized (allowed: none)")
         self.B = len(self.pols)
@@ -292,9 +292,3 @@ class StreamingTask(TaskSpec):
         metrics, samples = stream(model, ids, policy, chunk=self.chunk, positions=self.positions,
                                   window=self.window, progress=True, on_sample=on_sample if live else None)
         return Result(metrics, samples, {"chunk": self.chunk, "positions": self.positions, "text": self.text})
-
-
-if __name__ == "__main__":  # ``python -m h2o.tasks.streaming --help``: the CLI, which imports this module
-    from h2o.tasks.streaming_cli import main
-
-    sys.exit(main())

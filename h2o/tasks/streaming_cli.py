@@ -1,10 +1,10 @@
-"""``python -m h2o.bench.streaming``: explore streaming from the command line; prints, writes no run record.
+"""``python -m h2o.tasks.streaming_cli``: explore streaming from the command line; prints, writes no run record.
 
 Run records come from the experiment only: ``make stream`` = ``h2o-run -m experiment=streaming`` (one run per
 policy x budget x chunk, under runs/streaming/). Here: each budget x policy streams the text: ``--policies`` names,
 or ``--policy`` (repeated) with options spelled as lm-eval's model_args and Hydra's keys (``--policy
-h2o,heavy_share=0.5,score=decay`` <-> ``policy=h2o policy.heavy_share=0.5 policy.score=decay``; the older
-``h2o:heavy_share=1/2:score=decay`` still works); ``--compare-chunk 32`` repeats each run in chunks
+h2o,heavy_share=0.5,score=decay`` <-> ``policy=h2o policy.heavy_share=0.5 policy.score=decay``; also
+``h2o:heavy_share=1/2:score=decay``, with a notice); ``--compare-chunk 32`` repeats each run in chunks
 and prints the difference; ``--batch`` streams the policies of one budget as one batch (the weights read once per
 step: what the long-stream study used); ``--interleave`` advances all runs a window at a time in turns; ``--live``
 appends each window's sample to a file as it ends (``python -m analysis.streaming_study`` reads them); ``--json``
@@ -157,7 +157,7 @@ def validate(args) -> tuple[list[str], list[int]]:
 
 @guard
 def main(argv: list[str] | None = None) -> int:
-    p = ArgParser(prog="python -m h2o.bench.streaming", description=__doc__.split("\n")[0])
+    p = ArgParser(prog="python -m h2o.tasks.streaming_cli", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--text", default="austen", help="austen, moby, pg19 or a text file")
     p.add_argument("--tokens", type=int, default=20000, help="tokens to stream (up to 1M and more)")

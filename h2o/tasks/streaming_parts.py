@@ -15,8 +15,8 @@ HEAVY_SHARE = 1 / 3  # the authors' streaming split: heavy 32 + recent 64 at 96 
 
 def parse_policy(spec: str) -> tuple[str, dict]:
     """A policy spec -> (name, options), spelled as lm-eval's model_args: ``"h2o,heavy_share=0.5,score=decay"``
-    (the keys of conf/policy/h2o.yaml, values read as Hydra reads them: h2o.assets.policy_config); or the older
-    ``"h2o:heavy_share=1/2:score=decay"`` (values: int, float, a fraction ``a/b``, else a string; a notice).
+    (the keys of conf/policy/h2o.yaml, values read as Hydra reads them: h2o.assets.policy_config); or the colon
+    spelling ``"h2o:heavy_share=1/2:score=decay"`` (values: int, float, a fraction ``a/b``, else a string; a notice).
     The spec is also the run's label."""
     if ":" not in spec:
         return policy_config.parse(spec, "--policy")

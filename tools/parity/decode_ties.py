@@ -10,7 +10,7 @@ prompt's continuation (docs/methods.md, "Measured": ``topk`` gives kvpress's rec
 kvpress's slot order; ``oldest`` shows what the tie order alone moves).
 
 Runs in the harness's virtualenv (no kvpress):
-    PYTHONPATH=. python tools/parity/decode_ties.py --prompts analysis/parity/prompts.json --ties topk
+    PYTHONPATH=. python tools/parity/decode_ties.py --prompts studies/parity/prompts.json --ties topk
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ PROMPT, NEW, TARGET, INTERVALS = 24, 12, 16, (1, 4, 5, 8)
 
 
 def renamed_kwargs() -> None:
-    """Give DecodingPress's hook ``past_key_values`` and ``cache_position`` where transformers no longer passes them."""
+    """Give DecodingPress's hook ``past_key_values`` and ``cache_position``, which transformers 5 does not pass."""
     hook, seen = DecodingPress.forward_hook, {}
 
     def forward_hook(self, module, args, kwargs, output):

@@ -24,7 +24,7 @@ evicted, at the positions it would have had without compression (position ids co
 Usage: python tools/parity/kvpress_side.py --prompts P.json --model CKPT --out OUT.jsonl [--methods a,b]
        [--ratios 0.5,0.8] [--decode] [--variants V.json] [--threads 1]
 Each line of OUT is one record; a record already in OUT (same method, ratio, timing, prompt) is not run again.
-The record loop mirrors h2o.bench.parity.run_ours on purpose: this side may not import the harness.
+The record loop mirrors h2o.parity.driver.run_ours on purpose: this side may not import the harness.
 """
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def make_press(name: str, ratio: float, **options):
 def scorer(name: str, ratio: float = 0.0, **options):
     """The scorer of a decoding-timing press (ratio 0: left to DecodingPress). ``streaming_llm_ordered``: a
     diagnostic, not a kvpress method: StreamingLLMPress whose kept tokens stay in position order (kvpress gathers
-    them in top-k order, so at the next compression "the oldest after the sinks" is no longer the 5th slot)."""
+    them in top-k order, so at the next compression "the oldest after the sinks" is then not the 5th slot)."""
     if name != "streaming_llm_ordered":
         return make_press(name, ratio, **options)
     import kvpress as kp

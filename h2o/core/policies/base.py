@@ -168,7 +168,7 @@ class Policy(BudgetChecks):
 
     @property
     def quant(self):
-        """The quantizer set by the older spelling ``policy.quant = q`` (None unless set): storage is the cache's
+        """The quantizer set as ``policy.quant = q`` (None unless set), a second spelling: storage is the cache's
         option, ``attach(model, policy, quant=q)``, which reads this only when given none."""
         return vars(self).get("_quant")
 

@@ -4,7 +4,7 @@ Same budget and heavy/recent split as :class:`.h2o.H2O`, another rule: the score
 the heavy set and the recent band overlap, rows before ``heavy`` are never restricted (see ``reference_mask``).
 Simulated only (one pass over one unpadded sequence at a time); the sum score only.
 
-``semantics=reference`` with policy h2o or h2_only is the older spelling of this policy (:func:`as_reference`).
+``semantics=reference`` with policy h2o or h2_only is a second spelling of this policy (:func:`as_reference`).
 The simulated path applies the rule through :func:`reference_plan` and :func:`reference_allowed`.
 """
 import torch

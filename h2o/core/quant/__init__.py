@@ -25,4 +25,13 @@ def make_quant(name: str = "none", **options) -> Quantizer | None:
         raise QuantError(f"quant={name}: {e}") from None
 
 
-__all__ = ["BITS", "SCHEMES", "KVQuant", "Quantizer", "QuantError", "Uniform", "make_quant"]
+def quant_of(label: str, calibration: str | None = None) -> Quantizer | None:
+    """A scheme and its bits in one word, as ``python -m h2o.bench --quant`` takes them: ``uniform4`` ->
+    Uniform(4, 64); ``kvquant3`` -> KVQuant(3, calibration); ``none`` -> None."""
+    if label == "none":
+        return None
+    name = label.rstrip("0123456789")
+    return make_quant(name, bits=int(label[len(name):]), **({"calibration": calibration} if name == "kvquant" else {}))
+
+
+__all__ = ["BITS", "SCHEMES", "KVQuant", "Quantizer", "QuantError", "Uniform", "make_quant", "quant_of"]

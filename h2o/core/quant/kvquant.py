@@ -34,7 +34,7 @@ from .base import KINDS, Quantizer, QuantError, as_bytes, check_bits, from_bytes
 from .rope import head_dim_of, rotary_inv_freq, rotate
 
 OUTLIER_FRACTION = 0.01
-CALIBRATE_CMD = "python -m h2o.bench.calibrate --model <name>"
+CALIBRATE_CMD = "python -m h2o.assets.calibrate --model <name>"
 
 
 def variant(kind: str, per_channel: bool, pre_rope: bool, outliers: bool) -> str:
