@@ -70,7 +70,7 @@ def test_every_key_the_factory_takes_is_a_model_args_key(hydra, name):
     keys = policy_config.option_keys(name)
     init = inspect.signature(Policy.registry[name].__init__).parameters
     defaults = {**{k: p.default for k, p in init.items() if k != "self"}, **policy_config.group_file(name),
-                "compress": make_policy(name).compress}
+                "compress": make_policy(name).compress, "interval": make_policy(name).interval}
     assert "compress" in keys and set(policy_config.group_file(name)) - {"name"} <= set(keys)
     spelled = ",".join(f"{k}={'null' if defaults[k] is None else defaults[k]}" for k in keys)
     assert same(lm_eval(f"policy={name},{spelled}"), hydra([f"policy={name}"]))

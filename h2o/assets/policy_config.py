@@ -28,8 +28,9 @@ def group_file(name: str) -> dict:
 
 def option_keys(name: str) -> list[str]:
     """The options policy ``name`` takes: its group file's keys, then the other arguments its factory reads
-    (:func:`h2o.make_policy`: the class's own arguments, and ``compress``, every policy's timing; Hydra spells
-    these with a ``+``: ``+policy.compress=prefill``)."""
+    (:func:`h2o.make_policy`: the class's own arguments, and ``compress``, every policy's timing, with
+    ``interval``, its option under ``compress=interval``; Hydra spells these with a ``+``:
+    ``+policy.compress=prefill``)."""
     import inspect
 
     from h2o.core.policies import Policy
@@ -37,7 +38,7 @@ def option_keys(name: str) -> list[str]:
     params = inspect.signature(Policy.registry[name].__init__).parameters.values()
     own = [p.name for p in params if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     keys = [k for k in group_file(name) if k not in SKIP]
-    return keys + [k for k in (*own, "compress") if k not in keys]
+    return keys + [k for k in (*own, "compress", "interval") if k not in keys]
 
 
 def policy_options(name: str, options: dict, where: str = "policy.") -> dict:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from h2o.bench.throughput import benchmark
 from h2o.bench.variants import BASELINES, Variant, make_variants
+from h2o.core import engine
 from h2o.core.validate import is_int
 from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
 
@@ -40,7 +41,7 @@ class BenchmarkTask(TaskSpec):
     def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         variants = [Variant("policy", "full")] + ([] if policy.name == "full" else [Variant.of(policy)])
         variants += [v for v in make_variants([], [policy.budget], self.baselines)
-                     if v.kind == "dynamic" or not policy.is_full]
+                     if v.kind == "dynamic" or not engine.keeps_all(policy)]
         recs = benchmark(model, prompt_lens=[self.prompt_len], gen_lens=[self.gen_len],
                          batch_sizes=[self.batch_size], repeats=self.repeats, warmup=self.warmup,
                          prefill=self.prefill, prefill_chunk=self.prefill_chunk, seed=seed, variants=variants)
@@ -119,7 +120,7 @@ class TargetsTask(TaskSpec):
         from h2o.core.policies import POLICIES
 
         what = "policy=full" if policy.name == "full" else f"policy={policy.name} policy.budget={policy.budget}"
-        check(not policy.is_full, f"{what}: task {self.name} measures an evicting policy against full (the "
+        check(not engine.keeps_all(policy), f"{what}: task {self.name} measures an evicting policy against full (the "
                                   f"reference); allowed: {', '.join(p for p in POLICIES if p != 'full')} with a "
                                   f"budget below 1.0")
 

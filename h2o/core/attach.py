@@ -28,11 +28,11 @@ from .model_settings import refuse_unsupported
 from .notice import notice
 from .prerope import rope_taps
 from .policies import Policy, PolicyError
-from .policies.h2o_reference import H2OReference, as_reference
+from .engine import as_paper_rule
 from .quant import Quantizer
 
 MODES = ("simulated", "real")
-SEMANTICS = ("h2o", "reference")  # the older keyword: "reference" is the policy h2o_reference
+SEMANTICS = ("h2o", "reference")  # the older keyword: "reference" is the paper code's rule (h2o.core.engine)
 
 
 @dataclass
@@ -168,7 +168,7 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
            quant: Quantizer | None = None):
     """``quant`` (h2o.core.quant, None: unquantized): how the caches store keys and values, in both paths: the
     evicting caches of ``new_cache()`` hold packed rows, the simulated path attends to the same values decoded.
-    Accepted with a one-line notice naming the first spelling: ``semantics="reference"`` (the policy h2o_reference, for an
+    Accepted with a one-line notice naming the first spelling: ``semantics="reference"`` (the paper code's rule, for an
     h2o or h2_only policy) and a quantizer set as ``policy.quant`` (read when ``quant`` is not given)."""
     if not isinstance(policy, Policy):
         raise PolicyError(f"policy={policy!r}: expected a Policy, e.g. h2o.make_policy('h2o', budget=0.2)")
@@ -180,11 +180,11 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         raise PolicyError(f"semantics={semantics!r}: allowed: {', '.join(SEMANTICS)}")
     quant = quant if quant is not None else policy.quant
     if semantics == "reference":
-        policy = as_reference(policy)  # a policy out of the rule's scope: the error, without the notice
-        notice("attach(..., semantics='reference') is spelled attach(..., make_policy('h2o_reference', ...)) now")
-    if isinstance(policy, H2OReference) and mode != "simulated":
-        raise PolicyError(f"policy=h2o_reference (the paper code's mask rule): mode={mode}; allowed: mode=simulated")
-    if mode == "simulated" and policy.compress == "prefill" and not prompt_len and not policy.is_full:
+        policy = as_paper_rule(policy)  # a policy out of the rule's scope: the error, without the notice
+        notice(f"attach(..., semantics='reference') is spelled attach(..., make_policy({policy.name!r}, ...)) now")
+    if policy.whole_forward and mode != "simulated":
+        raise PolicyError(f"policy={policy.name} (the paper code's mask rule): mode={mode}; allowed: mode=simulated")
+    if mode == "simulated" and policy.evicts and policy.schedule.once and not prompt_len and not policy.is_full:
         raise PolicyError(f"compress=prefill: {policy.name} compresses a prompt at its end, and this forward has no "
                           f"prompt (prompt_len=0); allowed: a task with a prompt, or compress=decode")
     modules = attention_modules(model)

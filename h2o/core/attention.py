@@ -18,9 +18,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .policies import PolicyError
-from .policies.h2o_reference import H2OReference
 from .prefill import real_prefill, simulated_fused
 from .simulate import grouped, grouped_values, masked_softmax, scores, simulated_attention, forward_plan
+from .step import LayerCall
 
 NAME = "h2o"
 
@@ -57,8 +57,8 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
         q = query.shape[-2]
         if state.prompt_len > q:
             raise PolicyError(f"prompt_len={state.prompt_len}: beyond the sequence of {q} tokens; allowed: 0-{q}")
-        if window is not None and isinstance(state.policy, H2OReference):
-            raise PolicyError(f"policy=h2o_reference: the paper code's rule has no sliding window; layer "
+        if window is not None and state.policy.whole_forward:
+            raise PolicyError(f"policy={state.policy.name}: the paper code's rule has no sliding window; layer "
                               f"{module.layer_idx} of {type(module).__name__} slides ({window}); allowed: policy=h2o")
         window = window if window is not None and window < q else None  # a window past the sequence drops nothing
         valid, plan = state.per_forward(attention_mask, query, lambda v: forward_plan(
@@ -72,16 +72,14 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
             out = simulated_fused(query, key, value, mask, scaling, causal)  # (B, Hq, T, D)
             state.flag(module.layer_idx, out)
             return out.transpose(1, 2), None
-        out, probs = simulated_attention(state.policy, query, key, value, valid, scaling,
-                                         prompt_len=state.prompt_len, plan=plan,
-                                         window=window, softcap=softcap, sinks=sinks,
-                                         layer=(module.layer_idx, state.num_layers),
-                                         queries=state.queries(module, query))
+        out, probs = simulated_attention(state.policy, query, key, value, valid, scaling, LayerCall(
+            prompt_len=state.prompt_len, plan=plan, window=window, softcap=softcap, sinks=sinks,
+            layer=(module.layer_idx, state.num_layers), queries=state.queries(module, query)))
         state.flag(module.layer_idx, out)
         state.observe(module, probs)
         return out, probs
-    return real_attention(state, module, query, key, value, attention_mask, scaling, window, softcap, sinks,
-                          state.queries(module, query))
+    return real_attention(state, module, query, key, value, attention_mask, scaling, LayerCall(
+        window=window, softcap=softcap, sinks=sinks, queries=state.queries(module, query)))
 
 
 def new_valid(attention_mask, query) -> torch.Tensor:
@@ -96,13 +94,14 @@ def new_valid(attention_mask, query) -> torch.Tensor:
 ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S) fp32 scores
 
 
-def real_attention(state, module, query, key, value, attention_mask, scaling, window=None, softcap=None,
-                   sinks=None, queries=None):
+def real_attention(state, module, query, key, value, attention_mask, scaling, call: LayerCall):
     """query (B, Hq, q, D) against the evicting layer's slots (B, Hkv, S, D): the layer says what each block of
     query rows may see and takes their attention probabilities (:meth:`EvictingLayer.begin`, ``visible``,
-    ``attended``, ``end_forward``); here the math. ``window``: the layer's sliding window (the layer drops what
-    leaves it); ``sinks``: learned sink logits (:func:`masked_softmax`); ``queries``: the forward's queries with
-    what turns them back before RoPE, for a policy that reads them (:mod:`h2o.core.prerope`)."""
+    ``attended``, ``end_forward``); here the math. ``call`` (:class:`h2o.core.step.LayerCall`): ``window``, the
+    layer's sliding window (the layer drops what leaves it); ``softcap``; ``sinks``: learned sink logits
+    (:func:`masked_softmax`); ``queries``: the forward's queries with what turns them back before RoPE, for a policy
+    that reads them (:mod:`h2o.core.prerope`)."""
+    window, softcap, sinks, queries = call.window, call.softcap, call.sinks, call.queries
     if state.cache is None:
         raise PolicyError("mode='real' needs a cache: pass cache=h.new_cache() to the model")
     layer = state.cache.layers[module.layer_idx]

@@ -35,7 +35,7 @@ from .policies.base import Decoder, along_slots, bcast
 from .cache_batch import BatchHooks, CacheBatchHooks
 from .cache_cut import CutHooks
 from .rerotate import KeyRerotation, KeyShifter, held_alike
-from .simulate import serial
+from .masks import serial
 
 
 class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
@@ -70,6 +70,7 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         # held slots (B, Hkv, 1, 1, S) bool (None: every slot)
         self.q, self.valid, self.held = 0, None, None
         self.compressed = False  # Policy.compress "prefill": the first forward's cut is done
+        self.generated = 0  # decoding tokens since the last prompt (chunk): the schedule's cuts (compress=interval)
         self.queries = None  # Policy.reads_queries: the prompt's query statistics, from its forward to its cut
 
     # ----------------------------------------------------------------- transformers API
@@ -85,11 +86,11 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         if self.keys is None or q > 1:
             self.append(key_states, value_states)
         else:  # a decoding step: one real token in
-            if self.policy.pooled and self.limited():
+            if self.policy.pooled and self.steps_evict():
                 self.pool_in(key_states, value_states)
             elif self.window is not None:
                 self.slide_in(key_states, value_states)
-            elif not self.limited():
+            elif not self.steps_evict():
                 self.grow(key_states, value_states)
             else:
                 self.decode_in_place(key_states, value_states)
@@ -252,27 +253,10 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         """Whether the budget can drop a token (an evicting policy below 100%, not compressed once already)."""
         return self.policy.evicts and not self.policy.is_full and not self.compressed
 
-    def slide_in(self, key_states, value_states):
-        """One arriving token on a sliding-window layer: what leaves the window goes first, then the policy
-        decides per KV head on what is left (an empty slot where the head is below budget, else the token of
-        lowest priority). A slot is added when some sequence may need more: ``min(tokens + 1, window, budget)``
-        (the upper bound of what it holds with the arriving token)."""
-        totals = self.host_total if self.limited() else [None] * len(self.host_tok)
-        need = max(min(n + 1, self.window, n + 1 if t is None else t) for n, t in zip(self.host_tok, totals))
-        if self.keys.shape[-2] < need:  # a new empty slot (the arriving token's rows as a placeholder)
-            self.append(key_states, value_states)
-        with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-            self.expire(self.n_tok)
-            held = self.pos >= 0  # (B, H, S)
-            if self.limited():
-                room = held.sum(-1, keepdim=True) < bcast(self.counts.total)  # (B, H, 1)
-                state = self.step_state()
-                prio = self.decoding().priority(self.pos, state, self.n_tok, self.host_tok, self.host_held, None)
-                slot = select_slot(prio, self.pos, held, room)  # (B, H, 1)
-            else:  # keeps all it may: the first empty slot
-                slot = (~held).byte().argmax(-1, keepdim=True)
-        self.place(slot, key_states, value_states)
-        self.host_held = [min(n + 1, self.window, n + 1 if t is None else t) for n, t in zip(self.host_tok, totals)]
+    def steps_evict(self) -> bool:
+        """Whether an arriving decoding token evicts one held token when the budget is full (the schedule
+        ``decode``; under ``prefill`` and ``interval`` it takes a new or empty slot, :mod:`h2o.core.schedule`)."""
+        return self.limited() and self.policy.schedule.evicts_each_step
 
     def decoding(self):
         """The policy's form for this layer's decoding steps (:meth:`Policy.decoder`), made once per budget. On a
@@ -331,9 +315,15 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
     def end_forward(self, q: int) -> None:
         """After the attention of a forward of ``q`` new tokens: a prefill (chunk) is cut back to the budget; with
         positions inside the cache, the held keys are renumbered (:class:`h2o.core.rerotate.KeyRerotation`)."""
-        if q > 1 and self.cuts():
-            self.cut()
-        self.compressed = self.policy.compress == "prefill"  # compressed once: every later token is kept
+        if q > 1 or self.seen == q:  # a prompt (chunk), or the first forward: the schedule counts from its end
+            self.generated = 0
+            if q > 1 and self.cuts():
+                self.cut()
+        else:
+            self.generated += 1
+            if self.limited() and self.policy.schedule.cuts_after(self.generated):  # compress=interval
+                self.cut()
+        self.compressed = self.policy.schedule.once  # compressed once: every later token is kept
         if self.rerotation is not None:
             tok = self.tok_before
             first_new = tok[0] if len(set(tok)) == 1 else torch.tensor(tok)

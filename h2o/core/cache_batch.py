@@ -93,7 +93,7 @@ class BatchHooks:
         self.adopt()
         if self.cuts():
             self.cut()
-        self.compressed = self.policy.compress == "prefill"
+        self.compressed, self.generated = self.policy.schedule.once, 0
 
 
 class CacheBatchHooks:

@@ -2,15 +2,18 @@
 policy's ``cut_room``: a slot left for the next token) and frees the rest. What the policy ranks (its accumulated
 scores, a score of the held keys, or the prompt's query statistics against the held keys and values), which slots
 it keeps (each head's top count, or one top-k over the layer's heads for a pooled policy: Ada-KV) and the
-compaction into fewer slots; and what a decoding step ranks for a policy that reads the keys
-(:meth:`CutHooks.step_state`). Mixed into :class:`h2o.core.cache.EvictingLayer` (state shapes:
+compaction into fewer slots; what a decoding step ranks for a policy that reads the keys
+(:meth:`CutHooks.step_state`); and a sliding-window layer's decoding step, the window's expiry first
+(:meth:`CutHooks.slide_in`). Mixed into :class:`h2o.core.cache.EvictingLayer` (state shapes:
 :mod:`h2o.core.cache`).
 """
 from __future__ import annotations
 
 import torch
 
-from .policies import PolicyError
+from . import step
+from .masks import serial
+from .policies import PolicyError, select_slot
 from .policies.base import along_slots, bcast
 
 
@@ -25,9 +28,8 @@ class CutHooks:
         valid = self.pos >= 0
         if self.limited():
             counts, room = self.policy.cut_counts(self.counts), self.policy.cut_room  # room: left for the next
-            prio = self.policy.priority(self.pos, self.cut_state(valid), self.n_tok - 1, counts)
-            self.policy.cut_order(self.acc, prio, self.pos, valid, counts)
-            keep = self.policy.keep(prio, self.pos, valid, counts)  # (B, H, S)
+            slots = step.Slots(self.pos, valid, self.acc, self.n_tok - 1, ranked=self.pos)  # pos: -1 not held
+            keep = step.kept(self.policy, slots, self.cut_state(valid), counts)  # (B, H, S) (h2o.core.step)
             if self.policy.pooled:  # heads hold uneven counts: the largest, read once
                 self.host_held = keep.sum(-1).amax(-1).tolist()
             else:
@@ -69,7 +71,7 @@ class CutHooks:
                                   f"from another policy's cache); allowed: the prompt through this policy's cache")
             stats, self.queries = self.queries, None
             return self.policy.query_score(stats, *self.read(), self.pos, valid)
-        return self.policy.cut_score(self.acc, self.read()[0], valid) if self.policy.reads_keys else self.acc
+        return step.score(self.policy, self.acc, self.read()[0] if self.policy.reads_keys else None, valid)
 
     def step_state(self, older: torch.Tensor | None = None) -> torch.Tensor:
         """What a decoding step's priority reads: ``acc``, or for a policy that reads keys its
@@ -79,3 +81,28 @@ class CutHooks:
             return self.acc
         held = self.pos >= 0 if older is None else (self.pos >= 0) & older
         return self.policy.step_score(self.acc, self.read()[0], held, self.pos, self.counts)
+
+    def slide_in(self, key_states, value_states):
+        """One arriving token on a sliding-window layer: what leaves the window goes first, then the policy
+        decides per KV head on what is left (an empty slot where the head is below budget, else the token of
+        lowest priority). A slot is added when some sequence may need more: ``min(tokens + 1, window, budget)``
+        (the upper bound of what it holds with the arriving token)."""
+        if self.steps_evict() or not self.limited():  # held: min(tokens, window, budget if it evicts)
+            totals = self.host_total if self.limited() else [None] * len(self.host_tok)
+            bound = [min(n + 1, self.window, n + 1 if t is None else t) for n, t in zip(self.host_tok, totals)]
+        else:  # a schedule that cuts later (interval): what it holds, plus the arriving token
+            bound = [min(h + 1, self.window) for h in self.host_held]
+        if self.keys.shape[-2] < max(bound):  # a new empty slot (the arriving token's rows as a placeholder)
+            self.append(key_states, value_states)
+        with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
+            self.expire(self.n_tok)
+            held = self.pos >= 0  # (B, H, S)
+            if self.steps_evict():
+                room = held.sum(-1, keepdim=True) < bcast(self.counts.total)  # (B, H, 1)
+                state = self.step_state()
+                prio = self.decoding().priority(self.pos, state, self.n_tok, self.host_tok, self.host_held, None)
+                slot = select_slot(prio, self.pos, held, room)  # (B, H, 1)
+            else:  # keeps all it may: the first empty slot
+                slot = (~held).byte().argmax(-1, keepdim=True)
+        self.place(slot, key_states, value_states)
+        self.host_held = bound

@@ -8,12 +8,11 @@ transformers passes these per layer to the attention function (:func:`h2o.core.a
   the policy applies to the tokens inside the layer's window (docs/attention.md);
 * refused here in one line (``PolicyError``) before anything runs: chunked attention (Llama-4 ``attention_chunk_size``), bidirectional attention (Gemma-3
   ``use_bidirectional_attention``, ``is_causal=False``), attention dropout in training mode, and
-  the policy h2o_reference (the paper code's rule) on a model with sliding layers.
+  a whole-forward rule (the paper code's H2O mask, ``Policy.whole_forward``) on a model with sliding layers.
 """
 from __future__ import annotations
 
 from .policies import PolicyError
-from .policies.h2o_reference import H2OReference
 
 
 def layer_windows(modules) -> list[int | None]:
@@ -40,6 +39,6 @@ def refuse_unsupported(model, modules, policy) -> None:
             raise PolicyError(f"model_type={kind}: {setting} is not supported by the h2o attention; allowed: "
                               f"causal attention with optional sliding windows, logit soft-capping and sink logits")
     windows = [w for w in layer_windows(modules) if w is not None]
-    if isinstance(policy, H2OReference) and windows:
-        raise PolicyError(f"policy=h2o_reference: the paper code's rule has no sliding window and model_type={kind} "
+    if policy.whole_forward and windows:
+        raise PolicyError(f"policy={policy.name}: the paper code's rule has no sliding window and model_type={kind} "
                           f"has sliding layers (window {windows[0]}); allowed: policy=h2o")

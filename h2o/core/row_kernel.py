@@ -240,11 +240,13 @@ def coverage() -> list[str]:
     return lines
 
 
-def score_rows(policy: Policy, logits, valid, pos, counts, keep, acc, out, start: int, window: int | None = None
-               ) -> None:
-    """In place, rows start..T-1: ``out`` (B, Hkv, 1, T, T) bool rows, ``acc`` (B, Hkv, T) fp32 scores, ``keep``
-    (B, Hkv, T) bool the state after row start-1. logits (B, Hkv, G, T, T) fp32, valid/pos (B, T). ``window``:
-    a sliding-window layer's (as :func:`h2o.core.simulate.row_loop`)."""
+def score_rows(policy: Policy, f, r) -> None:
+    """In place, rows ``r.start``..T-1 (``f``, ``r``: :class:`h2o.core.step.Forward`, :class:`h2o.core.step.Rows`):
+    ``r.out`` (B, Hkv, 1, T, T) bool rows, ``r.acc`` (B, Hkv, T) fp32 scores, ``r.keep`` (B, Hkv, T) bool the state
+    after row start-1. ``f.logits`` (B, Hkv, G, T, T) fp32, ``f.valid``/``r.pos`` (B, T). ``f.window``: a
+    sliding-window layer's (as :func:`h2o.core.simulate.row_loop`)."""
+    logits, valid, pos, counts, keep, acc, out, start, window = (f.logits, f.valid, r.pos, f.counts, r.keep, r.acc,
+                                                                r.out, r.start, f.window)
     B, H, G, T, _ = logits.shape
     if start >= T:
         return

@@ -11,56 +11,16 @@ the prompt's length, as in generation; without a prompt, of the sequence's lengt
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from functools import partial
 
 import torch
 
-from . import row_kernel
+from . import row_kernel, step
 from .policies import Policy
 from .policies.base import bcast, const, declared
-from .policies.h2o_reference import H2OReference, reference_allowed, reference_plan
-
-
-def positions(valid: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool non-pad -> (B, T) int64 position of each token in its own sequence, -1 for pads."""
-    return torch.where(valid, valid.long().cumsum(-1) - 1, -1)
-
-
-def in_window(pos: torch.Tensor, window: int) -> torch.Tensor:
-    """pos (B, T) -> (B, 1, 1, T, T) bool: key j lies in the sliding window of row i, ``pos_j > pos_i - window``
-    (transformers' convention: a row sees itself and the ``window - 1`` tokens before it). A pad row (pos -1)
-    loses nothing."""
-    return (pos[:, None, :] > pos[:, :, None] - window)[:, None, None]
-
-
-def masked_softmax(logits: torch.Tensor, allowed: torch.Tensor | None, sinks: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-    """fp32 softmax over allowed keys (None: all); a row with none allowed is uniform (finite, like transformers'
-    eager). ``sinks`` (1, Hkv, G, 1, 1) fp32, learned sink logits (GPT-OSS ``s_aux``): one more logit per query
-    head in the denominator, attending to nothing (the probabilities then sum to less than 1)."""
-    if allowed is not None:
-        logits = logits.masked_fill(~allowed, torch.finfo(torch.float32).min)
-    if sinks is None:
-        return torch.softmax(logits, dim=-1)
-    return with_sinks(logits, sinks.view(*sinks.shape[:3], *[1] * (logits.dim() - 3)))
-
-
-def with_sinks(logits: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """Softmax of ``logits`` (..., S) with one sink logit per row broadcast from ``sinks`` (..., 1), sink dropped."""
-    return torch.softmax(torch.cat([logits, sinks.expand(*logits.shape[:-1], 1)], -1), dim=-1)[..., :-1]
-
-
-@contextmanager
-def serial(device: torch.device):
-    """One CPU thread for loops of tiny ops: waking a second thread costs more than each op (measured 40x)."""
-    threads = torch.get_num_threads()
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+from .masks import causal_valid, in_window, masked_softmax, positions, serial, with_sinks  # noqa: F401 (re-exported)
+from .schedule_rows import compressed_once, interval_rows
+from .step import Forward, LayerCall, Rows
 
 
 def grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -102,13 +62,6 @@ def scores(q: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | 
     return logits
 
 
-def causal_valid(valid: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """(B, T) bool non-pad -> (B, 1, 1, T, T) bool: causal and padding (and the sliding ``window``, if any)."""
-    idx = torch.arange(valid.shape[1], device=valid.device)
-    allowed = (idx[None, :] <= idx[:, None]) & valid[:, None, None, None, :]
-    return allowed if window is None else allowed & in_window(positions(valid), window)
-
-
 def closed(policy: Policy, window: int | None) -> bool:
     """Whether a position-only policy's rows come in closed form (:func:`closed_form`) on a layer with this
     ``window``: always without one; with one only where the form stays exact (``Policy.window_closed_form``),
@@ -121,9 +74,9 @@ def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, windo
     """What every layer of a forward with this sliding ``window`` (None: a global layer) shares, built once per
     forward and window by the attention function: (the mask of a policy that does not read the scores (full,
     position-only in closed form), (B, 1, 1, T, T), else None; the row plan of the others (:func:`row_plan`), or
-    for policy h2o_reference its (heavy, recent) (:func:`reference_plan`), else None)."""
-    if isinstance(policy, H2OReference):
-        return None, reference_plan(policy, valid)
+    for a whole-forward rule (the paper code's) its :meth:`Policy.mask_plan`, else None)."""
+    if policy.whole_forward:
+        return None, policy.mask_plan(valid)
     if policy.is_full:
         return causal_valid(valid, window), None
     if closed(policy, window):
@@ -156,32 +109,32 @@ def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int,
     return code // 2, bool(code % 2)
 
 
-def simulated_attention(policy: Policy, query, key, value, valid, scaling: float,
-                        prompt_len: int = 0, plan: tuple | None = None,
-                        window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-                        layer: tuple[int, int] | None = None, queries=None):
+def simulated_attention(policy: Policy, query, key, value, valid, scaling: float, call: LayerCall | None = None):
     """query (B, Hq, T, D), key/value (B, Hkv, T, D), valid (B, T) bool -> out (B, T, Hq, D), probs (B, Hq, T, T).
 
-    ``plan``: what :func:`forward_plan` built for this forward and window (None: built here). ``window``: the
-    layer's sliding window (a token leaves the layer's cache once it is out of the window, before the policy
-    decides: the policy applies to the tokens inside it); ``softcap``: see :func:`scores`; ``sinks``: see
-    :func:`masked_softmax`; ``layer``: (this layer's index, the model's layers), for per-layer budgets; ``queries``:
-    the forward's queries before RoPE (:class:`h2o.core.prerope.Queries`) for a policy that reads them."""
-    mask, rows = plan if plan is not None else (None, None)
+    ``call`` (:class:`h2o.core.step.LayerCall`): ``prompt_len``; ``plan``: what :func:`forward_plan` built for this
+    forward and window (None: built here); ``window``: the layer's sliding window (a token leaves the layer's cache
+    once it is out of the window, before the policy decides: the policy applies to the tokens inside it);
+    ``softcap``: see :func:`scores`; ``sinks``: see :func:`masked_softmax`; ``layer``: (this layer's index, the
+    model's layers), for per-layer budgets; ``queries``: the forward's queries before RoPE
+    (:class:`h2o.core.prerope.Queries`) for a policy that reads them."""
+    call = call or LayerCall()
+    window, sinks = call.window, call.sinks
+    mask, rows = call.plan if call.plan is not None else (None, None)
     probs = None
     B, Hq, T, D = query.shape
     Hkv = key.shape[1]
-    logits = scores(grouped(query, Hkv), key, scaling, softcap)  # (B, Hkv, G, T, T)
-    reference = isinstance(policy, H2OReference)  # the paper code's rule, not the evicting cache's
+    logits = scores(grouped(query, Hkv), key, scaling, call.softcap)  # (B, Hkv, G, T, T)
+    reference = policy.whole_forward  # a mask over the whole forward (the paper code's rule), not a cache's
     if mask is not None and not reference:
         allowed = mask
     else:
         allowed = causal_valid(valid, window)  # (B, 1, 1, T, T)
         if reference:
-            allowed = allowed & reference_allowed(logits, allowed, rows or reference_plan(policy, valid))
+            allowed = allowed & policy.forward_mask(logits, allowed, rows or policy.mask_plan(valid))
         elif not policy.is_full:
-            allowed, probs = policy_attention(policy, logits, allowed, valid, prompt_len, rows, window, sinks, key,
-                                              layer, value, queries)
+            allowed, probs = policy_attention(policy, logits, allowed, valid, call.prompt_len, rows, call,
+                                              (key, value))
     if probs is None:
         probs = masked_softmax(logits, allowed, sinks)  # (B, Hkv, G, T, T)
     out = grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value)  # (B, Hkv, G, T, D)
@@ -193,26 +146,32 @@ def policy_allowed(policy: Policy, logits, allowed, valid, prompt_len: int, rows
     """(B, Hkv, G|1, T, T) bool mask of what each row sees under ``policy`` (logits unused if position-only in
     closed form). ``rows``: the forward's :func:`row_plan` (None: made here). ``allowed`` must include the
     sliding ``window`` where there is one (:func:`causal_valid`)."""
-    return policy_attention(policy, logits, allowed, valid, prompt_len, rows, window)[0]
+    return policy_attention(policy, logits, allowed, valid, prompt_len, rows, LayerCall(window=window))[0]
 
 
 def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, rows: tuple | None = None,
-                     window: int | None = None, sinks: torch.Tensor | None = None, key: torch.Tensor | None = None,
-                     layer: tuple[int, int] | None = None, value: torch.Tensor | None = None,
-                     queries=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     call: LayerCall | None = None, kv: tuple | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(:func:`policy_allowed`'s mask, and where the torch row loop computes them anyway, every row's attention
     probabilities (B, Hkv, G, T, T) fp32, equal to ``masked_softmax(logits, mask, sinks)`` (None otherwise)): the
-    layer then skips a second softmax over the whole T x T. With ``sinks`` the torch loop serves (the kernel's
-    softmax has none). ``key`` (B, Hkv, T, D): for a score of the keys (:meth:`Policy.cut_score`); ``layer``:
-    (index, layers) for a per-layer budget (:meth:`Policy.layer_counts`); ``value`` (B, Hkv, T, D) and ``queries``
-    (:class:`h2o.core.prerope.Queries`): for a score of the prompt's queries (``Policy.reads_queries``)."""
+    layer then skips a second softmax over the whole T x T. ``call`` (:class:`h2o.core.step.LayerCall`): the
+    layer's ``window``, ``sinks`` (then the torch loop serves: the kernel's softmax has none), ``layer`` (index,
+    layers) for a per-layer budget (:meth:`Policy.layer_counts`) and the prompt's ``queries``
+    (:class:`h2o.core.prerope.Queries`, ``Policy.reads_queries``); ``kv``: the layer's (key, value)
+    (B, Hkv, T, D), for a score of the keys (:meth:`Policy.cut_score`) or of the queries against both."""
+    call = call or LayerCall()
+    window = call.window
+    key, value = kv if kv is not None else (None, None)
     T = valid.shape[1]
     counts = policy.counts(reference_length(valid, prompt_len))
-    if layer is not None:
-        counts = policy.layer_counts(counts, *layer)
-    if policy.evicts and policy.compress == "prefill":
-        return compressed_once(policy, logits, allowed, valid, prompt_len, counts, window, key, value,
-                               queries), None
+    if call.layer is not None:
+        counts = policy.layer_counts(counts, *call.layer)
+    f = Forward(logits, allowed, valid, prompt_len, counts, window, call.sinks, key, value, call.queries)
+    schedule = policy.schedule
+    if policy.evicts and schedule.once:
+        return compressed_once(policy, f), None
+    if policy.evicts and schedule.cuts_later:
+        return interval_rows(policy, f)
     if closed(policy, window):
         held = closed_form(policy, valid, counts, max(prompt_len - 1, 0), window)  # (B, 1, 1, T, T)
         if not prompt_len:
@@ -228,7 +187,7 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     start, padded = rows if rows is not None else row_plan(policy, valid, prompt_len)
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
-    first = masked_softmax(logits[..., :start, :], allowed[..., :start, :], sinks)  # (B, Hkv, G, start, T)
+    first = masked_softmax(logits[..., :start, :], allowed[..., :start, :], call.sinks)  # (B, Hkv, G, start, T)
     probs = first * valid[:, None, None, :start, None]
     acc = policy.new_state(B, Hkv, T, logits.device)  # (B, Hkv, T) accumulated attention (Policy.new_state)
     policy.accumulate(acc, probs, valid[:, :start])
@@ -236,66 +195,26 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     cut_at = prompt_len if start == prompt_len and policy.cut_room else 0  # a prompt's cut leaves a slot free
     if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
         now = keep[:, 0].sum(-1) - 1
-        if window is not None:  # the window first: what left it is gone before the policy decides
-            keep &= posH > bcast(now - window)
+        keep = step.expire(keep, posH, now, window)  # the window first: what left it is gone before the policy
         state = acc if keys is None else policy.cut_score(acc, keys, keep)
         cut = policy.cut_counts(counts) if cut_at else counts  # a cut after the prompt's: the real path's step
-        prio = policy.priority(posH.masked_fill(~keep, -1), state, now, cut)
-        if cut_at:
-            policy.cut_order(acc, prio, posH, keep, cut)
-        keep = policy.keep(prio, posH, keep, cut)
+        keep = step.kept(policy, step.Slots(posH, keep, acc, now), state, cut, order=bool(cut_at))
 
     out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
-    if sinks is None and row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
-        row_kernel.score_rows(policy, logits, valid, pos, counts, keep, acc, out, start, window)
+    r = Rows(pos, posH, keep, acc, out, start, padded, cut_at=cut_at)
+    f.key = keys
+    if call.sinks is None and row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
+        row_kernel.score_rows(policy, f, r)
         return out, None
     if not policy.needs_scores:  # a position-only policy on a sliding layer: the loop writes the rows only
         with serial(logits.device):
-            row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, window=window, keys=keys,
-                     cut_at=cut_at)
+            row_loop(policy, f, r)
         return out, None
-    seen = torch.empty_like(logits)  # (B, Hkv, G, T, T) every row's attention probabilities
-    seen[..., :start, :] = first
+    r.seen = torch.empty_like(logits)  # (B, Hkv, G, T, T) every row's attention probabilities
+    r.seen[..., :start, :] = first
     with serial(logits.device):
-        row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded, seen, window, sinks,
-                 keys=keys, cut_at=cut_at)
-    return out, seen
-
-
-def compressed_once(policy: Policy, logits, allowed, valid, prompt_len: int, counts, window: int | None = None,
-                    key: torch.Tensor | None = None, value: torch.Tensor | None = None,
-                    queries=None) -> torch.Tensor:
-    """``compress="prefill"``: the prompt's rows see their prefix; the cache is cut once to the budget at the end
-    of the prompt, as the real path's cut (the window first, then the top ``total`` by priority, the scores of the
-    prompt's rows, :meth:`Policy.cut_score` of the ``key`` (B, Hkv, T, D), or ``query_score`` of the prompt's
-    ``queries`` against ``key`` and ``value``); every later token is kept, so a later
-    row sees what the cut kept and every newer token (inside the window). Without a prompt nothing is cut.
-    -> (B, Hkv | 1, 1, T, T) bool."""
-    allowed = causal_valid(valid, window) if allowed is None else allowed  # (B, 1, 1, T, T)
-    if not prompt_len:
-        return allowed
-    B, T = valid.shape
-    Hkv = 1 if logits is None else logits.shape[1]
-    col = torch.arange(T, device=valid.device)
-    pos = positions(valid)  # (B, T)
-    posH = pos[:, None, :].expand(B, Hkv, T)
-    keep = (valid & (col < prompt_len))[:, None, :].expand(B, Hkv, T)
-    acc = policy.new_state(B, Hkv, T, valid.device)  # (B, Hkv, T) the prompt rows' scores (Policy.new_state)
-    now = keep[:, 0].sum(-1) - 1
-    if policy.needs_scores:
-        probs = masked_softmax(logits[..., :prompt_len, :], allowed[..., :prompt_len, :])  # (B, Hkv, G, P, T)
-        policy.accumulate_prompt(acc, probs * valid[:, None, None, :prompt_len, None], valid[:, :prompt_len],
-                                 now[:, None] - pos[:, :prompt_len])
-    if window is not None:  # the window first: what left it is gone before the policy decides
-        keep = keep & (posH > bcast(now - window))
-    if policy.reads_queries:  # the prompt rows' query statistics against the held keys and values
-        stats = policy.query_stats(queries, prompt_len, pos[:, :prompt_len], now + 1)
-        acc = policy.query_score(stats, key, value, posH, keep)
-    elif policy.reads_keys:
-        acc = policy.cut_score(acc, key, keep)
-    keep = policy.keep(policy.priority(posH.masked_fill(~keep, -1), acc, now, counts), posH, keep, counts)
-    held = keep[:, :, None, None, :] | (col >= prompt_len)  # (B, Hkv, 1, 1, T)
-    return torch.where((col < prompt_len)[:, None], allowed, allowed & held)
+        row_loop(policy, f, r)
+    return out, r.seen
 
 
 def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window: int | None = None
@@ -311,15 +230,15 @@ def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window:
     return (held | itself)[:, None, None]
 
 
-def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, padded=True, seen=None, window=None,
-             sinks=None, keys=None, cut_at=0):
-    """Rows start..T-1, one step each: evict (or restrict), add the token, accumulate its attention.
-    ``padded`` False: no row from ``start`` on is a pad (their weighting is skipped). ``seen`` (B, Hkv, G, T, T):
-    each row's attention probabilities are written there (policies that read the scores). ``window``: first the
-    held tokens out of the row's window leave; the budget is then full where a (sequence, KV head) still holds
-    ``total`` tokens (its own count: the window frees slots head by head). ``sinks``: :func:`masked_softmax`'s.
-    ``keys`` (B, Hkv, T, D): the held older keys ranked by ``Policy.step_score``. ``cut_at``: the prompt's length
-    where its cut left a slot free (``Policy.cut_room``): the first real row from there takes it.
+def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
+    """Rows ``r.start``..T-1, one step each: evict (or restrict), add the token, accumulate its attention.
+    ``r.padded`` False: no row from ``start`` on is a pad (their weighting is skipped). ``r.seen``
+    (B, Hkv, G, T, T): each row's attention probabilities are written there (policies that read the scores).
+    ``f.window``: first the held tokens out of the row's window leave; the budget is then full where a (sequence, KV
+    head) still holds ``total`` tokens (its own count: the window frees slots head by head). ``f.sinks``:
+    :func:`masked_softmax`'s. ``f.key`` (B, Hkv, T, D): the held older keys ranked by ``Policy.step_score`` (None:
+    the rule reads none). ``r.cut_at``: the prompt's length where its cut left a slot free (``Policy.cut_room``):
+    the first real row from there takes it.
 
     A :attr:`~h2o.core.policies.Policy.pooled` policy (Ada-KV) adds the row's token to every head, then cuts the
     whole layer back to its budget (:meth:`~h2o.core.policies.Policy.keep`, the token kept), as the cache does.
@@ -327,6 +246,9 @@ def row_loop(policy, logits, valid, pos, posH, counts, keep, acc, out, start, pa
     ``where`` and one ``argmin`` per row. Per-row inputs are laid out row-major once, so each row reads them with
     one ``select`` (this loop issues every op of the CPU path: for h2o ~39 aten ops per row, views included,
     counted with torch.profiler)."""
+    logits, valid, counts, window, sinks, keys = f.logits, f.valid, f.counts, f.window, f.sinks, f.key
+    pos, posH, keep, acc, out, start, padded, seen, cut_at = (r.pos, r.posH, r.keep, r.acc, r.out, r.start, r.padded,
+                                                              r.seen, r.cut_at)
     T = logits.shape[-1]
     B = valid.shape[0]
     before = valid.long().cumsum(-1) - valid.long()  # (B, T) tokens before each column; the cache holds min(., K)

@@ -48,7 +48,9 @@ class Work:
 
 def never_evicts(spec: RunSpec) -> bool:
     """A non-full policy that keeps every token (ratio budget 1.0) under the default semantics: the full run."""
-    return spec.policy.name != "full" and spec.policy.is_full and spec.semantics == spec.task.semantics[0]
+    from h2o.core import engine
+
+    return spec.policy.name != "full" and engine.keeps_all(spec.policy) and spec.semantics == spec.task.semantics[0]
 
 
 def classify(jobs: list[list[str]], specs: list[RunSpec]) -> list[Work]:

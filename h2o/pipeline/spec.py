@@ -42,7 +42,8 @@ from h2o.assets.paths import group_defaults
 from h2o.cli.paths import check_name, output_dir
 from h2o.core.policies import Policy, PolicyError
 from h2o.core.policies.budget import Unsupported
-from h2o.core.policies.h2o_reference import H2OReference, as_reference
+from h2o.core import engine
+from h2o.core.engine import PAPER_RULE
 from h2o.core.quant import Quantizer
 from h2o.core.validate import ConfigError, check, is_int, is_number
 from h2o.pipeline.fields import record_fields
@@ -126,7 +127,7 @@ class Settings:
 
     experiment_name: str
     seed: int
-    semantics: str  # auto | simulated | real | reference (an alias of policy=h2o_reference)
+    semantics: str  # auto | simulated | real | reference (an alias of the paper code's rule, engine.PAPER_RULE)
     runs_dir: str
     threads: int | None
     fail_fast: bool
@@ -243,14 +244,14 @@ def with_task_overrides(cfg: DictConfig, settings: Settings) -> DictConfig:
 class RunSpec:
     """One run, checked: the objects its config names (built, not loaded) and what follows from them."""
 
-    cfg: DictConfig  # the record's config: task_overrides merged, h2o_reference spelled as its record
+    cfg: DictConfig  # the record's config: task_overrides merged, the paper code's rule spelled as its record
     model: ModelSpec
     task: TaskSpec
     policy: Policy  # the policy that runs
     semantics: str  # resolved (auto -> the task's default)
     path: Path  # the record folder
     settings: Settings
-    named: Policy  # the record's policy: ``policy`` but for h2o_reference, spelled h2o (reference_spelling)
+    named: Policy  # the record's policy: ``policy`` but for the paper code's rule, spelled h2o (reference_spelling)
     quant: Quantizer | None = None  # how the run's caches store keys and values (None: unquantized)
     identity: dict = dataclasses.field(default_factory=dict)  # records.identity: what its record must match
 
@@ -259,7 +260,7 @@ class RunSpec:
         return {"experiment": self.settings.experiment_name, "model": self.model.name, "task": self.task.name,
                 "task_kind": self.task.kind, "policy": self.cfg.policy.name, "budget": self.policy.budget,
                 "heavy": self.policy.heavy, "recent": self.policy.recent, "shots": self.task.shots,
-                "semantics": self.semantics, "seed": self.settings.seed, "evicts": bool(self.policy.evicts),
+                "semantics": self.semantics, "seed": self.settings.seed, "evicts": engine.drops_tokens(self.policy),
                 "limit": self.cfg.task.get("limit"),
                 "policy_options": {k: v for k, v in OmegaConf.to_container(self.cfg.policy, resolve=True).items()
                                    if k not in ("_target_", "name")},
@@ -296,7 +297,7 @@ def prepare(cfg: DictConfig) -> RunSpec:
     built = build("policy", cfg.policy)
     built.check_unused(cfg.policy)
     cfg, policy = reference_spelling(cfg, built)
-    named = build("policy", cfg.policy) if isinstance(policy, H2OReference) else policy
+    named = build("policy", cfg.policy) if engine.whole_forward(policy) else policy
     task = build("task", cfg.task)
     model = build("model", cfg.model)
     if not isinstance(task, TaskSpec):
@@ -305,8 +306,8 @@ def prepare(cfg: DictConfig) -> RunSpec:
     if longest:
         policy.check_reach(longest, f"the longest context of {model.name}")
     quant = build_quant(cfg, model)
-    if isinstance(policy, H2OReference) and "reference" not in task.semantics:
-        raise ConfigError(f"policy=h2o_reference: the paper code's mask rule is for one-pass scoring; task "
+    if engine.whole_forward(policy) and "reference" not in task.semantics:
+        raise ConfigError(f"policy={policy.name}: the paper code's mask rule is for one-pass scoring; task "
                           f"{task.name} ({task.kind}) runs {', '.join(task.semantics)}")
     semantics = task.resolve_semantics(cfg.semantics)
     task.check_model(model)
@@ -320,19 +321,19 @@ def prepare(cfg: DictConfig) -> RunSpec:
 
 
 def reference_spelling(cfg: DictConfig, policy: Policy) -> tuple[DictConfig, Policy]:
-    """(the record's config, the policy that runs). The paper code's mask rule is spelled ``policy=h2o_reference``
-    or ``policy=h2o|h2_only semantics=reference`` (with a notice); both run an h2o_reference policy and share one
+    """(the record's config, the policy that runs). The paper code's mask rule is spelled ``policy=<PAPER_RULE>``
+    or ``policy=h2o|h2_only semantics=reference`` (with a notice); both run that rule's policy and share one
     record, spelled as the second (``<h2o|h2_only>/<budget>/...semantics=reference``: the folders and identities
     of the records made with that spelling)."""
     from h2o.assets.policy_config import notice
 
     if cfg.semantics == "reference":
-        reference = as_reference(policy)  # a policy out of its scope: the error, without the notice
-        notice(f"semantics=reference is spelled policy=h2o_reference now (same run folder); policy={policy.name}")
+        reference = engine.as_paper_rule(policy)  # a policy out of its scope: the error, without the notice
+        notice(f"semantics=reference is spelled policy={PAPER_RULE} now (same run folder); policy={policy.name}")
         return cfg, reference
-    if not isinstance(policy, H2OReference):
+    if not engine.whole_forward(policy):
         return cfg, policy
-    check(cfg.semantics == "auto", f"semantics={cfg.semantics}: policy=h2o_reference is the paper code's mask "
+    check(cfg.semantics == "auto", f"semantics={cfg.semantics}: policy={PAPER_RULE} is the paper code's mask "
                                    f"rule, its own semantics; allowed: semantics=auto")
     record = cfg.copy()
     with open_dict(record):

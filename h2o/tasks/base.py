@@ -96,11 +96,11 @@ def adds_bos(tokenizer, add_bos_token: bool | None) -> bool:
 
 
 def as_run(policy, semantics: str):
-    """The policy a task runs: ``policy``, or under ``semantics="reference"`` (its second spelling) the policy h2o_reference
-    on its heavy/recent split (a RunSpec hands over h2o_reference already; a direct ``run`` call may not)."""
-    from h2o.core.policies.h2o_reference import as_reference
+    """The policy a task runs: ``policy``, or under ``semantics="reference"`` (its second spelling) the paper code's
+    rule on its heavy/recent split (a RunSpec hands over that rule already; a direct ``run`` call may not)."""
+    from h2o.core.engine import as_paper_rule
 
-    return as_reference(policy) if semantics == "reference" else policy
+    return as_paper_rule(policy) if semantics == "reference" else policy
 
 
 def clamped(policy, lengths: list[int]) -> int:

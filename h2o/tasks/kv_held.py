@@ -17,9 +17,9 @@ means and rounding). The one-pass task's footprints:
   of the window and the end holds ``min(n_l, W - 1)``. A sliding-window layer holds at most its window. Every head
   holds the same count, so the slots stored are the tokens held and the bytes stored their bytes, ``2 x head size x
   element size`` each (None with a KV quantizer: tokens only).
-* A pooled policy (:attr:`Policy.pooled`, adakv) holds the same tokens per layer as its formula (one top-k over the
-  layer keeps the inner policy's total) but stores each layer's heads padded to the largest head's count, which
-  depends on the scores: no formula gives it, so the one-pass task feeds its windows through the evicting cache once
+* A rule whose heads share a budget (Ada-KV; h2o.core.engine.held_by_formula) holds the same tokens per layer as
+  its formula (one top-k over the layer keeps the inner policy's total) but stores each layer's heads padded to
+  the largest head's count, which depends on the scores: no formula gives it, so the one-pass task feeds its windows through the evicting cache once
   more (:func:`measured`: the prompt, then the continuation as the timing appends it) and records that footprint,
   in the task's batches (a batch stores each layer padded to its largest head across its sequences, as a
   generation task's batch does: the bytes stored per sequence depend on the batch size).
@@ -27,6 +27,8 @@ means and rounding). The one-pass task's footprints:
 from __future__ import annotations
 
 import torch
+
+from h2o.core.engine import held_by_formula, layer_budget
 
 KEYS = ("tokens_held", "slots_stored", "bytes_held", "bytes_stored")
 
@@ -46,28 +48,21 @@ def geometry(model) -> tuple[int, int, int, list[int | None]]:
 def per_layer(policy, reference: int, layers: int, most: int) -> list[int]:
     """Each layer's budget in tokens per KV head for a reference length (the arriving token counted); ``most``
     for a policy that never evicts."""
-    counts = policy.counts(torch.tensor([reference]))
-    if policy.is_full:
-        return [most] * layers
-    return [int(policy.layer_counts(counts, layer, layers).total[0]) for layer in range(layers)]
+    return [layer_budget(policy, reference, layer, layers, most) for layer in range(layers)]
 
 
 def held_per_layer(model, policy, window: int, context: int | None) -> tuple[list[int] | None, list[int]]:
     """(tokens per KV head of each layer right after the cut (None without a prompt), the same at the end)."""
     layers, _, _, windows = geometry(model)
     budget = per_layer(policy, context or window, layers, window)
-    prefill = policy.compress == "prefill"
+    schedule = policy.schedule
 
     def capped(n: int, win: int | None) -> int:
         return n if win is None else min(n, win)
 
     fed = window - 1  # the inputs up to the last scored prediction
     cut = [capped(min(n, context), w) for n, w in zip(budget, windows)] if context else None
-    if context:
-        end = [capped(min(n, context) + (fed - context) if prefill else min(n, fed), w)
-               for n, w in zip(budget, windows)]
-    else:
-        end = [capped(min(n, fed), w) for n, w in zip(budget, windows)]
+    end = [capped(schedule.held(n, context, fed), w) for n, w in zip(budget, windows)]
     return cut, end
 
 
@@ -102,7 +97,7 @@ def measured(model, policy, wins: torch.Tensor, context: int | None, batch: int 
                 model(ids[:, :context], cache=cache)
                 cuts.append((cache.footprint(), len(ids)))
             rest = ids[:, context or 0:W - 1]  # (b, W - 1 - C) the continuation fed
-            for step in [rest] if policy.compress == "prefill" else rest.split(1, dim=1):
+            for step in [rest] if policy.schedule.once else rest.split(1, dim=1):
                 model(step, cache=cache)
             ends.append((cache.footprint(), len(ids)))
     return (per_sequence(cuts) if context else None), per_sequence(ends)
@@ -155,8 +150,9 @@ def simulated_held(model, policy, window: int, context: int | None, quant=None, 
                    batch: int = 1) -> dict:
     """The record's KV fields (:func:`figures`) of a one-pass task over windows of ``window`` tokens with a prompt of
     ``context`` (None: none): :func:`formula`, or for a pooled policy :func:`measured` on the run's windows ``wins``
-    (N, W), ``batch`` at a time (its tokens held are the formula's: the same layer totals)."""
+    (N, W), ``batch`` at a time (its tokens held are the formula's: the same layer totals), or under ``interval`` on
+    a sliding-window layer (what the window takes between cuts depends on what was kept)."""
     cut, end = held_per_layer(model, policy, window, context)
-    if policy.pooled and not policy.is_full and wins is not None:
+    if not held_by_formula(policy, geometry(model)[3]) and wins is not None:
         return figures(*measured(model, policy, wins, context, batch, quant), end)
     return figures(formula(model, cut, quant), formula(model, end, quant), end)

@@ -6,7 +6,8 @@
 model_args beyond HFLM's: ``policy`` (a name of h2o.POLICIES, default full) and its options, spelled as in Hydra
 (``policy=h2o policy.budget=0.2`` <-> ``policy=h2o,budget=0.2``: the keys and defaults of conf/policy/<name>.yaml
 and the other arguments the factory takes, e.g. ``compress=prefill`` <-> ``+policy.compress=prefill``;
-h2o.assets.policy_config), ``semantics`` (simulated; ``reference``: a second spelling of policy=h2o_reference),
+h2o.assets.policy_config), ``semantics`` (simulated; ``reference``: a second spelling of the paper code's rule,
+h2o.core.engine),
 ``scoring`` (sum | mean),
 ``quant`` (none | uniform | kvquant, h2o.core.quant) with its options spelled ``quant_<option>``:
 ``quant=uniform,quant_bits=4,quant_group_size=64`` or ``quant=kvquant,quant_bits=3,quant_sink=false``
@@ -72,7 +73,7 @@ from lm_eval.models.huggingface import HFLM
 
 from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
-from h2o.core.policies.h2o_reference import H2OReference, as_reference
+from h2o.core import engine
 from h2o.core.quant import QuantError, Quantizer
 from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
@@ -109,7 +110,7 @@ def make_lm_quant(quant: str = "none", options: dict | None = None, pretrained=N
 def lm_policy(policy: str | Policy, args: dict, semantics: str = "simulated") -> Policy:
     """``--model_args policy=<name>,<key>=<value>,...`` -> the policy Hydra builds from ``policy=<name>
     policy.<key>=<value>`` (h2o.assets.policy_config); takes every policy option out of ``args`` (a Policy
-    object is used as it is). ``semantics=reference`` (a second spelling, a notice) -> policy h2o_reference."""
+    object is used as it is). ``semantics=reference`` (a second spelling, a notice) -> the paper code's rule."""
     from h2o.assets.policy_config import build_policy, notice, option_keys, read_value
 
     keys = {k for name in POLICIES for k in option_keys(name)}  # every policy's: another policy's is an error
@@ -121,8 +122,8 @@ def lm_policy(policy: str | Policy, args: dict, semantics: str = "simulated") ->
     if isinstance(policy, str):
         policy = build_policy(policy, "--model_args ", **options)
     if semantics == "reference":
-        reference = as_reference(policy)
-        notice(f"--model_args semantics=reference is spelled policy=h2o_reference now; policy={policy.name}")
+        reference = engine.as_paper_rule(policy)
+        notice(f"--model_args semantics=reference is spelled policy={reference.name} now; policy={policy.name}")
         policy = reference
     return policy
 
@@ -272,7 +273,7 @@ class H2OLM(HFLM):
     @property
     def prefill(self) -> bool:
         """Whether log-likelihood requests compress their context once (``compress=prefill``, a budget < 100%)."""
-        return self.policy.evicts and self.policy.compress == "prefill" and not self.policy.is_full
+        return engine.compresses_once(self.policy)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         """inps (B, T) -> logits (B, T, V) under the policy's simulated mask."""
@@ -285,7 +286,7 @@ class H2OLM(HFLM):
             return super()._model_call(inps, attn_mask, labels)
         self.stats["clamped"] += clamped(self.policy, prompts or lengths.tolist())
         with torch.no_grad():
-            if isinstance(self.policy, H2OReference):  # the paper code's rule: one unpadded sequence at a time
+            if engine.whole_forward(self.policy):  # the paper code's rule: one unpadded sequence at a time
                 out = None
                 for b, n in enumerate(lengths.tolist()):
                     with attach(self.model, self.policy, prompt_len=prompts[b] if self.prefill else 0,
@@ -362,7 +363,7 @@ class H2OLM(HFLM):
                 prompt = [n - q for n, q in zip(prompt, asked)]  # the compressed prompt: the context alone
             else:
                 out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
-        held = prompt if self.policy.is_full else cache.layers[0].host_total  # a full policy never evicts
+        held = prompt if engine.keeps_all(self.policy) else cache.layers[0].host_total  # full never evicts
         self.budgets.extend(zip(prompt, held))
         self.footprints.append((cache.footprint(), context.shape[0]))
         return out

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o.core.policies.h2o_reference import H2OReference
+from h2o.core import engine
 from h2o.tasks.base import Result, TaskSpec, adds_bos, as_run, check, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, choose, record
 
@@ -100,7 +100,7 @@ class PerplexityTask(TaskSpec):
         """Sliding windows have no prompt: a policy compressed once at a prompt's end is refused there."""
         from h2o.core.policies.budget import Unsupported
 
-        if self.context is None and policy.evicts and policy.compress == "prefill" and not policy.is_full:
+        if self.context is None and engine.compresses_once(policy):
             raise Unsupported(f"compress=prefill: task {self.name} scores sliding windows with no prompt to compress; "
                               f"allowed: compress=decode, or task.context=<prompt tokens> (task=austen_ctx)")
 
@@ -133,8 +133,8 @@ class PerplexityTask(TaskSpec):
                                                  reduction="none").sum(-1)  # (b,)
 
     def sizing(self, model, policy, wins: torch.Tensor, quant=None) -> Sizing:
-        """The batch size (policy h2o_reference: one window at a time, the paper code's rule)."""
-        if isinstance(policy, H2OReference):
+        """The batch size (the paper code's rule: one window at a time)."""
+        if engine.whole_forward(policy):
             return Sizing(1, "one_at_a_time", "semantics=reference scores one unpadded sequence at a time")
         return choose(self.batch_size, model, lambda b: self.nll(model, policy, wins[:1].repeat(b, 1), quant),
                       len(wins))

@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from h2o.core.attach import attach, attention_modules
+from h2o.core import engine
 from h2o.core.cache import EvictingCache
 from h2o.core.rerotate import KeyShifter
 from h2o.assets.resources import rss_bytes
@@ -141,7 +142,7 @@ class Streamer:
         self.ids = ids.to(self.device).expand(self.B, -1)
         self.pol = self.pols[0] if self.B == 1 else PerSequence(self.pols)
         self.budget = self.pol.budget
-        if not self.pol.is_full and not isinstance(self.budget, int):
+        if not engine.keeps_all(self.pol) and not isinstance(self.budget, int):
             raise ValueError(f"streaming: budget={self.budget!r}: give a cache size in tokens (an int), not a ratio")
         self.ctx = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.wins = [Windows(window, None if on_sample is None else partial(on_sample, b)) for b in range(self.B)]
@@ -265,7 +266,7 @@ class StreamingTask(TaskSpec):
         check(self.shots == 0, f"task.shots={self.shots}: streaming takes no in-context examples (0)")
 
     def check_policy(self, policy) -> None:
-        check(policy.is_full or isinstance(policy.budget, int),
+        check(engine.keeps_all(policy) or isinstance(policy.budget, int),
               f"policy.budget={policy.budget!r}: streaming needs a cache size in tokens (an int, e.g. 128)")
 
     def check_quant(self, quant) -> None:

@@ -17,11 +17,12 @@ def make_policy(name: str, **options) -> Policy:
         raise PolicyError(f"policy={name!r}: unknown; allowed: {', '.join(POLICIES)}")
     cls = Policy.registry[name]
     compress = options.pop("compress", None)  # every evicting policy's timing (Policy.timed); None: its default
+    interval = options.pop("interval", None)  # compress=interval: its option (h2o.core.schedule)
     try:
         policy = cls(**options)
     except TypeError as e:  # an option the policy does not take
         raise PolicyError(f"policy={name}: {e}") from None
-    return policy.timed(policy.compress if compress is None else compress)
+    return policy.timed(policy.compress if compress is None else compress, interval)
 
 
 __all__ = ["Counts", "Policy", "PolicyError", "POLICIES", "REAL_POLICIES", "make_policy", "keep_top", "select_slot"]

@@ -91,10 +91,10 @@ class AdaKV(Policy):
         self.reads, self.reads_queries = p.reads, p.reads_queries
         self.compress = p.compress
 
-    def timed(self, compress: str) -> Policy:
+    def timed(self, compress: str, interval: int | None = None) -> Policy:
         """The inner policy's timings (a prefill-only inner refuses decode in its own words)."""
-        self.inner.timed(compress)
-        self.compress = compress
+        self.inner.timed(compress, interval)
+        self.compress, self.interval = compress, self.inner.interval
         return self
 
     # the inner's rule: budget, scores, priorities

@@ -26,16 +26,16 @@ in generation; ``n = floor(r * L)`` as in the paper) or an absolute token count 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 from typing import Callable, ClassVar
 
 import torch
 
+from ..schedule import COMPRESS, Schedule, make_schedule  # noqa: F401 (COMPRESS re-exported)
 from .budget import BudgetPart, Counts, PolicyError, Unsupported, check_part, to_count  # noqa: F401 (re-exported)
 from .checks import BudgetChecks
+from .slots import (TIER, TIER_INT, along_slots, bcast, const, keep_top, recent_window,  # noqa: F401 (re-exported)
+                    select_slot, tier_key, tiered)
 
-TIER = float(2**40)  # priority tiers: tier * TIER + position, exact in float64 (positions < 2**40)
-TIER_INT = 2**40  # the same tiers as an int64 key (decoding steps: no float64 conversion)
 CELLS = 2**24  # held_rows: (rows x slots) priorities judged at once per sequence, bounds the memory
 
 
@@ -55,8 +55,6 @@ class KernelForm:
     score: int = 0
     decay: float = 0.0
 
-
-COMPRESS = ("decode", "prefill")  # Policy.compress
 
 # What a rule reads from a forward beyond keys' positions (Policy.reads; both paths compute only that):
 READ_KEYS = "keys"  # the held keys after RoPE, at a cut and at decoding steps (Policy.cut_score, step_score)
@@ -117,9 +115,15 @@ class Policy(BudgetChecks):
     # True: a layer's budget is shared by its KV heads (Ada-KV): every eviction is a cut of the whole layer by
     # :meth:`keep` (a decoding step too), heads hold uneven counts, the evicting cache stores them padded
     pooled: ClassVar[bool] = False
-    # when an evicting policy compresses: "decode" (the budget kept at every step as the sequence grows) or
-    # "prefill" (kvpress's protocol: cut once to the budget at the end of the prompt, every later token kept)
+    # True: the rule is a mask over one whole forward (the paper code's H2O, :mod:`.h2o_reference`), not a cache:
+    # the simulated path only, one unpadded sequence at a time, no sliding window; the forward's plan is built once
+    # (:meth:`mask_plan`) and each layer's mask from its logits (:meth:`forward_mask`)
+    whole_forward: ClassVar[bool] = False
+    # when an evicting policy compresses (its schedule, :mod:`h2o.core.schedule`): "decode" (the budget kept at
+    # every step as the sequence grows), "prefill" (kvpress's protocol: cut once to the budget at the end of the
+    # prompt, every later token kept) or "interval" (cut back to the budget every ``interval`` generated tokens)
     compress: str = "decode"
+    interval: int | None = None  # compress="interval": the generated tokens between two cuts
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):
@@ -179,15 +183,20 @@ class Policy(BudgetChecks):
         notice("policy.quant = q is spelled attach(model, policy, quant=q) now (the cache's option)")
         self._quant = quantizer
 
-    def timed(self, compress: str) -> "Policy":
-        """This policy with the compression timing ``compress`` (:data:`COMPRESS`); returns it."""
-        if compress not in COMPRESS:
-            raise PolicyError(f"compress={compress!r}: allowed: {', '.join(COMPRESS)}")
-        if compress != "decode" and not self.evicts:
+    def timed(self, compress: str, interval: int | None = None) -> "Policy":
+        """This policy with the compression timing ``compress`` (:data:`COMPRESS`) and its option ``interval``
+        (:func:`h2o.core.schedule.make_schedule`); returns it."""
+        schedule = make_schedule(compress, interval)
+        if not schedule.evicts_each_step and not self.evicts:
             raise Unsupported(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
                               f"allowed: decode")
-        self.compress = compress
+        self.compress, self.interval = compress, schedule.every
         return self
+
+    @property
+    def schedule(self) -> Schedule:
+        """When this rule runs (:class:`h2o.core.schedule.Schedule`): ``compress`` with its ``interval``."""
+        return make_schedule(self.compress, self.interval)
 
     # ----------------------------------------------------------------- budget
     def counts(self, length: torch.Tensor) -> Counts:
@@ -309,6 +318,17 @@ class Policy(BudgetChecks):
         loop serves it (on CUDA with a one-line notice, :func:`h2o.core.row_kernel.use_kernel`)."""
         return None
 
+    # --------------------------------------------------- whole-forward rules
+    def mask_plan(self, valid: torch.Tensor):
+        """A :attr:`whole_forward` rule's plan, built once per forward from valid (B, T) bool (shared by the
+        layers)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a whole-forward rule")  # abstract
+
+    def forward_mask(self, logits: torch.Tensor, allowed: torch.Tensor, plan) -> torch.Tensor:
+        """A :attr:`whole_forward` rule's mask: logits (B, Hkv, G, T, T), allowed (B, 1, 1, T, T) bool causal and
+        padding, ``plan`` (:meth:`mask_plan`) -> bool broadcastable to the logits."""
+        raise NotImplementedError(f"{type(self).__name__} is not a whole-forward rule")  # abstract
+
     # ---------------------------------------------------- restricting policies
     def restrict(self, logits: torch.Tensor, acc: torch.Tensor, allowed: torch.Tensor,
                  counts: Counts) -> torch.Tensor:
@@ -320,7 +340,7 @@ class Policy(BudgetChecks):
 
     def describe(self) -> dict:
         out = {"policy": self.name, "budget": self.budget, "heavy": self.heavy, "recent": self.recent}
-        return out if self.compress == "decode" else {**out, "compress": self.compress}  # the default unnamed
+        return {**out, **self.schedule.describe()}  # the default timing (decode) unnamed
 
     def __repr__(self):
         return f"{type(self).__name__}(heavy={self.heavy}, recent={self.recent})"
@@ -350,75 +370,3 @@ class Decoder:
 
     def reset(self) -> None:
         pass
-
-
-# ---------------------------------------------------------------- shared helpers
-def bcast(x: torch.Tensor) -> torch.Tensor:
-    """(B,) -> (B, 1, 1) to broadcast against (B, H, S) (one view; indexing with None takes two ops)."""
-    return x.view(-1, 1, 1)
-
-
-@cache
-def const(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A 0-dim tensor of ``value``, made once per dtype and device. A Python scalar given to ``torch.where`` or an
-    arithmetic op is wrapped into a tensor on the host at every call (up to 4 more aten ops each, per layer and
-    decoding step); this one is not."""
-    return torch.tensor(value, dtype=dtype, device=device)
-
-
-def tiered(top: torch.Tensor, special: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """Priority of a tiered pattern, (B, H, S) float64: tier 2 (``top``), 1 (``special`` outside ``top``), 0;
-    newest first within a tier."""
-    return (2 * top + (special > top)).double() * TIER + pos.double()  # a > b of bools: a & ~b
-
-
-def tier_key(top: torch.Tensor, special: torch.Tensor, pos: torch.Tensor, out: torch.Tensor | None = None
-             ) -> torch.Tensor:
-    """The order of :func:`tiered` as an int64 key where tier 2 holds the newest tokens (a window, the current
-    block): then ``top`` and ``special`` can share one tier (three ops, exact; ``out``: into that buffer)."""
-    return torch.where(torch.bitwise_or(top, special), pos + const(TIER_INT, torch.int64, pos.device), pos, out=out)
-
-
-def recent_window(pos: torch.Tensor, now: torch.Tensor, size: torch.Tensor) -> torch.Tensor:
-    """(B, H, S) bool: the ``size`` most recent positions counting the arriving token ``now`` itself."""
-    return pos > bcast(now - size)
-
-
-def select_slot(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None, room: torch.Tensor | None
-                ) -> torch.Tensor:
-    """The eviction step shared by both paths: which slot the arriving token takes, (B, H, 1) int64.
-
-    Where the sequence still has ``room`` (B,) below its budget, an empty slot (``valid`` False) is taken (``room``
-    (B, H, 1): per KV head, on a sliding-window layer where the window frees slots head by head).
-    Otherwise the valid slot of lowest priority is dropped, the oldest one on ties, so the answer does not
-    depend on the order of slots (the evicting cache fills slots in place, the simulated mask by position).
-    ``valid=None``: every slot holds a token (then ``room`` is not read). Compared in ``prio``'s dtype.
-    """
-    key = prio
-    if valid is not None:
-        inf = const(float("inf"), prio.dtype, prio.device)
-        key = torch.where(valid, prio, torch.where(room if room.dim() == 3 else bcast(room), -inf, inf))
-    tie = key == key.amin(-1, keepdim=True)
-    oldest = torch.where(tie, pos, const(torch.iinfo(torch.int64).max, torch.int64, pos.device))
-    return oldest.argmin(-1, keepdim=True)
-
-
-def along_slots(index: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """A slot index (B, H, S') for a gather/scatter of ``state`` (B, H, S, ...) along its slot axis 2: as it is for
-    a (B, H, S) state, else broadcast over the trailing axes (:meth:`Policy.new_state`)."""
-    if state.dim() == 3:
-        return index
-    return index.view(*index.shape, *[1] * (state.dim() - 3)).expand(*index.shape, *state.shape[3:])
-
-
-def keep_top(prio: torch.Tensor, valid: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """(B, H, S) bool: the ``keep`` (B,) highest-priority valid slots, newer first on ties.
-
-    Slots must be in position order (true at the end of a prefill in both paths).
-    """
-    key = torch.where(valid, prio, -float("inf"))
-    order = key.argsort(dim=-1, stable=True)  # ascending; on ties the older slot comes first
-    rank_from_top = torch.empty_like(order)
-    S = key.shape[-1]
-    rank_from_top.scatter_(-1, order, torch.arange(S - 1, -1, -1, device=key.device).expand_as(order))
-    return (rank_from_top < bcast(keep)) & valid

@@ -28,16 +28,16 @@ class DecodingOrder(PrefillOnly):
     decode_form = True
 
     def accumulate(self, acc, probs, valid=None) -> None:
-        if self.compress == "prefill":
+        if self.compress != "decode":  # prefill, interval: attention, as any rule
             super().accumulate(acc, probs, valid)
 
     def accumulate_prompt(self, acc, probs, valid, left) -> None:
-        if self.compress == "prefill":
+        if self.compress != "decode":  # prefill, interval: attention, as any rule
             super().accumulate_prompt(acc, probs, valid, left)
 
     def cut_order(self, acc, prio, pos, valid, counts: Counts) -> None:
         """kvpress's prefill press: a sequence that drops keys gets its kept slots' places in ``topk``'s order."""
-        if self.compress == "prefill":
+        if self.compress != "decode":  # prefill, interval: no slot order to keep (slots stay in position order)
             return
         rows, index, lengths = rows_by_position(prio, pos, valid)  # (B, H, L + 1) the scores by position
         for b, (length, n) in enumerate(zip(lengths, counts.total.tolist())):
@@ -51,7 +51,7 @@ class DecodingOrder(PrefillOnly):
         """(B, H, S) the priority of a decoding step: where a head is full, 0 for the key ``topk(n - 1)`` leaves out
         of kvpress's row and 1 for the others (whose places ``acc`` takes, in place); elsewhere the score."""
         score = self.cut_score(acc, keys, held)  # (B, H, S)
-        if self.compress == "prefill":
+        if self.compress != "decode":  # prefill, interval: the score as it is
             return score
         full = held.sum(-1) >= counts.total[:, None]  # (B, H) the arriving token evicts
         if not bool(full.any()):

@@ -92,12 +92,12 @@ class ExpectedAttention(PrefillOnly):
         self.n_future_positions, self.n_sink = n_future_positions, n_sink
         self.use_covariance, self.use_vnorm, self.epsilon = use_covariance, use_vnorm, float(epsilon)
 
-    def timed(self, compress: str):
+    def timed(self, compress: str, interval: int | None = None):
         if compress == "decode":
             raise Unsupported(f"compress=decode: expected_attention has no faithful decoding form (kvpress's "
                               f"DecodingPress(ExpectedAttentionPress, compression_interval=1) scores from the one "
                               f"hidden state buffered since its last cut, {self.degenerate()}); allowed: prefill")
-        return super().timed(compress)
+        return super().timed(compress, interval)
 
     def degenerate(self) -> str:
         """What kvpress's re-score every step computes from one buffered hidden state under this ``n_sink``."""

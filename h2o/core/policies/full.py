@@ -1,4 +1,5 @@
 """full: the unmodified cache. Every token stays; the reference every table compares against."""
+from ..schedule import make_schedule
 from .base import NOTHING, Policy
 from .budget import Unsupported
 
@@ -13,11 +14,11 @@ class Full(Policy):
     def __init__(self, budget=1.0, heavy=None, recent=None, heavy_share=0.5):
         super().__init__(budget=1.0)
 
-    def timed(self, compress: str) -> Policy:
-        if compress == "prefill":  # nothing is ever cut: one run (decode, the default) serves both timings
-            raise Unsupported("compress=prefill: full keeps every token, so its one run serves both timings; "
+    def timed(self, compress: str, interval: int | None = None) -> Policy:
+        if not make_schedule(compress, interval).evicts_each_step:  # nothing is ever cut: one run (decode) serves all
+            raise Unsupported(f"compress={compress}: full keeps every token, so its one run serves every timing; "
                               "allowed: decode")
-        return super().timed(compress)
+        return super().timed(compress, interval)
 
     def needs(self):
         return []

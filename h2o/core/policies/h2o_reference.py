@@ -9,7 +9,8 @@ The simulated path applies the rule through :func:`reference_plan` and :func:`re
 """
 import torch
 
-from .base import READ_ROWS, Policy, PolicyError
+from ..schedule import make_schedule
+from .base import READ_ROWS, Policy, PolicyError, Unsupported
 from .h2_only import H2Only
 from .h2o import H2O, reference_mask
 
@@ -17,9 +18,22 @@ from .h2o import H2O, reference_mask
 class H2OReference(H2O):
     name = "h2o_reference"
     reads = frozenset({READ_ROWS})  # simulated only: the unmasked rows of every query
+    whole_forward = True  # the simulated path's mask over one forward (Policy.mask_plan, forward_mask)
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
         super().__init__(budget, heavy, recent, heavy_share)
+
+    def mask_plan(self, valid: torch.Tensor) -> tuple[int, int]:
+        return reference_plan(self, valid)
+
+    def forward_mask(self, logits, allowed, plan: tuple[int, int]) -> torch.Tensor:
+        return reference_allowed(logits, allowed, plan)
+
+    def timed(self, compress: str, interval: int | None = None) -> Policy:
+        if make_schedule(compress, interval).cuts_later:  # one mask over one forward: no decoding steps to schedule
+            raise Unsupported(f"compress={compress}: h2o_reference is the paper code's mask over one forward (no "
+                              f"decoding form); allowed: decode")
+        return super().timed(compress, interval)
 
 
 def as_reference(policy) -> H2OReference:
@@ -31,7 +45,7 @@ def as_reference(policy) -> H2OReference:
         got = policy.name if type(policy) not in (H2O, H2Only) else f"{policy.name} score={policy.score_kind}"
         raise PolicyError(f"semantics=reference: the paper code's mask rule exists for policy h2o or h2_only with "
                           f"score=sum only (got {got}); it is the policy h2o_reference")
-    return H2OReference(heavy=policy.heavy, recent=policy.recent).timed(policy.compress)
+    return H2OReference(heavy=policy.heavy, recent=policy.recent).timed(policy.compress, policy.interval)
 
 
 def reference_plan(policy: Policy, valid: torch.Tensor) -> tuple[int, int]:

@@ -4,8 +4,8 @@ recent window), the default timing is ``compress="prefill"`` (kvpress's setting)
 Selection at a cut (:meth:`PrefillOnly.keep`) is kvpress's ``ScorerPress``, ``scores.topk(n)`` over the prompt's
 positions per KV head, run as kvpress runs it, so exact ties go the same way (:mod:`.kvpress_select`).
 
-``compress=decode`` is refused in one line, except for a press with a decoding form (``decode_form``: knorm,
-keydiff, per-key scores; :mod:`.decoding_press`): kvpress's ``DecodingPress(press, compression_interval=1)``. At
+``compress=decode`` and ``compress=interval`` are refused in one line, except for a press with a decoding form
+(``decode_form``: knorm, keydiff, per-key scores; :mod:`.decoding_press`): kvpress's ``DecodingPress(press, compression_interval=1)``. At
 each decoding step the arriving token takes the slot of the held key kvpress's ``topk`` leaves out (the lowest
 :meth:`Policy.step_score` of the held older keys); a cut keeps ``total - 1`` (:attr:`cut_room`), the next token
 taking the free slot (docs/methods.md, "KNorm and KeyDiff at every decoding step").
@@ -14,6 +14,7 @@ from typing import ClassVar
 
 import torch
 
+from ..schedule import make_schedule
 from .base import Counts, Policy
 from .budget import Unsupported
 from .kvpress_select import kvpress_topk
@@ -29,11 +30,11 @@ class PrefillOnly(Policy):
         zero = 0.0 if isinstance(self.budget, float) else 0
         Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent window: the whole budget is scored
 
-    def timed(self, compress: str) -> Policy:
-        if compress == "decode" and not self.decode_form:
-            raise Unsupported(f"compress=decode: {self.name} is defined at the end of a prompt only (kvpress's "
-                              f"rule); allowed: prefill")
-        return super().timed(compress)
+    def timed(self, compress: str, interval: int | None = None) -> Policy:
+        if not make_schedule(compress, interval).once and not self.decode_form:
+            raise Unsupported(f"compress={compress}: {self.name} is defined at the end of a prompt only (kvpress's "
+                              f"rule, no decoding form); allowed: prefill")
+        return super().timed(compress, interval)
 
     @property
     def cut_room(self) -> int:

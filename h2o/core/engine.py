@@ -1,0 +1,77 @@
+"""What tasks, benchmarks and the pipeline ask of a run's eviction: one small interface over a policy (its rule and
+its schedule), so that nothing outside ``h2o.core`` reads a policy's flags.
+
+* :func:`drops_tokens`: the rule drops tokens from the cache (an evicting rule), not a restricting one (top-k keeps the
+  whole cache and limits each query); the record's ``evicts`` field.
+* :func:`keeps_all`: nothing is ever dropped (full, or a 100% ratio budget): the run equals full.
+* :func:`compresses_once`: the prompt is cut once at its end and every later token kept (``compress=prefill``,
+  a budget below 100%).
+* :func:`held_budget`: the tokens per KV head a cache keeps after a prompt (or window) of ``length`` tokens.
+* :func:`held_by_formula`: whether the tokens held follow from the budget alone (every head alike and no
+  sliding window that an ``interval`` schedule's cuts would leave holding fewer); else measure the evicting cache.
+* :func:`whole_forward`, :func:`as_paper_rule`: the paper code's H2O rule (a mask over one whole forward,
+  :mod:`h2o.core.policies.h2o_reference`), under its name :data:`PAPER_RULE`; this is the one module outside
+  ``h2o.core.policies`` that names it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .policies import Policy
+from .policies.h2o_reference import as_reference
+
+PAPER_RULE = "h2o_reference"  # the paper code's H2O mask rule's policy name (simulated only)
+
+
+def drops_tokens(policy: Policy) -> bool:
+    """Whether the rule drops tokens (an evicting rule; False: a restricting one, top-k)."""
+    return bool(policy.evicts)
+
+
+def keeps_all(policy: Policy) -> bool:
+    """Whether the policy never drops anything (full, or a 100% ratio budget): its run is full's."""
+    return bool(policy.is_full)
+
+
+def compresses_once(policy: Policy) -> bool:
+    """Whether the prompt is cut once at its end and every later token kept (``compress=prefill``; an evicting
+    rule below 100%)."""
+    return policy.evicts and policy.schedule.once and not policy.is_full
+
+
+def held_budget(policy: Policy, length: int) -> int:
+    """Tokens per KV head kept after a prompt of ``length`` tokens (the budget, or ``length`` where nothing is
+    dropped)."""
+    return length if policy.is_full else int(policy.counts(torch.tensor([length])).total[0])
+
+
+def layer_budget(policy: Policy, reference: int, layer: int, layers: int, most: int) -> int:
+    """Layer ``layer``'s budget (of ``layers``) in tokens per KV head for a reference length (the arriving token
+    counted); ``most`` where nothing is dropped."""
+    if policy.is_full:
+        return most
+    return int(policy.layer_counts(policy.counts(torch.tensor([reference])), layer, layers).total[0])
+
+
+def held_by_formula(policy: Policy, windows: list[int | None]) -> bool:
+    """Whether the tokens each layer holds follow from its budget and schedule alone (layers' sliding
+    ``windows``): False for a rule whose heads share a budget (Ada-KV: the storage is padded to the largest head,
+    which depends on the scores) and for ``interval`` on a sliding layer (what leaves the window between cuts
+    depends on what was kept): measure the evicting cache there."""
+    if policy.is_full:
+        return True
+    if policy.pooled:
+        return False
+    return policy.schedule.evicts_each_step or policy.schedule.once or all(w is None for w in windows)
+
+
+def whole_forward(policy: Policy) -> bool:
+    """Whether the rule is a mask over one whole forward (the paper code's, :data:`PAPER_RULE`): simulated only,
+    one unpadded sequence at a time."""
+    return bool(policy.whole_forward)
+
+
+def as_paper_rule(policy: Policy) -> Policy:
+    """The paper code's rule on ``policy``'s heavy/recent split (the older spelling ``semantics=reference``); a
+    policy outside its scope is a one-line PolicyError."""
+    return as_reference(policy)
