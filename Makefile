@@ -22,8 +22,9 @@ help: ## list the targets
 
 install: .venv/installed ## create .venv and install the package with its pinned stack
 
-test: install ## run the test suite (what CI runs); tests/test_slurm_real.py brings a one-node Slurm up and down itself (root)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+test: install ## run the test suite (what CI runs) in a shuffled order; TEST_SEED=<n> repeats an order; tests/test_slurm_real.py brings a one-node Slurm up and down itself (root)
+	@echo "make test: test order shuffled with seed $(TEST_SEED); this order again: make test TEST_SEED=$(TEST_SEED)"
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p randomly --randomly-seed=$(TEST_SEED)
 
 slurm-up: ## start the one-node Slurm of the tests (root; installs the Debian packages if missing); then export SLURM_CONF=/tmp/h2o-slurm/slurm.conf
 	bash tests/slurm/up.sh
@@ -75,6 +76,7 @@ prefetch: install ## download every model and data set of experiment EXP into th
 # BENCH_THREADS=1 beside four other jobs on 2 cores). On shared cores use BENCH_THREADS=1: two threads per process
 # then wait on each other at every small op (decoding measured 5-10x slower).
 TEST_WORKERS ?= 2  # make test: pytest-xdist processes, each test file on one (tests/slurm and the model cache are shared)
+TEST_SEED ?= $(shell python3 -c 'import random; print(random.randrange(1, 10**6))')  # make test: the shuffle's seed (pytest-randomly)
 BENCH_THREADS ?= 2
 BENCH_LONG ?= 4096,8
 BENCH_SHORT ?= 2048,1

@@ -67,6 +67,8 @@ def record_row(metrics_file: Path) -> dict:
     if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))
                                or not math.isfinite(budget)):
         raise ValueError(f'"budget" must be a number or null, got {budget!r}')
+    noted = rec.pop("nonfinite", None)  # h2o.store.strict_json: an inf or nan written as null, named here
+    noted = [k[len("metrics."):] for k in noted if k.startswith("metrics.")] if isinstance(noted, dict) else []
     row = _flatten(rec)
     options = rec.get("policy_options") if isinstance(rec.get("policy_options"), dict) else {}
     for key, value in _flatten(metrics).items():
@@ -74,8 +76,9 @@ def record_row(metrics_file: Path) -> dict:
             row[f"option_{key}"] = row.pop(key)
         row[f"metric_{key}" if key in row else key] = value
     row["path"] = str(Path(metrics_file).parent)
-    row["nonfinite_metrics"] = ",".join(k for k, v in _flatten(metrics).items()
-                                        if isinstance(v, float) and not math.isfinite(v)) or None
+    row["nonfinite_metrics"] = ",".join([*(k for k, v in _flatten(metrics).items()
+                                          if isinstance(v, float) and not math.isfinite(v)),
+                                        *(k for k in noted if k in _flatten(metrics))]) or None
     return row
 
 

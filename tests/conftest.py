@@ -1,7 +1,9 @@
-"""Without a GPU, Triton kernels run under the interpreter (set before anything imports triton)."""
+"""Without a GPU, Triton kernels run under the interpreter (set before anything imports triton); every test leaves
+the process as it found it (the last fixture)."""
 import inspect
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -45,3 +47,31 @@ def patch_language_once_per_launch() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     patch_language_once_per_launch()
+
+
+# Libraries that configure log handlers on the streams of the moment when first imported (transformers,
+# huggingface_hub, submitit): imported here, at collection, not inside a test whose captured streams close after it
+import lm_eval  # noqa: E402,F401  (also sets HF_XET_HIGH_PERFORMANCE in the environment on import)
+import transformers  # noqa: E402,F401
+
+from h2o.cli.process import import_submitit  # noqa: E402
+
+import_submitit()
+
+
+@pytest.fixture(autouse=True)
+def leaves_the_process_as_it_found_it(request):
+    """Fail the test that leaves process state changed (log handlers, sys.argv and streams, environment, working
+    folder, torch's threads and default dtype: h2o.cli.process), then put it back so the next test starts clean.
+    Autouse, so it is set up first and torn down last: monkeypatch and capsys have undone their changes by then."""
+    from h2o.cli.process import changed, restore, snapshot
+
+    before = snapshot()
+    yield
+    after = snapshot()
+    diff = changed(before, after)
+    if diff:
+        restore(before)
+        pytest.fail(f"{request.node.nodeid} left process state changed: {', '.join(diff)} (an entry point runs "
+                    f"inside h2o.cli.process.kept; a test restores what it changes, e.g. with monkeypatch)",
+                    pytrace=False)

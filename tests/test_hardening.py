@@ -4,6 +4,7 @@ names its provenance. Tiny random models and offline tasks only; everything in p
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
@@ -69,7 +70,9 @@ BAD = [
     ("runs-dir-empty", [*TINY, "runs_dir="], ["runs_dir=''", "folder"], {}),
     ("hang-xsum-no-room-for-prompt", [*TINY, "task=bb_xsum", "task.shots=0", "task.max_new_tokens=5000"],
      ["max_new_tokens=5000", "4096", "allowed: 1-2048"], {}),
-    ("xsum-shots-over-pool", [*TINY, "task=bb_xsum", "task.shots=1000"], ["shots=1000", "100 train", "0-100"], {}),
+    ("xsum-shots-over-pool", [*TINY, "task=bb_xsum", "task.shots=1000"], ["shots=1000", "9 train", "50-150 words",
+                                                                          "0-9"], {}),
+    ("xsum-shots-over-usable-pool", [*TINY, "task=bb_xsum", "task.shots=50"], ["shots=50", "9 train", "0-9"], {}),
     ("shots-bool", [*TINY, "task.shots=true"], ["task.shots=True", "an int"], {}),
     ("threads-bool", ["model=tiny-llama", "threads=true"], ["threads=True", "positive int"], {}),
     ("heavy-share-bool", [*TINY, "policy.heavy_share=true"], ["heavy_share=True", "[0, 1]"], {}),
@@ -128,6 +131,20 @@ BAD = [
      ["budget=1e-05", "x 4096 positions", "tova needs at least 1", "allowed: a ratio >= 0.000244"], {}),
     ("tova-unknown-option", [*TINY, "policy=tova", "+policy.score=mean"],
      ["policy.score", "no such option for policy=tova", "allowed:", "heavy_share"], {}),
+    # reasoning tasks (h2o.tasks.reasoning): sampling, samples per problem, generation budget, thinking switch
+    ("reasoning-temperature-negative", [*TINY, "task=aime24", "task.temperature=-0.1"],
+     ["task.temperature=-0.1", "allowed: a number >= 0"], {}),
+    ("reasoning-top-p-zero", [*TINY, "task=aime24", "task.top_p=0"], ["task.top_p=0", "(0, 1]"], {}),
+    ("reasoning-top-p-over-one", [*TINY, "task=aime24", "task.top_p=1.5"], ["task.top_p=1.5", "(0, 1]"], {}),
+    ("reasoning-n-zero", [*TINY, "task=gsm8k", "task.n=0"], ["task.n=0", "an int >= 1"], {}),
+    ("reasoning-max-gen-toks-zero", [*TINY, "task=math500", "task.max_gen_toks=0"],
+     ["task.max_gen_toks=0", "an int >= 1"], {}),
+    ("reasoning-max-gen-toks-over-model", [*TINY, "task=aime25", "task.max_gen_toks=5000"],
+     ["task.max_gen_toks=5000", "4096 positions", "allowed: < 4096"], {}),
+    ("reasoning-thinking-unknown", [*TINY, "task=aime24", "task.thinking=maybe"],
+     ["task.thinking='maybe'", "true/false or null"], {}),
+    ("reasoning-thinking-without-end", [*TINY, "task=aime24", "task.thinking=true"],
+     ["task.thinking=true", "think_end_token"], {}),
     ("random-heavy-recent-unused", [*TINY, "policy=random", "policy.heavy=2", "policy.recent=2"],
      ["policy.heavy=2", "random reads only", "policy.budget=4"], {}),
     ("random-seed-negative", [*TINY, "policy=random", "policy.seed=-1"], ["seed=-1", "[0, 2**31 - 1)"], {}),
@@ -146,7 +163,7 @@ BAD = [
                                                                                     "gemma3-270m"], {}),
     # long-context tasks (conf/task/niah.yaml, ruler_*.yaml): grid, haystack, generation, seed
     ("niah-lengths-zero", [*TINY, *NIAH, "task.lengths=[0]"], ["task.lengths=[0]", "ints > 0"], {}),
-    ("niah-lengths-text", [*TINY, *NIAH, "task.lengths=abc"], ["task.lengths=['a', 'b', 'c']", "ints > 0"], {}),
+    ("niah-lengths-text", [*TINY, *NIAH, "task.lengths=abc"], ["task.lengths='abc'", "ints > 0"], {}),
     ("niah-lengths-float", [*TINY, *NIAH, "task.lengths=[1.5]"], ["task.lengths=[1.5]", "ints > 0"], {}),
     ("niah-length-over-positions", [*TINY, *NIAH, "task.lengths=[8192]"],
      ["task.lengths=[8192]", "tiny-llama's 4096 positions", "allowed: <= 4084"], {}),
@@ -198,6 +215,35 @@ BAD = [
     ("h2o-reference-niah", [*TINY, "policy=h2o_reference", *NIAH], ["policy=h2o_reference", "niah (retrieval)"], {}),
     ("h2o-reference-semantics-real", [*TINY, "policy=h2o_reference", "semantics=real"],
      ["semantics=real", "allowed: semantics=auto"], {}),
+    # round four (issue 38): token counts past the model, data not prefetched, non-finite floats, the model's config
+    ("scissorhands-history-over-positions", [*TINY, "policy=scissorhands", "policy.history=1000000000000"],
+     ["history=1000000000000", "longer than any sequence", "4096 positions", "allowed: history in 1-4096"], {}),
+    ("snapkv-window-over-positions", [*TINY, "policy=snapkv", "policy.window=5000"],
+     ["window=5000", "4096 positions", "allowed: window in 1-4096"], {}),
+    ("ruler-qa-hotpot-not-fetched", [*TINY, "task=ruler_qa_hotpot", "task.lengths=[1024]"],
+     ["task=ruler_qa_hotpot", "not on this machine", "hotpot_dev_distractor_v1.json", "make prefetch"],
+     {"H2O_CACHE": "{tmp}/cache"}),
+    ("ruler-qa-squad-not-fetched", [*TINY, "task=ruler_qa_squad", "task.lengths=[1024]"],
+     ["task=ruler_qa_squad", "dev-v2.0.json", "make prefetch"], {"H2O_CACHE": "{tmp}/cache"}),
+    ("ruler-essays-not-fetched", [*TINY, "task=ruler_niah_single_2", "task.text=essays"],
+     ["task=ruler_niah_single_2", "baber/paul_graham_essays", "make prefetch"], {"HF_HOME": "{tmp}/hf"}),
+    ("longbench-not-fetched", [*TINY, "task=longbench", "task.lengths=[2048]"],
+     ["task=longbench", "Xnhyacinth/LongBench", "make prefetch"], {"HF_HOME": "{tmp}/hf"}),
+    ("pyramidkv-beta-inf", [*TINY, "policy=pyramidkv", "policy.beta=inf"],
+     ["policy.beta=inf", "not a finite number", "allowed"], {}),
+    ("heavy-share-nan", [*TINY, "policy.heavy_share=nan"], ["policy.heavy_share=nan", "not a finite number"], {}),
+    ("budget-nan", [*TINY, "policy.budget=nan"], ["policy.budget=nan", "not a finite number"], {}),
+    ("decay-inf", [*TINY, "policy.score=decay", "policy.decay=inf"], ["policy.decay=inf", "not a finite number"], {}),
+    ("expected-attention-epsilon-inf", [*TINY, "policy=expected_attention", "policy.epsilon=inf"],
+     ["policy.epsilon=inf", "not a finite number"], {}),
+    ("niah-depths-nan", [*TINY, *NIAH, "task.depths=[nan]"], ["task.depths[0]=nan", "not a finite number"], {}),
+    ("expected-attention-no-rotary", ["model=tiny-opt", "threads=1", "policy=expected_attention"],
+     ["policy=expected_attention", "model tiny-opt has no rotary embedding in its config",
+      "allowed: a model with rotary embeddings"], {}),
+    ("niah-lengths-int", [*TINY, "task=niah", "task.lengths=512"],
+     ["task.lengths=512", "expected a list", "task.lengths=[512]", "allowed: a list of token counts (ints > 0)"], {}),
+    ("niah-depths-number", [*TINY, *NIAH, "task.depths=0.5"],
+     ["task.depths=0.5", "expected a list", "allowed: a list of fractions in [0, 1]"], {}),
 ]
 
 
@@ -228,7 +274,7 @@ def test_bad_input_one_line_exit_2_nothing_loaded(case, args, words, env, capsys
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
     for k, v in env.items():
-        monkeypatch.setenv(k, v)
+        monkeypatch.setenv(k, v.replace("{tmp}", str(tmp_path)))
     models_spec._LOADED.clear()
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     assert main(args) == 2
@@ -426,6 +472,16 @@ LM_EVAL_BAD = [
     ("pretrained=tiny:llama,quant=kvquant,quant_calibration=/nowhere.pt", ["'/nowhere.pt': no such file"]),
     ("pretrained=tiny:llama,policy=topk,heavy=0.1,recent=0.1", ["--model_args heavy=0.1", "topk reads only"]),
     ("pretrained=tiny:llama,policy=h2o,budget=1e-9", ["budget=1e-09", "x 4096 positions", "allowed: a ratio >="]),
+    # round four (issue 38): every key checked up front, with the allowed list
+    ("pretrained=tiny:llama,question=sideways", ["--model_args question='sideways'", "allowed: prompt, after"]),
+    ("pretrained=tiny:llama,policy=tova,windw=8",
+     ["--model_args windw=8", "no such option of --model h2o (policy=tova)", "allowed: pretrained, policy",
+      "quant_<option>", "policy=tova's options (budget, heavy, recent, heavy_share, compress)", "HFLM arguments",
+      "max_length"]),
+    ("pretrained=tiny:opt,policy=expected_attention", ["policy=expected_attention", "tiny:opt has no rotary"]),
+    ("pretrained=tiny:llama,policy=scissorhands,history=1000000000000",
+     ["history=1000000000000", "allowed: history in 1-4096"]),
+    ("pretrained=tiny:llama,policy=pyramidkv,beta=inf", ["beta=inf", "not a finite number"]),
 ]
 
 
@@ -435,10 +491,28 @@ def test_lm_eval_cli_bad_input(model_args, words, capsys, tmp_path, monkeypatch)
 
     from h2o.tasks import lm_eval_cli
 
-    monkeypatch.setattr(HFLM, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+    def refuse(*a, **k):
+        raise AssertionError("model loaded")
+
+    refuse.__signature__ = inspect.signature(HFLM.__init__)  # the wrapper lists HFLM's arguments as allowed keys
+    monkeypatch.setattr(HFLM, "__init__", refuse)
     monkeypatch.setattr("sys.argv", ["lm_eval_cli", "--model", "h2o", "--model_args", model_args, "--tasks",
                                      "bb_copa", "--include_path", "tasks", "--output_path", str(tmp_path / "out")])
     one_line_exit_2(lm_eval_cli.main(), capsys, words)
+
+
+def test_lm_eval_cli_refuses_ruler_qa_without_its_data(capsys, tmp_path, monkeypatch):
+    """``--tasks ruler_qa_hotpot`` with its JSON not fetched: one line naming make prefetch, before any load."""
+    from lm_eval.models.huggingface import HFLM
+
+    from h2o.tasks import lm_eval_cli
+
+    monkeypatch.setenv("H2O_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(HFLM, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
+    monkeypatch.setattr("sys.argv", ["lm_eval_cli", "--model", "hf", "--model_args", "pretrained=x", "--tasks",
+                                     "ruler_qa_hotpot", "--output_path", str(tmp_path / "out")])
+    one_line_exit_2(lm_eval_cli.main(), capsys, ["--tasks ruler_qa_hotpot", "not on this machine",
+                                                 "hotpot_dev_distractor_v1.json", "make prefetch"])
 
 
 def test_analysis_cli_bad_paths(capsys, tmp_path):
@@ -660,7 +734,9 @@ def test_each_sweep_process_has_its_own_folder_and_summary(tmp_path, monkeypatch
     assert len(folders) == 2 and all(len(read_jsonl(f / "jobs.jsonl")) == 2 for f in folders)
     # two sweeps forced into one folder: each summary counts only its own jobs; a failure is only its sweep's
     shared = f"hydra.sweep.dir={tmp_path}/shared"
-    assert main(["-m", *TINY, runs, shared, "task=bb_xsum", "task.limit=1", "task.shots=50", "seed=3"]) == 1
+    with monkeypatch.context() as m:  # a job that fails while it runs, past every up-front check
+        m.setattr("h2o.tasks.summarization.SummarizationTask.run", lambda *a, **k: 1 / 0)
+        assert main(["-m", *TINY, runs, shared, "task=bb_xsum", "task.limit=1", "task.shots=1", "seed=3"]) == 1
     capsys.readouterr()
     assert main(["-m", *TINY, *PPL, runs, shared, "seed=0,1"]) == 0
     err = capsys.readouterr().err

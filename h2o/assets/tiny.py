@@ -60,7 +60,15 @@ def tiny_checkpoint(arch: str, seed: int = 0) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-tiny-{arch}-", dir=out.parent))
         try:
-            tiny_model(arch, seed, max_position_embeddings=MAX_POSITIONS).save_pretrained(tmp)
+            from transformers.utils import logging as hf_logging
+
+            shown = hf_logging.is_progress_bar_enabled()
+            hf_logging.disable_progress_bar()  # a check phase prints one line at most (no "Writing model shards")
+            try:
+                tiny_model(arch, seed, max_position_embeddings=MAX_POSITIONS).save_pretrained(tmp)
+            finally:
+                if shown:
+                    hf_logging.enable_progress_bar()
             byte_tokenizer().save_pretrained(tmp)
             tmp.rename(out)
         finally:

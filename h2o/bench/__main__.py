@@ -7,7 +7,6 @@ Run records under runs/ come from the experiments only: ``make bench`` (``h2o-ru
 targets, :mod:`h2o.bench.targets`) and ``h2o-run -m experiment=bench_tables`` (one run per policy)."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -38,7 +37,8 @@ def write_rows(records: list[dict], path: str | None) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work (validate)
         with open(path, "w") as f:
             for r in records:
-                f.write(json.dumps(r) + "\n")
+                from h2o.store.strict_json import dumps as strict_dumps  # inf, nan: null
+                f.write(strict_dumps(r) + "\n")
 
 
 def validate(args) -> None:

@@ -117,20 +117,53 @@ def main(argv: list[str] | None = None) -> int:
     """Print the methods table of a ``make bench`` record (its folder or metrics.json) as markdown."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m h2o.bench.every_policy <run folder or metrics.json of make bench>", file=sys.stderr)
+        print("error: usage: python -m h2o.bench.every_policy <run folder or metrics.json of make bench>",
+              file=sys.stderr)
         return 2
     path = Path(args[0])
     path = path / "metrics.json" if path.is_dir() else path
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        print(f"{path}: not a readable record ({type(e).__name__}); allowed: a make bench run folder", file=sys.stderr)
+        print(f"error: {path}: not a readable record ({type(e).__name__}); allowed: a make bench run folder",
+              file=sys.stderr)
         return 2
-    if not record.get(SECTION):
-        print(f"{path}: no methods section (task.methods was null, or the record predates it)", file=sys.stderr)
+    if not isinstance(record, dict) or not record.get(SECTION):
+        print(f"error: {path}: no methods section (task.methods was null, or the record predates it)",
+              file=sys.stderr)
+        return 2
+    bad = row_error(record[SECTION])
+    if bad:
+        print(f"error: {path}: {bad}; allowed: a make bench record whose methods rows have {', '.join(FIELDS)}",
+              file=sys.stderr)
         return 2
     print(table(record[SECTION]))
     return 0
+
+
+FIELDS = ("method", "compress", "prefill_s", "kv_bytes_prefill", "kv_prefill_vs_full", "tokens_held",
+          "kv_meta_bytes", "decode_tok_s", "decode_vs_full", "decode_cpu_vs_full", "kv_bytes")  # what cells() reads
+TEXT = ("method", "compress")  # the others: numbers (or null where the table prints -)
+
+
+def row_error(table_rows) -> str | None:
+    """What is wrong with a record's ``methods`` rows for :func:`table` (one line), or None."""
+    if not isinstance(table_rows, list):
+        return f"methods is {type(table_rows).__name__}, expected a list of rows"
+    for i, row in enumerate(table_rows):
+        if not isinstance(row, dict):
+            return f"methods row {i} is {type(row).__name__}, expected an object"
+        name = row.get("method", f"#{i}")
+        lost = [k for k in FIELDS if k not in row]
+        if lost:
+            return f"methods row {i} ({name}) lacks {', '.join(repr(k) for k in lost)}"
+        for k in FIELDS:
+            v = row[k]
+            ok = (v is None or isinstance(v, str)) if k in TEXT else \
+                (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))
+            if not ok or (k in ("method", "kv_bytes_prefill", "kv_meta_bytes", "kv_bytes") and v is None):
+                return f"methods row {i} ({name}): {k}={v!r} is not {'a text' if k in TEXT else 'a number'}"
+    return None
 
 
 if __name__ == "__main__":

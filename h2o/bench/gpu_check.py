@@ -22,7 +22,6 @@ others still run: a one-shot run on a lent GPU keeps everything it measured.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -212,7 +211,8 @@ def write(out: Path, record: dict) -> None:
     """The JSON replaced whole (never a torn file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=1))
+    from h2o.store.strict_json import dumps as strict_dumps  # inf, nan: null
+    tmp.write_text(strict_dumps(record, indent=1))
     tmp.replace(out)
 
 if __name__ == "__main__":

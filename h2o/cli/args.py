@@ -76,13 +76,16 @@ def fail(exc: BaseException) -> int:
 
 
 def guard(main: Callable[..., int]) -> Callable[..., int]:
-    """Wrap a CLI ``main``: a BadInput anywhere in it prints one line and returns exit status 2."""
+    """Wrap a CLI ``main``: a BadInput anywhere in it prints one line and returns exit status 2; the process is
+    left as the caller had it (:func:`h2o.cli.process.kept`)."""
+    from h2o.cli.process import kept
 
     @functools.wraps(main)
     def wrapped(*args, **kwargs) -> int:
-        try:
-            return main(*args, **kwargs)
-        except BadInput as exc:
-            return fail(exc)
+        with kept():
+            try:
+                return main(*args, **kwargs)
+            except BadInput as exc:
+                return fail(exc)
 
     return wrapped

@@ -72,6 +72,6 @@ def whole_forward(policy: Policy) -> bool:
 
 
 def as_paper_rule(policy: Policy) -> Policy:
-    """The paper code's rule on ``policy``'s heavy/recent split (the older spelling ``semantics=reference``); a
+    """The paper code's rule on ``policy``'s heavy/recent split (its second spelling, ``semantics=reference``); a
     policy outside its scope is a one-line PolicyError."""
     return as_reference(policy)

@@ -105,7 +105,8 @@ def run_ours(model, prompts: dict, methods: list[str], ratios: list[float], deco
                         rec["n_tokens"] = a.shape[1]
                     rec["held_per_layer"] = held
                     rec["seconds"] = round(time.perf_counter() - t0, 2)
-                    f.write(json.dumps(rec) + "\n")
+                    from h2o.store.strict_json import dumps as strict_dumps  # inf, nan: null
+                    f.write(strict_dumps(rec) + "\n")
                     f.flush()
                     print(f"h2o {method} r={ratio} {timing} {p['id']}: nll/token "
                           f"{rec['nll'] / rec['n_tokens']:.4f} ({rec['seconds']} s)", file=sys.stderr, flush=True)

@@ -125,6 +125,8 @@ def attempt(cfg: DictConfig, sweep_dir: Path | None, entry: dict) -> str:
     try:
         spec = prepare(cfg)
         check_fits_here(spec.model)
+        if not finished(spec.path):  # a finished run reads no data; a dry run is never here (h2o.pipeline.sweep)
+            spec.task.check_data()  # data a cluster run prefetches: refused here, before the model loads
     except Unsupported as exc:  # a combination that does not exist: listed as refused by the dry run too
         if not multirun:
             sys.exit(fail(exc))

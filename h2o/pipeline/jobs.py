@@ -98,7 +98,9 @@ def scheduler_states(job_ids: list[str]) -> dict[str, str]:
     """``{<array>_<task>: STATE}`` from sacct ({} without sacct or on its failure)."""
     if not job_ids or shutil.which("sacct") is None:
         return {}
-    from submitit.slurm.slurm import SlurmInfoWatcher
+    from h2o.cli.process import import_submitit
+
+    SlurmInfoWatcher = import_submitit().slurm.slurm.SlurmInfoWatcher
 
     arrays = sorted({j.split("_")[0] for j in job_ids})
     cmd = ["sacct", "-o", "JobID,State,ExitCode", "--parsable2", *[x for a in arrays for x in ("-j", a)]]

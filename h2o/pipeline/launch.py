@@ -33,6 +33,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from h2o.cli.process import import_submitit
 from h2o.assets.model_spec import ConfigError
 from h2o.assets.resources import check_fits_request
 from h2o.assets.paths import CONF
@@ -80,7 +81,7 @@ def run_minutes(spec: RunSpec, cluster: DictConfig) -> float:
     task = spec.task
     if task.kind == "perplexity":
         mtok = task.n_windows * task.window / 1e6
-    elif task.kind == "retrieval":  # long-context prompts, sized by their own grid (h2o.tasks.long_context)
+    elif task.kind in ("retrieval", "reasoning"):  # sized by their own grid (h2o.tasks.long_context, reasoning)
         mtok = task.tokens() / 1e6
     else:
         size = cluster.task_size.get(task.name) or cluster.default_task_size
@@ -135,9 +136,7 @@ class Chunk:
 
     def checkpoint(self, *args, **kwargs):
         """submitit's hook on preemption / timeout: resubmit the same chunk (finished runs are skipped)."""
-        import submitit
-
-        return submitit.helpers.DelayedSubmission(self)
+        return import_submitit().helpers.DelayedSubmission(self)
 
 
 @dataclass
@@ -209,7 +208,7 @@ def describe(works: list[Work], arrs: list[Array], cluster: DictConfig, refused:
 # ------------------------------------------------------------------------------------------- submit
 def submit(arrs: list[Array], cluster: DictConfig, sweep_dir: Path, experiment: str) -> list[dict]:
     """One submitit array per resource class; returns what launch.json records (job ids, chunks)."""
-    import submitit
+    submitit = import_submitit()
 
     records = []
     for i, a in enumerate(arrs):

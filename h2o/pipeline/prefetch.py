@@ -9,7 +9,8 @@ Models: hub ids go to the Hugging Face cache (``huggingface_hub.snapshot_downloa
 ``tiny:<arch>`` to the harness cache.
 Data: lm-eval tasks are built once by lm-eval's TaskManager (which downloads their data sets with ``datasets``),
 summarization tasks load their splits, perplexity tasks their book, long-context tasks what
-h2o.tasks.long_context_data lists (books, RULER's essays, punkt_tab and qa files, LongBench's data). The launcher calls :func:`missing_model` /
+h2o.tasks.long_context_data lists (books, RULER's essays, punkt_tab and qa files, LongBench's data), reasoning tasks
+their lm-eval task's hub data set (h2o.tasks.reasoning). The launcher calls :func:`missing_model` /
 :func:`missing_data` before it submits: a missing asset fails there, in one line.
 """
 from __future__ import annotations
@@ -57,6 +58,10 @@ def missing_data(task) -> str | None:
         from h2o.tasks.long_context_data import missing
 
         return missing(task)
+    if task.kind == "reasoning":  # lm-eval's AIME, GSM8K, MATH-500: their hub data sets
+        from h2o.tasks.reasoning import missing as missing_reasoning
+
+        return missing_reasoning(task)
     name = getattr(task, "lm_eval_task", None)
     if name and getattr(task, "include_path", None) is None and not hub_data_cached(name):
         return f"the data of lm-eval task {name} are not in the Hugging Face cache"
@@ -99,6 +104,10 @@ def fetch_data(task) -> str:
         from h2o.tasks.long_context_data import fetch
 
         return fetch(task)
+    if kind == "reasoning":
+        from h2o.tasks.reasoning import fetch as fetch_reasoning
+
+        return fetch_reasoning(task)
     return "nothing to fetch"
 
 

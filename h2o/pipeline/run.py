@@ -15,8 +15,6 @@ run (h2o.pipeline.wandb_summary) and the sweep's failures, printed (exit status 
 """
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import sys
 import uuid
@@ -27,11 +25,14 @@ from omegaconf import DictConfig
 
 from h2o.assets.paths import CONF
 from h2o.assets.resources import check_fits_here
+from h2o.assets.fetch import FetchError
 from h2o.cli.args import fail
+from h2o.cli.process import kept
 from h2o.core.validate import ConfigError
 from h2o.pipeline.job import attempt, log
 from h2o.pipeline.jobs import SERVED_FILE, classify, served_runs
 from h2o.store.files import read_jsonl, write_json
+from h2o.store.folders import finished
 from h2o.pipeline.sweep import BAD_INPUT, expand, summary_line
 
 SWEEP_ENV = "H2O_SWEEP_ID"  # set by main() for a multirun; every job row of the sweep carries it
@@ -61,28 +62,15 @@ def hydra_main(cfg: DictConfig) -> str:
     return run_job(cfg)
 
 
-@contextlib.contextmanager
-def logging_kept():
-    """The root logger's handlers and level as they were, after Hydra's run: its logging configs (hydra_logging,
-    job_logging=stdout) put a handler on the sys.stdout of that moment, which a caller in the same process may close
-    afterwards (pytest's captured output), and every later log line would then fail on a closed file."""
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        yield
-    finally:
-        for handler in root.handlers[:]:
-            if handler not in handlers:
-                root.removeHandler(handler)
-        for handler in handlers:
-            if handler not in root.handlers:
-                root.addHandler(handler)
-        root.setLevel(level)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """Validate every job first, then hand the command line to Hydra; report a sweep's failures at the end."""
+    """Validate every job first, then hand the command line to Hydra; report a sweep's failures at the end. The
+    process is left as the caller had it (Hydra's log handlers, sys.argv, the environment: h2o.cli.process)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    with kept():
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     if SLURM in argv:  # one path for `make sweep LAUNCHER=slurm` and this spelling
         from h2o.pipeline.launch import main as launch
 
@@ -99,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             sweep = expand(overrides, multirun)
             for model in {spec.model.key(): spec.model for spec in sweep.specs}.values():
                 check_fits_here(model)  # before any job loads anything
-        except BAD_INPUT as exc:
+            for spec in sweep.specs:  # data a cluster run prefetches (make prefetch): an unfinished run needs it
+                if not finished(spec.path):
+                    spec.task.check_data()
+        except (BAD_INPUT, FetchError) as exc:  # a fetch for an up-front data check says what to do in one line
             return fail(exc)
         if multirun:
             works = classify(sweep.jobs, sweep.specs)
@@ -113,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             sweep_dir.mkdir(parents=True, exist_ok=True)
             write_json(sweep_dir / SERVED_FILE, served_runs(works))  # read by each job (attempt)
     sys.argv = [sys.argv[0], *argv]
-    with logging_kept():
-        hydra_main()
+    hydra_main()
     if sweep_dir is None:
         return 0
     if any(spec.cfg.logger.get("wandb") for spec in sweep.specs):

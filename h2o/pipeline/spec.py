@@ -27,6 +27,7 @@ bad type in OmegaConf's several-line message that names no allowed value. The ro
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -89,6 +90,16 @@ def check_types(cls: type, options: dict, prefix: str) -> None:
             raise ConfigError(f"{prefix}.{f.name}={options[f.name]!r}: expected {describe(hints[f.name])}")
 
 
+def check_finite(value: Any, where: str) -> None:
+    """ConfigError for the first inf or nan anywhere in a group's options (a float option takes finite numbers
+    only: a range check written as a comparison lets nan through, and no record may hold a non-finite number)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}={value}: not a finite number; allowed: a finite number in the option's range")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        check_finite(item, f"{where}.{key}" if isinstance(value, dict) else f"{where}[{key}]")
+
+
 def build(group: str, node: DictConfig) -> Any:
     """Hydra's ``instantiate`` of a group node (its ``_target_`` called with its other keys as plain values), its
     options first checked against the target's dataclass fields; a bad target or option -> ConfigError (one line),
@@ -97,6 +108,7 @@ def build(group: str, node: DictConfig) -> Any:
     from hydra.utils import get_method, instantiate
 
     options = OmegaConf.to_container(node, resolve=True)
+    check_finite(options, group)
     target = options.pop("_target_", None)
     if not target:
         raise ConfigError(f"{group}: no _target_ in its config")
@@ -305,6 +317,8 @@ def prepare(cfg: DictConfig) -> RunSpec:
     longest = model.max_positions()
     if longest:
         policy.check_reach(longest, f"the longest context of {model.name}")
+    if getattr(policy, "reads_queries", False):  # the queries before RoPE: the config says whether there is one
+        policy.check_rotary(model.geometry()[1], model.name)
     quant = build_quant(cfg, model)
     if engine.whole_forward(policy) and "reference" not in task.semantics:
         raise ConfigError(f"policy={policy.name}: the paper code's mask rule is for one-pass scoring; task "

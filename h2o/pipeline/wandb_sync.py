@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from h2o.cli.args import guard
 from h2o.store.files import read_jsonl
 from h2o.store.folders import fmt
 from h2o.pipeline.wandb_mirror import Settings, mirror_folder, read_record, split_root
@@ -67,6 +68,7 @@ def experiments(path: Path) -> list[tuple[Path, str]]:
     return sorted(found)
 
 
+@guard
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m h2o.pipeline.wandb_sync", description=__doc__.split("\n")[0])
     p.add_argument("path", nargs="?", default="runs", help="runs root, or any folder under it (default: runs)")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from h2o.store.locks import append_line, durable_write
+from h2o.store.strict_json import dumps  # strict JSON: an inf or nan written as null, named (its rule)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -17,16 +18,16 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+    atomic_write_text(path, dumps(obj, indent=2) + "\n")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False, default=str) + "\n" for r in rows))
+    atomic_write_text(path, "".join(dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def append_jsonl(path: Path, row: dict) -> None:
     """Append one line in one write, fsync'd (several jobs of a sweep may write at once)."""
-    append_line(Path(path), json.dumps(row, default=str))
+    append_line(Path(path), dumps(row))
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -46,6 +46,11 @@ class TaskSpec:
         """ConfigError when this task cannot run on ``model`` (an h2o.assets.model_spec.ModelSpec), judged from
         its config.json without loading (context length, layers); nothing to check by default."""
 
+    def check_data(self) -> None:
+        """ConfigError when data this task reads at run time is neither on this machine nor fetched by the task
+        itself (``make prefetch`` fetches it): checked by the runner before the model loads, not by a dry run
+        (a sweep is listed before its data are fetched); nothing to check by default."""
+
     def check_policy(self, policy) -> None:
         """ConfigError when this task cannot run ``policy`` (a built h2o.core.policies.Policy), before any load;
         nothing to check by default."""

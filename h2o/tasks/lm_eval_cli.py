@@ -16,6 +16,39 @@ from __future__ import annotations
 
 import sys
 
+from h2o.cli.process import kept
+from h2o.core.validate import ConfigError
+
+OWN_KEYS = ("pretrained", "policy", "semantics", "scoring", "quant", "question")  # H2OLM's own model_args
+
+
+def check_keys(options: dict, policy) -> None:
+    """ConfigError (one line) for a ``--model_args`` key that is neither H2OLM's own (:data:`OWN_KEYS`, the
+    ``quant_*`` options), an option of a policy (another policy's is refused by lm_policy, naming it), nor an
+    argument of lm-eval's HFLM (the rest would reach transformers' from_pretrained and fail there); and for a bad
+    ``question``. The allowed list names all three."""
+    import inspect
+
+    from h2o.assets.policy_config import option_keys
+    from h2o.core.policies import POLICIES
+    from h2o.core.validate import check
+    from h2o.tasks.lm_eval_model import QUANT_PREFIX, HFLM
+    from h2o.tasks.question_after import QUESTIONS
+
+    question = options.get("question", "prompt")
+    check(question in QUESTIONS, f"--model_args question={question!r}: allowed: {', '.join(QUESTIONS)}")
+    hflm = [k for k, p in inspect.signature(HFLM.__init__).parameters.items()
+            if k != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    policy_keys = {k for name in POLICIES for k in option_keys(name)}
+    for key, value in options.items():
+        if key in OWN_KEYS or key.startswith(QUANT_PREFIX) or key in policy_keys or key in hflm:
+            continue
+        own = [k for k in option_keys(policy.name) if k != "name"]
+        raise ConfigError(f"--model_args {key}={value}: no such option of --model h2o (policy={policy.name}); "
+                          f"allowed: {', '.join(OWN_KEYS)}, quant_<option>, policy={policy.name}'s options "
+                          f"({', '.join(own) or 'none'}), lm-eval's HFLM arguments ({', '.join(hflm)})")
+
+
 def validate(args) -> None:
     """BadInput (one line) for a bad h2o model argument or path of a parsed lm-eval command line."""
     from pathlib import Path
@@ -33,24 +66,57 @@ def validate(args) -> None:
               f"--include_path={abbrev(args.include_path)}: {why or 'no such folder'}; expected a folder of task YAMLs")
     if getattr(args, "output_path", None):
         output_dir("--output_path", Path(args.output_path).parent)
+    check_sampling(getattr(args, "gen_kwargs", None))
     if getattr(args, "model", None) != "h2o":
         return
     options = dict(args.model_args or {}) if isinstance(args.model_args or {}, dict) else {}
     check_pretrained(options.get("pretrained", "smollm2-135m"), "--model_args pretrained")
     policy = lm_policy(options.get("policy", "full"), dict(options), options.get("semantics", "simulated"))
+    check_keys(options, policy)
     pretrained = str(options.get("pretrained", "smollm2-135m"))
-    longest = ModelSpec(pretrained, pretrained).max_positions()
+    spec = ModelSpec(pretrained, pretrained)
+    longest = spec.max_positions()
     if longest:
         policy.check_reach(longest, "the model's longest context")
+    if getattr(policy, "reads_queries", False):  # expected_attention: a rotary model, read from its config
+        policy.check_rotary(spec.geometry()[1], pretrained)
     check(options.get("scoring", "sum") in SCORING,
           f"--model_args scoring={options.get('scoring')!r}: allowed: {', '.join(SCORING)}")
     check_batch_size(from_text(getattr(args, "batch_size", 1)), "--batch_size", schedule=True)
+    thinking = options.get("enable_thinking")
+    check(thinking in (None, True, False),
+          f"--model_args enable_thinking={thinking!r}: allowed: true, false (absent: the chat template's default)")
+    check(thinking is not True or options.get("think_end_token"),
+          "--model_args enable_thinking=true without think_end_token: lm-eval scores the text after the end of the "
+          "thinking; allowed: think_end_token=<its text> (e.g. </think>)")
+    if options.get("generation_log"):
+        output_dir("--model_args generation_log", Path(str(options["generation_log"])).parent)
     quant = make_lm_quant(options.get("quant", "none"), {k: v for k, v in options.items()
                                                          if k.startswith(QUANT_PREFIX)}, pretrained)
     if quant is not None:
         quant.check_geometry(*ModelSpec(str(pretrained), str(pretrained)).geometry())
 
 
+def check_sampling(gen_kwargs) -> None:
+    """BadInput for a bad ``--gen_kwargs`` sampling value: temperature < 0, top_p outside (0, 1],
+    max_gen_toks < 1."""
+    from h2o.core.validate import check
+
+    kw = gen_kwargs if isinstance(gen_kwargs, dict) else {}
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    if "temperature" in kw:
+        t = kw["temperature"]
+        check(number(t) and t >= 0, f"--gen_kwargs temperature={t!r}: allowed: a number >= 0 (0: greedy)")
+    if "top_p" in kw:
+        p = kw["top_p"]
+        check(number(p) and 0 < p <= 1, f"--gen_kwargs top_p={p!r}: allowed: a number in (0, 1]")
+    if "max_gen_toks" in kw:
+        m = kw["max_gen_toks"]
+        check(isinstance(m, int) and not isinstance(m, bool) and m >= 1,
+              f"--gen_kwargs max_gen_toks={m!r}: allowed: an int >= 1")
+
+
+@kept()  # lm-eval's logging set-up and its handlers stay inside the command (tests call it in process)
 def main() -> int:
     import h2o.tasks.lm_eval_model  # noqa: F401  (registers --model h2o)
     from lm_eval._cli import HarnessCLI
@@ -68,10 +134,26 @@ def main() -> int:
             from h2o.tasks.ruler_offline import from_env
 
             from_env()
+            check_qa_data(getattr(args, "tasks", None))
     except BadInput as exc:
         return fail(exc)
     parser.execute(args)
     return 0
+
+
+def check_qa_data(tasks) -> None:
+    """ConfigError when ``--tasks`` names RULER's qa tasks (or the ``ruler`` group) and their JSON file is not in
+    the cache (lm-eval would download it mid-run, after the model loaded, and fail offline): ``make prefetch``."""
+    from h2o.tasks.long_context_data import qa
+    from h2o.tasks.ruler_offline import QA_TASKS
+
+    names = {n.strip() for n in (tasks.split(",") if isinstance(tasks, str) else list(tasks or []))}
+    for task in sorted(QA_TASKS):
+        asset = qa(task)
+        if (task in names or "ruler" in names) and not asset.cached():
+            raise ConfigError(f"--tasks {task}: its data are not on this machine ({asset.what}); allowed: fetch "
+                              f"them first with `python -m h2o.pipeline.prefetch task={task}` (make prefetch), on a "
+                              f"machine with internet")
 
 
 def uses_ruler(tasks) -> bool:

@@ -27,6 +27,9 @@ Only the model call changes:
 * generation requests: ``model.generate`` inside ``attach(model, policy, mode="real")`` with a fresh evicting
   cache per call (left-padded batches); the budget is a ratio of each prompt's length, and each generated row's
   ``(prompt tokens, budget tokens)`` is kept in ``budgets`` (in the order lm-eval generates).
+With ``generation_log=<file>`` (or ``track_rows`` set, as h2o.tasks.reasoning does) each generated answer's tokens,
+length-limit stop, KV held at its end and peak, and time are kept in ``generations`` (task, doc id, repeat; appended
+to the file as JSON lines; h2o.tasks.generation_rows).
 Every policy runs through the harness's attention function and cache, ``full`` included (no pass-through to the
 plain model): at 100% budget generations equal lm-eval's ``hf`` model token for token and log-likelihoods agree
 within float noise (tests/test_long_context.py).
@@ -75,9 +78,9 @@ from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
 from h2o.core import engine
 from h2o.core.quant import QuantError, Quantizer
-from h2o.tasks.base import clamped
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
 from h2o.tasks.question_after import QUESTIONS, context_then_question, prefill, question_of
+from h2o.tasks.resume_logs import ResumeLogs
 
 SEMANTICS = ("simulated", "reference")
 SCORING = ("sum", "mean")
@@ -159,11 +162,13 @@ def from_left_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
 
 
 @register_model("h2o")
-class H2OLM(HFLM):
+class H2OLM(ResumeLogs, HFLM):
     def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", semantics: str = "simulated",
-                 scoring: str = "sum", quant: str | Quantizer | None = "none", question: str = "prompt", **kwargs):
+                 scoring: str = "sum", quant: str | Quantizer | None = "none", question: str = "prompt",
+                 generation_log: str | None = None, **kwargs):
         """``policy`` and ``quant``: names with their options in ``kwargs`` (model_args), or built objects;
-        ``question``: prompt | after (see the module docstring)."""
+        ``question``: prompt | after; ``generation_log``: a JSON-lines file each generated answer's row is
+        appended to (see the module docstring)."""
         if question not in QUESTIONS:
             raise PolicyError(f"question={question!r}: allowed: {', '.join(QUESTIONS)}")
         policy = lm_policy(policy, kwargs, semantics)
@@ -194,6 +199,12 @@ class H2OLM(HFLM):
         self.question = question  # prompt | after: the question inside the compressed prompt or after it
         self._batch: list[str] = []  # the contexts of the batch being generated (tok_batch_encode's strings)
         self.truncate = "left"  # a prompt over max_length - max_gen_toks: lm-eval's left cut, or "middle" (LongBench)
+        # per generated answer: tokens, length limit, KV held at its end and peak, time (h2o.tasks.generation_rows)
+        self.track_rows = generation_log is not None
+        self.generation_log = generation_log
+        self.rows: list[dict] = []  # the rows of the current generate_until call, in generation order
+        self.generations: list[dict] = []  # per answered request: task, doc id, repeat, the row's fields
+        self.open_logs()  # what a resumed run's record needs from before the interruption (h2o.tasks.resume_logs)
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -239,8 +250,12 @@ class H2OLM(HFLM):
             F.log_softmax(self._model_call(ids), dim=-1, dtype=self.softmax_dtype)  # (b, L, V), as scored
 
         stats = dict(self.stats)
-        sizing = choose("auto", self.model, step, len(requests) - pos if requests else self.max_batch_size,
-                        self.max_batch_size)
+        self._probing = True
+        try:
+            sizing = choose("auto", self.model, step, len(requests) - pos if requests else self.max_batch_size,
+                            self.max_batch_size)
+        finally:
+            self._probing = False
         self.stats = stats
         self.sizings.append(sizing)
         return sizing.size
@@ -282,9 +297,12 @@ class H2OLM(HFLM):
             else attn_mask.sum(-1)
         self.stats["rows"] += inps.shape[0]
         self.stats["tokens"] += int(lengths.sum())
+        short = [False] * inps.shape[0] if attn_mask is not None else \
+            self.policy.short(torch.tensor(prompts or lengths.tolist(), dtype=torch.long)).tolist()
+        self.log_rows(inps, lengths, short)
         if attn_mask is not None:
             return super()._model_call(inps, attn_mask, labels)
-        self.stats["clamped"] += clamped(self.policy, prompts or lengths.tolist())
+        self.stats["clamped"] += sum(short)  # h2o.tasks.base.clamped
         with torch.no_grad():
             if engine.whole_forward(self.policy):  # the paper code's rule: one unpadded sequence at a time
                 out = None
@@ -322,7 +340,19 @@ class H2OLM(HFLM):
                 raise PolicyError(f"question=after: task {getattr(req, 'task_name', None)}'s request "
                                   f"{getattr(req, 'doc_id', None)} has no question to put after the compressed "
                                   f"context; allowed: niah and lm-eval's RULER tasks, or question=prompt")
-        return super().generate_until(requests, disable_tqdm)
+        answers = super().generate_until(requests, disable_tqdm)
+        if self.track_rows:
+            from h2o.tasks.generation_rows import pair
+
+            done = pair(requests, answers, self.rows)
+            self.rows = []
+            self.generations.extend(done)
+            if self.generation_log:
+                import json
+
+                with open(self.generation_log, "a", encoding="utf-8") as f:
+                    f.writelines(json.dumps(row) + "\n" for row in done)
+        return answers
 
     def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):
         """HFLM's; with ``truncate="middle"`` a prompt longer than ``left_truncate_len`` keeps its first and last
@@ -342,10 +372,14 @@ class H2OLM(HFLM):
             out[i, T - len(r):], cut[i, T - len(r):] = r, 1
         return out, cut
 
-    def question_tokens(self, context: str) -> int:
+    def question_tokens(self, context: str, doc: dict | None = None, task: str | None = None) -> int:
         """Trailing tokens of ``context``'s encoding that are its request's question (0: none known). The question
-        is encoded as the end of the prompt: tokens(context) - tokens(context less the question)."""
+        is encoded as the end of the prompt: tokens(context) - tokens(context less the question). ``doc`` and
+        ``task``: found from them when this process did not generate the request (a resumed run's requests that
+        lm-eval's cache answered)."""
         question = self.questions.get(context)
+        if question is None and doc is not None:
+            question = question_of(context, doc, task)
         if not question:
             return 0
         return len(self.tok_encode(context)) - len(self.tok_encode(context[:-len(question)]))
@@ -357,6 +391,7 @@ class H2OLM(HFLM):
         prompt = (mask.sum(-1) if mask is not None else torch.full((context.shape[0],), context.shape[1])).tolist()
         with attach(self.model, self.policy, mode="real", quant=self.quant) as h:
             cache = h.new_cache()
+            watch = self.watch(cache, generation_kwargs) if self.track_rows else None
             if self.question == "after":
                 asked = [min(self.question_tokens(s), n - 1) for s, n in zip(self._batch, prompt)]
                 out = self.generate_after(context, max_length, stop, cache, asked, generation_kwargs)
@@ -365,8 +400,44 @@ class H2OLM(HFLM):
                 out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
         held = prompt if engine.keeps_all(self.policy) else cache.layers[0].host_total  # full never evicts
         self.budgets.extend(zip(prompt, held))
+        self.log_generated(prompt, held, cache.footprint(), context.shape[0])
         self.footprints.append((cache.footprint(), context.shape[0]))
+        if watch is not None:
+            self.note_rows(out, context.shape[1], prompt, watch, stop)
         return out
+
+    def watch(self, cache, generation_kwargs: dict):
+        """A :class:`h2o.tasks.generation_rows.StepWatch` on ``cache``, added to the call's logits processors."""
+        import time
+
+        from transformers import LogitsProcessorList
+
+        from h2o.tasks.generation_rows import StepWatch
+        from h2o.tasks.kv_held import geometry
+
+        watch = StepWatch(cache, geometry(self.model)[1], time.perf_counter())
+        generation_kwargs["logits_processor"] = LogitsProcessorList(
+            [*generation_kwargs.get("logits_processor", []), watch])
+        return watch
+
+    def note_rows(self, out: torch.Tensor, width: int, prompts: list[int], watch, stop: list[str]) -> None:
+        """Each row of ``out`` (B, width + new) (``prompts``: each row's prompt tokens) with its context and its
+        answer as lm-eval returns it (the same decoding and cut as HFLM.generate_until) -> ``rows``."""
+        from lm_eval.models.utils import postprocess_generated_text
+
+        from h2o.tasks.generation_rows import row_fields
+        from h2o.tasks.kv_held import geometry
+
+        ids = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = {self.tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])} - {None}
+        size = None if self.quant is not None else \
+            2 * geometry(self.model)[2] * torch.empty((), dtype=self.model.dtype).element_size()
+        raw = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731  (as lm-eval's stop test)
+        fields = row_fields(out, width, prompts, watch, eos, stop, raw, size)
+        think = self.think_end_token if isinstance(self.think_end_token, str) else None
+        for b, row in enumerate(fields):
+            answer = postprocess_generated_text(self.tok_decode(out[b, width:].tolist()), stop, think)
+            self.rows.append({"context": self._batch[b] if b < len(self._batch) else None, "answer": answer, **row})
 
     def generate_after(self, context, max_length, stop, cache, asked: list[int], kwargs: dict) -> torch.Tensor:
         """``question=after``: context (B, T) left-padded, the last ``asked`` tokens of each row its question ->

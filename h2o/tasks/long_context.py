@@ -68,6 +68,11 @@ class LongContextTask(TaskSpec):
     quantizes = True
 
     def __post_init__(self):
+        for key in ("lengths", "depths"):  # a bare value (task.lengths=512) or a text is not a list
+            value = getattr(self, key)
+            check(isinstance(value, (list, tuple)),
+                  f"task.{key}={value!r}: expected a list, e.g. task.{key}=[{value!r}]; allowed: "
+                  + ("a list of token counts (ints > 0)" if key == "lengths" else "a list of fractions in [0, 1]"))
         self.lengths, self.depths = list(self.lengths), list(self.depths)
         check(bool(self.lengths) and all(isinstance(n, int) and not isinstance(n, bool) and n > 0
                                          for n in self.lengths),
@@ -143,6 +148,16 @@ class LongContextTask(TaskSpec):
                                              f"positions{plus}; allowed: <= {room}")
         if self.family != "longbench":  # LongBench's prompts are its own, cut to the length
             self.check_lengths(model)
+
+    def check_data(self) -> None:
+        """RULER's qa files, RULER's essays (``text=essays``) and LongBench's hub data: the data a cluster run
+        reads from the prefetched caches (h2o.tasks.long_context_data); a book is fetched by the task itself."""
+        from h2o.tasks.long_context_data import not_fetched
+
+        lost = not_fetched(self)
+        check(not lost, f"task={self.name}: its data are not on this machine ({'; '.join(lost)}); allowed: fetch "
+                        f"them first with `make prefetch EXP=<experiment>` (python -m h2o.pipeline.prefetch "
+                        f"task={self.name} ...), on a machine with internet")
 
     def check_lengths(self, model) -> None:
         """Each length holds the task's fixed text, judged with the model's tokenizer (loaded alone, from this
@@ -245,14 +260,15 @@ class LongContextTask(TaskSpec):
         samples = [self.sample_row(s, lm) for s in out["samples"][self.lm_eval_task]]
         scores = [s[self.metric] for s in samples]
         metrics = {self.metric: sum(scores) / len(scores), f"{self.metric}_stderr": stderr(scores)}
-        prompt, held = (sum(x) for x in zip(*lm.budgets)) if lm.budgets else (0, 0)
+        budgets = lm.all_budgets()  # every generated prompt, those before an interruption included
+        prompt, held = (sum(x) for x in zip(*budgets)) if budgets else (0, 0)
         info = {"headline": self.metric,  # the metric analysis draws and tabulates (analysis.figures.headline_metric)
                 "cells": cells(samples, self.is_niah, self.metric), "lm_eval_task": self.lm_eval_task, **haystack,
                 "question": self.question,
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
-                "mean_prompt_tokens": round(prompt / len(lm.budgets), 1) if lm.budgets else None,
-                "clamped_requests": clamped(policy, [n for n, _ in lm.budgets]),  # a ratio of each prompt
-                **batch_fields(lm.footprints, END, token_digits=1),  # the cache at each generation's end
+                "mean_prompt_tokens": round(prompt / len(budgets), 1) if budgets else None,
+                "clamped_requests": clamped(policy, [n for n, _ in budgets]),  # a ratio of each prompt
+                **batch_fields(lm.all_footprints(), END, token_digits=1),  # the cache at each generation's end
                 "cpu_s": round(time.process_time() - cpu0, 1),  # this process's CPU time in the task, all threads
                 **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
         return Result(metrics, samples, info)
@@ -263,13 +279,14 @@ class LongContextTask(TaskSpec):
             context = s["arguments"][0][0]
             return {"doc_id": s["doc_id"], "length": doc["length"], "depth": doc["depth"],
                     "needle_depth": doc["needle_depth"], "prompt_tokens": doc["prompt_tokens"],
-                    "question_tokens": lm.question_tokens(context), "target": doc["answer"],
+                    "question_tokens": lm.question_tokens(context, doc, self.lm_eval_task), "target": doc["answer"],
                     "generation": generation, "acc": float(s["exact_match"])}
         if self.family == "longbench":
             return {"doc_id": s["doc_id"], "length": self.lengths[0], "target": doc.get("answers"),
                     "generation": generation, "score": float(s["score"])}
         length = int(doc["max_length"])
-        asked = {"question_tokens": lm.question_tokens(s["arguments"][0][0])} if self.question == "after" else {}
+        asked = ({"question_tokens": lm.question_tokens(s["arguments"][0][0], s["doc"], self.lm_eval_task)}
+                 if self.question == "after" else {})
         return {"doc_id": s["doc_id"], "length": length, "target": doc["outputs"], **asked,
                 "generation": generation, "acc": float(s[str(length)])}
 

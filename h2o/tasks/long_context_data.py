@@ -103,6 +103,12 @@ def missing(task) -> str | None:
     return f"not on this machine: {'; '.join(lost)}" if lost else None
 
 
+def not_fetched(task) -> list[str]:
+    """The needed assets of the task that are not on this machine and that a run does not fetch itself (all but
+    the books: h2o.assets.fetch gets those at run time): what ``make prefetch`` must fetch first."""
+    return [a.what for a in assets(task) if a.needed and not a.what.startswith("book ") and not a.cached()]
+
+
 def fetch(task) -> str:
     """Fetch every asset of the task (those already here are only checked); one line of what it has."""
     return "; ".join(a.fetch() if not a.cached() else f"{a.what}: cached" for a in assets(task)) or "nothing to fetch"

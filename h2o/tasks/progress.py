@@ -51,7 +51,7 @@ def resumed() -> int:
 class RequestLog:
     """A dict of JSON results, persisted as one appended line per key (``{"k": key, "v": value}``)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, counted: bool = True):
         self.path = Path(path)
         self.rows: dict[str, Any] = {}
         if self.path.exists():
@@ -60,7 +60,8 @@ class RequestLog:
                     row = json.loads(line)
                     self.rows[row["k"]] = row["v"]
         self.resumed = len(self.rows)
-        _OPENED.append(self)
+        if counted:  # a log of results (resumed_requests); not a task's own bookkeeping (row_log)
+            _OPENED.append(self)
 
     @classmethod
     def open(cls, name: str) -> "RequestLog | None":
@@ -82,11 +83,28 @@ class RequestLog:
         if pause and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
             time.sleep(pause)
 
+    def update(self, rows: dict) -> None:
+        """Several keys at once: one write, no test pause (a task's per-batch bookkeeping)."""
+        if not rows:
+            return
+        self.rows.update({str(k): v for k, v in rows.items()})
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write("".join(json.dumps({"k": str(k), "v": v}, default=str) + "\n" for k, v in rows.items()))
+            fh.flush()
+
     def get(self, key, default=None):
         return self.rows.get(str(key), default)
 
     def commit(self) -> None:  # lm-eval's CachingLM calls it (SqliteDict API); lines are written as they come
         pass
+
+
+def row_log(name: str) -> "RequestLog | None":
+    """A task's per-row bookkeeping kept across an interruption (``<partial>/<name>.jsonl``; None outside
+    :func:`recording`): what a record's fields are computed from must cover the requests answered before the
+    interruption too (lm-eval's request cache answers those without the model). Not counted in resumed()."""
+    return RequestLog(_FOLDER[-1] / f"{name}.jsonl", counted=False) if _FOLDER else None
 
 
 @contextlib.contextmanager

@@ -50,7 +50,6 @@ austen --tokens 20000 --policies h2o,h2o:heavy_share=1/2,streaming_llm,local --b
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -288,7 +287,8 @@ class StreamingTask(TaskSpec):
 
         def on_sample(sample: dict) -> None:
             with open(live, "a", encoding="utf-8") as f:
-                f.write(json.dumps(sample) + "\n")
+                from h2o.store.strict_json import dumps as strict_dumps  # inf, nan: null
+                f.write(strict_dumps(sample) + "\n")
 
         metrics, samples = stream(model, ids, policy, chunk=self.chunk, positions=self.positions,
                                   window=self.window, progress=True, on_sample=on_sample if live else None)

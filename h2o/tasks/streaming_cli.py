@@ -13,7 +13,6 @@ appends each run's row (with its samples) as JSON lines.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -192,11 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     def save(rec, samples):
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)  # checked creatable before the work
         with open(args.json, "a") as f:
-            f.write(json.dumps({**rec, "samples": samples}) + "\n")
+            from h2o.store.strict_json import dumps as strict_dumps  # inf, nan: null
+            f.write(strict_dumps({**rec, "samples": samples}) + "\n")
 
     def live(label, sample):
         with open(Path(args.live) / f"{label}.jsonl", "a") as f:
-            f.write(json.dumps(sample) + "\n")
+            from h2o.store.strict_json import dumps as strict_dumps  # inf, nan: null
+            f.write(strict_dumps(sample) + "\n")
 
     if args.live:
         Path(args.live).mkdir(parents=True, exist_ok=True)

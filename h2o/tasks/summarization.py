@@ -146,13 +146,10 @@ class SummarizationTask(TaskSpec):
             check_hub_data(self.name, hub_path, (hub_path, hub_path.split("/")[-1]))
 
     def check_model(self, model) -> None:
-        if self.dataset == "bb_xsum":  # the in-context pool is a subset of the converted train split
-            from h2o.tasks.multiple_choice import offline_train_rows
-
-            n = offline_train_rows("bb_xsum")
-            check(n is None or self.shots <= n, f"task.shots={self.shots}: bb_xsum has {n} train articles (the "
-                                                f"in-context pool is those of {self.shot_min_words}-"
-                                                f"{self.shot_max_words} words); allowed: 0-{n}")
+        if self.dataset == "bb_xsum":  # offline data: its usable in-context pool is counted before any model loads
+            n = len(self.shot_pool())
+            check(self.shots <= n, f"task.shots={self.shots}: bb_xsum has {n} train articles of {self.shot_min_words}-"
+                                   f"{self.shot_max_words} words (the in-context pool); allowed: 0-{n}")
         max_pos = model.max_positions()
         check(max_pos is None or self.max_new_tokens <= max_pos // 2,
               f"task.max_new_tokens={self.max_new_tokens}: leaves too little of model {model.name}'s context of "
@@ -162,8 +159,7 @@ class SummarizationTask(TaskSpec):
     def examples(self) -> tuple[list[dict], list[dict]]:
         """(in-context examples, test instances), both fixed by ``subset_seed``."""
         rng = random.Random(self.subset_seed)
-        pool = [r for r in load_split(self.dataset, "train")
-                if self.shot_min_words <= len(clean(r["article"], self.doc_max_words).split()) <= self.shot_max_words]
+        pool = self.shot_pool()
         check(len(pool) >= self.shots, f"task.shots={self.shots}: only {len(pool)} train articles of "
                                        f"{self.shot_min_words}-{self.shot_max_words} words")
         shots = rng.sample(pool, self.shots)
@@ -171,6 +167,12 @@ class SummarizationTask(TaskSpec):
         if self.limit is not None and self.limit < len(test):
             test = [test[i] for i in sorted(rng.sample(range(len(test)), self.limit))]
         return shots, test
+
+    def shot_pool(self) -> list[dict]:
+        """The train articles that may be in-context examples: ``shot_min_words``..``shot_max_words`` words once
+        cleaned (cut to ``doc_max_words``)."""
+        return [r for r in load_split(self.dataset, "train")
+                if self.shot_min_words <= len(clean(r["article"], self.doc_max_words).split()) <= self.shot_max_words]
 
     def add_bos(self, tokenizer) -> bool:
         return adds_bos(tokenizer, self.add_bos_token)

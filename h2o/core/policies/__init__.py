@@ -1,5 +1,6 @@
 """Cache policies: one module per policy, found by name. ``make_policy("h2o", budget=0.2)``."""
 import importlib
+import math
 import pkgutil
 
 from .base import Counts, Policy, PolicyError, keep_top, select_slot
@@ -16,6 +17,10 @@ def make_policy(name: str, **options) -> Policy:
     if not isinstance(name, str) or name not in Policy.registry:
         raise PolicyError(f"policy={name!r}: unknown; allowed: {', '.join(POLICIES)}")
     cls = Policy.registry[name]
+    for key, value in options.items():  # inf and nan pass every range check written as a comparison
+        if isinstance(value, float) and not math.isfinite(value):
+            raise PolicyError(f"{key}={value}: not a finite number; allowed: a finite number (see conf/policy/"
+                              f"{name}.yaml for its range)")
     compress = options.pop("compress", None)  # every evicting policy's timing (Policy.timed); None: its default
     interval = options.pop("interval", None)  # compress=interval: its option (h2o.core.schedule)
     try:

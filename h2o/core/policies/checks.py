@@ -31,6 +31,7 @@ class BudgetChecks:
     def check_reach(self, longest: int, where: str) -> None:
         """PolicyError when a ratio part gives less than it needs even at ``longest`` tokens (the model's longest
         context, named by ``where``): every request would be clamped (:meth:`short`)."""
+        self.check_token_options(longest, where)
         for name, part, need in self.needs():
             if isinstance(part, float) and int(to_count(part, torch.tensor([longest]))[0]) < need:
                 scale = part / self.budget if isinstance(self.budget, float) and self.budget > 0 else 1.0
@@ -39,6 +40,25 @@ class BudgetChecks:
                 raise PolicyError(f"budget={self.budget:g}{of}: {part:.3g} x {longest} positions ({where}) = "
                                   f"{part * longest:.3g} tokens; {self.name} needs at least {need} there; "
                                   f"allowed: a ratio >= {float(f'{least * 1.0005:.3g}'):g} or a token count")
+
+    def check_token_options(self, longest: int, where: str) -> None:
+        """PolicyError for an option that is a token count (:attr:`token_options`: scissorhands' ``history``, an
+        observation ``window``) longer than ``longest`` tokens (the model's longest context, named by ``where``):
+        no sequence the model holds has that many, and a per-slot history of that length is allocated."""
+        for name in getattr(self, "token_options", ()):
+            value = getattr(self, name, None)
+            if isinstance(value, int) and value > longest:
+                raise PolicyError(f"{name}={value}: longer than any sequence the model holds ({longest} positions, "
+                                  f"{where}); allowed: {name} in 1-{longest} tokens")
+
+    def check_rotary(self, rotary: bool | None, model: str) -> None:
+        """PolicyError when the rule reads the queries before RoPE (expected_attention) and the model's config says
+        it has no rotary embedding (``rotary`` False; None: unknown, left to the check at attach, h2o.core.prerope):
+        the same refusal as at attach, from the config, before the model loads."""
+        if rotary is False and getattr(self, "reads_queries", False) and not getattr(self, "is_full", False):
+            raise PolicyError(f"policy={self.name}: model {model} has no rotary embedding in its config (its queries "
+                              f"carry no rotation to undo); allowed: a model with rotary embeddings in rotate-half "
+                              f"layout (Llama, Mistral, Qwen, Gemma, GPT-NeoX)")
 
     def check_unused(self, options, prefix: str = "policy.") -> None:
         """PolicyError for an option (a mapping as given) the rule does not read: the same computation as without

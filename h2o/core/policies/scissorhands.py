@@ -76,6 +76,7 @@ class Scissorhands(Policy):
     splits = False  # the whole budget is scored, the recent window is an option in tokens
     # the state holds the last ``history`` steps' marks, each from its own row: a prompt's older rows leave it
     reads = frozenset({READ_WINDOW})
+    token_options = ("history", "window")  # queries, tokens: at most the model's positions
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, history: int = 400, window: int = 10,
                  count: str = "unimportant"):

@@ -21,8 +21,10 @@ def bcast(x: torch.Tensor) -> torch.Tensor:
 def const(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A 0-dim tensor of ``value``, made once per dtype and device. A Python scalar given to ``torch.where`` or an
     arithmetic op is wrapped into a tensor on the host at every call (up to 4 more aten ops each, per layer and
-    decoding step); this one is not."""
-    return torch.tensor(value, dtype=dtype, device=device)
+    decoding step); this one is not. Never an inference tensor, whatever mode the first call ran in: one made under
+    ``torch.inference_mode`` could not enter a later forward that autograd records."""
+    with torch.inference_mode(False):
+        return torch.tensor(value, dtype=dtype, device=device)
 
 
 def tiered(top: torch.Tensor, special: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

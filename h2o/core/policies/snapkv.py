@@ -27,6 +27,7 @@ from .prefill import PrefillOnly
 class SnapKV(PrefillOnly):
     name = "snapkv"
     reads = frozenset({READ_WINDOW})  # the attention of the prompt's last ``window`` rows
+    token_options = ("window",)  # the observation window: at most the model's positions
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, window: int = 64, kernel: int = 5):
         super().__init__(budget, heavy, recent, heavy_share)

@@ -1,0 +1,96 @@
+"""What each generated row of a ``generate`` call did, for a per-sample record (h2o.tasks.reasoning): how many tokens
+it generated, whether it stopped at the length limit, the KV cache it held when it ended and at its peak, and its
+time.
+
+:class:`StepWatch` is a logits processor handed to ``generate``: at every step it notes the time and, per row, the
+token x KV head entries the evicting cache holds (the host counts of :class:`h2o.core.cache.EvictingLayer`, no
+device read; a sliding-window layer's and a pooled policy's count is the slots stored, an upper bound of the tokens
+held). Step ``k`` sees the cache the ``k``-th new token is predicted from (the prompt, cut to the budget, and ``k``
+generated tokens). A row that generated ``n`` tokens ended at step ``n - 1``: its last token never enters the cache.
+:func:`row_fields` reads the rows off the output ids; :func:`pair` matches lm-eval's answers to them.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import LogitsProcessor
+
+FIELDS = ("prompt_tokens", "gen_tokens", "at_limit", "kv_tokens_end", "kv_bytes_end", "kv_tokens_peak", "kv_bytes_peak",
+          "time_s")
+
+
+class StepWatch(LogitsProcessor):
+    """Per generation step: the seconds since ``start`` and each row's tokens held (token x KV head entries summed
+    over the layers); returns the scores unchanged."""
+
+    def __init__(self, cache, kv_heads: int, start: float):
+        self.cache, self.kv_heads, self.start = cache, kv_heads, start
+        self.times: list[float] = []
+        self.held: list[list[int]] = []  # per step, per row
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        rows = input_ids.shape[0]
+        self.times.append(time.perf_counter() - self.start)
+        self.held.append([self.kv_heads * sum(layer.host_held[b] for layer in self.cache.layers if layer.host_held)
+                          for b in range(rows)])
+        return scores
+
+
+def ended_at(tokens: list[int], eos: set[int], stop: list[str], decode) -> int | None:
+    """Tokens a row generated up to its stop (the EOS token or the token that completes a stop text, counted), or
+    None when it never stopped. ``decode``: ids -> text."""
+    first_eos = next((i + 1 for i, t in enumerate(tokens) if t in eos), None)
+    scope = tokens[:first_eos] if first_eos else tokens
+    stops = [s for s in stop if s]
+    if not stops or not any(s in decode(scope) for s in stops):
+        return first_eos
+    lo, hi = 1, len(scope)  # the fewest tokens whose text holds a stop
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if any(s in decode(scope[:mid]) for s in stops):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def row_fields(out: torch.Tensor, prompt_width: int, prompts: list[int], watch: StepWatch, eos: set[int],
+               stop: list[str], decode, bytes_per_token: int | None) -> list[dict]:
+    """out (B, T + new), left-padded, ``prompts`` each row's prompt tokens -> each row's :data:`FIELDS`:
+    ``prompt_tokens``, ``gen_tokens`` (up to its stop, else every new token),
+    ``at_limit`` (it never stopped), ``kv_tokens_end`` / ``kv_tokens_peak`` (token x KV head entries at its last
+    step and the most over its steps), their bytes (None: ``bytes_per_token`` None, a quantized cache), ``time_s``
+    (from the call's start, prefill included, to its last step)."""
+    new = out[:, prompt_width:].tolist()
+    rows = []
+    for b, tokens in enumerate(new):
+        n = ended_at(tokens, eos, stop, decode)
+        gen = n if n is not None else len(tokens)
+        last = min(max(gen - 1, 0), len(watch.held) - 1)  # the step its last token was predicted at
+        held = [step[b] for step in watch.held[:last + 1]] or [0]
+        size = (lambda t: None) if bytes_per_token is None else (lambda t: t * bytes_per_token)  # noqa: E731
+        rows.append({"prompt_tokens": prompts[b], "gen_tokens": gen, "at_limit": n is None, "kv_tokens_end": held[-1],
+                     "kv_bytes_end": size(held[-1]), "kv_tokens_peak": max(held), "kv_bytes_peak": size(max(held)),
+                     "time_s": round(watch.times[last], 4) if watch.times else None})
+    return rows
+
+
+def pair(requests, answers: list[str], rows: list[dict]) -> list[dict]:
+    """lm-eval's requests (in order; a request repeated ``repeats`` times is one Instance listed again) and their
+    answers -> one record per request: task, doc id, repeat (0-based), then its row's :data:`FIELDS`. ``rows``: the
+    generated rows, each with its ``context`` and ``answer`` (the text as lm-eval returns it); a row serves one
+    request of the same context and answer (equal answers of one prompt are interchangeable)."""
+    free: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        free.setdefault((row["context"], row["answer"]), []).append(row)
+    seen: dict[int, int] = {}
+    out = []
+    for req, answer in zip(requests, answers, strict=True):
+        repeat = seen.get(id(req), 0)
+        seen[id(req)] = repeat + 1
+        match = free.get((req.args[0], answer)) or [{}]
+        row = match.pop(0) if match[0] else {}
+        out.append({"task": getattr(req, "task_name", None), "doc_id": getattr(req, "doc_id", None),
+                    "repeat": repeat, **{k: row.get(k) for k in FIELDS}})
+    return out
