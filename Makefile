@@ -87,11 +87,15 @@ BENCH_GEN ?= 8
 BENCH_SHORT_GEN ?= 64
 BENCH_REPEATS ?= 3
 BENCH_METHODS ?= 512,1
-bench: install ## the benchmark targets: decode throughput, KV bytes, largest batch (memory cap on CUDA, estimate on the CPU), simulated forward vs full and transformers' caches (BENCH_* sizes)
+# the prefill section (python -m h2o.bench prefill): prompt lengths, comma-separated; empty: left out. About 2 min
+# at 1024 tokens on idle cores (15 processes: each policy, transformers' sdpa and eager)
+BENCH_PREFILL ?= 1024
+bench: install ## the benchmark targets: decode throughput, KV bytes, largest batch (memory cap on CUDA, estimate on the CPU), simulated forward vs full and transformers' caches, then each policy's prefill beside sdpa and eager (BENCH_* sizes)
 	$(PY) -m h2o.pipeline.run experiment=bench threads=$(BENCH_THREADS) 'task.long=[$(BENCH_LONG)]' \
 		'task.short=[$(BENCH_SHORT)]' 'task.e2e=[$(BENCH_E2E)]' task.sim=$(BENCH_SIM) 'task.memory=[$(BENCH_MEMORY)]' \
 		task.gen_len=$(BENCH_GEN) task.short_gen=$(BENCH_SHORT_GEN) task.repeats=$(BENCH_REPEATS) \
 		'task.methods=[$(BENCH_METHODS)]' $(if $(WANDB),logger=wandb) $(ARGS)
+	$(if $(BENCH_PREFILL),$(PY) -m h2o.bench prefill --lengths $(BENCH_PREFILL) --threads $(BENCH_THREADS))
 
 # Streaming: one run per policy x budget x chunk of experiment=streaming (conf/experiment/streaming.yaml), recorded
 # under runs/streaming/ like every run (a finished record is not run again; a failed job leaves the others). Then

@@ -6,7 +6,6 @@ import torch
 
 from h2o import attach, make_policy
 from h2o.assets.models import tiny_model
-from h2o.core.cache import EvictingLayer
 from h2o.core.policies import POLICIES, REAL_POLICIES, Policy
 from h2o.core.policies.base import NOTHING, READ_KEYS, READ_QUERIES, READ_ROWS, READ_WINDOW, READS
 from h2o.core.policies.per_sequence import PerSequence
@@ -59,28 +58,28 @@ def model():
 
 
 def held(model, policy, ids, disturb=None, scores=False):
-    """Positions each layer holds (``scores``: its scores ``acc``) after a real-path prefill of ``ids``; ``disturb(probs, left)`` -> bool (B, rows)
-    marks the rows whose attention the policy is handed as noise instead (the attention output is untouched)."""
-    original = EvictingLayer.attended
+    """Positions each layer holds (``scores``: its scores ``acc``) after a real-path prefill of ``ids``;
+    ``disturb(left)`` -> bool (B, rows) marks the rows whose attention the policy's hook (``accumulate_prompt``,
+    which both paths call with each block of rows) is handed as noise instead (the attention output is untouched)."""
+    hook = policy.accumulate_prompt
+    calls = []
 
-    def attended(layer, probs, r):
-        if disturb is not None and layer.q > 1:
-            rows = probs.shape[-2]
-            at = layer.pos.shape[-1] - layer.q + r
-            left = (layer.n_tok - 1)[:, None] - layer.pos[:, 0, at:at + rows]  # (B, rows) tokens after the row
-            gen = torch.Generator().manual_seed(1000 * layer.layer_idx + r)
+    def accumulate_prompt(acc, probs, valid, left):
+        if disturb is not None:
+            gen = torch.Generator().manual_seed(len(calls))
             noise = torch.rand(probs.shape, generator=gen) * (probs > 0)
-            noise = noise / noise.sum(-1, keepdim=True)
+            noise = noise / noise.sum(-1, keepdim=True).clamp(min=1e-30)
             probs = torch.where(disturb(left)[:, None, None, :, None], noise, probs)
-        return original(layer, probs, r)
+        calls.append(probs.shape)
+        return hook(acc, probs, valid, left)
 
-    EvictingLayer.attended = attended
+    policy.accumulate_prompt = accumulate_prompt
     try:
         with torch.no_grad(), attach(model, policy, mode="real") as h:
             cache = h.new_cache()
             model(ids, cache=cache)
     finally:
-        EvictingLayer.attended = original
+        del policy.accumulate_prompt
     if scores:
         return [layer.acc for layer in cache.layers]
     return [layer.pos.sort(-1).values for layer in cache.layers]

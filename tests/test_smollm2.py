@@ -39,13 +39,18 @@ def test_smollm2_is_a_real_gqa_llama(smol):
 
 
 def test_full_budget_equals_the_model_on_smollm2(smol):
-    """100% budget: the simulated path and the real path's prefill equal the model within 1e-5. Decode steps use
-    other matmul shapes: transformers' own DynamicCache decoding differs from a full forward by ~5e-5 on this
-    30-layer model, so they are held to 1e-4 and the measured gaps are printed."""
+    """100% budget: the simulated path and the real path's prefill equal the model with transformers' sdpa within
+    1e-5 (both run torch's fused kernel), and the eager model within 1e-4 (sdpa and eager differ by ~6e-5 on this
+    30-layer model). Decode steps use other matmul shapes: transformers' own DynamicCache decoding differs from a
+    full forward by ~5e-5, so they are held to 1e-4 and the measured gaps are printed."""
     model, ids = smol
     ids = ids[:, :72]
     with torch.no_grad():
         ref = model(ids).logits
+        model.set_attn_implementation("sdpa")
+        fused = model(ids).logits
+        model.set_attn_implementation("eager")
+        assert torch.allclose(fused, ref, atol=1e-4) and not torch.equal(fused, ref)
         dyn = DynamicCache(config=model.config)
         plain = torch.cat([model(ids[:, :64], cache=dyn).logits]
                           + [model(ids[:, t:t + 1], cache=dyn).logits for t in range(64, 72)], 1)
@@ -54,7 +59,7 @@ def test_full_budget_equals_the_model_on_smollm2(smol):
             with attach(model, policy):
                 sim = model(ids).logits
             if name not in REAL_CHECKED:  # every policy's real path at 100% is checked on the tiny models
-                assert torch.allclose(sim, ref, atol=1e-5)
+                assert torch.allclose(sim, fused, atol=1e-5) and torch.allclose(sim, ref, atol=1e-4)
                 continue
             with attach(model, policy, mode="real") as h:
                 cache = h.new_cache()
@@ -62,8 +67,8 @@ def test_full_budget_equals_the_model_on_smollm2(smol):
                                  + [model(ids[:, t:t + 1], cache=cache).logits for t in range(64, 72)], 1)
             gap, plain_gap = (real - ref).abs().max().item(), (plain - ref).abs().max().item()
             print(f"{name}: decode gap {gap:.1e} (DynamicCache's own: {plain_gap:.1e})")
-            assert torch.allclose(sim, ref, atol=1e-5)
-            assert torch.allclose(real[:, :64], ref[:, :64], atol=1e-5)
+            assert torch.allclose(sim, fused, atol=1e-5) and torch.allclose(sim, ref, atol=1e-4)
+            assert torch.allclose(real[:, :64], fused[:, :64], atol=1e-5)
             assert torch.allclose(real, ref, atol=1e-4)
 
 

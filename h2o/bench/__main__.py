@@ -1,5 +1,8 @@
 """``python -m h2o.bench``: exploratory throughput measurements, printed (and ``--json``: the rows as JSON lines).
 
+``python -m h2o.bench prefill --lengths 1024,4096``: prefill seconds and peak memory per policy beside transformers'
+sdpa and eager attention, one process per configuration (:mod:`h2o.bench.prefill`).
+
 Run records under runs/ come from the experiments only: ``make bench`` (``h2o-run experiment=bench``, the benchmark
 targets, :mod:`h2o.bench.targets`) and ``h2o-run -m experiment=bench_tables`` (one run per policy)."""
 from __future__ import annotations
@@ -68,6 +71,11 @@ def validate(args) -> None:
 
 @guard
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["prefill"]:  # python -m h2o.bench prefill ...: one prompt's prefill per policy (h2o.bench.prefill)
+        from h2o.bench.prefill import main as prefill_main
+
+        return prefill_main(argv[1:])
     p = ArgParser(prog="python -m h2o.bench", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompt", default="512", help="prompt lengths, comma-separated")

@@ -67,10 +67,14 @@ class Attached:
         for the next forward."""
         from .attention import new_valid
 
+        # no mask (no pad: every column real): the same plan for every forward of this shape and prompt
+        key = attention_mask if attention_mask is not None else (query.shape[0], query.shape[-2], self.prompt_len)
         memo = self.memo.get(window)
-        if attention_mask is None or memo is None or memo[0] is not attention_mask:
+        same = memo is not None and (memo[0] is key if attention_mask is not None else
+                                     isinstance(memo[0], tuple) and memo[0] == key)
+        if not same:
             valid = new_valid(attention_mask, query)
-            memo = self.memo[window] = (attention_mask, valid, build(valid))
+            memo = self.memo[window] = (key, valid, build(valid))
         return memo[1:]
 
     def queries(self, module, query):
@@ -96,6 +100,7 @@ class Attached:
     def check_logits(self, logits: torch.Tensor) -> None:
         """logits (B, q, V): the one host sync per forward. FloatingPointError, before anything samples from
         them, when the logits or any layer's attention output of this forward are non-finite."""
+        self.memo.clear()  # the forward is over: the next one builds its own plan (h2o_mask may hand None alike)
         worst = torch.linalg.vector_norm(logits, float("inf"))
         if self.worst is not None:
             worst = torch.maximum(worst, on(self.worst, worst.device))

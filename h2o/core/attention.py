@@ -18,6 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .policies import PolicyError
+from .prefill import real_prefill, simulated_fused
 from .simulate import grouped, grouped_values, masked_softmax, scores, simulated_attention, forward_plan
 from .step import LayerCall
 
@@ -25,11 +26,12 @@ NAME = "h2o"
 
 
 def h2o_mask(*args, **kwargs):
-    """transformers' boolean causal+padding mask (B, 1, q, kv), never skipped (we need the padding); none for a
-    single new column (a decoding token is never a pad, the cached columns are described by the cache)."""
+    """transformers' boolean causal+padding mask (B, 1, q, kv); None where it is plain causal over the forward's
+    own columns with no pad (transformers' own skip for sdpa: then every column is a real token, :func:`new_valid`,
+    and the prefill builds no q x q mask); none for a single new column (a decoding token is never a pad, the
+    cached columns are described by the cache)."""
     if kwargs.get("q_length") == 1:
         return None
-    kwargs["allow_is_causal_skip"] = False
     return sdpa_mask(*args, **kwargs)
 
 
@@ -63,6 +65,13 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
             state.policy, v, state.prompt_len, window=window), window)
         if state.quant is not None:  # attend to the values a quantized cache would hold
             key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
+        mask = plan[0]
+        # a mask of positions alone (full, a closed form; the forward plan has none for the others): the fused kernel
+        if mask is not None and mask.shape[2] == 1 and softcap is None and sinks is None and state.observer is None:
+            causal = attention_mask is None and window is None and state.policy.is_full  # no pad: plain causal
+            out = simulated_fused(query, key, value, mask, scaling, causal)  # (B, Hq, T, D)
+            state.flag(module.layer_idx, out)
+            return out.transpose(1, 2), None
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling, LayerCall(
             prompt_len=state.prompt_len, plan=plan, window=window, softcap=softcap, sinks=sinks,
             layer=(module.layer_idx, state.num_layers), queries=state.queries(module, query)))
@@ -100,6 +109,11 @@ def real_attention(state, module, query, key, value, attention_mask, scaling, ca
         raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")
     B, Hq, q, D = query.shape
     key, value = layer.begin(key, value, q, lambda: new_valid(attention_mask, query), window, queries)
+    if q > 1 and softcap is None and sinks is None:  # a prefill (chunk): the fused kernel, the rule's statistics
+        out = real_prefill(layer, query, key, value, scaling, window)  # (B, Hq, q, D)
+        layer.end_forward(q)
+        state.flag(module.layer_idx, out)  # on the contiguous layout: the same values, a faster reduction
+        return out.transpose(1, 2), None
     qg = grouped(query, key.shape[1])  # (B, Hkv, G, q, D)
     outs = []
     for r in range(0, q, ROWS):

@@ -1,0 +1,225 @@
+"""A prefill at the speed of the model's own attention: the attention output from a fused kernel (torch's
+``scaled_dot_product_attention``), and only the statistics the policy's rule reads (:attr:`Policy.reads`).
+
+Real path (:func:`real_prefill`, called by :func:`h2o.core.attention.real_attention` for a forward of more than one
+token, after :meth:`EvictingLayer.begin`):
+
+* the output: one fused call with ``is_causal`` where the forward is a first prompt without pads (on a global
+  layer, or a window longer than the prompt), else fused calls per block of rows under the layer's own mask
+  (:meth:`EvictingLayer.visible`: the held slots, causal by position, the sliding window); a pad row, which sees
+  nothing, gets the uniform average of the values as the eager softmax gives it;
+* ``READ_ROWS`` (h2o, h2_only, scissorhands-like sums): every row's attention, recomputed per block of rows as
+  ``exp(logits - lse)`` with the log-sum-exp the fused kernel returns (CPU; elsewhere each block's own), over the
+  columns up to the block's last row only; the layer's hook (:meth:`EvictingLayer.attended`) adds them up as
+  before. A slot newer than a block's rows holds a zero state then (a new slot), so the columns past it are left
+  out of that block's call (their probabilities are zero);
+* ``READ_WINDOW`` (snapkv, pyramidkv, adakv over them, tova, scissorhands): the softmax of the rows from the first
+  one inside some sequence's last :meth:`Policy.read_window` rows (the rows before add nothing to the state);
+* nothing for the others (the keys and the queries' statistics are read by the cut and by ``begin``).
+
+Memory: the fused calls and the blocks of rows hold at most :data:`CELLS` scores or mask cells at once (beside
+the kernel's own), linear in the prompt for a fixed block.
+
+Simulated path (:func:`simulated_fused`): a policy whose mask does not depend on the scores (``full``, the
+position-only policies in closed form) hands its boolean mask to the fused kernel instead of materialising the
+``T x T`` probabilities (lm-eval scoring at the kernel's speed).
+
+Not served here (the blocked eager loop of the attention function serves them): Gemma-2's logit soft-capping and
+GPT-OSS's learned sinks (no fused kernel takes them), and a forward whose attention probabilities are observed.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from .policies.base import READ_ROWS, READ_WINDOW
+from .simulate import grouped, masked_softmax, scores
+
+CELLS = 2**24  # scores (or mask cells) per block of rows: (B, Hq, rows, S) at most this many
+STAT_ROWS = 128  # query rows per block of the READ_ROWS pass (x G query heads): measured fastest of 128-1024
+
+
+def fused(query, key, value, scaling: float, mask: torch.Tensor | None = None, causal: bool = False,
+          lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """query (B, Hq, q, D), key/value (B, Hkv, S, D), mask None or bool broadcastable to (B, Hq, q, S) (True:
+    attend; every row must have one) -> (out (B, Hq, q, D), the rows' log-sum-exp (B, Hq, q) fp32 if ``lse`` and
+    the kernel gives it, else None). ``causal``: torch's top-left causal mask (q == S)."""
+    G = query.shape[1] // key.shape[1]
+    guard = nonfinite(query, key, value)
+    if query.dtype != torch.float32 and query.device.type == "cpu":  # half precision: fp32 math on the CPU, as
+        dtype = query.dtype  # the eager path's scores (the CPU kernels round half inputs on the way)
+        out, rows = fused(query.float(), key.float(), value.float(), scaling, mask, causal, lse)
+        return out.to(dtype), rows
+    if lse and query.device.type == "cpu":  # the CPU flash kernel returns the log-sum-exp beside the output
+        if G > 1:
+            key, value = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)
+        bias = None
+        if mask is not None:  # an additive mask of the query's dtype
+            bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, -torch.inf)
+        out, rows = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, causal, attn_mask=bias, scale=scaling)
+        return out.add_(guard), rows.float()
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
+                                         enable_gqa=G > 1)
+    return out.add_(guard), None
+
+
+def nonfinite(*xs: torch.Tensor) -> torch.Tensor:
+    """A 0-dim 0, NaN where any of ``xs`` holds a NaN or an inf: added to the fused output, it keeps the
+    non-finite guard (:meth:`h2o.core.attach.Attached.flag`) seeing what the eager softmax would have spread (the
+    CPU flash kernel returns zeros for a row of NaN logits). One reduction per input, no host read."""
+    return sum(x.sum(dtype=torch.float32) for x in xs) * 0
+
+
+def first_prompt(layer, q: int, S: int, window: int | None) -> bool:
+    """Whether this forward's mask is plain causal: a layer's first forward (nothing held before), no pad (host
+    counts), no sliding window shorter than it."""
+    new = [n - b for n, b in zip(layer.host_tok, layer.tok_before)]
+    return S == q and all(k == q for k in new) and (window is None or window >= q)
+
+
+def block_rows(B: int, Hq: int, S: int, cap: int | None = None) -> int:
+    """Query rows per block so that (B, Hq, rows, S) holds at most :data:`CELLS` values."""
+    rows = max(1, CELLS // max(1, B * Hq * S))
+    return rows if cap is None else min(rows, cap)
+
+
+def allowed_rows(layer, r: int, rows: int) -> torch.Tensor:
+    """(B, Hkv, 1, rows, S) bool: what query rows r..r+rows of this forward see, by the layer's own rule."""
+    return layer.visible(layer.keys.new_empty(1, 1, 1, rows, 0), r)
+
+
+def to_heads(mask: torch.Tensor, G: int) -> torch.Tensor:
+    """(B, Hkv|1, 1, r, S) -> (B, Hq|1, r, S)."""
+    B, H, _, r, S = mask.shape
+    return mask[:, :, 0] if H == 1 else mask.expand(B, H, G, r, S).reshape(B, H * G, r, S)
+
+
+def uniform_where_empty(mask: torch.Tensor, value: torch.Tensor, G: int):
+    """A row that sees nothing (a pad): the eager softmax over no allowed key is uniform over every slot. mask
+    (B, H|1, r, S) bool -> (mask with such rows opened, a function fixing their output (B, Hq, r, D))."""
+    empty = ~mask.any(-1, keepdim=True)  # (B, H|1, r, 1)
+    if not bool(empty.any()):  # one host read per block
+        return mask, lambda o: o
+    mean = value.float().mean(-2).repeat_interleave(G, 1)[:, :, None].to(value.dtype)  # (B, Hq, 1, D)
+    return mask | empty, lambda o: torch.where(empty, mean, o)
+
+
+@contextmanager
+def narrowed(layer, c: int):
+    """The layer's state ``acc`` seen as its first ``c`` slots while a block of rows that sees no later slot is
+    added (the hooks add in place: the view writes into the whole state)."""
+    whole = layer.acc
+    layer.acc = whole[:, :, :c]
+    try:
+        yield
+    finally:
+        layer.acc = whole
+
+
+def real_prefill(layer, query, key, value, scaling: float, window: int | None = None) -> torch.Tensor:
+    """The attention of a forward of ``q > 1`` tokens on an evicting layer: query (B, Hq, q, D), key/value
+    (B, Hkv, S, D) as :meth:`EvictingLayer.begin` returned them -> out (B, Hq, q, D); the statistics the
+    policy reads go into the layer (:meth:`EvictingLayer.attended`), its cut follows (``end_forward``)."""
+    reads = layer.policy.reads
+    B, Hq, q, D = query.shape
+    Hkv, S = key.shape[1], key.shape[-2]
+    G = Hq // Hkv
+    rows = READ_ROWS in reads
+    causal = first_prompt(layer, q, S, window)
+    if causal:
+        out, lse = fused(query, key, value, scaling, causal=True, lse=rows)
+    else:
+        outs, lses = [], []
+        step = block_rows(B, Hq, S)
+        for r in range(0, q, step):
+            n = min(step, q - r)
+            mask, fix = uniform_where_empty(to_heads(allowed_rows(layer, r, n), G), value, G)
+            o, l = fused(query[:, :, r:r + n], key, value, scaling, mask, lse=rows)
+            outs.append(fix(o))
+            lses.append(l)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+        lse = None if lses[0] is None else (lses[0] if len(lses) == 1 else torch.cat(lses, 2))
+    if rows:
+        row_statistics(layer, query, key, scaling, lse, causal)
+    elif READ_WINDOW in reads:
+        window_statistics(layer, query, key, scaling, layer.policy.read_window(), causal)
+    return out
+
+
+def row_statistics(layer, query, key, scaling: float, lse: torch.Tensor | None, causal: bool) -> None:
+    """Every row's attention probabilities into the policy's hook, a block of rows at a time, each over the
+    columns up to its last row: ``exp(logits - lse)`` with the fused kernel's log-sum-exp, or the block's
+    softmax. Without pads the hook is called as :meth:`EvictingLayer.attended` calls it, less its zeroing of pad
+    rows (none)."""
+    B, Hq, q, D = query.shape
+    Hkv, S = key.shape[1], key.shape[-2]
+    G = Hq // Hkv
+    qs = (query.float() * scaling).reshape(B * Hkv, G, q, D)  # q scaled before the product, fp32 (as scores())
+    k = key.float().reshape(B * Hkv, S, D)
+    nlse = None if lse is None else lse.reshape(B * Hkv, G, q).neg()
+    before = S - q  # held slots before this forward's columns
+    step = block_rows(B, Hq, S, STAT_ROWS)
+    tri = torch.ones(step, step, dtype=torch.bool, device=query.device).triu(1)  # above the diagonal
+    for r in range(0, q, step):
+        n = min(step, q - r)
+        c = before + r + n  # the columns up to the block's last row
+        rows = qs[:, :, r:r + n].reshape(B * Hkv, G * n, D)
+        kt = k[:, :c].transpose(1, 2)
+        if nlse is None:
+            logits = torch.bmm(rows, kt)
+        else:  # logits - lse in one op
+            logits = torch.baddbmm(nlse[:, :, r:r + n].reshape(B * Hkv, G * n, 1), rows, kt)
+        logits = logits.view(B, Hkv, G, n, c)
+        allowed = None
+        if causal:
+            logits[..., c - n:].masked_fill_(tri[:n, :n], -torch.inf)
+        else:
+            allowed = allowed_rows(layer, r, n)[..., :c]  # (B, Hkv, 1, n, c)
+        if nlse is not None:
+            if allowed is not None:
+                logits.masked_fill_(~allowed, -torch.inf)
+            probs = logits.exp_()
+        else:
+            probs = masked_softmax(logits, allowed)  # a row with none allowed (a pad): the hook zeroes it
+        if causal:  # no pad: the policy's hook straight on the first c slots
+            at = layer.pos.shape[-1] - q + r
+            left = (layer.n_tok - 1)[:, None] - layer.pos[:, 0, at:at + n]  # (B, n) tokens after each row
+            layer.policy.accumulate_prompt(layer.acc[:, :, :c], probs, layer.valid[:, r:r + n], left)
+        else:
+            with narrowed(layer, c):
+                layer.attended(probs, r)
+
+
+def window_statistics(layer, query, key, scaling: float, w: int, causal: bool) -> None:
+    """The softmax of the rows from the first one among some sequence's last ``w`` real rows to the forward's
+    end, into the layer's hook: the rows before it add nothing to a window rule's state."""
+    B, Hq, q, D = query.shape
+    Hkv, S = key.shape[1], key.shape[-2]
+    if causal:  # no pad: the last w rows
+        first = max(0, q - w)
+    else:  # one host read: the earliest row that is inside a sequence's window
+        at = layer.pos.shape[-1] - q
+        left = (layer.n_tok - 1)[:, None] - layer.pos[:, 0, at:]  # (B, q) tokens after each row
+        inside = (layer.valid & (left >= 0) & (left < w)).any(0)  # (q,)
+        first = int(inside.long().argmax()) if bool(inside.any()) else q
+    qg = grouped(query, Hkv)
+    step = block_rows(B, Hq, S)
+    for r in range(first, q, step):
+        n = min(step, q - r)
+        logits = scores(qg[..., r:r + n, :], key, scaling)  # (B, Hkv, G, n, S)
+        layer.attended(masked_softmax(logits, allowed_rows(layer, r, n)), r)
+
+
+def simulated_fused(query, key, value, mask: torch.Tensor, scaling: float, causal: bool = False) -> torch.Tensor:
+    """The simulated path for a mask that does not depend on the scores: query (B, Hq, T, D), key/value
+    (B, Hkv, T, D), mask (B, Hkv|1, 1, T, T) bool (``causal``: plain causal, not read) -> out (B, Hq, T, D)."""
+    G = query.shape[1] // key.shape[1]
+    if causal:
+        out, _ = fused(query, key, value, scaling, causal=True)
+    else:
+        m, fix = uniform_where_empty(to_heads(mask, G), value, G)
+        out = fix(fused(query, key, value, scaling, m)[0])
+    return out
