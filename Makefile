@@ -76,7 +76,9 @@ prefetch: install ## download every model and data set of experiment EXP into th
 # BENCH_THREADS=1 beside four other jobs on 2 cores). On shared cores use BENCH_THREADS=1: two threads per process
 # then wait on each other at every small op (decoding measured 5-10x slower).
 TEST_WORKERS ?= 2  # make test: pytest-xdist processes, each test file on one (tests/slurm and the model cache are shared)
-TEST_SEED ?= $(shell python3 -c 'import random; print(random.randrange(1, 10**6))')  # make test: the shuffle's seed (pytest-randomly)
+# make test: the shuffle's seed (pytest-randomly), drawn once per make (:=) unless given
+TEST_SEED ?= $(shell python3 -c 'import random; print(random.randrange(1, 10**6))')
+TEST_SEED := $(strip $(TEST_SEED))
 BENCH_THREADS ?= 2
 BENCH_LONG ?= 4096,8
 BENCH_SHORT ?= 2048,1
