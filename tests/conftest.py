@@ -49,9 +49,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_language_once_per_launch()
 
 
-# Libraries that configure log handlers on the streams of the moment when first imported (transformers,
-# huggingface_hub, submitit): imported here, at collection, not inside a test whose captured streams close after it
+# Libraries that configure log handlers on the streams of the moment, or set the environment, when first imported
+# (transformers, huggingface_hub, submitit, lm-eval, scikit-learn): imported here, at collection, not inside a test
+# (whose captured streams close after it)
 import lm_eval  # noqa: E402,F401  (also sets HF_XET_HIGH_PERFORMANCE in the environment on import)
+import sklearn  # noqa: E402,F401  (lm-eval's metrics import it; it sets KMP_DUPLICATE_LIB_OK, KMP_INIT_AT_FORK)
 import transformers  # noqa: E402,F401
 
 from h2o.cli.process import import_submitit  # noqa: E402

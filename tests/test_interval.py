@@ -19,7 +19,7 @@ from h2o.core.policies import POLICIES, PolicyError
 from h2o.core.policies.base import along_slots
 from h2o.core.policies.budget import Unsupported
 from h2o.core.schedule import Interval
-import tests.test_prefill_methods as methods
+from tests.two_paths import L, P, PADS, left_padded, padded_paths, quantized_paths_agree
 
 ARCHS = (*TINY_ARCHS, "mistral")  # mistral: every layer a sliding window of 16 tokens
 # every evicting rule with a decoding form (the others refuse: test_rules_without_a_decoding_form_refuse)
@@ -27,36 +27,18 @@ RULES = ("fixed", "fixed_h2", "h2_only", "h2o", "keydiff", "knorm", "local", "ra
          "streaming_llm", "strided", "strided_h2", "tova")
 # adakv: with its default inner, snapkv (over a rule with a decoding form it takes it: test_a_pooled_rule_agrees...)
 REFUSED = ("adakv", "expected_attention", "full", "h2o_reference", "pyramidkv", "snapkv", "topk", "topk_h2")
-L, P, PADS = methods.L, methods.P, methods.PADS
 
 
 def distinct_batch():
     """(2, L) left-padded ids (no token repeats in a row: a per-key score of a repeated token ties exactly at
     layer 0 and an ulp, which differs between a forward of one token and of all, would decide) and mask."""
-    rows = torch.stack([torch.randperm(127, generator=torch.Generator().manual_seed(7 + b))[:L] + 1
-                        for b in range(2)])
-    mask = torch.ones(2, L, dtype=torch.long)
-    for b, n in enumerate(PADS):
-        rows[b, :n], mask[b, :n] = 0, 0
-    return rows, mask
+    return left_padded(torch.stack([torch.randperm(127, generator=torch.Generator().manual_seed(7 + b))[:L] + 1
+                                    for b in range(2)]))
 
 
 def both_paths(model, policy):
-    """The padded batch through both paths (a prompt of P columns, then one token at a time); asserts the real
-    rows agree. Returns (simulated logits, full-cache logits, the cache)."""
-    x, mask = distinct_batch()
-    with torch.no_grad():
-        with attach(model, policy, prompt_len=P):
-            sim = model(x, attention_mask=mask).logits
-        full = model(x, attention_mask=mask).logits
-        with attach(model, policy, mode="real") as h:
-            cache = h.new_cache()
-            real = [model(x[:, :P], attention_mask=mask[:, :P], cache=cache).logits]
-            real += [model(x[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache).logits for t in range(P, L)]
-    real = torch.cat(real, 1)
-    for b, n in enumerate(PADS):
-        torch.testing.assert_close(real[b, n:], sim[b, n:], atol=1e-4, rtol=0)
-    return sim, full, cache
+    """:func:`tests.two_paths.padded_paths` on the distinct batch."""
+    return padded_paths(model, policy, *distinct_batch())
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -110,17 +92,7 @@ def test_paths_agree_under_a_quantized_cache(name):
     model, quant = tiny_model("llama_gqa"), Uniform(4, 8)
     x = torch.randperm(128, generator=torch.Generator().manual_seed(1))[:40][None]
     policy = make_policy(name, budget=0.2, compress="interval", interval=3)
-    with torch.no_grad():
-        with attach(model, policy, quant=quant, prompt_len=24):
-            sim = model(x).logits
-        with attach(model, policy, prompt_len=24):
-            unquantized = model(x).logits
-        with attach(model, policy, mode="real", quant=quant) as h:
-            cache = h.new_cache()
-            real = torch.cat([model(x[:, :24], cache=cache).logits]
-                             + [model(x[:, t:t + 1], cache=cache).logits for t in range(24, 40)], 1)
-    gap, effect = (real - sim).abs(), (sim - unquantized).abs()
-    assert gap.mean() < 0.01 * effect.mean() and gap.max() < 0.1 * effect.max(), (gap.max(), effect.max())
+    quantized_paths_agree(model, policy, x, quant)
 
 
 # ------------------------------------------------------------------ the naive reference

@@ -15,7 +15,7 @@ from h2o.core.policies.budget import Unsupported
 from h2o.core.policies.keydiff import KeyDiff
 from h2o.core.policies.knorm import Knorm
 from tests.test_parity import ids
-from tests.test_prefill_methods import P, PADS, padded_paths
+from tests.two_paths import P, PADS, padded_paths, quantized_paths_agree
 
 NAMES = ("knorm", "keydiff")
 ARCHS = (*TINY_ARCHS, "mistral")  # mistral: every layer a sliding window of 16 tokens
@@ -61,17 +61,7 @@ def test_paths_agree_under_a_quantized_cache(name):
     model, quant = tiny_model("llama_gqa"), Uniform(4, 8)
     x = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(1))
     policy = make_policy(name, budget=0.2, compress="decode")
-    with torch.no_grad():
-        with attach(model, policy, quant=quant, prompt_len=24):
-            sim = model(x).logits
-        with attach(model, policy, prompt_len=24):
-            unquantized = model(x).logits
-        with attach(model, policy, mode="real", quant=quant) as h:
-            cache = h.new_cache()
-            real = torch.cat([model(x[:, :24], cache=cache).logits]
-                             + [model(x[:, t:t + 1], cache=cache).logits for t in range(24, 40)], 1)
-    gap, effect = (real - sim).abs(), (sim - unquantized).abs()
-    assert gap.mean() < 0.01 * effect.mean() and gap.max() < 0.1 * effect.max(), (gap.max(), effect.max())
+    quantized_paths_agree(model, policy, x, quant)
 
 
 # ------------------------------------------------------------------ kvpress's DecodingPress, literally

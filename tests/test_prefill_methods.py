@@ -8,41 +8,14 @@ from h2o.assets.models import TINY_ARCHS, tiny_model
 from h2o.parity import driver as parity
 from h2o.parity.pairs import kept as tokens_kept
 from tests.test_parity import ids, reference
+from tests.two_paths import L, P, PADS, batch, padded_paths  # noqa: F401  (L, PADS, batch: other tests import them here)
 
-L, P, PADS = 36, 24, (0, 5)
 METHODS = {"snapkv": {"window": 4}, "knorm": {}, "keydiff": {}}
-
-
-def batch():
-    """(2, L) left-padded ids and mask: row b has PADS[b] pads, then its tokens."""
-    rows = torch.randint(1, 128, (2, L), generator=torch.Generator().manual_seed(7))
-    mask = torch.ones(2, L, dtype=torch.long)
-    for b, n in enumerate(PADS):
-        rows[b, :n], mask[b, :n] = 0, 0
-    return rows, mask
 
 
 @pytest.fixture(scope="module", params=TINY_ARCHS)
 def model(request):
     return tiny_model(request.param, seed=2)
-
-
-def padded_paths(model, policy):
-    """The padded :func:`batch` with a prompt of P columns through both paths; asserts they agree on the real
-    rows (a pad row's output is not defined alike). Returns (simulated logits, full-cache logits, the cache)."""
-    x, mask = batch()
-    with torch.no_grad():
-        with attach(model, policy, prompt_len=P):
-            sim = model(x, attention_mask=mask).logits
-        full = model(x, attention_mask=mask).logits
-        with attach(model, policy, mode="real") as h:
-            cache = h.new_cache()
-            real = [model(x[:, :P], attention_mask=mask[:, :P], cache=cache).logits]
-            real += [model(x[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache).logits for t in range(P, L)]
-    real = torch.cat(real, 1)
-    for b, n in enumerate(PADS):
-        torch.testing.assert_close(real[b, n:], sim[b, n:], atol=1e-4, rtol=0)
-    return sim, full, cache
 
 
 @pytest.mark.parametrize("name", list(METHODS))

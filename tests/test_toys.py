@@ -6,12 +6,13 @@ the same logits."""
 import pytest
 import torch
 
-from h2o import attach, make_policy
+from h2o import make_policy
 from h2o.assets.models import TINY_ARCHS, tiny_model
 from h2o.core.policies import Policy
 from h2o.core.policies.base import READ_KEYS, TIER, recent_window
 from h2o.core.schedule import Schedule
 from tests.test_interval import P, both_paths
+from tests.two_paths import quantized_paths_agree
 
 ARCHS = (*TINY_ARCHS, "mistral")
 
@@ -74,14 +75,4 @@ def test_the_toys_under_a_quantized_cache(name, compress):
     model, quant = tiny_model("llama_gqa"), Uniform(4, 8)
     x = torch.randperm(128, generator=torch.Generator().manual_seed(1))[:40][None]
     policy = make_policy(name, budget=0.2, compress=compress)
-    with torch.no_grad():
-        with attach(model, policy, quant=quant, prompt_len=24):
-            sim = model(x).logits
-        with attach(model, policy, prompt_len=24):
-            unquantized = model(x).logits
-        with attach(model, policy, mode="real", quant=quant) as h:
-            cache = h.new_cache()
-            real = torch.cat([model(x[:, :24], cache=cache).logits]
-                             + [model(x[:, t:t + 1], cache=cache).logits for t in range(24, 40)], 1)
-    gap, effect = (real - sim).abs(), (sim - unquantized).abs()
-    assert gap.mean() < 0.01 * effect.mean() and gap.max() < 0.1 * effect.max(), (gap.max(), effect.max())
+    quantized_paths_agree(model, policy, x, quant)

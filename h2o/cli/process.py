@@ -19,10 +19,9 @@ import sys
 from typing import Iterator
 
 # Set by pytest for each phase of each test, or by a library for the life of the process when first needed
-# (torch's compiler cache, wandb's service, the tokenizers library at the first fork after it ran in parallel,
-# scikit-learn on import, which lm-eval's metrics bring): not state an entry point changed
-VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "WANDB_SERVICE", "TOKENIZERS_PARALLELISM",
-                "KMP_DUPLICATE_LIB_OK")
+# (torch's compiler cache, wandb's service, the tokenizers library at the first fork after it ran in parallel):
+# not state an entry point changed
+VOLATILE_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "WANDB_SERVICE", "TOKENIZERS_PARALLELISM")
 
 
 def _ours(handler: logging.Handler) -> bool:
