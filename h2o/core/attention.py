@@ -67,7 +67,9 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
             key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
         mask = plan[0]
         # a mask of positions alone (full, a closed form; the forward plan has none for the others): the fused kernel
-        if mask is not None and mask.shape[2] == 1 and softcap is None and sinks is None and state.observer is None:
+        # (fp32: in half precision both paths keep the eager rows, which agree exactly; see h2o.core.prefill)
+        if (mask is not None and mask.shape[2] == 1 and softcap is None and sinks is None and state.observer is None
+                and query.dtype == torch.float32):
             causal = attention_mask is None and window is None and state.policy.is_full  # no pad: plain causal
             out = simulated_fused(query, key, value, mask, scaling, causal)  # (B, Hq, T, D)
             state.flag(module.layer_idx, out)
@@ -109,7 +111,9 @@ def real_attention(state, module, query, key, value, attention_mask, scaling, ca
         raise RuntimeError("mode='real' needs the cache from h2o.core.attach(...).new_cache() passed to the model")
     B, Hq, q, D = query.shape
     key, value = layer.begin(key, value, q, lambda: new_valid(attention_mask, query), window, queries)
-    if q > 1 and softcap is None and sinks is None:  # a prefill (chunk): the fused kernel, the rule's statistics
+    # a prefill (chunk) in fp32: the fused kernel and the rule's statistics (half precision: the eager rows, as the
+    # simulated path computes them; fused, a bf16 top-k selection flipped between the paths: 0.73 logit gap measured)
+    if q > 1 and softcap is None and sinks is None and query.dtype == torch.float32:
         out = real_prefill(layer, query, key, value, scaling, window)  # (B, Hq, q, D)
         layer.end_forward(q)
         state.flag(module.layer_idx, out)  # on the contiguous layout: the same values, a faster reduction
