@@ -7,7 +7,7 @@ seed) is timed, the cut at its end included. Peak memory: the process's resident
 just before the timed prefill (``/proc/self/clear_refs``), less the resident memory then: what the prefill adds.
 Configurations run side by side in one invocation, rotated in each repeat, so that the load of other processes
 hits them alike; the medians are printed, with each configuration's ratio to sdpa's seconds at the same length and
-the target of issue 35 (docs/benchmarks.md), met or not by the CPU-time ratio: at one thread a process's CPU time
+its target (docs/benchmarks.md), met or not by the CPU-time ratio: at one thread a process's CPU time
 is its own work, where the wall time also holds the waits that other processes on shared cores impose.
 
     python -m h2o.bench prefill --lengths 1024,4096 --threads 1

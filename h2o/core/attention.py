@@ -27,11 +27,13 @@ NAME = "h2o"
 
 def h2o_mask(*args, **kwargs):
     """transformers' boolean causal+padding mask (B, 1, q, kv); None where it is plain causal over the forward's
-    own columns with no pad (transformers' own skip for sdpa: then every column is a real token, :func:`new_valid`,
-    and the prefill builds no q x q mask); none for a single new column (a decoding token is never a pad, the
-    cached columns are described by the cache)."""
+    own columns and no attention mask was given (transformers' own skip for sdpa: every column a real token,
+    :func:`new_valid`, and the prefill builds no q x q mask); none for a single new column (a decoding token is
+    never a pad, the cached columns are described by the cache)."""
     if kwargs.get("q_length") == 1:
         return None
+    # the skip only without a 2D mask: with one, transformers reads it on the host to decide (2 syncs a forward)
+    kwargs["allow_is_causal_skip"] = kwargs.get("attention_mask") is None
     return sdpa_mask(*args, **kwargs)
 
 
@@ -66,11 +68,12 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
         if state.quant is not None:  # attend to the values a quantized cache would hold
             key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
         mask = plan[0]
-        # a mask of positions alone (full, a closed form; the forward plan has none for the others): the fused kernel
-        # (fp32: in half precision both paths keep the eager rows, which agree exactly; see h2o.core.prefill)
-        if (mask is not None and mask.shape[2] == 1 and softcap is None and sinks is None and state.observer is None
-                and query.dtype == torch.float32):
-            causal = attention_mask is None and window is None and state.policy.is_full  # no pad: plain causal
+        # full with no padding and no window, in fp32: plain causal attention, the fused kernel. (A closed-form mask
+        # through sdpa cost 3 host syncs a forward on the CPU, test_launches; half precision keeps the eager rows,
+        # which both paths compute alike)
+        causal = attention_mask is None and window is None and state.policy.is_full
+        if (causal and mask is not None and mask.shape[2] == 1 and softcap is None and sinks is None
+                and state.observer is None and query.dtype == torch.float32):
             out = simulated_fused(query, key, value, mask, scaling, causal)  # (B, Hq, T, D)
             state.flag(module.layer_idx, out)
             return out.transpose(1, 2), None

@@ -22,6 +22,8 @@ import gc
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import torch
+
 from h2o.core.validate import ConfigError, is_int
 
 BatchSize = Any  # a positive int, "auto" or "auto:N": checked by check_batch_size (a one-line error naming both)
@@ -133,3 +135,19 @@ def from_free_memory(step: Callable[[int], Any], devices: list, cap: int, mem) -
            f"sequence (batch 1 measured) = {estimate}, at most {cap}"
            + (f", out of memory at {', '.join(map(str, halved))}" if halved else "") + f": {size}")
     return Sizing(size, "cuda_memory", how)
+
+
+def to_left_padding(inps: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (B, T) ids and (B,) lengths -> left-padded ids (B, T) and their attention mask (B, T) bool."""
+    T = inps.shape[1]
+    shift = T - lengths  # (B,)
+    src = (torch.arange(T, device=inps.device)[None, :] - shift[:, None]).clamp(min=0)  # (B, T)
+    mask = torch.arange(T, device=inps.device)[None, :] >= shift[:, None]
+    return torch.where(mask, inps.gather(1, src), 0), mask
+
+
+def from_left_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Left-padded logits (B, T, V) -> right-padded (B, T, V) (pad positions hold what was shifted in)."""
+    T = logits.shape[1]
+    src = (torch.arange(T, device=logits.device)[None, :] + (T - lengths)[:, None]) % T  # (B, T)
+    return logits.gather(1, src[:, :, None].expand(-1, -1, logits.shape[-1]))

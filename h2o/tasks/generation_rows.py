@@ -94,3 +94,40 @@ def pair(requests, answers: list[str], rows: list[dict]) -> list[dict]:
         out.append({"task": getattr(req, "task_name", None), "doc_id": getattr(req, "doc_id", None),
                     "repeat": repeat, **{k: row.get(k) for k in FIELDS}})
     return out
+
+
+class GenerationRows:
+    """The part of lm-eval's ``--model h2o`` (h2o.tasks.lm_eval_model.H2OLM, mixed in) that records each generated
+    answer's row: it reads the model's ``model``, ``tokenizer``, ``quant``, ``think_end_token``, ``_batch`` and
+    appends to its ``rows``."""
+
+    def watch(self, cache, generation_kwargs: dict):
+        """A :class:`h2o.tasks.generation_rows.StepWatch` on ``cache``, added to the call's logits processors."""
+        import time
+
+        from transformers import LogitsProcessorList
+
+        from h2o.tasks.kv_held import geometry
+
+        watch = StepWatch(cache, geometry(self.model)[1], time.perf_counter())
+        generation_kwargs["logits_processor"] = LogitsProcessorList(
+            [*generation_kwargs.get("logits_processor", []), watch])
+        return watch
+
+    def note_rows(self, out: torch.Tensor, width: int, prompts: list[int], watch, stop: list[str]) -> None:
+        """Each row of ``out`` (B, width + new) (``prompts``: each row's prompt tokens) with its context and its
+        answer as lm-eval returns it (the same decoding and cut as HFLM.generate_until) -> ``rows``."""
+        from lm_eval.models.utils import postprocess_generated_text
+
+        from h2o.tasks.kv_held import geometry
+
+        ids = getattr(self.model.generation_config, "eos_token_id", None)
+        eos = {self.tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])} - {None}
+        size = None if self.quant is not None else \
+            2 * geometry(self.model)[2] * torch.empty((), dtype=self.model.dtype).element_size()
+        raw = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731  (as lm-eval's stop test)
+        fields = row_fields(out, width, prompts, watch, eos, stop, raw, size)
+        think = self.think_end_token if isinstance(self.think_end_token, str) else None
+        for b, row in enumerate(fields):
+            answer = postprocess_generated_text(self.tok_decode(out[b, width:].tolist()), stop, think)
+            self.rows.append({"context": self._batch[b] if b < len(self._batch) else None, "answer": answer, **row})

@@ -7,14 +7,11 @@ model_args beyond HFLM's: ``policy`` (a name of h2o.POLICIES, default full) and 
 (``policy=h2o policy.budget=0.2`` <-> ``policy=h2o,budget=0.2``: the keys and defaults of conf/policy/<name>.yaml
 and the other arguments the factory takes, e.g. ``compress=prefill`` <-> ``+policy.compress=prefill``;
 h2o.assets.policy_config), ``semantics`` (simulated; ``reference``: a second spelling of the paper code's rule,
-h2o.core.engine),
-``scoring`` (sum | mean),
-``quant`` (none | uniform | kvquant, h2o.core.quant) with its options spelled ``quant_<option>``:
-``quant=uniform,quant_bits=4,quant_group_size=64`` or ``quant=kvquant,quant_bits=3,quant_sink=false``
+h2o.core.engine), ``scoring`` (sum | mean), ``quant`` (none | uniform | kvquant, h2o.core.quant) with its options
+spelled ``quant_<option>``: ``quant=uniform,quant_bits=4,quant_group_size=64`` or ``quant=kvquant,quant_bits=3``
 (kvquant's ``quant_calibration`` defaults to ``<cache>/kvquant/<pretrained>.pt``, fitted by
 ``python -m h2o.assets.calibrate --model <pretrained>``); both paths attend to the values the quantized cache holds.
-``pretrained`` also takes ``smollm2-135m``, ``gemma3-270m`` and ``tiny:<arch>``. Integers are token counts, floats
-ratios.
+``pretrained`` also takes ``smollm2-135m``, ``gemma3-270m`` and ``tiny:<arch>``. Integers are token counts.
 
 Only the model call changes:
 * log-likelihood requests (multiple choice): one forward pass per batch inside ``attach(model, policy)``, the
@@ -78,8 +75,9 @@ from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
 from h2o.core import engine
 from h2o.core.quant import QuantError, Quantizer
-from h2o.tasks.batching import Sizing, check_batch_size, choose, from_text
+from h2o.tasks.batching import Sizing, check_batch_size, choose, from_left_padding, from_text, to_left_padding
 from h2o.tasks.question_after import QUESTIONS, context_then_question, prefill, question_of
+from h2o.tasks.generation_rows import GenerationRows
 from h2o.tasks.resume_logs import ResumeLogs
 
 SEMANTICS = ("simulated", "reference")
@@ -145,24 +143,8 @@ def resolve_pretrained(pretrained):
     return resolve_tiny(pretrained)
 
 
-def to_left_padding(inps: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded (B, T) ids and (B,) lengths -> left-padded ids (B, T) and their attention mask (B, T) bool."""
-    T = inps.shape[1]
-    shift = T - lengths  # (B,)
-    src = (torch.arange(T, device=inps.device)[None, :] - shift[:, None]).clamp(min=0)  # (B, T)
-    mask = torch.arange(T, device=inps.device)[None, :] >= shift[:, None]
-    return torch.where(mask, inps.gather(1, src), 0), mask
-
-
-def from_left_padding(logits: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Left-padded logits (B, T, V) -> right-padded (B, T, V) (pad positions hold what was shifted in)."""
-    T = logits.shape[1]
-    src = (torch.arange(T, device=logits.device)[None, :] + (T - lengths)[:, None]) % T  # (B, T)
-    return logits.gather(1, src[:, :, None].expand(-1, -1, logits.shape[-1]))
-
-
 @register_model("h2o")
-class H2OLM(ResumeLogs, HFLM):
+class H2OLM(ResumeLogs, GenerationRows, HFLM):
     def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", semantics: str = "simulated",
                  scoring: str = "sum", quant: str | Quantizer | None = "none", question: str = "prompt",
                  generation_log: str | None = None, **kwargs):
@@ -405,39 +387,6 @@ class H2OLM(ResumeLogs, HFLM):
         if watch is not None:
             self.note_rows(out, context.shape[1], prompt, watch, stop)
         return out
-
-    def watch(self, cache, generation_kwargs: dict):
-        """A :class:`h2o.tasks.generation_rows.StepWatch` on ``cache``, added to the call's logits processors."""
-        import time
-
-        from transformers import LogitsProcessorList
-
-        from h2o.tasks.generation_rows import StepWatch
-        from h2o.tasks.kv_held import geometry
-
-        watch = StepWatch(cache, geometry(self.model)[1], time.perf_counter())
-        generation_kwargs["logits_processor"] = LogitsProcessorList(
-            [*generation_kwargs.get("logits_processor", []), watch])
-        return watch
-
-    def note_rows(self, out: torch.Tensor, width: int, prompts: list[int], watch, stop: list[str]) -> None:
-        """Each row of ``out`` (B, width + new) (``prompts``: each row's prompt tokens) with its context and its
-        answer as lm-eval returns it (the same decoding and cut as HFLM.generate_until) -> ``rows``."""
-        from lm_eval.models.utils import postprocess_generated_text
-
-        from h2o.tasks.generation_rows import row_fields
-        from h2o.tasks.kv_held import geometry
-
-        ids = getattr(self.model.generation_config, "eos_token_id", None)
-        eos = {self.tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])} - {None}
-        size = None if self.quant is not None else \
-            2 * geometry(self.model)[2] * torch.empty((), dtype=self.model.dtype).element_size()
-        raw = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731  (as lm-eval's stop test)
-        fields = row_fields(out, width, prompts, watch, eos, stop, raw, size)
-        think = self.think_end_token if isinstance(self.think_end_token, str) else None
-        for b, row in enumerate(fields):
-            answer = postprocess_generated_text(self.tok_decode(out[b, width:].tolist()), stop, think)
-            self.rows.append({"context": self._batch[b] if b < len(self._batch) else None, "answer": answer, **row})
 
     def generate_after(self, context, max_length, stop, cache, asked: list[int], kwargs: dict) -> torch.Tensor:
         """``question=after``: context (B, T) left-padded, the last ``asked`` tokens of each row its question ->
