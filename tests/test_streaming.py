@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from h2o.core.rerotate import CachePositions
 from h2o.assets.models import tiny_model
 from h2o.tasks import streaming, streaming_cli
 from h2o.tasks.streaming import stream
@@ -98,7 +99,7 @@ def test_a_key_shifted_many_times_in_bf16_stays_one_rounding_away(model):
 
     first = torch.arange(S)
     layer = SimpleNamespace(pos=first.view(1, 1, S).clone(), keys=entered(first, first))
-    renum = streaming.CachePositions(model, 1)
+    renum = CachePositions(model, 1)
     renum.after_chunk(SimpleNamespace(layers=[layer]), 0)
     tracked = S - 1  # the newest first token: every older one is evicted, one per chunk, so it moves 299 times
     for t in range(1, S):

@@ -36,17 +36,16 @@ def _loggers() -> dict[str, logging.Logger]:
 
 def snapshot() -> dict:
     """The process state an entry point must leave as it found it, as comparable values."""
-    import torch
-    from hydra.core.global_hydra import GlobalHydra
-
-    from h2o.core.policies.base import Policy
-
+    torch = sys.modules.get("torch")  # only where imported already: a torch-free command stays torch-free
+    policies = sys.modules.get("h2o.core.policies.base")
+    hydra = sys.modules.get("hydra.core.global_hydra")
     logs = {name: (lg.handlers[:], lg.level, lg.propagate, lg.disabled)
             for name, lg in _loggers().items()}
     return {"loggers": logs, "argv": list(sys.argv), "streams": (sys.stdout, sys.stderr, sys.stdin),
             "environ": {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}, "cwd": os.getcwd(),
-            "torch_threads": torch.get_num_threads(), "default_dtype": torch.get_default_dtype(),
-            "policies": dict(Policy.registry), "hydra": GlobalHydra.instance().is_initialized()}
+            "torch_threads": torch and torch.get_num_threads(), "default_dtype": torch and torch.get_default_dtype(),
+            "policies": policies and dict(policies.Policy.registry),
+            "hydra": hydra and hydra.GlobalHydra.instance().is_initialized()}
 
 
 def _closed(handler: logging.Handler) -> bool:
@@ -56,7 +55,7 @@ def _closed(handler: logging.Handler) -> bool:
 def changed(before: dict, after: dict) -> list[str]:
     """The names of what differs between two snapshots. A logger a library created since (on its first import) is
     no change, unless one of its handlers, like any logger's, writes to a closed stream."""
-    out = [key for key in before if key != "loggers" and before[key] != after[key]]
+    out = [key for key in before if key != "loggers" and before[key] is not None and before[key] != after[key]]
     if before["environ"] != after["environ"]:
         keys = set(before["environ"]) ^ set(after["environ"])
         keys |= {k for k in before["environ"] if after["environ"].get(k, before["environ"][k]) != before["environ"][k]}
@@ -71,11 +70,8 @@ def changed(before: dict, after: dict) -> list[str]:
 
 def restore(state: dict) -> None:
     """Put the process back as :func:`snapshot` saw it."""
-    import torch
-    from hydra.core.global_hydra import GlobalHydra
-
-    from h2o.core.policies.base import Policy
-
+    torch, policies = sys.modules.get("torch"), sys.modules.get("h2o.core.policies.base")
+    hydra = sys.modules.get("hydra.core.global_hydra")
     for name, lg in _loggers().items():
         handlers, level, propagate, disabled = state["loggers"].get(name, ([], lg.level, lg.propagate, lg.disabled))
         for handler in [h for h in lg.handlers if _ours(h) and h not in handlers]:
@@ -90,13 +86,15 @@ def restore(state: dict) -> None:
         del os.environ[key]
     os.environ.update(state["environ"])
     os.chdir(state["cwd"])
-    if torch.get_num_threads() != state["torch_threads"]:
-        torch.set_num_threads(state["torch_threads"])
-    torch.set_default_dtype(state["default_dtype"])
-    Policy.registry.clear()
-    Policy.registry.update(state["policies"])
-    if GlobalHydra.instance().is_initialized() and not state["hydra"]:
-        GlobalHydra.instance().clear()
+    if torch is not None and state["torch_threads"]:  # None: torch was imported since, nothing to put back
+        if torch.get_num_threads() != state["torch_threads"]:
+            torch.set_num_threads(state["torch_threads"])
+        torch.set_default_dtype(state["default_dtype"])
+    if policies is not None and state["policies"] is not None:
+        policies.Policy.registry.clear()
+        policies.Policy.registry.update(state["policies"])
+    if hydra is not None and hydra.GlobalHydra.instance().is_initialized() and not state["hydra"]:
+        hydra.GlobalHydra.instance().clear()
 
 
 class CurrentStream:

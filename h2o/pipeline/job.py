@@ -65,7 +65,18 @@ def _crash_hook(path: Path) -> None:
 
 
 def execute(spec: RunSpec) -> dict:
-    """Run the spec and write its record; returns the metrics.json content."""
+    """Run the spec and write its record; returns the metrics.json content. torch's thread count, which the spec
+    may set for its run, is the caller's again afterwards (a sweep's jobs may share one process)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return _execute(spec)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _execute(spec: RunSpec) -> dict:
     import torch
 
     started = time.time()
