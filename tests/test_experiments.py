@@ -295,8 +295,9 @@ def test_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path, monkeypatch, ca
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("h2o.tasks.summarization.SummarizationTask.run", lambda *a, **k: 1 / 0)
     assert main(["-m", *TINY, "task=bb_xsum,bb_copa", "policy=local", f"runs_dir={tmp_path}/runs"]) == 1
-    err = capsys.readouterr().err
-    assert "FAILED job" in err and "division by zero" in err, err[-2000:]
+    out = capsys.readouterr()
+    text = out.out + out.err  # the sweep's summary lines (to stdout or stderr, as the process's logging is set up)
+    assert "FAILED job" in text and "division by zero" in text, text[-2000:]
     assert [r["task"] for r in records(tmp_path / "runs").values()] == ["bb_copa"]
     fails = read_jsonl(next((tmp_path / "multirun").rglob("failures.jsonl")))
     assert len(fails) == 1 and "task=bb_xsum" in fails[0]["overrides"] and fails[0]["traceback"]
