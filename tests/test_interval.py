@@ -19,7 +19,7 @@ from h2o.core.policies import POLICIES, PolicyError
 from h2o.core.policies.base import along_slots
 from h2o.core.policies.budget import Unsupported
 from h2o.core.schedule import Interval
-from tests.two_paths import L, P, PADS, left_padded, padded_paths, quantized_paths_agree
+from tests.two_paths import L, P, PADS, left_padded, padded_paths, quantized_paths_agree, without_a_prompt
 
 ARCHS = (*TINY_ARCHS, "mistral")  # mistral: every layer a sliding window of 16 tokens
 # every evicting rule with a decoding form (the others refuse: test_rules_without_a_decoding_form_refuse)
@@ -72,12 +72,7 @@ def test_without_a_prompt_token_by_token_equals_the_simulated_mask(every):
     model = tiny_model("llama_gqa", seed=2)
     x = torch.randperm(128, generator=torch.Generator().manual_seed(1))[:30][None]
     policy = make_policy("h2o", budget=0.2, compress="interval", interval=every)
-    with torch.no_grad():
-        with attach(model, policy):
-            sim = model(x).logits
-        with attach(model, policy, mode="real") as h:
-            cache = h.new_cache(ref_len=30)
-            real = torch.cat([model(x[:, t:t + 1], cache=cache).logits for t in range(30)], 1)
+    sim, real, cache = without_a_prompt(model, policy, x)
     torch.testing.assert_close(real, sim, atol=1e-4, rtol=0)
     total = int(policy.counts(torch.tensor([30])).total)
     assert int(cache.held_tokens().max()) == total + 29 % every

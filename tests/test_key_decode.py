@@ -15,7 +15,7 @@ from h2o.core.policies.budget import Unsupported
 from h2o.core.policies.keydiff import KeyDiff
 from h2o.core.policies.knorm import Knorm
 from tests.test_parity import ids
-from tests.two_paths import P, PADS, padded_paths, quantized_paths_agree
+from tests.two_paths import P, PADS, padded_paths, quantized_paths_agree, without_a_prompt
 
 NAMES = ("knorm", "keydiff")
 ARCHS = (*TINY_ARCHS, "mistral")  # mistral: every layer a sliding window of 16 tokens
@@ -41,12 +41,8 @@ def test_token_by_token_without_a_prompt_equals_the_simulated_mask(model, name):
     the other (a key computed in a forward of one token or of all), and then the paths drop different keys."""
     x = torch.randperm(128, generator=torch.Generator().manual_seed(1))[:40][None]
     policy = make_policy(name, budget=0.2, compress="decode")
+    sim, real, _ = without_a_prompt(model, policy, x)
     with torch.no_grad():
-        with attach(model, policy):
-            sim = model(x).logits
-        with attach(model, policy, mode="real") as h:
-            cache = h.new_cache(ref_len=40)
-            real = torch.cat([model(x[:, t:t + 1], cache=cache).logits for t in range(40)], 1)
         full = model(x).logits
     torch.testing.assert_close(real, sim, atol=1e-4, rtol=0)
     assert not torch.allclose(sim, full, atol=1e-3)

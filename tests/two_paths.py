@@ -40,6 +40,19 @@ def padded_paths(model, policy, x: torch.Tensor | None = None, mask: torch.Tenso
     return sim, full, cache
 
 
+def without_a_prompt(model, policy, x: torch.Tensor):
+    """x (1, T) with no prompt: the simulated mask in one pass and the evicting cache token by token -> (simulated
+    logits, real logits, both (1, T, V); the cache)."""
+    T = x.shape[1]
+    with torch.no_grad():
+        with attach(model, policy):
+            sim = model(x).logits
+        with attach(model, policy, mode="real") as h:
+            cache = h.new_cache(ref_len=T)
+            real = torch.cat([model(x[:, t:t + 1], cache=cache).logits for t in range(T)], 1)
+    return sim, real, cache
+
+
 def quantized_paths_agree(model, policy, x: torch.Tensor, quant, prompt: int = 24) -> None:
     """x (1, T) through both paths under ``quant``: both attend to (and rank) the keys the quantized cache holds, so
     their logits agree to quantization noise, far below what quantization itself changes (as test_quant's matrix)."""
