@@ -77,3 +77,15 @@ def leaves_the_process_as_it_found_it(request):
         pytest.fail(f"{request.node.nodeid} left process state changed: {', '.join(diff)} (an entry point runs "
                     f"inside h2o.cli.process.kept; a test restores what it changes, e.g. with monkeypatch)",
                     pytrace=False)
+
+
+@pytest.fixture
+def hydra_ctx():
+    """Hydra's compose API on the project's configs, for one test only: a module-wide context would still be open
+    when a later test of the module (in shuffled order) calls h2o-run's main, which must start Hydra itself."""
+    from hydra import initialize_config_dir
+
+    from h2o.assets.paths import CONF
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        yield

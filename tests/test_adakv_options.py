@@ -36,16 +36,6 @@ CASES = [(inner, TOGETHER[option] if option in TOGETHER else {option: VALUES[opt
          for inner in inner_names() for option in takes(inner)]
 
 
-@pytest.fixture(scope="module")
-def hydra_ctx():
-    from hydra import initialize_config_dir
-
-    from h2o.assets.paths import CONF
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield
-
-
 def state(p: Policy) -> tuple:
     return type(p), {k: state(v) if isinstance(v, Policy) else v for k, v in vars(p).items()}
 

@@ -57,14 +57,6 @@ def records(root: Path) -> dict[Path, dict]:
     return {f.parent: json.loads(f.read_text()) for f in sorted(root.rglob("metrics.json"))}
 
 
-@pytest.fixture(scope="module")
-def hydra_ctx():
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield
-
-
 # ------------------------------------------------------------------------------------------- configs
 @pytest.mark.parametrize("group", ["model", "task", "policy"])
 def test_every_group_file_composes_and_builds(hydra_ctx, group):

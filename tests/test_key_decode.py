@@ -233,16 +233,6 @@ def test_the_anchor_without_the_arriving_key_is_kvpress_rule(gqa):
 
 
 # ------------------------------------------------------------------ spellings, refusals, the kernel
-@pytest.fixture(scope="module")
-def hydra_ctx():
-    from hydra import initialize_config_dir
-
-    from h2o.assets.paths import CONF
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_is_spelled_alike_in_hydra_lm_eval_and_the_api(hydra_ctx, name):
     from lm_eval.utils import simple_parse_args_string

@@ -23,15 +23,7 @@ DECODING = {"local", "streaming_llm", "h2o", "tova", "scissorhands", "random", "
 
 
 @pytest.fixture(scope="module")
-def hydra_ctx():
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield
-
-
-@pytest.fixture(scope="module")
-def grid(hydra_ctx):
+def grid():
     """The grid at one of its budgets: the budgets are a plain cross product (checked from the file), and composing
     all 234 jobs costs three times as much."""
     return expand(["experiment=methods", "policy.budget=0.2", "runs_dir=/nonexistent-runs"], multirun=True)

@@ -20,14 +20,6 @@ from h2o.store.identity import identity
 from h2o.pipeline.sweep import _compose
 
 
-@pytest.fixture(scope="module")
-def hydra_ctx():
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield
-
-
 def same(a, b) -> bool:
     """Equal policies: one class, one state (``quant`` None, as a run_spec sets it, is the class default)."""
     state = lambda p: {k: v for k, v in vars(p).items() if not (k == "quant" and v is None)}  # noqa: E731

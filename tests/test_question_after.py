@@ -150,16 +150,6 @@ def test_bad_values_are_refused_in_one_line(tiny):
         lm.generate_until(requests([{}, {}]))
 
 
-@pytest.fixture()
-def hydra_ctx():
-    from hydra import initialize_config_dir
-
-    from h2o.assets.paths import CONF
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield
-
-
 def test_the_default_keeps_every_folder_and_after_names_itself(hydra_ctx, tmp_path, capsys):
     """Hydra: ``task.question=prompt`` (given or not, on any task) is today's run: its folder, config and identity;
     ``after`` adds ``question=after`` to the folder; a bad value exits 2 in one line before anything loads."""

@@ -11,14 +11,6 @@ from h2o.pipeline.sweep import _compose
 TINY = ["model=tiny-llama", "task=bb_copa", "task.limit=2", "task.shots=0"]
 
 
-@pytest.fixture(scope="module")
-def hydra_ctx():
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield
-
-
 def test_a_policy_option_never_overwrites_a_run_field(hydra_ctx):
     head = prepare(_compose([*TINY, "policy=random", "policy.seed=3", "seed=0"])).head()
     assert head["seed"] == 0 and head["policy_options"]["seed"] == 3  # the run's seed, the policy's in its options

@@ -31,14 +31,6 @@ def lacks_only_policy_window(text: str, mine: str) -> bool:
             and re.sub(r'\n  "policy_window": \d+,', "", mine) == text)
 
 
-@pytest.fixture(scope="module")
-def hydra_ctx():
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield
-
-
 # ------------------------------------------------------------------------------------------- one merge rule
 def test_the_rule_run_over_policy_task_over_both_and_the_policys_value_beside():
     run = {"seed": 0, "budget": 0.2, "policy_options": {"seed": 3, "window": 64}}

@@ -31,14 +31,6 @@ from run_folders import recorded  # tests/run_folders.py
 TINY = ["model=tiny-llama", "task=bb_copa", "task.limit=2", "task.shots=0"]
 
 
-@pytest.fixture(scope="module")
-def hydra_ctx():
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield
-
-
 def counting(monkeypatch) -> list[str]:
     """The ``_target_`` of every hydra.utils.instantiate call from here on."""
     import hydra.utils

@@ -16,10 +16,9 @@ from h2o.assets.paths import CONF
 from h2o.core.policies import POLICIES, Policy
 
 
-@pytest.fixture(scope="module")
-def hydra():
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        yield lambda overrides: instantiate(compose("config", overrides=overrides).policy)
+@pytest.fixture
+def hydra(hydra_ctx):
+    return lambda overrides: instantiate(compose("config", overrides=overrides).policy)
 
 
 def state(p: Policy) -> tuple:

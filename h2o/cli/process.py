@@ -45,7 +45,7 @@ def snapshot() -> dict:
             "environ": {k: v for k, v in os.environ.items() if k not in VOLATILE_ENV}, "cwd": os.getcwd(),
             "torch_threads": torch and torch.get_num_threads(), "default_dtype": torch and torch.get_default_dtype(),
             "policies": policies and dict(policies.Policy.registry),
-            "hydra": hydra and hydra.GlobalHydra.instance().is_initialized()}
+            "hydra": bool(hydra and hydra.GlobalHydra.instance().is_initialized())}
 
 
 def _closed(handler: logging.Handler) -> bool:
