@@ -12,6 +12,9 @@ experiment) beside the harness's full cache, the ``compare`` policies and transf
 5. every registered method beside full at ``methods`` (prompt, batch), each prefilling its own prompt in its own
    timing: prefill time, KV bytes and tokens held after the compression, decode throughput (:mod:`h2o.bench.every_policy`;
    information, no target).
+6. every method with a decoding form at a token budget, every step and every ``long_gen_interval`` tokens, beside
+   full while generating ``long_gen`` (generated tokens, batch): decode throughput and KV bytes at most and at the
+   end (:mod:`h2o.bench.long_generation`; information, no target).
 
 Record: ``metrics`` = {target name: measured ratio}, ``targets`` = {name: {value, target, met}}, samples = every
 variant's record (``semantics`` real or simulated; ``kv_limit_bytes`` / ``max_batch_method`` on the batch parts).
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import sys
 
-from h2o.bench import every_policy
+from h2o.bench import every_policy, long_generation
 from h2o.bench.max_batch import largest_batch_under_cap, print_max_batch
 from h2o.bench.simulated import simulated_forward
 from h2o.bench.throughput import benchmark
@@ -114,4 +117,8 @@ def run_targets(model, task, policy, seed: int = 0, model_name: str | None = Non
     if task.methods:  # every method of the registry side by side (h2o.bench.every_policy)
         P, B = task.methods
         recs += every_policy.measure(model, P, B, task.methods_gen, budget, **common)
+    if task.long_gen:  # every decoding method, both schedules, a long generation (h2o.bench.long_generation)
+        G, B = task.long_gen
+        recs += long_generation.measure(model, task.long_gen_prompt, B, G, task.long_gen_budget,
+                                        task.long_gen_interval, **common)
     return recs + capped

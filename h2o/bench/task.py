@@ -64,7 +64,10 @@ class TargetsTask(TaskSpec):
     The run's policy is measured against full, the ``compare`` policies and transformers' caches at every part;
     metrics: each target's measured ratio; ``targets``: {name: {value, target, met}}; samples: every variant's
     record; ``methods``: every registered method at the run's budget, at ``methods`` ([prompt, batch]; null:
-    none) with ``methods_gen`` tokens each (:mod:`h2o.bench.every_policy`)."""
+    none) with ``methods_gen`` tokens each (:mod:`h2o.bench.every_policy`); ``long_generation``: every method with
+    a decoding form at ``long_gen_budget`` tokens, every step and every ``long_gen_interval`` tokens, beside full,
+    generating ``long_gen`` ([generated tokens, batch]; null: none) after a ``long_gen_prompt``-token prompt
+    (:mod:`h2o.bench.long_generation`)."""
 
     name: str
     long: list = field(default_factory=lambda: [4096, 8])
@@ -84,6 +87,10 @@ class TargetsTask(TaskSpec):
     compare_e2e: list = field(default_factory=lambda: ["local", "streaming_llm"])
     methods: list | None = field(default_factory=lambda: [512, 1])  # every method side by side (None: none)
     methods_gen: int = 16
+    long_gen: list | None = field(default_factory=lambda: [128, 4])  # [generated tokens, batch] (None: none)
+    long_gen_prompt: int = 64  # the long-generation section's prompt tokens
+    long_gen_budget: int = 64  # its whole-cache budget in tokens
+    long_gen_interval: int = 16  # its interval schedule's generated tokens between two cuts
     shots: int = 0
 
     kind = "benchmark_targets"
@@ -97,6 +104,13 @@ class TargetsTask(TaskSpec):
         pair("memory", self.memory, "prompt, generated tokens")
         if self.methods is not None:
             pair("methods", self.methods)
+        if self.long_gen is not None:
+            pair("long_gen", self.long_gen, "generated tokens, batch")
+            check(self.long_gen[0] >= 2, f"task.long_gen={self.long_gen!r}: expected at least 2 generated tokens "
+                                         f"(one decoding step)")
+        for key in ("long_gen_prompt", "long_gen_budget", "long_gen_interval"):
+            check(is_int(getattr(self, key)) and getattr(self, key) >= 1,
+                  f"task.{key}={getattr(self, key)!r}: expected an int >= 1")
         check(is_int(self.methods_gen) and self.methods_gen >= 2,
               f"task.methods_gen={self.methods_gen!r}: expected an int >= 2 (one decoding step at least)")
         for key in ("sim", "gen_len", "short_gen", "repeats", "max_batch_cap"):
@@ -125,6 +139,7 @@ class TargetsTask(TaskSpec):
                                   f"budget below 1.0")
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
+        from h2o.bench import long_generation
         from h2o.bench.every_policy import rows
         from h2o.bench.targets import check_targets, run_targets
 
@@ -135,4 +150,5 @@ class TargetsTask(TaskSpec):
         targets = {k: {"value": x, "target": t, "met": ok} for k, (x, t, ok) in res.items()}
         met = [ok for _, _, ok in res.values() if ok is not None]
         return Result({k: x for k, (x, _, _) in res.items()}, recs,
-                      {"targets": targets, "targets_met": f"{sum(met)}/{len(met)}", "methods": rows(recs)})
+                      {"targets": targets, "targets_met": f"{sum(met)}/{len(met)}", "methods": rows(recs),
+                       "long_generation": long_generation.rows(recs)})

@@ -29,10 +29,14 @@ class Variant:
     obj: Policy | None = field(default=None, compare=False)  # a built policy (else at_budget(policy, budget))
     quant: str = "none"  # KV quantization of a policy variant: none, uniform4, kvquant3, ... (h2o.core.quant.quant_of)
     calibration: str | None = field(default=None, compare=False)  # kvquant's calibration file
+    schedule: str = ""  # a built policy's schedule other than decode (``interval=32``, ``prefill``): two schedules
+    # of one method at one budget are two variants
 
     @staticmethod
     def of(policy: Policy) -> "Variant":
-        return Variant("policy", policy.name, policy.budget, obj=policy)
+        described = policy.schedule.describe()
+        schedule = ",".join(f"{k}={v}" for k, v in described.items() if k != "compress") or described.get("compress", "")
+        return Variant("policy", policy.name, policy.budget, obj=policy, schedule=schedule)
 
     def build_quant(self):
         from h2o.core.quant import quant_of
@@ -46,7 +50,7 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return variant_label(self.policy, self.budget, self.quant)
+        return variant_label(self.policy, self.budget, self.quant) + (f" {self.schedule}" if self.schedule else "")
 
 
 def make_variants(policies: Iterable[str], budgets: Iterable[float | int],

@@ -1,0 +1,154 @@
+"""The long-generation section of ``make bench``: every method with a decoding form, at a whole-cache token budget,
+under both schedules (the budget held at every step, ``compress=decode``; cut back to it every ``interval``
+generated tokens, ``compress=interval``) beside the harness's full cache, generating ``gen_len`` tokens at
+``batch`` rows in one interleaved run.
+
+Each variant prefills its own random-token prompt of ``prompt_len`` tokens, then decodes greedily for ``gen_len``
+tokens (no stop at EOS); ``repeats`` interleaved rounds, medians (:func:`h2o.bench.throughput.benchmark`,
+``prefill="each"``). Per row (the record's ``long_generation``, :func:`rows`): decode tokens/s and its ratio to full
+(wall and CPU time), the KV bytes at their most over the generation and at its end, and their ratio to full (full's
+grow with every token; a budget's stay at it, an interval's breathe up to ``budget + interval``).
+
+The field's size is 2,048 tokens at batch 8 (a GPU: ``task.long_gen=[2048,8]``); ``make bench`` on a CPU measures a
+smaller one (conf/task/bench_targets.yaml), labelled with its sizes in the table's title.
+``python -m h2o.bench.long_generation <run folder or metrics.json>`` prints a finished record's table as markdown.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from h2o.bench.throughput import benchmark
+from h2o.bench.variants import Variant
+
+SECTION = "long_generation"  # the records' ``section``: not read by the targets
+METHODS = ("h2o", "tova", "streaming_llm", "local", "knorm", "keydiff")  # the rules with a decoding form
+
+
+def variants(budget: int, interval: int, methods=METHODS) -> list[Variant]:
+    """full, then each method at ``budget`` every step, then each every ``interval`` tokens."""
+    from h2o.core.policies import make_policy
+
+    return [Variant("policy", "full")] + [Variant.of(make_policy(m, budget=budget, **kw))
+                                          for kw in ({"compress": "decode"},
+                                                     {"compress": "interval", "interval": interval})
+                                          for m in methods]
+
+
+def measure(model, prompt_len: int, batch: int, gen_len: int, budget: int, interval: int, repeats: int = 3,
+            warmup: int = 1, seed: int = 0, model_name: str | None = None, out=None) -> list[dict]:
+    """One interleaved run of :func:`variants`; the variant records, each with ``section``, ``compress`` and
+    ``interval``; prints the table."""
+    chosen = variants(budget, interval)
+    recs = benchmark(model, prompt_lens=[prompt_len], gen_lens=[gen_len], batch_sizes=[batch], prefill="each",
+                     repeats=repeats, warmup=warmup, seed=seed, model_name=model_name, variants=chosen,
+                     verbose=False, out=out)
+    for v, r in zip(chosen, recs):
+        policy = v.build()
+        r["section"] = SECTION
+        r["compress"] = None if policy.is_full else policy.compress
+        r["interval"] = policy.interval if not policy.is_full else None
+    print_rows(rows(recs), out)
+    return recs
+
+
+def rows(records: list[dict]) -> list[dict]:
+    """The table's rows from the section's records (full first), plain numbers for the run record."""
+    out = []
+    for r in (r for r in records if r.get("section") == SECTION):
+        m = r["metrics"]
+        vf = m.get("vs_full", {})
+        out.append({"method": r["policy"], "compress": r["compress"], "interval": r["interval"],
+                    "budget": r["budget"], "prompt_len": r["prompt_len"], "batch_size": r["batch_size"],
+                    "gen_len": r["gen_len"], "decode_tok_s": m["decode_tok_s"], "decode_vs_full": vf.get("decode_tok_s"),
+                    "decode_cpu_vs_full": vf.get("decode_tok_cpu_s"), "kv_bytes_max": m["kv_bytes_max"],
+                    "kv_max_vs_full": vf.get("kv_bytes_max"), "kv_bytes": m["kv_bytes"],
+                    "kv_end_vs_full": vf.get("kv_bytes")})
+    return out
+
+
+COLUMNS = ("method", "schedule", "budget", "decode tok/s", "x full", "CPU x full", "KV max MiB", "x full",
+           "KV end MiB", "x full")
+FIELDS = ("method", "compress", "interval", "budget", "decode_tok_s", "decode_vs_full", "decode_cpu_vs_full",
+          "kv_bytes_max", "kv_max_vs_full", "kv_bytes", "kv_end_vs_full")  # what cells() reads
+
+
+def cell(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def schedule(row: dict) -> str:
+    if row["compress"] is None:
+        return "-"
+    return "every step" if row["compress"] == "decode" else f"every {row['interval']}"
+
+
+def cells(row: dict) -> list[str]:
+    mib = 2 ** 20
+    return [row["method"], schedule(row), "-" if row["compress"] is None else f"{row['budget']:g}",
+            cell(row["decode_tok_s"], ".2f"), cell(row["decode_vs_full"], ".2f"), cell(row["decode_cpu_vs_full"], ".2f"),
+            cell(row["kv_bytes_max"] / mib, ".2f"), cell(row["kv_max_vs_full"], ".3f"),
+            cell(row["kv_bytes"] / mib, ".2f"), cell(row["kv_end_vs_full"], ".3f")]
+
+
+def title(table_rows: list[dict]) -> str:
+    r0 = table_rows[0]
+    return (f"long generation: prompt {r0['prompt_len']} x batch {r0['batch_size']}, {r0['gen_len']} tokens "
+            f"generated (each prefills; medians)")
+
+
+def table(table_rows: list[dict]) -> str:
+    """The rows as a markdown table, its sizes in a line above."""
+    lines = [f"{title(table_rows)}", "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    return "\n".join(lines + ["| " + " | ".join(cells(r)) + " |" for r in table_rows])
+
+
+def print_rows(table_rows: list[dict], out=None) -> None:
+    if not table_rows:
+        return
+    out = out or sys.stdout
+    print(f"\n== {title(table_rows)}", file=out)
+    widths = [max(len(c), *(len(cells(r)[i]) for r in table_rows)) for i, c in enumerate(COLUMNS)]
+    for line in [list(COLUMNS)] + [cells(r) for r in table_rows]:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)), file=out)
+    out.flush()
+
+
+def row_error(table_rows) -> str | None:
+    """What is wrong with a record's ``long_generation`` rows for :func:`table` (one line), or None."""
+    if not isinstance(table_rows, list) or not table_rows:
+        return f"long_generation is {type(table_rows).__name__}, expected a non-empty list of rows"
+    for i, row in enumerate(table_rows):
+        lost = [k for k in FIELDS if not isinstance(row, dict) or k not in row]
+        if lost:
+            return f"long_generation row {i} lacks {', '.join(repr(k) for k in lost)}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the long-generation table of a ``make bench`` record (its folder or metrics.json) as markdown."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("error: usage: python -m h2o.bench.long_generation <run folder or metrics.json of make bench>",
+              file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    path = path / "metrics.json" if path.is_dir() else path
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        print(f"error: {path}: not a readable record ({type(e).__name__}); allowed: a make bench run folder",
+              file=sys.stderr)
+        return 2
+    bad = "no long_generation section (task.long_gen was null, or the record predates it)" \
+        if not isinstance(record, dict) or SECTION not in record else row_error(record[SECTION])
+    if bad:
+        print(f"error: {path}: {bad}", file=sys.stderr)
+        return 2
+    print(table(record[SECTION]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
