@@ -89,6 +89,9 @@ BENCH_GEN ?= 8
 BENCH_SHORT_GEN ?= 64
 BENCH_REPEATS ?= 3
 BENCH_METHODS ?= 512,1
+# the long-generation section (h2o/bench/long_generation.py): generated tokens,batch (the field's 2048,8 on a GPU;
+# smaller on a CPU); empty: left out
+BENCH_LONG_GEN ?= 128,2
 # the prefill section (python -m h2o.bench prefill): prompt lengths, comma-separated; empty: left out. About 2 min
 # at 1024 tokens on idle cores (15 processes: each policy, transformers' sdpa and eager)
 BENCH_PREFILL ?= 1024
@@ -96,7 +99,8 @@ bench: install ## the benchmark targets: decode throughput, KV bytes, largest ba
 	$(PY) -m h2o.pipeline.run experiment=bench threads=$(BENCH_THREADS) 'task.long=[$(BENCH_LONG)]' \
 		'task.short=[$(BENCH_SHORT)]' 'task.e2e=[$(BENCH_E2E)]' task.sim=$(BENCH_SIM) 'task.memory=[$(BENCH_MEMORY)]' \
 		task.gen_len=$(BENCH_GEN) task.short_gen=$(BENCH_SHORT_GEN) task.repeats=$(BENCH_REPEATS) \
-		'task.methods=[$(BENCH_METHODS)]' $(if $(WANDB),logger=wandb) $(ARGS)
+		'task.methods=[$(BENCH_METHODS)]' $(if $(BENCH_LONG_GEN),'task.long_gen=[$(BENCH_LONG_GEN)]',task.long_gen=null) \
+		$(if $(WANDB),logger=wandb) $(ARGS)
 	$(if $(BENCH_PREFILL),$(PY) -m h2o.bench prefill --lengths $(BENCH_PREFILL) --threads $(BENCH_THREADS))
 
 # Streaming: one run per policy x budget x chunk of experiment=streaming (conf/experiment/streaming.yaml), recorded

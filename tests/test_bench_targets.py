@@ -14,7 +14,8 @@ from h2o.pipeline.sweep import expand
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny-llama", "task.long=[40,3]", "task.short=[32,1]", "task.e2e=[24,2]", "task.sim=24",
         "task.memory=[24,3]", "task.gen_len=3", "task.short_gen=4", "task.repeats=1", "task.warmup=0",
-        "task.prefill_chunk=16", "task.max_batch_cap=6", "task.methods=[24,2]", "task.methods_gen=3", "threads=1"]
+        "task.prefill_chunk=16", "task.max_batch_cap=6", "task.methods=[24,2]", "task.methods_gen=3", "task.long_gen=[12,2]", "task.long_gen_prompt=8",
+        "task.long_gen_budget=6", "task.long_gen_interval=4", "threads=1"]
 
 
 def make_bench_argv(args: str) -> list[str]:
@@ -42,6 +43,12 @@ def test_make_bench_writes_the_experiments_record(tmp_path, monkeypatch, capsys)
     assert targets["kv_bytes_max 40x3 h2o/full"]["met"]  # 8 kept of 40 + 2 decoded
     from h2o.bench.every_policy import method_names  # every method's row, the targets untouched by them
     assert [r["method"] for r in rec["methods"]] == ["full", *method_names()]
+    from h2o.bench.long_generation import METHODS  # both schedules of every decoding method beside full
+    assert "== long generation: prompt 8 x batch 2, 12 tokens generated" in out
+    rows = rec["long_generation"]
+    assert [(r["method"], r["compress"], r["interval"]) for r in rows] == [("full", None, None)] + [
+        (m, "decode", None) for m in METHODS] + [(m, "interval", 4) for m in METHODS]
+    assert all(r["kv_max_vs_full"] < 1 for r in rows[1:])  # 6 (+ 4 between cuts) held of full's 8 + 11
     assert set(targets) == set(m) and all(t["met"] == meets("decode_long", t["value"]) for k, t in targets.items()
                                           if k.startswith("decode 40x3 h2o/"))
     samples = [json.loads(x) for x in (path.parent / "samples.jsonl").read_text().splitlines()]

@@ -1,0 +1,248 @@
+"""The long-generation study's page (``experiment=long_generation``, h2o.tasks.long_generation): from its records,
+the headline comparison (two methods at one budget and schedule, paired over prompts, a bootstrap 95% interval of
+the mean difference), every method against H2O the same way, the table of each cell, and two figures: the KV bytes
+held over the generation (one line per method and schedule, full's rising) and the fidelity to the full cache per
+method, budget and schedule.
+
+    python -m analysis.long_generation studies/long_generation/records --out analysis/out/long_generation
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from analysis.records import load_runs, load_samples
+
+ORDER = ["full", "h2o", "tova", "streaming_llm", "local", "knorm", "keydiff", "snapkv", "r_kv"]
+LABELS = {"h2o": "H2O", "tova": "TOVA", "streaming_llm": "StreamingLLM", "local": "local", "knorm": "K-norm",
+          "keydiff": "KeyDiff", "full": "full"}
+MIB = 2 ** 20
+RESAMPLES = 10000
+
+
+def schedule_of(row) -> str:
+    """``every step`` (compress=decode), ``every N`` (compress=interval), ``-`` (full)."""
+    if row.get("policy") == "full":
+        return "-"
+    options = row.get("policy_options") if isinstance(row.get("policy_options"), dict) else {}
+    compress = row.get("compress") if isinstance(row.get("compress"), str) else options.get("compress", "decode")
+    if compress == "interval":
+        interval = row.get("interval")
+        interval = options.get("interval") if interval is None or pd.isna(interval) else interval
+        return f"every {int(interval)}"
+    return "every step" if compress == "decode" else str(compress)
+
+
+def runs(root: Path) -> pd.DataFrame:
+    """The long-generation records under ``root``, with ``schedule`` and their ``samples`` (by doc_id)."""
+    df = load_runs(root)
+    if df.empty:
+        return df
+    df = df[df["task_kind"] == "long_generation"].copy()
+    if df.empty:
+        return df
+    options = [json_options(p) for p in df["path"]]
+    df["schedule"] = [schedule_of({**r, "policy_options": o}) for (_, r), o in zip(df.iterrows(), options)]
+    df["samples"] = [{s["doc_id"]: s for s in load_samples(p)} for p in df["path"]]
+    df["order"] = [ORDER.index(p) if p in ORDER else 99 for p in df["policy"]]
+    return df.sort_values(["budget", "schedule", "order"]).reset_index(drop=True)
+
+
+def json_options(path: str) -> dict:
+    import json
+
+    rec = json.loads((Path(path) / "metrics.json").read_text())
+    return rec.get("policy_options") or {}
+
+
+def label(policy: str) -> str:
+    return LABELS.get(policy, policy)
+
+
+def paired(a: dict, b: dict, key: str = "tf_nll_per_token", seed: int = 0) -> dict | None:
+    """a - b over the prompts both have: mean difference, its bootstrap 95% interval (prompts resampled with
+    replacement, :data:`RESAMPLES` times, seed ``seed``), the prompts, and how many favour each side."""
+    ids = sorted(set(a) & set(b))
+    if len(ids) < 2:
+        return None
+    d = np.array([a[i][key] - b[i][key] for i in ids], dtype=float)
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, len(d), size=(RESAMPLES, len(d)))].mean(axis=1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return {"diff": float(d.mean()), "lo": float(lo), "hi": float(hi), "n": len(ids),
+            "a_lower": int((d < 0).sum()), "b_lower": int((d > 0).sum())}
+
+
+def verdict(p: dict) -> str:
+    """``<`` (a lower at 95%), ``>`` (a higher), ``≈`` (the interval holds 0)."""
+    return "<" if p["hi"] < 0 else ">" if p["lo"] > 0 else "≈"
+
+
+def cell_of(df: pd.DataFrame, policy: str, budget, schedule: str):
+    hit = df[(df["policy"] == policy) & (df["budget"] == budget) & (df["schedule"] == schedule)]
+    return None if hit.empty else hit.iloc[0]
+
+
+def headline(df: pd.DataFrame, spec: dict) -> list[str]:
+    """The study's named comparison (``spec``: a, b, budget, schedule) of the teacher-forced NLL per token."""
+    a, b = cell_of(df, spec["a"], spec["budget"], spec["schedule"]), cell_of(df, spec["b"], spec["budget"],
+                                                                             spec["schedule"])
+    what = (f"{label(spec['a'])} against {label(spec['b'])} at {spec['budget']} tokens, {spec['schedule']}: NLL per "
+            f"token of the full cache's answer teacher-forced through each cache")
+    if a is None or b is None:
+        return [f"**Headline** ({what}): not yet measured (a record is missing)."]
+    p = paired(a["samples"], b["samples"])
+    if p is None:
+        return [f"**Headline** ({what}): fewer than two prompts in common."]
+    word = {"<": "lower (closer to the full cache)", ">": "higher (further from the full cache)",
+            "≈": "not resolved at 95%"}[verdict(p)]
+    return [f"**Headline** ({what}): {label(spec['a'])} − {label(spec['b'])} = {p['diff']:+.3f} nats per token "
+            f"[{p['lo']:+.3f}, {p['hi']:+.3f}] (paired over {p['n']} prompts, bootstrap 95% interval; "
+            f"{label(spec['a'])} lower on {p['a_lower']} of {p['n']}): {label(spec['a'])} is {word}."]
+
+
+def versus_h2o(df: pd.DataFrame) -> list[str]:
+    """Every other compressed method against H2O in each cell where both ran."""
+    lines = []
+    for (budget, schedule), group in df[df["policy"] != "full"].groupby(["budget", "schedule"], sort=False):
+        base = cell_of(df, "h2o", budget, schedule)
+        if base is None:
+            continue
+        for _, row in group.iterrows():
+            if row["policy"] == "h2o":
+                continue
+            p = paired(base["samples"], row["samples"])
+            if p is not None:
+                lines.append(f"- {budget:g} tokens, {schedule}: H2O {verdict(p)} {label(row['policy'])}: "
+                             f"{p['diff']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}] nats per token "
+                             f"({row['tf_nll_per_token']:.3f} for {label(row['policy'])})")
+    return lines
+
+
+def num(v, spec: str) -> str:
+    return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def table(df: pd.DataFrame) -> str:
+    """One row per record: fidelity, departure, length, repetition, KV held, time."""
+    cols = ["method", "budget", "schedule", "NLL/token of full's answer [95%]", "top-1 agreement",
+            "first departure (median)", "tokens generated", "at length limit", "distinct 4-grams", "KV peak MiB",
+            "CPU s"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for _, r in df.iterrows():
+        samples = list(r["samples"].values())
+        departure = np.median([s["first_departure"] for s in samples]) if samples else None
+        ci = f"{num(r['tf_nll_per_token'], '.3f')} [{num(r.get('tf_nll_per_token_ci95_low'), '.3f')}, " \
+             f"{num(r.get('tf_nll_per_token_ci95_high'), '.3f')}]"
+        lines.append("| " + " | ".join([
+            label(r["policy"]), "—" if r["policy"] == "full" else f"{r['budget']:g}", r["schedule"], ci,
+            num(r.get("tf_top1"), ".3f"), num(departure, ".0f"), num(r.get("gen_tokens"), ".0f"),
+            num(r.get("at_limit_share"), ".2f"), num(r.get("distinct_4"), ".3f"),
+            num(r.get("kv_bytes_peak") / MIB if r.get("kv_bytes_peak") is not None else None, ".2f"),
+            num(r.get("cpu_s"), ".0f")]) + " |")
+    return "\n".join(lines)
+
+
+def kv_figure(df: pd.DataFrame, out: Path) -> list[Path]:
+    """KV MiB held per sequence against generated tokens: one panel per budget, a line per method and schedule
+    (solid: every step; dashed: every N), full's in each panel."""
+    from analysis.plotting import panels, save
+
+    budgets = sorted(b for b in df.loc[df["policy"] != "full", "budget"].unique())
+    if not budgets:
+        return []
+    full = df[df["policy"] == "full"]
+    fig, axes = panels(len(budgets), ncols=len(budgets), size=(5.2, 3.6))
+    colors = {p: f"C{i}" for i, p in enumerate(ORDER)}
+    for ax, budget in zip(axes, budgets):
+        for _, r in pd.concat([full, df[(df["budget"] == budget) & (df["policy"] != "full")]]).iterrows():
+            traces = [s["kv_trace"] for s in r["samples"].values() if s.get("kv_trace")]
+            if not traces:
+                continue
+            n = min(len(t) for t in traces)
+            every = int(r.get("trace_every") or 1)
+            mean = np.mean([t[:n] for t in traces], axis=0) / MIB
+            ax.plot(np.arange(n) * every, mean, color=colors.get(r["policy"], "k"),
+                    linestyle="--" if r["schedule"].startswith("every ") and r["schedule"] != "every step" else "-",
+                    label=f"{label(r['policy'])}" + ("" if r["policy"] == "full" else f" ({r['schedule']})"),
+                    linewidth=1.2)
+        ax.set(title=f"budget {budget:g} tokens", xlabel="generated tokens", ylabel="KV held per sequence (MiB)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6, ncol=2)
+    return save(fig, out, "long_generation_kv")
+
+
+def fidelity_figure(df: pd.DataFrame, out: Path) -> list[Path]:
+    """NLL per token of full's answer per method (with its 95% interval), at each budget and schedule."""
+    from analysis.plotting import panels, save
+
+    cells = df[df["policy"] != "full"]
+    if cells.empty:
+        return []
+    keys = [(b, s) for b, s in cells[["budget", "schedule"]].drop_duplicates().itertuples(index=False)]
+    methods = [p for p in ORDER if p in set(cells["policy"])] + sorted(set(cells["policy"]) - set(ORDER))
+    fig, axes = panels(1, ncols=1, size=(7.5, 3.6))
+    ax = axes[0]
+    width = 0.8 / max(len(keys), 1)
+    for k, (budget, schedule) in enumerate(keys):
+        ys, los, his = [], [], []
+        for m in methods:
+            r = cell_of(df, m, budget, schedule)
+            v = r["tf_nll_per_token"] if r is not None else np.nan
+            ys.append(v)
+            los.append(v - (r.get("tf_nll_per_token_ci95_low", v) if r is not None else v))
+            his.append((r.get("tf_nll_per_token_ci95_high", v) if r is not None else v) - v)
+        ax.bar(np.arange(len(methods)) + (k - (len(keys) - 1) / 2) * width, ys, width, yerr=[los, his],
+               label=f"{budget:g} tokens, {schedule}", capsize=2)
+    base = cell_of(df, "full", 1.0, "-")
+    if base is not None:
+        ax.axhline(base["tf_nll_per_token"], color="k", linewidth=0.8, label="full")
+    ax.set_xticks(np.arange(len(methods)), [label(m) for m in methods])
+    ax.set(ylabel="NLL per token of full's answer")
+    ax.legend(fontsize=7)
+    return save(fig, out, "long_generation_fidelity")
+
+
+def page_body(df: pd.DataFrame, figures: Path, rel: str, spec: dict) -> list[str]:
+    """The page below its head: runs finished, the headline, the comparisons, the figures and the table."""
+    grid = spec.get("runs")
+    cpu = pd.to_numeric(df["cpu_s"], errors="coerce").sum() if "cpu_s" in df else float("nan")
+    lines = [f"Runs finished: {len(df)}" + (f" of the committed grid's {grid}" if grid else "") +
+             f" ({cpu:,.0f} CPU-s in all, one thread each).", ""]
+    if spec.get("headline"):
+        lines += [*headline(df, spec["headline"]), ""]
+    found = versus_h2o(df)
+    if found:
+        lines += ["**H2O against each other method, cell by cell** (`<`: H2O's NLL lower at 95%, `>`: higher, `≈`: "
+                  "unresolved; H2O − other, paired over prompts, bootstrap 95% interval)", "", *found, ""]
+    for p in kv_figure(df, figures) + fidelity_figure(df, figures):
+        if p.suffix == ".png":
+            lines += [f"![{p.stem}]({rel}/{p.name})", ""]
+        else:
+            p.unlink()
+    return lines + [table(df), ""]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m analysis.long_generation", description=__doc__.split("\n")[0])
+    p.add_argument("records", help="a folder of long_generation run records")
+    p.add_argument("--out", default="analysis/out/long_generation", help="where the figures go")
+    args = p.parse_args(argv)
+    if not Path(args.records).is_dir():
+        print(f"error: records={args.records!r}: no such folder; allowed: a folder of run records", file=sys.stderr)
+        return 2
+    df = runs(Path(args.records))
+    if df.empty:
+        print(f"error: records={args.records!r}: no long_generation record there", file=sys.stderr)
+        return 2
+    print("\n".join(page_body(df, Path(args.out), str(Path(args.out)), {})))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

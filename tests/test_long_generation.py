@@ -1,0 +1,181 @@
+"""experiment=long_generation: the listed grid, the teacher-forced fidelity against the evicting cache fed token by
+token, the task's records on a tiny model (the reference answers kept and read back, full's KV rising, a budget's
+flat), the measures, and the page (headline, comparisons, figures) from records. Tiny random models; SmolLM2
+nowhere."""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from h2o import attach, make_policy
+from h2o.assets.models import tiny_model
+from h2o.pipeline.sweep import expand
+from h2o.tasks import long_generation_measures as lm
+from h2o.tasks.long_generation import LongGenerationTask
+
+DECODING = ("h2o", "tova", "streaming_llm", "local", "knorm", "keydiff")
+TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}[assistant] {% endif %}")
+
+
+def test_the_grid_lists_every_decoding_method_at_each_budget_and_schedule():
+    sweep = expand(["experiment=long_generation", "runs_dir=/nonexistent-runs"], multirun=True)
+    specs = list({p.path: p for p in sweep.specs}.values())  # full's one run serves both budgets
+    cells = Counter((p.policy.name, p.policy.budget, p.policy.compress, p.policy.interval) for p in specs)
+    assert set(cells.values()) == {1}
+    assert set(cells) == {("full", 1.0, "decode", None)} | {
+        (m, b, c, i) for m in DECODING for b in (64, 128) for c, i in (("decode", None), ("interval", 32))}
+    assert len(specs) == 25 and specs[0].policy.name == "full"
+    first = [(p.policy.name, p.policy.budget, p.policy.compress) for p in specs[1:13]]
+    assert {b for _, b, _ in first} == {64}  # every method and schedule at 64 tokens before 128
+    task = sweep.specs[0].task
+    assert (task.prompts, task.passage_tokens, task.max_new_tokens, task.text, task.kind) == (
+        8, 128, 512, "austen", "long_generation")
+    assert len(sweep.refused) == 2  # full at interval: its one run serves both schedules
+
+
+def stepwise_nll(model, policy, prompt: torch.Tensor, answer: list[int]) -> float:
+    """The answer's summed NLL through the evicting cache: the prompt in one forward, then one token at a time."""
+    ids = torch.cat([prompt, torch.tensor(answer)])[None]
+    P = prompt.shape[0]
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        cache = h.new_cache()
+        logits = [model(ids[:, :P], cache=cache).logits[:, -1:]]
+        logits += [model(ids[:, t:t + 1], cache=cache).logits for t in range(P, ids.shape[1] - 1)]
+    return float(torch.nn.functional.cross_entropy(torch.cat(logits, 1)[0].float(), ids[0, P:], reduction="sum"))
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "opt"])
+@pytest.mark.parametrize("name, options", [("h2o", {"compress": "decode"}), ("h2o", {"compress": "interval",
+                                                                                         "interval": 5}),
+                                           ("tova", {"compress": "interval", "interval": 3}),
+                                           ("keydiff", {"compress": "decode"}), ("full", {})])
+def test_teacher_forcing_scores_what_the_evicting_cache_holds(arch, name, options):
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(7)
+    prompt, answer = torch.randint(3, 200, (14,), generator=g), torch.randint(3, 200, (30,), generator=g).tolist()
+    policy = make_policy(name, budget=10, **options) if name != "full" else make_policy("full")
+    task = LongGenerationTask(name="long_generation")
+    nll, top1 = task.teacher_forced(model, policy, prompt, answer)
+    assert nll == pytest.approx(stepwise_nll(model, policy, prompt, answer), rel=1e-5, abs=1e-4)
+    assert 0 <= top1 <= len(answer)
+    if name != "full":  # the budget bites
+        assert nll != pytest.approx(task.teacher_forced(model, make_policy("full"), prompt, answer)[0], rel=1e-4)
+
+
+def test_the_measures_of_an_answer():
+    assert lm.first_departure([5, 6, 7, 8], [5, 6, 9, 8]) == 2
+    assert lm.first_departure([5, 6], [5, 6, 7]) == 2 and lm.first_departure([5, 6], [5, 6]) == 2
+    assert lm.distinct([1, 2, 1, 2, 1, 2], 2) == pytest.approx(2 / 5) and lm.distinct([1, 2], 4) is None
+    out = torch.tensor([[9, 9, 4, 2, 5, 5], [9, 9, 4, 4, 4, 4]])  # width 2; EOS 2 ends the first answer
+    assert lm.answers(out, 2, {2}) == [[4, 2], [4, 4, 4, 4]]
+    samples = [{"tf_nll_per_token": 1.0, "tf_top1": 0.5, "first_departure": 3, "gen_tokens": 4, "distinct_4": 1.0,
+                "kv_bytes_peak": 10, "kv_bytes_end": 10, "time_s": 1.0, "at_limit": True, "identical": False},
+               {"tf_nll_per_token": 2.0, "tf_top1": 0.7, "first_departure": 5, "gen_tokens": 4, "distinct_4": 0.5,
+                "kv_bytes_peak": 20, "kv_bytes_end": 10, "time_s": 1.0, "at_limit": False, "identical": True}]
+    m = lm.metrics(samples, 4)
+    assert m["tf_nll_per_token"] == 1.5 and m["tf_nll_per_token_stderr"] == pytest.approx(0.5)
+    assert m["tf_nll_per_token_ci95_low"] == pytest.approx(1.5 - 1.96 * 0.5)
+    assert (m["at_limit_share"], m["identical_share"], m["kv_bytes_peak"]) == (0.5, 0.5, 15)
+
+
+def test_bad_settings_are_one_line():
+    from h2o.core.validate import ConfigError
+
+    with pytest.raises(ConfigError, match=r"task.max_new_tokens=0: allowed: an int >= 1"):
+        LongGenerationTask(name="long_generation", max_new_tokens=0)
+    with pytest.raises(ConfigError, match=r"task.text='pg19': allowed: austen, moby_dick"):
+        LongGenerationTask(name="long_generation", text="pg19")
+
+
+# ---------------------------------------------------------------------------------- the task on a tiny model
+@pytest.fixture()
+def tiny_lm(monkeypatch, tmp_path):
+    from h2o.assets.model_spec import ModelSpec
+
+    model, tok = ModelSpec("tiny-llama", "tiny:llama").load()
+    monkeypatch.setattr(tok, "chat_template", TEMPLATE)
+    monkeypatch.setattr("h2o.assets.paths.cache_dir", lambda: tmp_path / "cache")
+    return model, tok
+
+
+def test_the_task_records_fidelity_length_and_kv_against_the_full_cache(tiny_lm, tmp_path):
+    from h2o.tasks.kv_held import geometry
+
+    model, tok = tiny_lm
+    task = LongGenerationTask(name="long_generation", prompts=3, passage_tokens=12, max_new_tokens=20, batch_size=2,
+                              trace_every=4)
+    full = task.run(model, tok, make_policy("full"), "real", 0)
+    assert full.info["reference"]["batches_computed"] == 0 and full.info["reference"]["batches_read"] == 2
+    kept = sorted(p.name for p in (tmp_path / "cache" / "long_generation").rglob("*.json"))
+    assert kept == ["batch0.json", "batch2.json"]
+    layers, heads, dim, _ = geometry(model)
+    per_token = layers * heads * 2 * dim * 4
+    for s in full.samples:  # full is its own reference: it never departs, its KV rises by each token
+        assert s["identical"]
+        assert s["first_departure"] == s["gen_tokens"] and s["tf_tokens"] == s["gen_tokens"]
+        steps = [b - a for a, b in zip(s["kv_trace"], s["kv_trace"][1:])]
+        assert steps and set(steps) == {4 * per_token}
+        assert s["kv_trace"][0] == full.info["prompt_tokens"] * per_token
+    budget = make_policy("h2o", budget=10)
+    h2o = task.run(model, tok, budget, "real", 0)
+    assert h2o.info["reference"] == {**full.info["reference"], "batches_read": 2, "batches_computed": 0}
+    for s, ref in zip(h2o.samples, full.samples):
+        assert set(s["kv_trace"]) == {10 * per_token} and s["kv_bytes_peak"] == 10 * per_token
+        assert s["tf_tokens"] == ref["gen_tokens"] and s["first_departure"] < ref["gen_tokens"]
+        assert s["tf_nll_per_token"] > ref["tf_nll_per_token"]  # the compressed cache is further from full's answer
+    assert h2o.metrics["tf_nll_per_token"] > full.metrics["tf_nll_per_token"]
+    assert h2o.metrics["identical_share"] == 0 and full.metrics["identical_share"] == 1
+
+
+# ----------------------------------------------------------------------------------------------- the page
+def record(root, policy, budget, compress, nll: list[float], kv: int):
+    folder = root / f"{policy}-{budget}-{compress}"
+    folder.mkdir(parents=True)
+    interval = 32 if compress == "interval" else None
+    samples = [{"doc_id": i, "tf_nll_per_token": v, "first_departure": 10 + i, "kv_trace": [kv, kv + 1, kv + 2]}
+               for i, v in enumerate(nll)]
+    (folder / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    mean = sum(nll) / len(nll)
+    options = {} if policy == "full" else {"budget": budget, "compress": compress,
+                                           **({"interval": interval} if interval else {})}
+    rec = {"experiment": "long_generation", "model": "smollm2-135m", "task": "long_generation",
+           "task_kind": "long_generation", "policy": policy, "budget": budget, "semantics": "real", "seed": 0,
+           "n_samples": len(nll), "policy_options": options, "trace_every": 8, "cpu_s": 100.0,
+           **({"compress": compress, "interval": interval} if interval else {}),
+           "metrics": {"tf_nll_per_token": mean, "tf_nll_per_token_ci95_low": mean - 0.1,
+                       "tf_nll_per_token_ci95_high": mean + 0.1, "gen_tokens": 512, "kv_bytes_peak": kv}}
+    (folder / "metrics.json").write_text(json.dumps(rec))
+
+
+def test_the_page_comes_from_the_records(tmp_path):
+    from analysis import results_pages
+    from analysis.long_generation import paired
+
+    root = tmp_path / "studies" / "long_generation" / "records"
+    record(root, "full", 1.0, "decode", [0.5, 0.6, 0.4, 0.5], 900)
+    record(root, "h2o", 64, "decode", [1.0, 1.2, 0.9, 1.1], 100)
+    record(root, "streaming_llm", 64, "decode", [1.5, 1.6, 1.4, 1.7], 100)
+    record(root, "tova", 64, "decode", [0.9, 1.3, 1.0, 1.0], 100)  # mixed against H2O: unresolved
+    record(root, "h2o", 64, "interval", [1.1, 1.2, 1.0, 1.1], 120)
+    spec = {"title": "Long generation", "kind": "long_generation", "runs": 25,
+            "headline": {"a": "h2o", "b": "streaming_llm", "budget": 64, "schedule": "every step"}}
+    (root.parent / "study.yaml").write_text(json.dumps(spec))
+    out = tmp_path / "docs"
+    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
+    page = (out / "long_generation.md").read_text()
+    assert "Runs finished: 5 of the committed grid's 25 (500 CPU-s in all, one thread each)." in page
+    assert ("**Headline** (H2O against StreamingLLM at 64 tokens, every step: NLL per token of the full cache's "
+            "answer teacher-forced through each cache): H2O − StreamingLLM = -0.500 nats per token") in page
+    assert "H2O is lower (closer to the full cache)." in page and "H2O lower on 4 of 4" in page
+    assert "- 64 tokens, every step: H2O < StreamingLLM: -0.500" in page
+    assert "- 64 tokens, every step: H2O ≈ TOVA: " in page
+    assert "![long_generation_kv](long_generation/long_generation_kv.png)" in page
+    assert sorted(p.name for p in (out / "long_generation").iterdir()) == ["long_generation_fidelity.png",
+                                                                         "long_generation_kv.png"]
+    assert "| H2O | 64 | every 32 | 1.100 [1.000, 1.200] |" in page
+    tie = paired({0: {"x": 1.0}, 1: {"x": 2.0}}, {0: {"x": 2.0}, 1: {"x": 1.0}}, "x")
+    assert tie["lo"] < 0 < tie["hi"] and tie["a_lower"] == tie["b_lower"] == 1
