@@ -61,7 +61,8 @@ def rows(records: list[dict]) -> list[dict]:
         vf = m.get("vs_full", {})
         out.append({"method": r["policy"], "compress": r["compress"], "interval": r["interval"],
                     "budget": r["budget"], "prompt_len": r["prompt_len"], "batch_size": r["batch_size"],
-                    "gen_len": r["gen_len"], "decode_tok_s": m["decode_tok_s"], "decode_vs_full": vf.get("decode_tok_s"),
+                    "gen_len": r["gen_len"], "decode_tok_s": m["decode_tok_s"],
+                    "decode_vs_full": vf.get("decode_tok_s"),
                     "decode_cpu_vs_full": vf.get("decode_tok_cpu_s"), "kv_bytes_max": m["kv_bytes_max"],
                     "kv_max_vs_full": vf.get("kv_bytes_max"), "kv_bytes": m["kv_bytes"],
                     "kv_end_vs_full": vf.get("kv_bytes")})
@@ -87,7 +88,8 @@ def schedule(row: dict) -> str:
 def cells(row: dict) -> list[str]:
     mib = 2 ** 20
     return [row["method"], schedule(row), "-" if row["compress"] is None else f"{row['budget']:g}",
-            cell(row["decode_tok_s"], ".2f"), cell(row["decode_vs_full"], ".2f"), cell(row["decode_cpu_vs_full"], ".2f"),
+            cell(row["decode_tok_s"], ".2f"), cell(row["decode_vs_full"], ".2f"),
+            cell(row["decode_cpu_vs_full"], ".2f"),
             cell(row["kv_bytes_max"] / mib, ".2f"), cell(row["kv_max_vs_full"], ".3f"),
             cell(row["kv_bytes"] / mib, ".2f"), cell(row["kv_end_vs_full"], ".3f")]
 

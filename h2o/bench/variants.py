@@ -35,7 +35,8 @@ class Variant:
     @staticmethod
     def of(policy: Policy) -> "Variant":
         described = policy.schedule.describe()
-        schedule = ",".join(f"{k}={v}" for k, v in described.items() if k != "compress") or described.get("compress", "")
+        schedule = ",".join(f"{k}={v}" for k, v in described.items() if k != "compress") \
+            or described.get("compress", "")
         return Variant("policy", policy.name, policy.budget, obj=policy, schedule=schedule)
 
     def build_quant(self):

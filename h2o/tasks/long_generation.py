@@ -3,8 +3,8 @@ long greedy answer through the real evicting cache, and the answer is compared w
 
 Prompts, offline: ``prompts`` passages of a book (Jane Austen's six novels, or Moby-Dick; h2o.assets.data), each
 ``passage_tokens`` tokens from the first paragraph after an even spread of the text (passage ``i`` after character
-``(i + 1/2) x len / prompts``), put after ``instruction`` in the model's chat template: every prompt has the same token count
-(the template's text around the passage's token ids, no padding). All prompts are answered in one batch of
+``(i + 1/2) x len / prompts``), put after ``instruction`` in the model's chat template: every prompt has the same
+token count (the template's text around the passage's token ids, no padding). All prompts are answered in one batch of
 ``batch_size`` rows at a time, greedy, up to ``max_new_tokens`` (stopped at EOS).
 
 Measured per prompt (h2o.tasks.long_generation_measures):
