@@ -149,8 +149,9 @@ def table(df: pd.DataFrame) -> str:
 
 
 def kv_figure(df: pd.DataFrame, out: Path) -> list[Path]:
-    """KV MiB held per sequence against generated tokens: one panel per budget, a line per method and schedule
-    (solid: every step; dashed: every N), full's in each panel."""
+    """KV MiB held per sequence against generated tokens (the mean over the answers still being written at each
+    step): one panel per budget, a line per method and schedule (solid: every step; dashed: every N), full's in
+    each panel."""
     from analysis.plotting import panels, save
 
     budgets = sorted(b for b in df.loc[df["policy"] != "full", "budget"].unique())
@@ -164,9 +165,9 @@ def kv_figure(df: pd.DataFrame, out: Path) -> list[Path]:
             traces = [s["kv_trace"] for s in r["samples"].values() if s.get("kv_trace")]
             if not traces:
                 continue
-            n = min(len(t) for t in traces)
+            n = max(len(t) for t in traces)  # at each step, the mean over the answers still being written
             every = int(r.get("trace_every") or 1)
-            mean = np.mean([t[:n] for t in traces], axis=0) / MIB
+            mean = np.nanmean([list(t) + [np.nan] * (n - len(t)) for t in traces], axis=0) / MIB
             ax.plot(np.arange(n) * every, mean, color=colors.get(r["policy"], "k"),
                     linestyle="--" if r["schedule"].startswith("every ") and r["schedule"] != "every step" else "-",
                     label=f"{label(r['policy'])}" + ("" if r["policy"] == "full" else f" ({r['schedule']})"),
@@ -220,9 +221,14 @@ def page_body(df: pd.DataFrame, figures: Path, rel: str, spec: dict) -> list[str
     if found:
         lines += ["**H2O against each other method, cell by cell** (`<`: H2O's NLL lower at 95%, `>`: higher, `≈`: "
                   "unresolved; H2O − other, paired over prompts, bootstrap 95% interval)", "", *found, ""]
+    captions = {"long_generation_kv": "KV bytes held per sequence while the answer is written (the mean over the "
+                                      "answers still being written): full's rises with every token; the methods "
+                                      "at one budget and schedule hold the same bytes, so their lines coincide.",
+                "long_generation_fidelity": "NLL per token of the full cache's answer teacher-forced through each "
+                                            "cache, with its 95% interval over prompts; the line: full's own."}
     for p in kv_figure(df, figures) + fidelity_figure(df, figures):
         if p.suffix == ".png":
-            lines += [f"![{p.stem}]({rel}/{p.name})", ""]
+            lines += [f"![{p.stem}]({rel}/{p.name})", "", captions.get(p.stem, ""), ""]
         else:
             p.unlink()
     return lines + [table(df), ""]
