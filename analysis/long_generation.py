@@ -88,22 +88,35 @@ def cell_of(df: pd.DataFrame, policy: str, budget, schedule: str):
     return None if hit.empty else hit.iloc[0]
 
 
+MEASURES = {"tf_nll_per_token": ("NLL per token of the full cache's answer teacher-forced through each cache", ".3f",
+                                 ("lower: closer to the full cache", "higher: further from the full cache")),
+            "gen_tokens": ("tokens generated", ".1f", ("shorter", "longer")),
+            "distinct_4": ("distinct 4-gram share of the answer", ".3f", ("more repetitive", "less repetitive"))}
+
+
 def headline(df: pd.DataFrame, spec: dict) -> list[str]:
-    """The study's named comparison (``spec``: a, b, budget, schedule) of the teacher-forced NLL per token."""
+    """The study's named comparison (``spec``: a, b, budget, schedule): a − b paired over prompts for the fidelity
+    (the first of :data:`MEASURES`, the headline), the answer's length and its repetition, each with its bootstrap 95%
+    interval and verdict."""
     a, b = cell_of(df, spec["a"], spec["budget"], spec["schedule"]), cell_of(df, spec["b"], spec["budget"],
                                                                              spec["schedule"])
-    what = (f"{label(spec['a'])} against {label(spec['b'])} at {spec['budget']} tokens, {spec['schedule']}: NLL per "
-            f"token of the full cache's answer teacher-forced through each cache")
+    A, B = label(spec["a"]), label(spec["b"])
+    head = (f"**Headline**: {A} against {B} at {spec['budget']} tokens, {spec['schedule']}, paired over prompts "
+            f"({A} − {B}, bootstrap 95% interval of the mean difference; the first line is the headline, the "
+            f"other two the answer it writes)")
     if a is None or b is None:
-        return [f"**Headline** ({what}): not yet measured (a record is missing)."]
-    p = paired(a["samples"], b["samples"])
-    if p is None:
-        return [f"**Headline** ({what}): fewer than two prompts in common."]
-    word = {"<": "lower (closer to the full cache)", ">": "higher (further from the full cache)",
-            "≈": "not resolved at 95%"}[verdict(p)]
-    return [f"**Headline** ({what}): {label(spec['a'])} − {label(spec['b'])} = {p['diff']:+.3f} nats per token "
-            f"[{p['lo']:+.3f}, {p['hi']:+.3f}] (paired over {p['n']} prompts, bootstrap 95% interval; "
-            f"{label(spec['a'])} lower on {p['a_lower']} of {p['n']}): {label(spec['a'])} is {word}."]
+        return [f"{head}: not yet measured (a record is missing)."]
+    lines = [head, ""]
+    for key, (what, spec_, (low, high)) in MEASURES.items():
+        p = paired(a["samples"], b["samples"], key)
+        if p is None:
+            lines.append(f"- {what}: fewer than two prompts in common")
+            continue
+        word = {"<": f"{A} {low} at 95%", ">": f"{A} {high} at 95%", "≈": "not resolved at 95%"}[verdict(p)]
+        lines.append(f"- {what}: {format(p['diff'], '+' + spec_)} [{format(p['lo'], '+' + spec_)}, "
+                     f"{format(p['hi'], '+' + spec_)}] over {p['n']} prompts ({A} lower on {p['a_lower']}, "
+                     f"{B} lower on {p['b_lower']}): {word}")
+    return lines
 
 
 def versus_h2o(df: pd.DataFrame) -> list[str]:

@@ -136,8 +136,8 @@ def record(root, policy, budget, compress, nll: list[float], kv: int):
     folder = root / f"{policy}-{budget}-{compress}"
     folder.mkdir(parents=True)
     interval = 32 if compress == "interval" else None
-    samples = [{"doc_id": i, "tf_nll_per_token": v, "first_departure": 10 + i, "kv_trace": [kv, kv + 1, kv + 2]}
-               for i, v in enumerate(nll)]
+    samples = [{"doc_id": i, "tf_nll_per_token": v, "first_departure": 10 + i, "kv_trace": [kv, kv + 1, kv + 2],
+                "gen_tokens": 500 + 2 * (policy == "h2o"), "distinct_4": 0.5} for i, v in enumerate(nll)]
     (folder / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
     mean = sum(nll) / len(nll)
     options = {} if policy == "full" else {"budget": budget, "compress": compress,
@@ -168,9 +168,12 @@ def test_the_page_comes_from_the_records(tmp_path):
     assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
     page = (out / "long_generation.md").read_text()
     assert "Runs finished: 5 of the committed grid's 25 (500 CPU-s in all, one thread each)." in page
-    assert ("**Headline** (H2O against StreamingLLM at 64 tokens, every step: NLL per token of the full cache's "
-            "answer teacher-forced through each cache): H2O − StreamingLLM = -0.500 nats per token") in page
-    assert "H2O is lower (closer to the full cache)." in page and "H2O lower on 4 of 4" in page
+    assert "**Headline**: H2O against StreamingLLM at 64 tokens, every step, paired over prompts" in page
+    assert ("- NLL per token of the full cache's answer teacher-forced through each cache: -0.500 [-0.575, -0.425] "
+            "over 4 prompts (H2O lower on 4, StreamingLLM lower on 0): H2O lower: closer to the full cache at 95%") in page
+    assert ("- tokens generated: +2.0 [+2.0, +2.0] over 4 prompts (H2O lower on 0, StreamingLLM lower on 4): H2O "
+            "longer at 95%") in page
+    assert "- distinct 4-gram share of the answer: +0.000 [+0.000, +0.000] over 4 prompts" in page
     assert "- 64 tokens, every step: H2O < StreamingLLM: -0.500" in page
     assert "- 64 tokens, every step: H2O ≈ TOVA: " in page
     assert "![long_generation_kv](long_generation/long_generation_kv.png)" in page
