@@ -56,3 +56,14 @@ def test_bad_section_sizes_are_one_line():
     with pytest.raises(ConfigError, match=r"task.long_gen_interval=0: expected an int >= 1"):
         TargetsTask(name="bench_targets", long_gen_interval=0)
     assert TargetsTask(name="bench_targets", long_gen=None).long_gen is None
+
+
+def test_the_docs_table_is_the_committed_record():
+    """docs/benchmarks.md shows the committed record's rows (studies/bench/bench_long_generation): full and both
+    schedules of every decoding method."""
+    from h2o.assets.paths import CONF
+
+    root = CONF.parent
+    record = json.loads((root / "studies" / "bench" / "bench_long_generation" / "metrics.json").read_text())
+    assert len(record["long_generation"]) == 1 + 2 * len(long_generation.METHODS)
+    assert long_generation.table(record["long_generation"]) in (root / "docs" / "benchmarks.md").read_text()
