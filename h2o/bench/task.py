@@ -87,7 +87,7 @@ class TargetsTask(TaskSpec):
     compare_e2e: list = field(default_factory=lambda: ["local", "streaming_llm"])
     methods: list | None = field(default_factory=lambda: [512, 1])  # every method side by side (None: none)
     methods_gen: int = 16
-    long_gen: list | None = field(default_factory=lambda: [128, 2])  # [generated tokens, batch] (None: none)
+    long_gen: list | None = None  # [generated tokens, batch] (None: none; conf/task/bench_targets.yaml: [128, 2])
     long_gen_prompt: int = 32  # the long-generation section's prompt tokens
     long_gen_budget: int = 32  # its whole-cache budget in tokens
     long_gen_interval: int = 16  # its interval schedule's generated tokens between two cuts

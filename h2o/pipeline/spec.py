@@ -186,6 +186,8 @@ def root_keys() -> dict:
 ADDED = {"model.positions": None,  # ModelSpec: read from the model's config.json when null
          "task.question": "prompt",  # the long-context and lm-eval tasks: the question inside the prompt
          "grid_only": []}  # Settings: no sparse cells
+ADDED.update({"task.long_gen": None,  # bench_targets: no long-generation section (h2o.bench.long_generation)
+              "task.long_gen_prompt": 32, "task.long_gen_budget": 32, "task.long_gen_interval": 16})
 
 
 def added_default(cfg: DictConfig, key: str) -> Any:
