@@ -185,6 +185,8 @@ def root_keys() -> dict:
 # question): at the default it is each of them's own behaviour.
 ADDED = {"model.positions": None,  # ModelSpec: read from the model's config.json when null
          "task.question": "prompt",  # the long-context and lm-eval tasks: the question inside the prompt
+         "task.questions": 1,  # niah: one question per context
+         "task.turns": 1,  # niah: one turn
          "grid_only": []}  # Settings: no sparse cells
 
 
