@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from h2o.tasks.base import Result, TaskSpec, adds_bos, check, clamped, positive_or_none, stderr
+from h2o.tasks.base import Result, TaskSpec, adds_bos, cells, check, clamped, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 from h2o.tasks.kv_held import END, batch_fields
 from h2o.tasks.question_after import QUESTIONS, ruler_pattern
@@ -342,12 +342,3 @@ def tokenizer_here(name: str):
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError):
         return None
-
-
-def cells(samples: list[dict], by_depth: bool, metric: str = "acc") -> list[dict]:
-    """The mean score per (length, depth) cell (per length without depths), in the order first seen."""
-    groups: dict[tuple, list[float]] = {}
-    for s in samples:
-        groups.setdefault((s["length"], s["depth"]) if by_depth else (s["length"],), []).append(s[metric])
-    keys = ("length", "depth") if by_depth else ("length",)
-    return [{**dict(zip(keys, k)), "n": len(v), metric: sum(v) / len(v)} for k, v in groups.items()]

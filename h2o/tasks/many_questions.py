@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from h2o.core.attach import attach
-from h2o.tasks.base import Result, clamped, stderr
+from h2o.tasks.base import Result, cells, clamped, stderr
 from h2o.tasks.kv_held import CUT, batch_fields
 
 MODES = ("questions", "turns")
@@ -89,7 +89,6 @@ def stop_at(tok, until: str = "\n") -> Callable[[list[int]], bool]:
 
 def run(task, model, tok, policy, quant=None) -> Result:
     """The needle task (h2o.tasks.long_context.LongContextTask) with ``questions`` or ``turns`` above 1."""
-    from h2o.tasks.long_context import cells
     from h2o.tasks.niah import found
     from h2o.tasks.niah_many import contexts
 

@@ -124,6 +124,8 @@ class Policy(BudgetChecks):
     # prompt, every later token kept) or "interval" (cut back to the budget every ``interval`` generated tokens)
     compress: str = "decode"
     interval: int | None = None  # compress="interval": the generated tokens between two cuts
+    # why the rule has no simulated form (None: it has one); attach refuses mode="simulated" in one line with it
+    real_only: ClassVar[str | None] = None
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):
@@ -138,6 +140,11 @@ class Policy(BudgetChecks):
                 cls.needs_scores = True
         if vars(cls).get("name"):  # its own name: a subclass inheriting one does not replace its parent
             Policy.registry[cls.name] = cls
+
+    def attach_hooks(self, model, state) -> list:
+        """Hooks the real path adds to ``model`` for this rule (removed on leaving ``attach``; ``state``: the
+        :class:`h2o.core.attach.Attached`): a rule that runs forwards of its own after the prompt (kvzip)."""
+        return []
 
     def read_window(self) -> int:
         """Under :data:`READ_WINDOW`: how many of a forward's last real query rows the rule reads the attention of
