@@ -17,7 +17,7 @@ import torch
 
 from . import row_kernel, step
 from .policies import Policy
-from .policies.base import Decoder, bcast, const, declared
+from .policies.base import CLOSED_FORM, Decoder, bcast, const, declared
 from .masks import causal_valid, in_window, masked_softmax, positions, serial, with_sinks  # noqa: F401 (re-exported)
 from .schedule_rows import compressed_once, interval_rows
 from .step import Forward, LayerCall, Rows, column_key  # noqa: F401 (column_key re-exported)
@@ -63,10 +63,10 @@ def scores(q: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | 
 
 
 def closed(policy: Policy, window: int | None) -> bool:
-    """Whether a position-only policy's rows come in closed form (:func:`closed_form`) on a layer with this
-    ``window``: always without one; with one only where the form stays exact (``Policy.window_closed_form``),
+    """Whether a position-only policy's rows come in closed form (:func:`closed_form`, the accelerator it
+    declares, ``Policy.accelerators``) on a layer with this ``window``: always without one; with one only where the form stays exact (``Policy.window_closed_form``),
     else the row loop serves."""
-    return policy.position_only and (window is None or policy.window_closed_form)
+    return CLOSED_FORM in policy.accelerators() and (window is None or policy.window_closed_form)
 
 
 def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, window: int | None = None
