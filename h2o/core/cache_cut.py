@@ -3,8 +3,8 @@ policy's ``cut_room``: a slot left for the next token) and frees the rest. What 
 scores, a score of the held keys, or the prompt's query statistics against the held keys and values), which slots
 it keeps (each head's top count, or one top-k over the layer's heads for a pooled policy: Ada-KV) and the
 compaction into fewer slots; and a sliding-window layer's decoding step, the window's expiry first
-(:meth:`CutHooks.slide_in`); the sequencing is :mod:`h2o.core.step`'s. Mixed into :class:`h2o.core.cache.EvictingLayer` (state shapes:
-:mod:`h2o.core.cache`).
+(:meth:`CutHooks.slide_in`); the sequencing is :mod:`h2o.core.step`'s. Mixed into
+:class:`h2o.core.cache.EvictingLayer` (state shapes: :mod:`h2o.core.cache`).
 """
 from __future__ import annotations
 

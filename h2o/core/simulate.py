@@ -1,7 +1,7 @@
 """Simulated path: one forward pass in which query row i attends only to what the policy holds at step i.
 
 This is how lm-eval tasks are scored (one forward per request). The full keys stay in memory; the mask is built
-row by row with the same eviction step as the evicting cache (:func:`h2o.core.policies.select_slot`), so feeding the
+row by row with the same eviction step as the evicting cache (:mod:`h2o.core.step`), so feeding the
 tokens one by one through :class:`h2o.core.cache.EvictingCache` gives the same logits.
 
 Layout: G = query heads per KV head. logits (B, Hkv, G, T, T); state (B, Hkv, T) per KV head.
@@ -64,8 +64,8 @@ def scores(q: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | 
 
 def closed(policy: Policy, window: int | None) -> bool:
     """Whether a position-only policy's rows come in closed form (:func:`closed_form`, the accelerator it
-    declares, ``Policy.accelerators``) on a layer with this ``window``: always without one; with one only where the form stays exact (``Policy.window_closed_form``),
-    else the row loop serves."""
+    declares, ``Policy.accelerators``) on a layer with this ``window``: always without one; with one only where
+    the form stays exact (``Policy.window_closed_form``), else the row loop serves."""
     return CLOSED_FORM in policy.accelerators() and (window is None or policy.window_closed_form)
 
 
@@ -237,8 +237,8 @@ def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
     ``f.window``: first the held tokens out of the row's window leave; the budget is then full where a (sequence, KV
     head) still holds ``total`` tokens (its own count: the window frees slots head by head). ``f.sinks``:
     :func:`masked_softmax`'s. ``f.key`` (B, Hkv, T, D): the held older keys ranked by ``Policy.step_score`` (None:
-    the rule reads none). Each row is :mod:`h2o.core.step`'s decoding step over the columns. ``r.cut_at``: the prompt's length where its cut left a slot free (``Policy.cut_room``):
-    the first real row from there takes it.
+    the rule reads none). Each row is :mod:`h2o.core.step`'s decoding step over the columns. ``r.cut_at``: the
+    prompt's length where its cut left a slot free (``Policy.cut_room``): the first real row from there takes it.
 
     A :attr:`~h2o.core.policies.Policy.pooled` policy (Ada-KV) adds the row's token to every head, then cuts the
     whole layer back to its budget (:meth:`~h2o.core.policies.Policy.keep`, the token kept), as the cache does.
