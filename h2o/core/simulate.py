@@ -268,6 +268,7 @@ def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
         limit = bcast(counts.total)  # (B, 1, 1)
         pads = ~toks.view(T, B, 1, 1)
     dec = Decoder(policy, counts)  # the rule's priority as it is (the cache's decoders are tested equal)
+    a = step.Arrival(posH, None, acc, None, None, keys, ordered=True)  # the step's state, each row's fields below
     for i in range(start, T):
         tok = toks[i].view(B, 1)  # (B, 1)
         if window is not None:  # out of the window: gone before the policy decides (a pad row: nothing leaves)
@@ -275,15 +276,15 @@ def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
         if policy.pooled:  # the token enters every head, then the layer is cut back to its budget
             step.place_column(keep, i, tok)
             arriving = posH == now[i].view(B, 1, 1)
-            older = None if keys is None else keep & ~arriving
-            a = step.Arrival(posH, keep, acc, now[i], torch.where(keep, posH, gone), keys, older)
+            a.held, a.now, a.ranked = keep, now[i], torch.where(keep, posH, gone)
+            a.older = None if keys is None else keep & ~arriving
             keep.copy_(step.pool_keep(policy, a, counts, arriving))
             row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
         elif policy.evicts:
             fill = fills[i] if window is None else torch.where(
                 (keep.sum(-1, keepdim=True) < limit) | pads[i], -inf, inf)  # (B, Hkv, 1): room per head
             # the state as the cache sees it: -1 = not held
-            a = step.Arrival(posH, keep, acc, now[i], torch.where(keep, posH, gone), keys, keep, fill, ordered=True)
+            a.held, a.older, a.now, a.ranked, a.room = keep, keep, now[i], torch.where(keep, posH, gone), fill
             step.place_column(keep, i, tok, step.evict_slot(dec, a))  # (B, Hkv, 1) the column dropped
             row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
         else:
