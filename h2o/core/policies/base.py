@@ -65,6 +65,12 @@ READS = (READ_KEYS, READ_WINDOW, READ_ROWS, READ_QUERIES)
 NOTHING: frozenset[str] = frozenset()  # a rule of positions alone (and of the budget): full, local, strided...
 # the methods whose answers are the policy's decisions
 RULE = ("priority", "restrict", "score", "accumulate", "accumulate_prompt", "cut_score")
+# The accelerators a rule may declare: faster forms of the step (h2o.core.step), each tested equal to it on random
+# states (tests/test_accelerators.py): every simulated row at once (``position_only``, :meth:`Policy.held_rows`), a
+# decoder that keeps state between decoding steps (:meth:`Policy.decoder`), the simulated path's Triton row kernel
+# (:meth:`Policy.kernel_form`). Where a rule declares none, the step runs.
+CLOSED_FORM, DECODER, ROW_KERNEL = "closed_form", "decoder", "row_kernel"
+ACCELERATORS = (CLOSED_FORM, DECODER, ROW_KERNEL)
 
 
 def declared(policy: "Policy", form: str):
@@ -316,9 +322,23 @@ class Policy(BudgetChecks):
         return Decoder(self, counts)
 
     def decoding(self, counts: Counts, host: Counts) -> "Decoder":
-        """The decoder the evicting cache uses: :meth:`decoder` where declared for this rule, else the default."""
+        """The decoder the evicting cache uses: :meth:`decoder` where this rule declares one
+        (:meth:`accelerators`), else its priority as it is (:class:`Decoder`)."""
+        return self.decoder(counts, host) if DECODER in self.accelerators() else Decoder(self, counts)
+
+    def accelerators(self) -> frozenset[str]:
+        """The accelerators this rule declares (:data:`ACCELERATORS`), read by both paths: ``closed_form``
+        (``position_only``), ``decoder`` (a :meth:`decoder` of its own rule, :func:`declared`), ``row_kernel`` (a
+        :meth:`kernel_form` of its own rule). A subclass that changes the rule loses its parent's decoder and
+        kernel."""
+        out = {CLOSED_FORM} if self.position_only else set()
         make = declared(self, "decoder")
-        return make(counts, host) if make is not None else Decoder(self, counts)
+        if make is not None and getattr(make, "__func__", None) is not Policy.decoder:
+            out.add(DECODER)
+        make = declared(self, "kernel_form")
+        if make is not None and make() is not None:
+            out.add(ROW_KERNEL)
+        return frozenset(out)
 
     def kernel_form(self) -> KernelForm | None:
         """The simulated path's Triton row kernel for this policy (:class:`KernelForm`); None: the torch row
