@@ -100,3 +100,18 @@ def test_blocks_hold_scores_linear_in_the_prompt():
         rows = prefill.block_rows(1, 9, S)
         assert rows * 9 * S <= prefill.CELLS or rows == 1
         assert prefill.block_rows(1, 9, S, prefill.STAT_ROWS) <= prefill.STAT_ROWS
+
+
+def test_the_guards_peak_is_the_largest_magnitude_and_keeps_nan():
+    """attach.largest (the non-finite guard's per-layer peak and the logits' check): max |x|, inf of either sign,
+    NaN kept, 0 for nothing."""
+    from h2o.core.attach import largest
+
+    x = torch.randn(4, 33, generator=torch.Generator().manual_seed(0))
+    assert largest(x) == x.abs().max()
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        y = x.clone()
+        y[2, 5] = bad
+        got = largest(y)
+        assert torch.isnan(got) if bad != bad else got == float("inf")
+    assert largest(x[:0]) == 0
