@@ -31,7 +31,8 @@ from h2o.cli.paths import SAFE, check_name
 from h2o.core.validate import check, is_number
 from h2o.store.locks import folder_lock
 
-IGNORED = {"_target_", "name", "batch_size", "device_map", "resources", "params", "positions"}  # never in <extras>
+IGNORED = {"_target_", "name", "batch_size", "device_map", "resources", "params", "positions",  # never in <extras>
+           "attn_implementation"}
 IN_PATH = {"task": {"shots"}, "policy": {"budget", "heavy", "recent"}, "model": set()}
 
 
