@@ -94,7 +94,7 @@ def test_smollm2_loads_offline_with_sane_perplexity(monkeypatch):
     cfg = model.config
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (30, 9, 3, 64)
-    assert cfg._attn_implementation == "eager" and not hasattr(cfg, "quantization_config")
+    assert cfg._attn_implementation == "sdpa" and not hasattr(cfg, "quantization_config")
     assert getattr(model, "hf_quantizer", None) is None and tok.pad_token is not None
     start = text.index("It is a truth universally acknowledged")
     ids = tok(text[start:], return_tensors="pt").input_ids[:, :512]

@@ -107,3 +107,12 @@ def test_model_configs_name_their_attention():
         assert OmegaConf.load(path).attn_implementation == "auto", path
     with pytest.raises(ConfigError, match="model.attn_implementation='fast': allowed: auto"):
         ModelSpec("t", "tiny:llama", "fp32", attn_implementation="fast")
+
+
+def test_auto_attention_on_a_gpu_is_flash_attention_where_installed(monkeypatch):
+    import transformers.utils
+
+    for installed, want in ((True, "flash_attention_2"), (False, "sdpa")):
+        monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda: installed)
+        assert resolve_attention("auto", "cuda:0", torch.bfloat16) == want
+        assert resolve_attention("auto", "cuda:0", torch.float32) == "sdpa"
