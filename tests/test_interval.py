@@ -26,7 +26,8 @@ ARCHS = (*TINY_ARCHS, "mistral")  # mistral: every layer a sliding window of 16 
 RULES = ("fixed", "fixed_h2", "h2_only", "h2o", "keydiff", "knorm", "local", "random", "scissorhands",
          "streaming_llm", "strided", "strided_h2", "tova")
 # adakv: with its default inner, snapkv (over a rule with a decoding form it takes it: test_a_pooled_rule_agrees...)
-REFUSED = ("adakv", "expected_attention", "full", "h2o_reference", "pyramidkv", "snapkv", "topk", "topk_h2")
+REFUSED = ("adakv", "expected_attention", "full", "h2o_reference", "kvzip", "pyramidkv", "snapkv", "topk",
+           "topk_h2")
 
 
 def distinct_batch():

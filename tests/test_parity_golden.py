@@ -69,6 +69,9 @@ def test_ours_equals_kvpress(model, name, ratio):
     ("streaming_llm_ordered", 0.5, ("local", {})),  # no sinks in the decoding timing
     ("adakv_snapkv", 0.5, ("snapkv", {})),  # every head its own n: no top-k across the heads
     ("expected_attention", 0.5, ("expected_attention", {"use_covariance": False})),
+    ("kvzip", 0.5, ("kvzip", {"layerwise": True})),  # every layer the same count: no selection across layers
+    ("kvzip_c64", 0.8, ("kvzip", {"chunk_size": 80})),  # other chunks: other replays
+    ("kvzip", 0.8, ("kvzip", {"n_sink": 0})),  # the first tokens not protected
 ])
 def test_a_broken_variant_fails(model, name, ratio, policy):
     assert largest_gap(model, name, ratio, policy) > 10 * TOLERANCE
