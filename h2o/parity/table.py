@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from h2o.parity.pairs import DECODE_ONLY, EXTRA, OURS, RECORD, TOLERANCE, kept
+from h2o.parity.pairs import DECODE_ONLY, EXTRA, OURS, RECORD, RKV_RECORD, TOLERANCE, kept
 
 
 def load(path: Path) -> list[dict]:
@@ -123,7 +123,7 @@ def write_table(out: Path, table: Path, prompts: dict, golden: Path | None = REC
         total[side] += s["seconds"]
     lines += ["Time: " + ", ".join(f"{side} side {sec:.0f} s" for side, sec in sorted(total.items()))
               + " (1 thread each).", ""]
-    lines += NOTES + golden_section(golden)
+    lines += NOTES + golden_section(golden) + r_kv_section(RKV_RECORD)
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text("\n".join(lines))
 
@@ -174,3 +174,33 @@ def golden_section(golden: Path | None) -> list[str]:
             f"weights and ids and fails where a method's NLL per token moves from kvpress's by more than {TOLERANCE:g} "
             "(h2o/parity/golden.py); the largest gap over the records when they were made:", "",
             "| case | kvpress press (options) | timing | largest gap |", "| --- | --- | --- | --- |", *rows, ""]
+
+
+def r_kv_section(record: Path | None) -> list[str]:
+    """R-KV's reference scoring beside ``r_kv`` (tests/data/parity_golden/r_kv.json, :mod:`h2o.parity.r_kv`)."""
+    if record is None or not record.is_file():
+        return []
+    g = json.loads(record.read_text())
+    first, later = g["summary"]["first_cut"], g["summary"]["later_cuts"]
+    ref = g["reference"]
+    return ["## R-KV", "",
+            f"`python -m h2o.parity.r_kv --reference DIR --golden` ran R-KV's reference scoring ({ref['repo']} at "
+            f"`{(ref['commit'] or '?')[:12]}`, `R1KV.update_kv` of {', '.join(ref['files'])}, imported from a "
+            "checkout given on its command line, never copied) side by side with `r_kv` on recorded states: the "
+            f"queries and keys after RoPE of the committed tiny model above reading {len(g['ids'])} token ids "
+            f"(ids below {max(g['ids']) + 1}: repeated tokens, {g['summary']['similar_rows']:.0%} of the key rows "
+            "cross the similarity threshold). The reference's score is the tensor its `topk` is called on, caught, "
+            "not recomputed. Options: the reference's defaults "
+            + ", ".join(f"{k} {v}" for k, v in g["options"].items()) + ".", "",
+            "| comparison | heads compared | kept differently | largest score gap |", "| --- | --- | --- | --- |",
+            f"| first cut (whole sequence, budgets {', '.join(map(str, g['budgets']))}) | {first['heads']} | "
+            f"{first['heads_kept_differently']} | {first['largest_score_gap']:.1e} |",
+            f"| later cuts (prompt {g['prompt']}, then every {g['every']} tokens, budget {g['budgets'][0]}), the "
+            f"reference's cache re-sorted by position | {later['heads']} | {later['kept_differently_resorted']} | - |",
+            f"| the same, the reference's cache in its own order | {later['heads']} | "
+            f"{later['kept_differently_in_its_order']} | - |", "",
+            "At a cut of a cache in position order (a prompt's end) the two agree to fp32 noise. After its first cut "
+            "the reference keeps its cache in the order `topk` returned (by score), and its max-pool and its "
+            "\"newest similar key\" then read neighbours in that order; `r_kv` reads them by position (docs/r_kv.md). "
+            "tests/test_r_kv_parity.py checks ours against these numbers (and the evicting cache's cut of the whole "
+            "sequence against the reference's kept positions).", ""]
