@@ -59,8 +59,8 @@ class ProbsRKV(RKV):
 def naive_decode(model, policy, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[int]]:
     """Greedy decoding of ``steps`` tokens after ``prompt`` (1, P) under ``policy`` at every step, literally: eager
     attention over a DynamicCache, its logits (or probabilities) into the rule's state, each layer cut by hand to
-    the budget at the prompt's end and to ``total - 1`` before a step that finds it full. -> (logits (steps, V),
-    tokens)."""
+    the budget at the prompt's end (less the rule's ``cut_room``) and to ``total - 1`` before a step that finds it
+    full. -> (logits (steps, V), tokens)."""
     cfg = model.config
     n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     Pn = prompt.shape[1]
@@ -68,13 +68,14 @@ def naive_decode(model, policy, prompt: torch.Tensor, steps: int) -> tuple[torch
     with torch.no_grad(), layer_masks(model, True):
         out = model(prompt, cache=cache, use_cache=True, output_attentions=True)
         counts = policy.counts(torch.tensor([Pn]))
+        fewer = dataclasses.replace(counts, total=counts.total - 1, heavy=counts.heavy - 1)
         states = []
         for i, (layer, att) in enumerate(zip(cache.layers, out.attentions)):
             acc = policy.new_state(1, n_kv, Pn, prompt.device)
             policy.accumulate_prompt(acc, rows_of(policy, att, i, n_kv), None, None)
-            states.append({"pos": torch.arange(Pn).expand(1, n_kv, Pn).clone(), "acc": acc, "counts": counts})
+            states.append({"pos": torch.arange(Pn).expand(1, n_kv, Pn).clone(), "acc": acc,
+                           "counts": fewer if policy.cut_room else counts})
             cut_by_hand(policy, layer, states[-1], Pn - 1, None)
-        fewer = dataclasses.replace(counts, total=counts.total - 1, heavy=counts.heavy - 1)
         logits, tokens = [], []
         token = out.logits[:, -1:].argmax(-1)
         for t in range(steps):
