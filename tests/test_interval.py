@@ -103,13 +103,14 @@ def grouped_probs(att: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 def cut_by_hand(policy, layer, state, now: int, window: int | None) -> None:
     """Keep the rule's budget in one DynamicCache layer: what left the window first, then each head's kept slots
-    (``policy.keep`` of its priority) gathered in position order."""
+    (``policy.keep`` of its priority, told to its order hook first) gathered in position order."""
     pos, acc, counts = state["pos"], state["acc"], state["counts"]
     held = pos >= 0
     if window is not None:
         held &= pos > now - window
     score = policy.cut_score(acc, layer.keys, held) if policy.reads_keys else acc
     prio = policy.priority(pos.masked_fill(~held, -1), score, torch.tensor([now]), counts)
+    policy.cut_order(acc, prio, pos, held, counts)  # the rule's order hook (kvpress's slot order: knorm, keydiff)
     keep = policy.keep(prio, pos, held, counts)  # (1, Hkv, S)
     n = int(keep.sum(-1).max())
     assert bool((keep.sum(-1) == n).all())  # every head keeps as many (a rule with per-head budgets)

@@ -147,6 +147,15 @@ NOTES = [
     "(knorm at layer 0: a token arriving beside a held copy of itself) kvpress drops what `topk` leaves out of its "
     "row in its slot order; ours carries that order (h2o/core/policies/decoding_press.py). "
     "tools/parity/decode_ties.py runs that tie order and the older-first one by hand.",
+    "- Interval timing (CI's golden numbers below, `*_interval`): kvpress's `PrefillDecodingPress` (the prompt "
+    "compressed to the budget `n`, then `DecodingPress(compression_interval=8, target_size=n)`) beside ours at "
+    "`compress=interval interval=8`. knorm, keydiff and tova hold the same tokens (ours carries kvpress's slot order "
+    "for exact key-norm ties). Two differ by design, each beside a diagnostic twin equal to ours: `streaming_llm` (the "
+    "top-k order, as at decode timing) and `snapkv`, whose window queries kvpress rotates by the current step's "
+    "position (a decoding step's `position_embeddings` are that step's) and whose pooling then reads neighbours in "
+    "top-k order; `snapkv_ordered` rotates each query by its own position and keeps position order. kvpress asserts "
+    "a window below the interval (its buffer of hidden states is cleared at each compression); ours has no such "
+    "limit (docs/r_kv.md, \"snapkv at decoding\").",
     "- PyramidKV at 20% of 1,024 tokens: its pyramid needs `L (1 - r) >= beta * window` (1,280 tokens at the "
     "defaults), so it falls back to one budget per layer, `round(L (1 - r))` (205, SnapKV's `int` gives 204).",
     "",
@@ -163,7 +172,8 @@ def golden_section(golden: Path | None) -> list[str]:
     rows = [f"| `{name}` | {c['press']}{' ' + json.dumps(c['press_options']) if c['press_options'] else ''} | "
             f"{c['timing']} | " + ("statistical: not compared" if c["statistical"] else
                                    f"{g['largest_gap'][name]:.1e}" if name in g["largest_gap"] else "not built yet")
-            + " |" for name, c in g["cases"].items()]
+            + (f" (differs by design: {c['differs']})" if c.get("differs") else "") + " |"
+            for name, c in g["cases"].items()]
     return ["## Golden numbers in CI", "",
             "`python -m h2o.parity --golden` (make parity PARITY_ARGS=--golden) recorded kvpress "
             f"{g['kvpress']}'s figures (transformers {g['transformers']}) on a "
