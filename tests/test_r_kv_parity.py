@@ -84,3 +84,8 @@ def test_the_evicting_caches_cut_of_a_prompt_keeps_the_references_positions(gold
             model(ids, cache=cache)
         held = [[sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[0]] for layer in cache.layers]
         assert held == [golden["first_cut"][str(i)]["kept"][str(budget)] for i in range(len(held))]
+
+
+def test_a_reference_path_without_the_code_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^--reference=.*: no .*r1_kv\.py; allowed: a checkout of Zefan-Cai/R-KV$"):
+        parity.main(["--reference", str(tmp_path)])
