@@ -139,9 +139,9 @@ def test_its_config_is_the_reference_codes(hydra_ctx):
     from hydra.utils import instantiate
 
     cfg = compose("config", ["task=bb_copa", "policy=r_kv"])
-    assert instantiate(cfg.policy).describe() == make_policy("r_kv", compress="interval").describe()
-    decode = compose("config", ["task=bb_copa", "policy=r_kv", "policy.compress=decode"])
-    assert instantiate(decode.policy).schedule.evicts_each_step
+    assert instantiate(cfg.policy).describe() == make_policy("r_kv").describe()
+    buffer = compose("config", ["task=bb_copa", "policy=r_kv", "+policy.compress=interval"])
+    assert instantiate(buffer.policy).describe() == make_policy("r_kv", compress="interval").describe()
 
 
 @pytest.mark.parametrize("bad, match", [({"window": 0}, r"^window=0: .*allowed: an int >= 1$"),

@@ -16,8 +16,8 @@ At a cut, per (sequence, KV head), over the held tokens in position order (``n``
 
 Defaults are the reference code's: ``window`` 8, ``kernel`` 7, ``mix_lambda`` 0.07, ``threshold`` 0.5 (its
 ``cal_similarity``), budget 128 tokens; its schedule, a cut every 128 generated tokens, is ``compress=interval``
-(``interval`` 128 where none is given: its ``divide_length``; conf/policy/r_kv.yaml's default; the API's is every
-rule's, ``decode``). ``compress=decode`` is the rule at every step: the arriving token takes
+(``interval`` 128 where none is given: its ``divide_length``; the default timing is every rule's, ``decode``).
+``compress=decode`` is the rule at every step: the arriving token takes
 the slot of the lowest-scored older token, judged over the ``total`` held older tokens with the newest ``w`` rows
 (the reference's cut at interval 1 with a budget of ``total - 1``; docs/r_kv.md). A budget of at most ``w``
 tokens keeps the newest (all window).
@@ -50,7 +50,7 @@ class RKV(Policy):
     reads = frozenset({READ_WINDOW, READ_KEYS})  # the newest rows' logits, the held keys
     reads_logits = True
     token_options = ("window",)  # the observation window: at most the model's positions
-    # the API's default timing is every rule's (decode); conf/policy/r_kv.yaml sets the reference's, interval
+    # the default timing is every rule's (decode); the reference's is compress=interval (BUFFER when none is given)
 
     def __init__(self, budget=128, heavy=None, recent=None, heavy_share=0.5, window: int = 8, kernel: int = 7,
                  mix_lambda: float = 0.07, threshold: float = 0.5):
