@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 
-from h2o.assets.models import tiny_model
 from h2o.assets.paths import CONF
 from h2o.bench import every_policy
 from h2o.core.policies import REAL_POLICIES, Policy
@@ -23,8 +22,10 @@ def test_the_rows_come_from_the_registry():
 
 @pytest.fixture(scope="module")
 def measured():
+    from h2o.assets.model_spec import ModelSpec
+
     torch.manual_seed(0)
-    model = tiny_model("llama")
+    model = ModelSpec("tiny-llama", "tiny:llama").load()[0]  # with its tokenizer: kvzip replays the context
     return every_policy.measure(model, 24, 2, 3, 0.25, repeats=1, warmup=0)
 
 

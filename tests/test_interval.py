@@ -29,7 +29,7 @@ RULES = ("adakv", "fixed", "fixed_h2", "h2_only", "h2o", "keydiff", "knorm", "lo
 # a decoding form it takes it (test_a_pooled_rule_agrees...)
 # options that make a rule's scores decide at these tiny budgets (r_kv's window of 8 would hold the whole budget)
 SMALL = {"r_kv": {"window": 2, "kernel": 3}, "snapkv": {"window": 3, "kernel": 3}, "adakv": {"window": 3, "kernel": 3}}
-REFUSED = ("expected_attention", "full", "h2o_reference", "pyramidkv", "topk", "topk_h2")
+REFUSED = ("expected_attention", "full", "h2o_reference", "kvzip", "pyramidkv", "topk", "topk_h2")
 
 
 def distinct_batch():

@@ -84,6 +84,9 @@ def test_where_kvpress_differs_by_design_it_still_does(model, name, ratio):
     ("knorm_interval", 0.8, ("knorm", {"interval": 4})),  # another interval
     ("tova_interval", 0.5, ("tova", {"interval": 16})),
     ("snapkv_ordered_interval", 0.5, ("snapkv", {"window": 4, "kernel": 5, "interval": 8})),  # another kernel
+    ("kvzip", 0.5, ("kvzip", {"layerwise": True})),  # every layer the same count: no selection across layers
+    ("kvzip_c64", 0.8, ("kvzip", {"chunk_size": 80})),  # other chunks: other replays
+    ("kvzip", 0.8, ("kvzip", {"n_sink": 0})),  # the first tokens not protected
 ])
 def test_a_broken_variant_fails(model, name, ratio, policy):
     assert largest_gap(model, name, ratio, policy) > 10 * TOLERANCE

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from h2o import PolicyError, attach, make_policy
-from h2o.core.policies import REAL_POLICIES, Policy  # REAL_POLICIES: the policies with an evicting cache
+from h2o.core.policies import BOTH_PATHS, Policy  # BOTH_PATHS: the policies with an evicting cache and a mask
 from h2o.assets.models import TINY_ARCHS, tiny_model
 
 ATOL = 1e-4
@@ -14,7 +14,7 @@ ATOL = 1e-4
 ATOLS = {torch.float32: ATOL, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 VOCAB = 128
 # policies with a decoding form (the others are defined at a prompt's end only: without a prompt nothing is cut)
-DECODING = [p for p in REAL_POLICIES if p != "full" and Policy.registry[p].compress == "decode"]
+DECODING = [p for p in BOTH_PATHS if p != "full" and Policy.registry[p].compress == "decode"]
 
 
 @pytest.fixture(scope="module", params=TINY_ARCHS)
@@ -46,7 +46,7 @@ def simulated(model, policy, ids, prompt_len=0):
         return model(ids).logits
 
 
-@pytest.mark.parametrize("name", REAL_POLICIES)
+@pytest.mark.parametrize("name", BOTH_PATHS)
 def test_full_budget_is_the_unmodified_model(model, name):
     ids = tokens(24, 0)
     ref = plain_logits(model, ids)
@@ -70,7 +70,7 @@ def test_token_by_token_cache_equals_simulated_mask(model, name, ratio):
 
 
 @pytest.mark.parametrize("ratio", [0.1, 0.2, 0.5])
-@pytest.mark.parametrize("name", [p for p in REAL_POLICIES if p != "full"])
+@pytest.mark.parametrize("name", [p for p in BOTH_PATHS if p != "full"])
 def test_prefill_then_decode_equals_mask_with_prompt_rows_unmasked(model, name, ratio):
     L, P = 48, 30
     ids = tokens(L, 2)

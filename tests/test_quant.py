@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from h2o import attach, make_policy
-from h2o.core.policies import REAL_POLICIES  # the policies with an evicting cache
+from h2o.core.policies import BOTH_PATHS as REAL_POLICIES  # the policies with an evicting cache and a mask
 from h2o.assets.models import TINY_ARCHS, tiny_model
 from h2o.core.attach import Attached
 from h2o.core.attention import h2o_attention

@@ -9,7 +9,7 @@ import torch
 from transformers import AttentionInterface
 
 from h2o import PolicyError, attach, make_policy
-from h2o.core.policies import REAL_POLICIES  # the policies with an evicting cache
+from h2o.core.policies import BOTH_PATHS as REAL_POLICIES  # the policies with an evicting cache and a mask
 from h2o.assets.models import SLIDING_ARCHS, SLIDING_WINDOW as W, tiny_model
 from h2o.core import attention
 

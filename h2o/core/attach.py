@@ -182,6 +182,8 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     if semantics == "reference":
         policy = as_paper_rule(policy)  # a policy out of the rule's scope: the error, without the notice
         notice(f"attach(..., semantics='reference') is spelled attach(..., make_policy({policy.name!r}, ...)) now")
+    if mode == "simulated" and policy.real_only:
+        raise PolicyError(f"policy={policy.name}: mode=simulated: {policy.real_only}; allowed: mode=real")
     if policy.whole_forward and mode != "simulated":
         raise PolicyError(f"policy={policy.name} (the paper code's mask rule): mode={mode}; allowed: mode=simulated")
     if mode == "simulated" and policy.evicts and policy.schedule.once and not prompt_len and not policy.is_full:
@@ -208,7 +210,9 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     model.generate = single_use_generate(model, state)
     for m in modules:
         m.h2o = state
+    extra = []  # a rule's own hooks (Policy.attach_hooks)
     try:
+        extra = policy.attach_hooks(model, state) if mode == "real" else []
         yield state
     finally:
         for m in modules:
@@ -217,6 +221,6 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         if hook is not None:
             hook.remove()
         entry.remove()
-        for handle in rope:
+        for handle in [*rope, *extra]:
             handle.remove()
         model.set_attn_implementation(previous)

@@ -37,13 +37,13 @@ def h2o_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
-                  softcap=None, s_aux=None, **kwargs):
-    """The settings transformers passes per layer: ``scaling``; ``sliding_window`` (the layer's window, None on a
-    global layer: a token leaves the layer once out of it, before the policy decides, docs/attention.md);
-    ``softcap`` (Gemma-2: ``tanh(x / c) * c`` on the logits); ``s_aux`` (GPT-OSS: a learned sink logit per
-    query head in the softmax's denominator). Dropout is refused (``attach`` refuses it in training mode before
-    anything runs; this is the guard of last resort)."""
+def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function signature. The settings it passes per layer: ``scaling``; in ``kwargs``
+    ``sliding_window`` (the layer's window, None on a global layer: a token leaves the layer once out of it,
+    before the policy decides, docs/attention.md), ``softcap`` (Gemma-2: ``tanh(x / c) * c`` on the logits),
+    ``s_aux`` (GPT-OSS: a learned sink logit per query head in the softmax's denominator). Dropout is refused
+    (``attach`` refuses it in training mode before anything runs; this is the guard of last resort)."""
+    sliding_window, softcap, s_aux = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
     state = getattr(module, "h2o", None)
     if state is None:
         raise RuntimeError("attn_implementation='h2o' needs the model attached: use h2o.core.attach(model, policy)")

@@ -30,12 +30,13 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .policies import Counts, Policy, PolicyError, select_slot
-from .policies.base import Decoder, along_slots, bcast
+from .policies import Counts, Policy, PolicyError
+from .policies.base import Decoder, bcast
 from .cache_batch import BatchHooks, CacheBatchHooks
 from .cache_cut import CutHooks
 from .rerotate import KeyRerotation, KeyShifter, held_alike
 from .masks import serial
+from . import step
 
 
 class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
@@ -181,7 +182,7 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             rows_in = logits if logit_rule else probs * valid[:, None, None, :, None]
             self.policy.accumulate_prompt(self.acc, rows_in, valid, left)
         elif self.policy.needs_scores:  # a decoding token is never a pad
-            self.policy.accumulate(self.acc, logits if logit_rule else probs)
+            step.accumulate(self.policy, self.acc, logits if logit_rule else probs)
 
     # ------------------------------------------------------------------------- storage
     def append(self, key_states, value_states):
@@ -200,7 +201,8 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             self.decoder.reset()
 
     def decode_in_place(self, key_states, value_states):
-        """One arriving token (a real token, never a pad): take the slot the policy frees, or an empty one."""
+        """One arriving token (a real token, never a pad): take the slot the step frees (:func:`step.evict_slot`),
+        or an empty one. The layer keeps the counts on the host and stores the token."""
         room = [h < t for h, t in zip(self.host_held, self.host_total)]
         S = self.keys.shape[-2]
         if any(r and h == S for r, h in zip(room, self.host_held)):  # below budget, no empty slot: grow by one
@@ -210,47 +212,54 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             if not every and self.room_list != room:
                 self.room_list, self.room = room, torch.tensor(room, device=key_states.device)
             with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-                state = self.step_state()  # acc, or a key-ranking policy's score of the held keys
-                prio = self.decoding().priority(self.pos, state, self.n_tok, self.host_tok, self.host_held, room)
-                slot = select_slot(prio, self.pos, None if every else self.pos >= 0, self.room)  # (B, H, 1)
+                a = self.arrival(None if every else self.pos >= 0, self.room)
+                slot = step.evict_slot(self.decoding(), a, (self.host_tok, self.host_held, room))  # (B, H, 1)
                 self.decoder.placed(slot)
             self.place(slot, key_states, value_states)
             self.host_held = [h + r for h, r in zip(self.host_held, room)]
 
+    def arrival(self, held: torch.Tensor | None, room: torch.Tensor | None,
+                older: torch.Tensor | None = None) -> step.Arrival:
+        """The decoding step's state over the slots (:class:`h2o.core.step.Arrival`): held (B, H, S) bool (None:
+        every slot), room, older (B, H, S) bool the slots before the arriving token (None: every held one); the
+        held keys as attention reads them for a rule that reads keys."""
+        keys = scored = None
+        if self.policy.reads_keys:
+            keys, scored = self.read()[0], self.pos >= 0 if held is None else held
+            scored = scored if older is None else scored & older
+        return step.Arrival(self.pos, held, self.acc, self.n_tok, self.pos, keys, scored, room)
+
     def pool_in(self, key_states, value_states):
         """One arriving token on a layer whose heads share the budget (:attr:`Policy.pooled`, Ada-KV): it takes
         an empty slot in every head (a new slot where some head may have none), then the whole layer is cut back
-        to its budget by :meth:`Policy.keep`, the arriving token kept, and the slots shrink to the largest head's
-        count. One host read per step (the heads' counts decide the storage's shape)."""
+        to its budget (:func:`step.pool_keep`), the arriving token kept, and the slots shrink to the largest
+        head's count. One host read per step (the heads' counts decide the storage's shape)."""
         if self.window is not None:  # what left the window is gone before the policy decides
-            self.expire(self.n_tok)
+            step.expire_slots(self.pos, self.n_tok, self.window)
         S = self.keys.shape[-2]
         if any(h >= S for h in self.host_held):  # host_held: the largest head's count, an upper bound
             self.append(key_states, value_states)  # an empty slot (pos -1), filled below
         slot = (self.pos < 0).byte().argmax(-1, keepdim=True)  # (B, H, 1) the first empty slot of each head
         self.place(slot, key_states, value_states)
         with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-            state = self.step_state(self.pos != bcast(self.n_tok))  # the arriving token's key not ranked
-            prio = self.policy.priority(self.pos, state, self.n_tok, self.counts)  # (B, H, S)
-            keep = self.policy.keep(prio, self.pos, self.pos >= 0, self.counts,
-                                    arriving=self.pos == bcast(self.n_tok))
+            arriving = self.pos == bcast(self.n_tok)
+            a = self.arrival(self.pos >= 0, None, None if not self.policy.reads_keys else ~arriving)
+            keep = step.pool_keep(self.policy, a, self.counts, arriving)  # (B, H, S)
         self.pos = torch.where(keep, self.pos, -1)
         self.host_held = keep.sum(-1).amax(-1).tolist()  # the one host read
         self.compact(keep, max(self.host_held))
 
     def place(self, slot, key_states, value_states):
-        """The arriving token (keys/values (B, H, 1, D or row bytes)) into ``slot`` (B, H, 1), a fresh score."""
+        """The arriving token (keys/values (B, H, 1, D or row bytes)) into ``slot`` (B, H, 1): stored here, its
+        position and a fresh score by :func:`step.place`."""
         slot4 = slot.view(*slot.shape, 1)
         idx = slot4.expand(key_states.shape)  # (B, H, 1, D or row bytes)
         self.keys.scatter_(-2, idx, key_states)
         if value_states.shape != key_states.shape:  # quantized rows of keys and values can differ in width
             idx = slot4.expand(value_states.shape)
         self.values.scatter_(-2, idx, value_states)
-        if len(set(self.host_tok)) == 1:  # one position for the whole batch: a scalar, no index tensor
-            self.pos.scatter_(-1, slot, self.host_tok[0])
-        else:
-            self.pos.scatter_(-1, slot, self.n_tok.view(-1, 1, 1).expand(slot.shape))
-        self.acc.scatter_(2, along_slots(slot, self.acc), 0)
+        # one position for the whole batch: a scalar, no index tensor
+        step.place(self.pos, self.acc, slot, self.host_tok[0] if len(set(self.host_tok)) == 1 else self.n_tok)
 
     def limited(self) -> bool:
         """Whether the budget can drop a token (an evicting policy below 100%, not compressed once already)."""

@@ -2,10 +2,9 @@
 policy's ``cut_room``: a slot left for the next token) and frees the rest. What the policy ranks (its accumulated
 scores, a score of the held keys, or the prompt's query statistics against the held keys and values), which slots
 it keeps (each head's top count, or one top-k over the layer's heads for a pooled policy: Ada-KV) and the
-compaction into fewer slots; what a decoding step ranks for a policy that reads the keys
-(:meth:`CutHooks.step_state`); and a sliding-window layer's decoding step, the window's expiry first
-(:meth:`CutHooks.slide_in`). Mixed into :class:`h2o.core.cache.EvictingLayer` (state shapes:
-:mod:`h2o.core.cache`).
+compaction into fewer slots; and a sliding-window layer's decoding step, the window's expiry first
+(:meth:`CutHooks.slide_in`); the sequencing is :mod:`h2o.core.step`'s. Mixed into
+:class:`h2o.core.cache.EvictingLayer` (state shapes: :mod:`h2o.core.cache`).
 """
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import torch
 
 from . import step
 from .masks import serial
-from .policies import PolicyError, select_slot
+from .policies import PolicyError
 from .policies.base import along_slots, bcast
 
 
@@ -24,7 +23,7 @@ class CutHooks:
         """After a prefill (chunk): keep the budget, free the rest. Slots are in position order here. A sliding
         layer first drops what is out of the last token's window, then the budget applies to what is left."""
         if self.window is not None:
-            self.expire(self.n_tok - 1)
+            step.expire_slots(self.pos, self.n_tok - 1, self.window)
         valid = self.pos >= 0
         if self.limited():
             counts, room = self.policy.cut_counts(self.counts), self.policy.cut_room  # room: left for the next
@@ -43,10 +42,6 @@ class CutHooks:
     def cuts(self) -> bool:
         """Whether a prefill (chunk) ends with ``cut``: a budget that drops tokens, or a sliding window."""
         return self.limited() or self.window is not None
-
-    def expire(self, now: torch.Tensor) -> None:
-        """Sliding window: the slots of tokens out of the window of position ``now`` (B,) become empty."""
-        self.pos.masked_fill_(self.pos <= bcast(now - self.window), -1)
 
     def compact(self, keep: torch.Tensor, S: int) -> None:
         """Keep the slots ``keep`` (B, H, S') bool, each head's kept slots first in their order, in ``S`` slots
@@ -73,15 +68,6 @@ class CutHooks:
             return self.policy.query_score(stats, *self.read(), self.pos, valid)
         return step.score(self.policy, self.acc, self.read()[0] if self.policy.reads_keys else None, valid)
 
-    def step_state(self, older: torch.Tensor | None = None) -> torch.Tensor:
-        """What a decoding step's priority reads: ``acc``, or for a policy that reads keys its
-        :meth:`Policy.step_score` of the held keys as attention reads them (``read``), ``older`` (B, H, S)
-        bool the slots of the tokens before the arriving one (None: every held slot)."""
-        if not self.policy.reads_keys:
-            return self.acc
-        held = self.pos >= 0 if older is None else (self.pos >= 0) & older
-        return self.policy.step_score(self.acc, self.read()[0], held, self.pos, self.counts)
-
     def slide_in(self, key_states, value_states):
         """One arriving token on a sliding-window layer: what leaves the window goes first, then the policy
         decides per KV head on what is left (an empty slot where the head is below budget, else the token of
@@ -95,13 +81,12 @@ class CutHooks:
         if self.keys.shape[-2] < max(bound):  # a new empty slot (the arriving token's rows as a placeholder)
             self.append(key_states, value_states)
         with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-            self.expire(self.n_tok)
+            step.expire_slots(self.pos, self.n_tok, self.window)
             held = self.pos >= 0  # (B, H, S)
             if self.steps_evict():
                 room = held.sum(-1, keepdim=True) < bcast(self.counts.total)  # (B, H, 1)
-                state = self.step_state()
-                prio = self.decoding().priority(self.pos, state, self.n_tok, self.host_tok, self.host_held, None)
-                slot = select_slot(prio, self.pos, held, room)  # (B, H, 1)
+                host = (self.host_tok, self.host_held, None)
+                slot = step.evict_slot(self.decoding(), self.arrival(held, room), host)  # (B, H, 1)
             else:  # keeps all it may: the first empty slot
                 slot = (~held).byte().argmax(-1, keepdim=True)
         self.place(slot, key_states, value_states)

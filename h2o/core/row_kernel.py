@@ -33,7 +33,7 @@ import warnings
 import torch
 
 from .policies import Policy
-from .policies.base import KernelForm, declared
+from .policies.base import ROW_KERNEL, KernelForm, declared
 
 CHOICES = ("auto", "triton", "torch")
 
@@ -176,8 +176,9 @@ def form_of(policy: Policy) -> KernelForm | None:
 
 
 def supports(policy: Policy) -> bool:
-    """Whether the policy declares a kernel form (h2o, h2_only, strided_h2, fixed_h2 with any score, topk_h2)."""
-    return form_of(policy) is not None
+    """Whether the policy declares the kernel as its accelerator (``Policy.accelerators``: h2o, h2_only,
+    strided_h2, fixed_h2 with any score, topk_h2)."""
+    return ROW_KERNEL in policy.accelerators()
 
 
 NOTICED: set[str] = set()  # policies told once per process that the torch loop serves them on CUDA

@@ -92,9 +92,9 @@ def interval_rows(policy: Policy, f: Forward) -> tuple[torch.Tensor, torch.Tenso
     with serial(valid.device):
         for i in range(P, T):
             tok = valid[:, i]  # (B,)
-            keep.select(2, i).copy_(tok.view(B, 1))
+            step.place_column(keep, i, tok.view(B, 1))
             if window is not None:  # out of the window: gone (a pad row: nothing leaves)
-                keep &= posH > bcast(pos[:, i] - window)
+                keep = step.expire(keep, posH, pos[:, i], window)
             row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
             out.select(-2, i).copy_(row)
             if scored:
@@ -102,7 +102,7 @@ def interval_rows(policy: Policy, f: Forward) -> tuple[torch.Tensor, torch.Tenso
                 p = torch.softmax(p, -1) if sink_row is None else with_sinks(p, sink_row)
                 seen.select(-2, i).copy_(p)
                 p = p.unsqueeze(-2) * tok.to(p.dtype).view(B, 1, 1, 1, 1)  # (B, Hkv, G, 1, T): pad rows add nothing
-                policy.accumulate(acc, f.logits[..., i:i + 1, :] if policy.reads_logits else p, tok.view(B, 1))
+                step.accumulate(policy, acc, f.logits[..., i:i + 1, :] if policy.reads_logits else p, tok.view(B, 1))
             if cuts[i]:
                 keep = torch.where(bcast(due[:, i]), cut_rows(policy, keep, posH, acc, pos[:, i], f), keep)
     return out, seen

@@ -1,7 +1,7 @@
 """Simulated path: one forward pass in which query row i attends only to what the policy holds at step i.
 
 This is how lm-eval tasks are scored (one forward per request). The full keys stay in memory; the mask is built
-row by row with the same eviction step as the evicting cache (:func:`h2o.core.policies.select_slot`), so feeding the
+row by row with the same eviction step as the evicting cache (:mod:`h2o.core.step`), so feeding the
 tokens one by one through :class:`h2o.core.cache.EvictingCache` gives the same logits.
 
 Layout: G = query heads per KV head. logits (B, Hkv, G, T, T); state (B, Hkv, T) per KV head.
@@ -17,10 +17,10 @@ import torch
 
 from . import row_kernel, step
 from .policies import Policy
-from .policies.base import bcast, const, declared
+from .policies.base import CLOSED_FORM, Decoder, bcast, const, declared
 from .masks import causal_valid, in_window, masked_softmax, positions, serial, with_sinks  # noqa: F401 (re-exported)
 from .schedule_rows import compressed_once, interval_rows
-from .step import Forward, LayerCall, Rows
+from .step import Forward, LayerCall, Rows, column_key  # noqa: F401 (column_key re-exported)
 
 
 def grouped(query: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -63,10 +63,10 @@ def scores(q: torch.Tensor, key: torch.Tensor, scaling: float, softcap: float | 
 
 
 def closed(policy: Policy, window: int | None) -> bool:
-    """Whether a position-only policy's rows come in closed form (:func:`closed_form`) on a layer with this
-    ``window``: always without one; with one only where the form stays exact (``Policy.window_closed_form``),
-    else the row loop serves."""
-    return policy.position_only and (window is None or policy.window_closed_form)
+    """Whether a position-only policy's rows come in closed form (:func:`closed_form`, the accelerator it
+    declares, ``Policy.accelerators``) on a layer with this ``window``: always without one; with one only where
+    the form stays exact (``Policy.window_closed_form``), else the row loop serves."""
+    return CLOSED_FORM in policy.accelerators() and (window is None or policy.window_closed_form)
 
 
 def forward_plan(policy: Policy, valid: torch.Tensor, prompt_len: int = 0, window: int | None = None
@@ -190,7 +190,7 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     first = masked_softmax(logits[..., :start, :], allowed[..., :start, :], call.sinks)  # (B, Hkv, G, start, T)
     probs = logits[..., :start, :] if policy.reads_logits else first * valid[:, None, None, :start, None]
     acc = policy.new_state(B, Hkv, T, logits.device)  # (B, Hkv, T) accumulated attention (Policy.new_state)
-    policy.accumulate(acc, probs, valid[:, :start])
+    step.accumulate(policy, acc, probs, valid[:, :start])
     keys = key if policy.evicts and policy.reads_keys else None  # (B, Hkv, T, D) for Policy.step_score
     cut_at = prompt_len if start == prompt_len and policy.cut_room else 0  # a prompt's cut leaves a slot free
     if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
@@ -237,8 +237,8 @@ def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
     ``f.window``: first the held tokens out of the row's window leave; the budget is then full where a (sequence, KV
     head) still holds ``total`` tokens (its own count: the window frees slots head by head). ``f.sinks``:
     :func:`masked_softmax`'s. ``f.key`` (B, Hkv, T, D): the held older keys ranked by ``Policy.step_score`` (None:
-    the rule reads none). ``r.cut_at``: the prompt's length where its cut left a slot free (``Policy.cut_room``):
-    the first real row from there takes it.
+    the rule reads none). Each row is :mod:`h2o.core.step`'s decoding step over the columns. ``r.cut_at``: the
+    prompt's length where its cut left a slot free (``Policy.cut_room``): the first real row from there takes it.
 
     A :attr:`~h2o.core.policies.Policy.pooled` policy (Ada-KV) adds the row's token to every head, then cuts the
     whole layer back to its budget (:meth:`~h2o.core.policies.Policy.keep`, the token kept), as the cache does.
@@ -267,29 +267,28 @@ def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
         edge = (pos - window).t().contiguous().view(T, B, 1, 1)  # (T, B, 1, 1): row i keeps positions > edge
         limit = bcast(counts.total)  # (B, 1, 1)
         pads = ~toks.view(T, B, 1, 1)
+    dec = Decoder(policy, counts)  # the rule's priority as it is (the cache's decoders are tested equal)
+    a = step.Arrival(posH, None, acc, None, None, keys, ordered=True)  # the step's state, each row's fields below
     for i in range(start, T):
         tok = toks[i].view(B, 1)  # (B, 1)
         if window is not None:  # out of the window: gone before the policy decides (a pad row: nothing leaves)
-            keep &= posH > edge[i]
+            keep = step.expire(keep, posH, None, window, edge[i])
         if policy.pooled:  # the token enters every head, then the layer is cut back to its budget
-            keep.select(2, i).copy_(tok)
-            older = keep & (posH != now[i].view(B, 1, 1))
-            state = acc if keys is None else policy.step_score(acc, keys, older, posH, counts)
-            prio = policy.priority(torch.where(keep, posH, gone), state, now[i], counts)  # (B, Hkv, T)
-            keep.copy_(policy.keep(prio, posH, keep, counts, arriving=posH == now[i].view(B, 1, 1)))
+            step.place_column(keep, i, tok)
+            arriving = posH == now[i].view(B, 1, 1)
+            a.held, a.now, a.ranked = keep, now[i], torch.where(keep, posH, gone)
+            a.older = None if keys is None else keep & ~arriving
+            keep.copy_(step.pool_keep(policy, a, counts, arriving))
             row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
         elif policy.evicts:
-            held = torch.where(keep, posH, gone)  # the state as the cache sees it: -1 = not held
-            state = acc if keys is None else policy.step_score(acc, keys, keep, posH, counts)
-            prio = policy.priority(held, state, now[i], counts)  # (B, Hkv, T)
             fill = fills[i] if window is None else torch.where(
                 (keep.sum(-1, keepdim=True) < limit) | pads[i], -inf, inf)  # (B, Hkv, 1): room per head
-            slot = column_key(keep, prio, fill).argmin(-1, keepdim=True)  # (B, Hkv, 1)
-            keep.scatter_(-1, slot, False)
-            keep.select(2, i).copy_(tok)
+            # the state as the cache sees it: -1 = not held
+            a.held, a.older, a.now, a.ranked, a.room = keep, keep, now[i], torch.where(keep, posH, gone), fill
+            step.place_column(keep, i, tok, step.evict_slot(dec, a))  # (B, Hkv, 1) the column dropped
             row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
         else:
-            keep.select(2, i).copy_(tok)
+            step.place_column(keep, i, tok)
             row = policy.restrict(logits[..., i:i + 1, :], acc[:, :, None, None, :],
                                   keep[:, :, None, None, :], counts)[..., 0, :]  # (B, Hkv, G, T)
         out.select(-2, i).copy_(row)
@@ -300,16 +299,6 @@ def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
                 seen.select(-2, i).copy_(p)
             p = p.unsqueeze(-2)  # (B, Hkv, G, 1, T)
             if policy.reads_logits:
-                policy.accumulate(acc, logits[..., i:i + 1, :], tok)
+                step.accumulate(policy, acc, logits[..., i:i + 1, :], tok)
             else:
-                policy.accumulate(acc, p * weights[i] if padded else p, tok if padded else None)
-
-
-def column_key(keep: torch.Tensor, prio: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
-    """The key whose first minimum is :func:`select_slot`'s slot when slots are columns in position order.
-
-    keep (B, H, T) bool held, prio (B, H, T) of the held, fill (B, 1, 1): -inf where the sequence has room (a free
-    column is taken: dropping a column that holds nothing changes nothing), +inf where it is full (a held column of
-    lowest priority is dropped). ``argmin`` returns the first minimum, i.e. the oldest held token on ties, as
-    select_slot's position tie-break does (tested against it)."""
-    return torch.where(keep, prio, fill)
+                step.accumulate(policy, acc, p * weights[i] if padded else p, tok if padded else None)

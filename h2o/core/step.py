@@ -8,14 +8,21 @@ A cut (the end of a prompt, of a prefill chunk, or a schedule's cut, :mod:`h2o.c
 3. :func:`kept`: the rule's priority of the held slots (``Policy.priority``), its order hook (``Policy.cut_order``)
    and the slots it keeps (``Policy.keep``: each head's top count, or one top-k over a pooled layer).
 
-The simulated path runs it over column-ordered rows (:mod:`h2o.core.simulate`), the evicting cache over its slots
-(:mod:`h2o.core.cache_cut`); the decoding step (one arriving token) adds the slot choice
-(``h2o.core.policies.select_slot``) and its accelerators (``Policy.decoder``, ``Policy.held_rows``, the Triton row
-kernel), each tested equal to the step.
+A decoding step (one arriving token, :class:`Arrival`) is, in order: :func:`expire` (or :func:`expire_slots` where
+the state is the positions); :func:`step_state` (``acc``, or ``Policy.step_score`` of the held older keys); the
+rank and the slot dropped (:func:`evict_slot`: the rule's priority, or its decoder's, then
+``h2o.core.policies.select_slot``), or for a pooled layer the layer's cut (:func:`pool_keep`); :func:`place` (the
+token's position and a fresh score into its slot) or :func:`place_column` (a column-ordered row); then
+:func:`accumulate` of its attention.
 
-State (S = slots or columns): :class:`Slots` (positions, the held ones, ``acc``, the newest token); a simulated
-forward's inputs :class:`Forward`; its row recurrence's :class:`Rows`; what transformers passes a layer beside
-queries, keys and values :class:`LayerCall`.
+The simulated path runs these over column-ordered rows (:mod:`h2o.core.simulate`, :mod:`h2o.core.schedule_rows`),
+the evicting cache over its slots (:mod:`h2o.core.cache`, :mod:`h2o.core.cache_cut`), which stores the keys and
+values and keeps the counts. The accelerators a rule declares (``Policy.accelerators``: its closed form, its
+incremental decoder, the Triton row kernel) replace these steps where declared, each tested equal to them.
+
+State (S = slots or columns): :class:`Slots` (positions, the held ones, ``acc``, the newest token) at a cut;
+:class:`Arrival` at a decoding step; a simulated forward's inputs :class:`Forward`; its row recurrence's
+:class:`Rows`; what transformers passes a layer beside queries, keys and values :class:`LayerCall`.
 """
 from __future__ import annotations
 
@@ -24,8 +31,8 @@ from typing import Any
 
 import torch
 
-from .policies import Counts, Policy
-from .policies.base import bcast
+from .policies import Counts, Policy, select_slot
+from .policies.base import Decoder, along_slots, bcast
 
 
 @dataclass
@@ -41,10 +48,20 @@ class Slots:
     ranked: torch.Tensor | None = None
 
 
-def expire(held: torch.Tensor, pos: torch.Tensor, now: torch.Tensor, window: int | None) -> torch.Tensor:
+def expire(held: torch.Tensor, pos: torch.Tensor, now: torch.Tensor | None, window: int | None,
+           edge: torch.Tensor | None = None) -> torch.Tensor:
     """held (B, H, S) bool less what is out of the sliding ``window`` of the token at ``now`` (B,) (None: as it
-    is): a token leaves once ``pos <= now - window``."""
-    return held if window is None else held & (pos > bcast(now - window))
+    is): a token leaves once ``pos <= now - window``. ``edge`` (B, 1, 1): ``now - window`` already computed (a row
+    loop computes every row's at once)."""
+    if window is None:
+        return held
+    return held & (pos > (bcast(now - window) if edge is None else edge))
+
+
+def expire_slots(pos: torch.Tensor, now: torch.Tensor, window: int) -> None:
+    """:func:`expire` where the state is the positions (B, H, S) (-1: empty): the slots of tokens out of the
+    ``window`` of the token at ``now`` (B,) become empty, in place."""
+    pos.masked_fill_(pos <= bcast(now - window), -1)
 
 
 def score(policy: Policy, acc: torch.Tensor, keys: torch.Tensor | None, held: torch.Tensor) -> torch.Tensor:
@@ -61,6 +78,85 @@ def kept(policy: Policy, s: Slots, state: torch.Tensor, counts: Counts, order: b
     if order:
         policy.cut_order(s.acc, prio, s.pos, s.held, counts)
     return policy.keep(prio, s.pos, s.held, counts)
+
+
+@dataclass
+class Arrival:
+    """One arriving token's decision over S slots (the cache's, in any order) or columns (a simulated row's, in
+    position order: ``ordered``). pos (B, H, S) int64 positions (the cache: -1 where empty); held (B, H, S) bool
+    the slots holding a token (None: every slot, then ``room`` is not read); acc (B, H, S[, ...]); now (B,) the
+    arriving token's position; ranked (B, H, S) the positions the priority reads (-1: not held); keys
+    (B, H, S, D) the held keys of a rule that reads them (None: it ranks ``acc``), older (B, H, S) bool the held
+    slots of the tokens before the arriving one (what the key score reads); room: unordered, (B,) or (B, H, 1)
+    bool below budget (:func:`select_slot`); ordered, (B, H|1, 1) the key of a free column (-inf: room, +inf:
+    full, :func:`column_key`)."""
+
+    pos: torch.Tensor
+    held: torch.Tensor | None
+    acc: torch.Tensor
+    now: torch.Tensor
+    ranked: torch.Tensor
+    keys: torch.Tensor | None = None
+    older: torch.Tensor | None = None
+    room: torch.Tensor | None = None
+    ordered: bool = False
+
+
+def step_state(policy: Policy, a: Arrival, counts: Counts) -> torch.Tensor:
+    """What a decoding step's priority reads: ``acc``, or for a rule that reads the held keys its
+    ``Policy.step_score`` of the held older keys."""
+    return a.acc if a.keys is None else policy.step_score(a.acc, a.keys, a.older, a.pos, counts)
+
+
+def evict_slot(decoder: Decoder, a: Arrival, host: tuple | None = None) -> torch.Tensor:
+    """(B, H, 1) int64 the slot the arriving token takes: the step's state (:func:`step_state`) ranked by the
+    rule's ``decoder`` (``Decoder.priority``; ``host``: the cache's (tokens, held, room) lists on the host, what a
+    stateful decoder reads), then an empty slot where there is room, else the held slot of lowest priority, the
+    oldest on ties (:func:`select_slot`; in position order the first minimum of :func:`column_key`, its answer)."""
+    state = step_state(decoder.policy, a, decoder.counts)
+    prio = decoder.priority(a.ranked, state, a.now, *(host or (None, None, None)))  # (B, H, S)
+    if a.ordered:
+        return column_key(a.held, prio, a.room).argmin(-1, keepdim=True)
+    return select_slot(prio, a.pos, a.held, a.room)
+
+
+def pool_keep(policy: Policy, a: Arrival, counts: Counts, arriving: torch.Tensor) -> torch.Tensor:
+    """(B, H, S) bool the slots a pooled layer (``Policy.pooled``: the heads share the budget) keeps once the
+    arriving token is in every head: the step's state ranked by the rule's priority, then ``Policy.keep`` over the
+    whole layer, the ``arriving`` (B, H, S) bool slots kept."""
+    prio = policy.priority(a.ranked, step_state(policy, a, counts), a.now, counts)  # (B, H, S)
+    return policy.keep(prio, a.pos, a.held, counts, arriving=arriving)
+
+
+def place(pos: torch.Tensor, acc: torch.Tensor, slot: torch.Tensor, now: int | torch.Tensor) -> None:
+    """The arriving token into ``slot`` (B, H, 1) of the state, in place: its position ``now`` (one for the whole
+    batch, or (B,)) into pos (B, H, S), a fresh score into acc (B, H, S[, ...])."""
+    pos.scatter_(-1, slot, now if isinstance(now, int) else now.view(-1, 1, 1).expand(slot.shape))
+    acc.scatter_(2, along_slots(slot, acc), 0)
+
+
+def place_column(keep: torch.Tensor, i: int, tok: torch.Tensor, slot: torch.Tensor | None = None) -> None:
+    """A column-ordered row's :func:`place`, in place on keep (B, H, T) bool: the dropped column ``slot``
+    (B, H, 1) (None: none) is no longer held, column ``i`` is where its token is real, tok (B, 1) bool."""
+    if slot is not None:
+        keep.scatter_(-1, slot, False)
+    keep.select(2, i).copy_(tok)
+
+
+def accumulate(policy: Policy, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+    """The attention of query rows, probs (B, H, G, r, S) (pad rows zeroed), into the state acc (B, H, S[, ...]),
+    in place (``Policy.accumulate``; valid (B, r) bool the real rows, None: all)."""
+    policy.accumulate(acc, probs, valid)
+
+
+def column_key(keep: torch.Tensor, prio: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
+    """The key whose first minimum is :func:`select_slot`'s slot when slots are columns in position order.
+
+    keep (B, H, T) bool held, prio (B, H, T) of the held, fill (B, 1, 1): -inf where the sequence has room (a free
+    column is taken: dropping a column that holds nothing changes nothing), +inf where it is full (a held column of
+    lowest priority is dropped). ``argmin`` returns the first minimum, i.e. the oldest held token on ties, as
+    select_slot's position tie-break does (tested against it)."""
+    return torch.where(keep, prio, fill)
 
 
 @dataclass

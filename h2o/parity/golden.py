@@ -65,6 +65,11 @@ def cases() -> dict[str, Case]:
     # re-reads slots as positions: docs/methods.md, "A finding")
     out["streaming_llm_ordered"] = Case("streaming_llm_ordered", timing="decode")
     # DecodingPress at interval 1 after a prefilling press (tools/parity/kvpress_side.py, run_decode)
+    # KVzip's replay in several chunks (each later chunk's prompt ends with the previous chunk's last tokens), and
+    # its per-layer count
+    out["kvzip_c64"] = Case("kvzip", {"chunk_size": 64}, ("kvzip", {"chunk_size": 64}))
+    out["kvzip_layerwise_c100"] = Case("kvzip", {"chunk_size": 100, "layerwise": True},
+                                       ("kvzip", {"chunk_size": 100, "layerwise": True}))
     out["knorm_decode"] = Case("knorm", timing="decode")
     out["keydiff_decode"] = Case("keydiff", timing="decode")
     # DecodingPress(compression_interval=INTERVAL, target_size=n) after a prefilling press to n (kvpress_side.py,
@@ -103,6 +108,10 @@ def save_model(folder: Path = MODEL_DIR) -> None:
     """The tiny model's weights, once: a committed file is never rewritten (its sha256 is in the record)."""
     from h2o.assets.models import tiny_model
 
+    if not (folder / "tokenizer.json").is_file():  # kvpress's KVzipPress loads the model folder's tokenizer
+        from h2o.assets.tiny import byte_tokenizer
+
+        byte_tokenizer().save_pretrained(folder)
     if (folder / "model.safetensors").is_file():
         return
     tiny_model("llama_gqa", seed=SEED, num_hidden_layers=LAYERS, max_position_embeddings=1024).save_pretrained(folder)

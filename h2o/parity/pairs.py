@@ -23,13 +23,17 @@ OURS = {
     "adakv_snapkv": ("adakv", {"inner": "snapkv"}),
     "knorm": ("knorm", {}), "keydiff": ("keydiff", {}),
     "expected_attention": ("expected_attention", {}), "random": ("random", {"seed": 0}),
+    # kvpress masks KVzip's removed keys as Ada-KV's; ours evicts, layers and heads stored padded
+    "kvzip": ("kvzip", {}),
     # a diagnostic of the decoding timing, not a kvpress method: StreamingLLMPress with its kept tokens left in
     # position order (tools/parity/kvpress_side.py)
     "streaming_llm_ordered": ("streaming_llm", {"sinks": 4}),
 }
 EXTRA = {"h2o": ("h2o", {})}  # ours without a kvpress counterpart, shown beside the nearest one (observed_attention)
 DECODE = ("streaming_llm", "streaming_llm_ordered", "knorm", "keydiff", "random")  # with a decoding timing here
-RATIO_BUDGET = ("pyramidkv",)  # ours given the share kept 1 - r: its layer budgets start from L * (1 - r) unrounded
+# ours given the share kept 1 - r: pyramidkv's layer budgets start from L * (1 - r) unrounded; kvzip prunes
+# int(numel * r) over all layers and heads
+RATIO_BUDGET = ("pyramidkv", "kvzip")
 DECODE_ONLY = {"streaming_llm_ordered": "streaming_llm"}  # diagnostic rows: ours is the named method's record
 
 

@@ -185,6 +185,8 @@ def root_keys() -> dict:
 # question): at the default it is each of them's own behaviour.
 ADDED = {"model.positions": None,  # ModelSpec: read from the model's config.json when null
          "task.question": "prompt",  # the long-context and lm-eval tasks: the question inside the prompt
+         "task.questions": 1,  # niah: one question per context
+         "task.turns": 1,  # niah: one turn
          "grid_only": []}  # Settings: no sparse cells
 
 
@@ -324,6 +326,9 @@ def prepare(cfg: DictConfig) -> RunSpec:
         raise ConfigError(f"policy={policy.name}: the paper code's mask rule is for one-pass scoring; task "
                           f"{task.name} ({task.kind}) runs {', '.join(task.semantics)}")
     semantics = task.resolve_semantics(cfg.semantics)
+    check(not getattr(policy, "real_only", None) or semantics == "real",
+          f"policy={policy.name}: semantics={semantics}: {getattr(policy, 'real_only', '')}; allowed: a task that "
+          f"runs the real path (niah, RULER, summarization, reasoning)")
     task.check_model(model)
     task.check_policy(policy)
     task.check_quant(quant)

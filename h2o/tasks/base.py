@@ -116,6 +116,15 @@ def clamped(policy, lengths: list[int]) -> int:
     return int(policy.short(torch.tensor(lengths, dtype=torch.long)).sum()) if lengths else 0
 
 
+def cells(samples: list[dict], by_depth: bool, metric: str = "acc") -> list[dict]:
+    """The mean score per (length, depth) cell (per length without depths), in the order first seen."""
+    groups: dict[tuple, list[float]] = {}
+    for s in samples:
+        groups.setdefault((s["length"], s["depth"]) if by_depth else (s["length"],), []).append(s[metric])
+    keys = ("length", "depth") if by_depth else ("length",)
+    return [{**dict(zip(keys, k)), "n": len(v), metric: sum(v) / len(v)} for k, v in groups.items()]
+
+
 def positive_or_none(name: str, value) -> None:
     check(value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0),
           f"{name}={value!r}: expected a positive int or null")

@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from h2o.tasks.base import Result, TaskSpec, adds_bos, check, clamped, positive_or_none, stderr
+from h2o.tasks.base import Result, TaskSpec, adds_bos, cells, check, clamped, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 from h2o.tasks.kv_held import END, batch_fields
 from h2o.tasks.question_after import QUESTIONS, ruler_pattern
@@ -62,6 +62,8 @@ class LongContextTask(TaskSpec):
     add_bos_token: bool | None = False
     clip_to_model: bool = False  # true: lengths beyond the model's positions are dropped (the record has those run)
     question: str = "prompt"  # prompt | after: the question inside the compressed prompt or after it (niah, RULER)
+    questions: int = 1  # niah: questions per context, each from a copy of the compressed context (many_questions)
+    turns: int = 1  # niah: questions asked in turn on one cache, answers kept (many_questions)
 
     kind = "retrieval"
     semantics = ("real",)
@@ -100,8 +102,26 @@ class LongContextTask(TaskSpec):
         check(self.question == "prompt" or splits,
               f"task.question={self.question}: task {self.lm_eval_task}'s prompts hold no question to split off; "
               f"allowed: question=prompt (question=after: niah and lm-eval's RULER tasks)")
+        self.check_many()
         check(self.family != "longbench" or len(self.lengths) == 1,
               f"task.lengths={self.lengths}: a LongBench run takes one length (its prompts' cut); allowed: [<n>]")
+
+    def check_many(self) -> None:
+        """``questions`` and ``turns``: positive ints, at most one above 1, above 1 on niah only."""
+        for key in ("questions", "turns"):
+            value = getattr(self, key)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                  f"task.{key}={value!r}: expected an int >= 1")
+            check(value == 1 or self.is_niah, f"task.{key}={value}: several questions per context on task niah "
+                                              f"only; allowed: task.{key}=1 for task {self.lm_eval_task}")
+        check(min(self.questions, self.turns) == 1, f"task.questions={self.questions}, task.turns={self.turns}: "
+                                                    f"allowed: one of them above 1")
+
+    @property
+    def many(self) -> int:
+        """Questions per context beyond one (``questions`` or ``turns``), else 0: h2o.tasks.many_questions."""
+        n = max(self.questions, self.turns)
+        return n if n > 1 else 0
 
     @property
     def is_niah(self) -> bool:
@@ -167,7 +187,12 @@ class LongContextTask(TaskSpec):
         tok = local_tokenizer(model)
         if tok is None:
             return
-        if self.is_niah:
+        if self.is_niah and self.many:
+            from h2o.tasks.niah_many import shortest
+
+            short = shortest(tok, self.lengths, self.depths, self.samples, self.seed, self.many)
+            what = f"its instruction, {self.many} needles and a question"
+        elif self.is_niah:
             from h2o.tasks.niah import shortest
 
             short = shortest(tok, self.lengths, self.depths, self.samples, self.seed)
@@ -203,7 +228,8 @@ class LongContextTask(TaskSpec):
 
             return size(self.lm_eval_task, self.limit, self.lengths[0])
         docs = len(self.depths) * self.samples if self.is_niah else (self.limit or 500)
-        return docs * sum(n + gen for n in self.lengths)
+        asked = max(self.many, 1)  # each further question: its tokens (about 30) and its answer
+        return docs * sum(n + asked * gen + (asked - 1) * 30 for n in self.lengths)
 
     def add_bos(self, tokenizer) -> bool:
         return adds_bos(tokenizer, self.add_bos_token)
@@ -211,8 +237,9 @@ class LongContextTask(TaskSpec):
     def protocol(self, tokenizer) -> dict:
         """TaskSpec's; ``question`` only where it is not the default (so a record without the field reads as the default)."""
         out = super().protocol(tokenizer)
-        if self.question == "prompt":
-            del out["question"]
+        for key, default in (("question", "prompt"), ("questions", 1), ("turns", 1)):
+            if out[key] == default:
+                del out[key]
         return out
 
     def metadata(self, tokenizer) -> dict:
@@ -233,6 +260,10 @@ class LongContextTask(TaskSpec):
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if self.many:  # compress once, ask many: the model's own loop, not lm-eval's (one request per context)
+            from h2o.tasks.many_questions import run
+
+            return run(self, model, tokenizer, policy, quant)
         cpu0 = time.process_time()
         from lm_eval import simple_evaluate
         from lm_eval.tasks import TaskManager
@@ -311,12 +342,3 @@ def tokenizer_here(name: str):
         return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     except (OSError, ValueError):
         return None
-
-
-def cells(samples: list[dict], by_depth: bool, metric: str = "acc") -> list[dict]:
-    """The mean score per (length, depth) cell (per length without depths), in the order first seen."""
-    groups: dict[tuple, list[float]] = {}
-    for s in samples:
-        groups.setdefault((s["length"], s["depth"]) if by_depth else (s["length"],), []).append(s[metric])
-    keys = ("length", "depth") if by_depth else ("length",)
-    return [{**dict(zip(keys, k)), "n": len(v), metric: sum(v) / len(v)} for k, v in groups.items()]

@@ -42,14 +42,14 @@ from pathlib import Path
 # weights of the forward (ObservedAttention), sdpa elsewhere (AdaKV refuses eager; the others recompute the
 # window attention they need from the queries).
 METHODS = ("streaming_llm", "observed_attention", "tova", "snapkv", "pyramidkv", "adakv_snapkv", "knorm",
-           "keydiff", "expected_attention", "random")
+           "keydiff", "expected_attention", "random", "kvzip")
 DECODE_METHODS = ("streaming_llm", "streaming_llm_ordered", "knorm", "keydiff", "random")  # no prompt window
 # DecodingPress every N steps (N above a press's window: its window queries are the steps since the last cut)
 INTERVAL_METHODS = (*DECODE_METHODS, "tova", "snapkv", "snapkv_ordered")
 # presses that hide the removed keys behind fake keys instead of freeing them (AdaKV): what follows the context is
 # fed one token at a time, because the fake key of a forward of m queries must have exp(q . k) ~ 0 for all m,
 # which kvpress's hyperplane search cannot always find once m exceeds the head size (the tiny golden model: 16)
-MASKING = ("adakv_snapkv",)
+MASKING = ("adakv_snapkv", "kvzip")
 
 
 def fail(msg: str) -> None:
@@ -73,6 +73,7 @@ def make_press(name: str, ratio: float, **options):
         "keydiff": lambda: kp.KeyDiffPress(compression_ratio=ratio, **options),
         "expected_attention": lambda: kp.ExpectedAttentionPress(compression_ratio=ratio, **options),
         "random": lambda: kp.RandomPress(compression_ratio=ratio, **{"seed": 0, **options}),
+        "kvzip": lambda: kp.KVzipPress(compression_ratio=ratio, **options),
     }
     return table[name]()
 

@@ -10,6 +10,7 @@ for _m in pkgutil.iter_modules(__path__):
 
 POLICIES = sorted(Policy.registry)
 REAL_POLICIES = [n for n in POLICIES if n != "h2o_reference"]  # with an evicting cache (h2o_reference: simulated only)
+BOTH_PATHS = [n for n in REAL_POLICIES if not Policy.registry[n].real_only]  # a simulated form too (not kvzip)
 
 
 def make_policy(name: str, **options) -> Policy:
@@ -30,4 +31,4 @@ def make_policy(name: str, **options) -> Policy:
     return policy.timed(policy.compress if compress is None else compress, interval)
 
 
-__all__ = ["Counts", "Policy", "PolicyError", "POLICIES", "REAL_POLICIES", "make_policy", "keep_top", "select_slot"]
+__all__ = ["Counts", "Policy", "PolicyError", "POLICIES", "REAL_POLICIES", "BOTH_PATHS", "make_policy", "keep_top", "select_slot"]

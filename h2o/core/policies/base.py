@@ -65,6 +65,12 @@ READS = (READ_KEYS, READ_WINDOW, READ_ROWS, READ_QUERIES)
 NOTHING: frozenset[str] = frozenset()  # a rule of positions alone (and of the budget): full, local, strided...
 # the methods whose answers are the policy's decisions
 RULE = ("priority", "restrict", "score", "accumulate", "accumulate_prompt", "cut_score")
+# The accelerators a rule may declare: faster forms of the step (h2o.core.step), each tested equal to it on random
+# states (tests/test_accelerators.py): every simulated row at once (``position_only``, :meth:`Policy.held_rows`), a
+# decoder that keeps state between decoding steps (:meth:`Policy.decoder`), the simulated path's Triton row kernel
+# (:meth:`Policy.kernel_form`). Where a rule declares none, the step runs.
+CLOSED_FORM, DECODER, ROW_KERNEL = "closed_form", "decoder", "row_kernel"
+ACCELERATORS = (CLOSED_FORM, DECODER, ROW_KERNEL)
 
 
 def declared(policy: "Policy", form: str):
@@ -128,6 +134,8 @@ class Policy(BudgetChecks):
     # prompt, every later token kept) or "interval" (cut back to the budget every ``interval`` generated tokens)
     compress: str = "decode"
     interval: int | None = None  # compress="interval": the generated tokens between two cuts
+    # why the rule has no simulated form (None: it has one); attach refuses mode="simulated" in one line with it
+    real_only: ClassVar[str | None] = None
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):
@@ -142,6 +150,11 @@ class Policy(BudgetChecks):
                 cls.needs_scores = True
         if vars(cls).get("name"):  # its own name: a subclass inheriting one does not replace its parent
             Policy.registry[cls.name] = cls
+
+    def attach_hooks(self, model, state) -> list:
+        """Hooks the real path adds to ``model`` for this rule (removed on leaving ``attach``; ``state``: the
+        :class:`h2o.core.attach.Attached`): a rule that runs forwards of its own after the prompt (kvzip)."""
+        return []
 
     def read_window(self) -> int:
         """Under :data:`READ_WINDOW`: how many of a forward's last real query rows the rule reads the attention of
@@ -313,9 +326,23 @@ class Policy(BudgetChecks):
         return Decoder(self, counts)
 
     def decoding(self, counts: Counts, host: Counts) -> "Decoder":
-        """The decoder the evicting cache uses: :meth:`decoder` where declared for this rule, else the default."""
+        """The decoder the evicting cache uses: :meth:`decoder` where this rule declares one
+        (:meth:`accelerators`), else its priority as it is (:class:`Decoder`)."""
+        return self.decoder(counts, host) if DECODER in self.accelerators() else Decoder(self, counts)
+
+    def accelerators(self) -> frozenset[str]:
+        """The accelerators this rule declares (:data:`ACCELERATORS`), read by both paths: ``closed_form``
+        (``position_only``), ``decoder`` (a :meth:`decoder` of its own rule, :func:`declared`), ``row_kernel`` (a
+        :meth:`kernel_form` of its own rule). A subclass that changes the rule loses its parent's decoder and
+        kernel."""
+        out = {CLOSED_FORM} if self.position_only else set()
         make = declared(self, "decoder")
-        return make(counts, host) if make is not None else Decoder(self, counts)
+        if make is not None and getattr(make, "__func__", None) is not Policy.decoder:
+            out.add(DECODER)
+        make = declared(self, "kernel_form")
+        if make is not None and make() is not None:
+            out.add(ROW_KERNEL)
+        return frozenset(out)
 
     def kernel_form(self) -> KernelForm | None:
         """The simulated path's Triton row kernel for this policy (:class:`KernelForm`); None: the torch row

@@ -1,0 +1,151 @@
+"""Compress once, ask many (``task.questions`` / ``task.turns`` records of the needle task): accuracy per method and
+budget with its 95% Wilson interval, each method against kvzip paired by question, the figure, and accuracy by turn.
+
+    python -m analysis.many_questions studies/many_questions/records --out analysis/out
+
+prints the tables and comparisons (markdown) and writes ``many_questions.png`` (accuracy against the budget) into
+``--out``; every number comes from the records' metrics.json and samples.jsonl. docs/results/many_questions.md is the
+same body, made by ``make docs-results`` from studies/many_questions/ (a study of kind ``questions``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from analysis.estimate import Z95, wilson
+
+BASE = "kvzip"  # the method every other is compared with
+
+
+def load(root: Path) -> list[dict]:
+    """Every record under ``root`` with ``task.questions`` or ``task.turns`` above 1: its metrics.json fields and its
+    samples (one per question)."""
+    out = []
+    for f in sorted(root.rglob("metrics.json")):
+        rec = json.loads(f.read_text())
+        proto = rec.get("protocol") or {}
+        if proto.get("questions", 1) == 1 and proto.get("turns", 1) == 1:
+            continue
+        samples = [json.loads(line) for line in (f.parent / "samples.jsonl").read_text().splitlines() if line]
+        out.append({**rec, "samples": samples, "mode": "turns" if proto.get("turns", 1) > 1 else "questions"})
+    return out
+
+
+def key(s: dict) -> tuple:
+    return s["doc_id"], s["question"]
+
+
+def paired(a: dict, b: dict) -> tuple[float, float, float, int] | None:
+    """a - b accuracy over the questions both answered (by context and question): (mean, lo, hi, n), 95%."""
+    sb = {key(s): s["acc"] for s in b["samples"]}
+    d = [s["acc"] - sb[key(s)] for s in a["samples"] if key(s) in sb]
+    if len(d) < 2:
+        return None
+    m = sum(d) / len(d)
+    se = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d))
+    return m, m - Z95 * se, m + Z95 * se, len(d)
+
+
+def cell(rec: dict) -> str:
+    n, acc = len(rec["samples"]), rec["metrics"]["acc"]
+    lo, hi = wilson(acc, n)
+    mib = rec.get("kv_bytes_cut", 0) / 2**20
+    return f"{acc:.2f} [{lo:.2f}, {hi:.2f}] · {mib:.1f} MiB"
+
+
+def tables(recs: list[dict], mode: str) -> list[str]:
+    """The accuracy table (methods x budgets) and the paired comparisons against :data:`BASE`."""
+    runs = {(r["policy"], r["budget"]): r for r in recs if r["mode"] == mode}
+    budgets = sorted({b for p, b in runs if p != "full"})
+    methods = [BASE] + sorted({p for p, _ in runs if p not in (BASE, "full")})
+    n = max(len(r["samples"]) for r in runs.values())
+    lines = [f"Accuracy [95% Wilson] of the {n} questions · KV held by the compressed context (MiB, mean per "
+             f"context, stated once per context); `task.{mode}={runs[next(iter(runs))]['protocol'][mode]}`", "",
+             "| method | " + " | ".join(f"{b:.0%}" for b in budgets) + " |", "|---" * (len(budgets) + 1) + "|"]
+    full = runs.get(("full", 1.0))
+    if full:
+        lines.append(f"| full | {cell(full)} |" + " |" * (len(budgets) - 1))
+    for m in methods:
+        lines.append(f"| {m} | " + " | ".join(cell(runs[(m, b)]) if (m, b) in runs else "—" for b in budgets) + " |")
+    lines += ["", f"{BASE} against each method at the same budget, paired by question (`>` {BASE} better, `<` worse at "
+                  "95%, `≈` unresolved; difference in accuracy with its 95% interval):", ""]
+    for b in budgets:
+        for m in methods[1:]:
+            if (BASE, b) in runs and (m, b) in runs:
+                got = paired(runs[(BASE, b)], runs[(m, b)])
+                if got:
+                    mean, lo, hi, k = got
+                    sign = ">" if lo > 0 else "<" if hi < 0 else "≈"
+                    lines.append(f"* {b:.0%}: {BASE} {sign} {m}: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] ({k} questions)")
+    if mode == "turns":
+        turns = max(len(r["turn_acc"]) for r in runs.values())
+        lines += ["", "Accuracy by turn (the questions asked in turn on one cache):", "",
+                  "| method | budget | " + " | ".join(f"turn {k}" for k in range(turns)) + " |",
+                  "|---" * (turns + 2) + "|"]
+        for (p, b), r in sorted(runs.items()):
+            lines.append(f"| {p} | {b:.0%} | " + " | ".join(f"{a:.2f}" for a in r["turn_acc"]) + " |")
+    return lines + [""]
+
+
+def figure(recs: list[dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    runs = [r for r in recs if r["mode"] == "questions"]
+    for m in sorted({r["policy"] for r in runs if r["policy"] != "full"}):
+        pts = sorted((r["budget"], r["metrics"]["acc"], len(r["samples"])) for r in runs if r["policy"] == m)
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        err = [[y - wilson(y, n)[0] for _, y, n in pts], [wilson(y, n)[1] - y for _, y, n in pts]]
+        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=m, lw=2.5 if m == BASE else 1)
+    full = [r for r in runs if r["policy"] == "full"]
+    if full:
+        ax.axhline(full[0]["metrics"]["acc"], ls=":", color="k", label="full")
+    ax.set_xlabel("budget (share of the context kept)")
+    ax.set_ylabel("accuracy (exact match)")
+    ax.set_xscale("log")
+    budgets = sorted({r["budget"] for r in runs if r["policy"] != "full"})
+    ax.set_xticks(budgets, [f"{b:.0%}" for b in budgets])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_title("3 needles per context, compressed once, 3 questions")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "many_questions.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def page_lines(recs: list[dict], figures: Path, rel: str) -> list[str]:
+    """The page's body: the tables of each mode its records have, then the figure (written into ``figures``,
+    linked as ``rel/<name>``)."""
+    lines = []
+    for mode in ("questions", "turns"):
+        if any(r["mode"] == mode for r in recs):
+            lines += tables(recs, mode)
+    if any(r["mode"] == "questions" for r in recs):
+        figures.mkdir(parents=True, exist_ok=True)
+        lines += [f"![accuracy against the budget]({rel}/{figure(recs, figures).name})", ""]
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m analysis.many_questions", description=__doc__.splitlines()[0])
+    ap.add_argument("records", help="a folder of run records")
+    ap.add_argument("--out", default="analysis/out")
+    a = ap.parse_args(argv)
+    recs = load(Path(a.records))
+    if not recs:
+        print(f"error: {a.records}: no record with task.questions or task.turns above 1", file=sys.stderr)
+        return 2
+    print("\n".join(page_lines(recs, Path(a.out), a.out)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,136 @@
+"""Compress once, ask many: a context compressed once and asked several questions (``task.questions``), or asked
+questions in turn on one cache (``task.turns``, SCBench's multi-turn protocol), on the needle task's contexts with
+several needles (h2o.tasks.niah_many).
+
+* ``questions=N``: the context alone is prefilled into the policy's evicting cache (its cut at the context's end
+  under either timing: kvpress's query-agnostic protocol, as ``task.question=after``); each question is then
+  answered from its own copy of that compressed cache (:func:`copy_of`), so no question sees another's tokens and
+  the context is compressed once, whatever the number of questions.
+* ``turns=N``: one cache for the whole conversation. Each turn feeds its question after what the cache holds (the
+  previous turns' questions and answers included) and generates its answer into the cache; the policy's timing
+  decides what later tokens do: ``compress=prefill`` cuts the context once and evicts nothing after it (the cache
+  grows by each turn), ``compress=decode`` cuts each question's chunk back to the budget and evicts while
+  decoding.
+
+Tokens: the context is encoded once (BOS as the task's ``add_bos_token``), each question apart without special
+tokens (kvpress encodes context and question apart; the needle task's question starts after a newline). Greedy,
+at most the task's ``max_gen_toks``, stopped at the first newline (the needle task's lm-eval ``until``); scored as
+the needle task scores (h2o.tasks.niah.found). One context at a time (batch 1), on the model's device.
+
+Records: one sample per question (``doc_id`` the context, ``question`` its index, ``turn`` under ``turns``);
+``info.contexts`` one row per context with the compressed context's KV (tokens, bytes held, bytes stored: stated
+once, not per question) and its accuracy; under ``turns`` each question's row also has ``kv_tokens_turn_end`` (what
+the cache held after its answer).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+
+import torch
+
+from h2o.core.attach import attach
+from h2o.tasks.base import Result, cells, clamped, stderr
+from h2o.tasks.kv_held import CUT, batch_fields
+
+MODES = ("questions", "turns")
+
+
+def copy_of(cache):
+    """A copy of an evicting cache (h2o.core.cache.EvictingCache) that shares nothing it changes: tensors, counts
+    and host lists copied; the policy, the quantizer and the key shifter (read-only) shared."""
+    memo = {id(cache.policy): cache.policy}
+    if cache.quant is not None:
+        memo[id(cache.quant)] = cache.quant
+    for layer in cache.layers:
+        if layer.rerotation is not None:
+            memo[id(layer.rerotation.shifter)] = layer.rerotation.shifter
+    return copy.deepcopy(cache, memo)
+
+
+def greedy(model, cache, ids: list[int], max_new: int, done: Callable[[list[int]], bool]) -> list[int]:
+    """``ids`` fed after what ``cache`` holds, then up to ``max_new`` greedy tokens (stopped once ``done``); every
+    generated token but the last is fed into the cache."""
+    device = model.device
+    logits = model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True,
+                   logits_to_keep=1).logits[0, -1]  # (V,)
+    out: list[int] = []
+    while True:
+        out.append(int(logits.argmax()))
+        if len(out) >= max_new or done(out):
+            return out
+        logits = model(input_ids=torch.tensor([out[-1:]], device=device), cache=cache, use_cache=True).logits[0, -1]
+
+
+def ask(model, policy, context: list[int], questions: list[list[int]], max_new: int, done: Callable,
+        turns: bool = False, quant=None) -> tuple[list[list[int]], dict, list[int]]:
+    """The context compressed once, then each question: from a copy of the compressed cache, or (``turns``) in turn
+    on the one cache. Returns (each answer's tokens, the compressed context's footprint (EvictingCache.footprint),
+    the tokens held (token x KV head entries) after each answer)."""
+    answers, held = [], []
+    with torch.no_grad(), attach(model, policy, mode="real", quant=quant) as h:
+        base = h.new_cache()
+        model(input_ids=torch.tensor([context], device=model.device), cache=base, use_cache=True, logits_to_keep=1)
+        compressed = base.footprint()
+        pending: list[int] = []  # turns: the last answer's last token, not yet in the cache
+        for q in questions:
+            if not turns:
+                h.cache = copy_of(base)  # the attention function reads the attached cache
+            answers.append(greedy(model, h.cache, pending + q, max_new, done))
+            pending = answers[-1][-1:] if turns else []
+            held.append(h.cache.footprint()["tokens_held"])
+    return answers, compressed, held
+
+
+def stop_at(tok, until: str = "\n") -> Callable[[list[int]], bool]:
+    return lambda out: until in tok.decode(out, skip_special_tokens=True)
+
+
+def run(task, model, tok, policy, quant=None) -> Result:
+    """The needle task (h2o.tasks.long_context.LongContextTask) with ``questions`` or ``turns`` above 1."""
+    from h2o.tasks.niah import found
+    from h2o.tasks.niah_many import contexts
+
+    cpu0 = time.process_time()
+    mode = "turns" if task.turns > 1 else "questions"
+    n = max(task.questions, task.turns)
+    bos = task.add_bos(tok)
+    done = stop_at(tok)
+    samples, rows, prints = [], [], []
+    for c, doc in enumerate(contexts(tok, task.lengths, task.depths, task.samples, task.text, task.seed, n)):
+        ctx = tok(doc["prompt"], add_special_tokens=bos).input_ids
+        qs = [tok(q, add_special_tokens=False).input_ids for q in doc["questions"]]
+        answers, compressed, held = ask(model, policy, ctx, qs, task.gen_tokens, done, mode == "turns", quant)
+        scores = []
+        for k, (q, answer) in enumerate(zip(qs, answers)):
+            generation = tok.decode(answer, skip_special_tokens=True).split("\n")[0]
+            scores.append(float(found(generation, doc["answers"][k])))
+            turn = {"turn": k, "kv_tokens_turn_end": held[k]} if mode == "turns" else {}
+            samples.append({"doc_id": c, "question": k, **turn, "length": doc["length"], "depth": doc["depth"],
+                            "needle_depth": doc["needle_depths"][k], "context_tokens": len(ctx),
+                            "question_tokens": len(q), "target": doc["answers"][k], "generation": generation,
+                            "acc": scores[-1]})
+        prints.append((compressed, 1))
+        rows.append({"doc_id": c, "length": doc["length"], "depth": doc["depth"], "sample": doc["sample"],
+                     "context_tokens": len(ctx), **{CUT[k]: compressed[k] for k in CUT},
+                     "acc": sum(scores) / len(scores)})
+    scores = [s["acc"] for s in samples]
+    layers_heads = kv_entries_per_token(model)
+    held_ratio = (sum(r["kv_tokens_cut"] for r in rows) / (layers_heads * sum(r["context_tokens"] for r in rows)))
+    info = {"headline": "acc", "cells": cells(samples, True), "lm_eval_task": task.lm_eval_task, "haystack": task.text,
+            "question": "after", mode: n, "contexts": rows, "kept_ratio": round(held_ratio, 4),
+            "mean_prompt_tokens": round(sum(r["context_tokens"] for r in rows) / len(rows), 1),
+            "clamped_requests": clamped(policy, [r["context_tokens"] for r in rows]),
+            **batch_fields(prints, CUT, token_digits=1), "cpu_s": round(time.process_time() - cpu0, 1)}
+    if mode == "turns":
+        info["turn_acc"] = [sum(s["acc"] for s in samples if s["turn"] == k) / len(rows) for k in range(n)]
+    return Result({"acc": sum(scores) / len(scores), "acc_stderr": stderr(scores)}, samples, info)
+
+
+def kv_entries_per_token(model) -> int:
+    """Token x KV head entries one token takes over all layers (every layer global)."""
+    from h2o.tasks.kv_held import geometry
+
+    layers, kv, _, _ = geometry(model)
+    return layers * kv
