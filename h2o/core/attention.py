@@ -131,7 +131,7 @@ def real_attention(state, module, query, key, value, attention_mask, scaling, ca
     for r in range(0, q, ROWS):
         logits = scores(qg if q <= ROWS else qg[..., r:r + ROWS, :], key, scaling, softcap)  # (B, Hkv, G, r, S)
         probs = masked_softmax(logits, layer.visible(logits, r), sinks)  # (B, Hkv, G, r, S)
-        layer.attended(probs, r)
+        layer.attended(probs, r, logits)
         outs.append(grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value))
     layer.end_forward(q)
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).view(B, Hq, q, D).transpose(1, 2)

@@ -253,7 +253,7 @@ def window_statistics(layer, query, key, scaling: float, w: int, causal: bool) -
     for r in range(first, q, step):
         n = min(step, q - r)
         logits = scores(qg[..., r:r + n, :], key, scaling)  # (B, Hkv, G, n, S)
-        layer.attended(masked_softmax(logits, allowed_rows(layer, r, n)), r)
+        layer.attended(masked_softmax(logits, allowed_rows(layer, r, n)), r, logits)
 
 
 @dataclass(frozen=True)
