@@ -285,7 +285,7 @@ def test_hydra_lm_eval_and_the_api_build_the_same_policy():
     ({"inner": "adakv"}, "inner='adakv'"),
     ({"alpha_safeguard": 1.5}, "alpha_safeguard=1.5: the share"),
     ({"inner": "knorm", "window": 8}, "window=8: inner=knorm has no option window"),
-    ({"inner": "snapkv", "compress": "decode"}, "compress=decode: snapkv is defined at the end of a prompt only"),
+    ({"inner": "pyramidkv", "compress": "decode"}, "compress=decode: pyramidkv is defined at the end of a prompt only"),
     ({"colour": 1}, "colour: no such option for policy=adakv"),
 ])
 def test_bad_options_fail_in_one_line(options, message):

@@ -18,6 +18,23 @@ def test_gpu_check_quick_on_cpu(tmp_path):
     assert mb["method"] == "estimate" and set(mb["policies"]) == {"full 1", "h2o 0.2"}
     full, h2o = mb["policies"]["full 1"], mb["policies"]["h2o 0.2"]
     assert h2o["kv_bytes_per_seq"] < full["kv_bytes_per_seq"] and full["kv_only_batch"] >= full["largest_batch"] >= 1
+    assert [r["config"] for r in rec["prefill"]["rows"]] == ["sdpa", "eager", "full", "h2o", "snapkv"]
+
+
+def test_the_prefill_section_on_the_cpu():
+    """Per length: transformers' sdpa and eager (no flash attention here), then the policies, run with sdpa;
+    seconds, ratios to sdpa's, no GPU memory on the CPU; the model's attention as loaded afterwards."""
+    from h2o.assets.models import tiny_model
+
+    model = tiny_model("llama")
+    rec = gpu_check.prefill(model, "tiny-llama", "cpu", lengths=(48, 96), policies=("knorm", "h2o"))
+    rows = rec["rows"]
+    assert [(r["prompt"], r["config"]) for r in rows] == [(n, c) for n in (48, 96)
+                                                          for c in ("sdpa", "eager", "knorm", "h2o")]
+    assert not rec["flash_attention"] and rec["policies_run_with"] == "sdpa"
+    assert all(r["prefill_s"] > 0 and r["gpu_peak_added_mib"] is None for r in rows)
+    assert [r["attention"] for r in rows[:4]] == ["sdpa", "eager", "sdpa", "sdpa"] and rows[0]["x_sdpa"] == 1
+    assert model.config._attn_implementation == "eager"
 
 
 def test_gpu_check_without_cuda_fails_in_one_line(tmp_path, capsys):

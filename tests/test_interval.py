@@ -23,11 +23,13 @@ from tests.two_paths import L, P, PADS, left_padded, padded_paths, quantized_pat
 
 ARCHS = (*TINY_ARCHS, "mistral")  # mistral: every layer a sliding window of 16 tokens
 # every evicting rule with a decoding form (the others refuse: test_rules_without_a_decoding_form_refuse)
-RULES = ("fixed", "fixed_h2", "h2_only", "h2o", "keydiff", "knorm", "local", "random", "scissorhands",
-         "streaming_llm", "strided", "strided_h2", "tova")
-# adakv: with its default inner, snapkv (over a rule with a decoding form it takes it: test_a_pooled_rule_agrees...)
-REFUSED = ("adakv", "expected_attention", "full", "h2o_reference", "kvzip", "pyramidkv", "snapkv", "topk",
-           "topk_h2")
+RULES = ("adakv", "fixed", "fixed_h2", "h2_only", "h2o", "keydiff", "knorm", "local", "r_kv", "random",
+         "scissorhands", "snapkv", "streaming_llm", "strided", "strided_h2", "tova")
+# adakv: with its default inner, snapkv (kvpress's registry runs SnapKV under Ada-KV at decoding); over any inner with
+# a decoding form it takes it (test_a_pooled_rule_agrees...)
+# options that make a rule's scores decide at these tiny budgets (r_kv's window of 8 would hold the whole budget)
+SMALL = {"r_kv": {"window": 2, "kernel": 3}, "snapkv": {"window": 3, "kernel": 3}, "adakv": {"window": 3, "kernel": 3}}
+REFUSED = ("expected_attention", "full", "h2o_reference", "kvzip", "pyramidkv", "topk", "topk_h2")
 
 
 def distinct_batch():
@@ -49,20 +51,22 @@ def model(request):
 
 @pytest.mark.parametrize("name", RULES)
 def test_both_paths_agree_on_a_padded_batch(model, name):
-    policy = make_policy(name, budget=0.3, compress="interval", interval=5)
+    policy = make_policy(name, budget=0.3, compress="interval", interval=5, **SMALL.get(name, {}))
     sim, full, cache = both_paths(model, policy)
     assert not torch.allclose(sim[:, P:], full[:, P:], atol=1e-3)  # the cuts change what follows
     # L - P = 12 generated tokens: cuts after the 5th and the 10th, then 2 more held
     totals = [int(policy.counts(torch.tensor([P - n])).total) for n in PADS]
     held = cache.held_tokens()[:, :, 0].tolist()
-    if model.config.model_type != "mistral":  # a sliding window may hold fewer
+    if model.config.model_type != "mistral" and not policy.pooled:  # a sliding window may hold fewer; heads of a
+        # pooled rule (Ada-KV) hold uneven counts
         assert held == [[t + 2 for t in totals]] * len(cache.layers)
 
 
-@pytest.mark.parametrize("inner", ["h2o", "knorm"])
+@pytest.mark.parametrize("inner", ["h2o", "knorm", "snapkv"])
 def test_a_pooled_rule_agrees_in_both_paths(model, inner):
     """Ada-KV over a rule with a decoding form: each cut is one top-k over the layer's heads (uneven counts)."""
-    policy = make_policy("adakv", budget=0.3, inner=inner, compress="interval", interval=5)
+    options = {"window": 3, "kernel": 3} if inner == "snapkv" else {}  # kvpress's registry: SnapKV under Ada-KV
+    policy = make_policy("adakv", budget=0.3, inner=inner, compress="interval", interval=5, **options)
     sim, full, cache = both_paths(model, policy)
     assert not torch.allclose(sim[:, P:], full[:, P:], atol=1e-3)
 
@@ -99,13 +103,14 @@ def grouped_probs(att: torch.Tensor, n_kv: int) -> torch.Tensor:
 
 def cut_by_hand(policy, layer, state, now: int, window: int | None) -> None:
     """Keep the rule's budget in one DynamicCache layer: what left the window first, then each head's kept slots
-    (``policy.keep`` of its priority) gathered in position order."""
+    (``policy.keep`` of its priority, told to its order hook first) gathered in position order."""
     pos, acc, counts = state["pos"], state["acc"], state["counts"]
     held = pos >= 0
     if window is not None:
         held &= pos > now - window
     score = policy.cut_score(acc, layer.keys, held) if policy.reads_keys else acc
     prio = policy.priority(pos.masked_fill(~held, -1), score, torch.tensor([now]), counts)
+    policy.cut_order(acc, prio, pos, held, counts)  # the rule's order hook (kvpress's slot order: knorm, keydiff)
     keep = policy.keep(prio, pos, held, counts)  # (1, Hkv, S)
     n = int(keep.sum(-1).max())
     assert bool((keep.sum(-1) == n).all())  # every head keeps as many (a rule with per-head budgets)
@@ -116,19 +121,26 @@ def cut_by_hand(policy, layer, state, now: int, window: int | None) -> None:
 
 
 LAYER_MASKS: dict[int, torch.Tensor] = {}  # a sliding-window model's decoding step: each layer's own mask
+LOGITS: dict[int, torch.Tensor] = {}  # each layer's last logits (1, Hq, r, S), for a rule that reads them
 
 
-def per_layer_eager(module, query, key, value, attention_mask, **kwargs):
-    """transformers' eager attention (Mistral's), with the layer's own mask: after a cut the layers hold different
-    slots, and one mask for all layers cannot describe them."""
-    from transformers.models.mistral.modeling_mistral import eager_attention_forward
+def per_layer_eager(module, query, key, value, attention_mask, scaling, **kwargs):
+    """transformers' eager attention of the model's own module, the layer's logits recorded in :data:`LOGITS`
+    (``query @ key^T * scaling``, the KV heads repeated), and with a sliding window the layer's own mask: after a
+    cut the layers hold different slots, and one mask for all layers cannot describe them."""
+    import sys
 
-    return eager_attention_forward(module, query, key, value, LAYER_MASKS[module.layer_idx], **kwargs)
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    keys = key.repeat_interleave(query.shape[1] // key.shape[1], 1)  # (1, Hq, S, D)
+    LOGITS[module.layer_idx] = query.float() @ keys.float().transpose(-1, -2) * scaling
+    mask = LAYER_MASKS.get(module.layer_idx, attention_mask) if query.shape[-2] == 1 else attention_mask
+    return eager(module, query, key, value, mask, scaling=scaling, **kwargs)
 
 
 @contextmanager
 def layer_masks(model, on: bool):
-    """The model's eager attention with :data:`LAYER_MASKS` inside (``on``), eager again after."""
+    """The model's eager attention with :data:`LAYER_MASKS` and :data:`LOGITS` inside (``on``), eager again
+    after."""
     if not on:
         yield
         return
@@ -142,6 +154,13 @@ def layer_masks(model, on: bool):
         yield
     finally:
         model.set_attn_implementation("eager")
+        LAYER_MASKS.clear()
+
+
+def rows_of(policy, att: torch.Tensor, layer: int, n_kv: int) -> torch.Tensor:
+    """What the rule accumulates from a layer's forward: the attention weights, or for a rule that reads logits
+    (``Policy.reads_logits``) the recorded logits, each (1, Hkv, G, r, S)."""
+    return grouped_probs(LOGITS[layer] if policy.reads_logits else att, n_kv)
 
 
 def naive_interval(model, policy, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[int]]:
@@ -155,14 +174,15 @@ def naive_interval(model, policy, prompt: torch.Tensor, steps: int) -> tuple[tor
     G = cfg.num_attention_heads // n_kv
     Pn = prompt.shape[1]
     cache = DynamicCache()
-    with torch.no_grad():
+    logits_rule = policy.reads_logits
+    with torch.no_grad(), layer_masks(model, logits_rule):
         out = model(prompt, cache=cache, use_cache=True, output_attentions=True)
         counts = policy.counts(torch.tensor([Pn]))
         states = []
         for i, (layer, att) in enumerate(zip(cache.layers, out.attentions)):
             acc = policy.new_state(1, n_kv, Pn, prompt.device)
             if policy.needs_scores:
-                policy.accumulate_prompt(acc, grouped_probs(att, n_kv), None, (Pn - 1 - torch.arange(Pn))[None])
+                policy.accumulate_prompt(acc, rows_of(policy, att, i, n_kv), None, (Pn - 1 - torch.arange(Pn))[None])
             states.append({"pos": torch.arange(Pn).expand(1, n_kv, Pn).clone(), "acc": acc,
                            "counts": policy.layer_counts(counts, i, len(cache.layers))})
             cut_by_hand(policy, layer, states[-1], Pn - 1, window)
@@ -176,26 +196,26 @@ def naive_interval(model, policy, prompt: torch.Tensor, steps: int) -> tuple[tor
                     gone = (state["pos"] <= now - window).repeat_interleave(G, 1)  # (1, Hq, S)
                     low = torch.where(gone, torch.finfo(torch.float32).min, 0.0)
                     LAYER_MASKS[i] = torch.cat([low, torch.zeros(1, low.shape[1], 1)], -1)[:, :, None]
-            with layer_masks(model, window is not None):
+            with layer_masks(model, window is not None and not logits_rule):
                 out = model(token, cache=cache, use_cache=True, output_attentions=True,
                             position_ids=torch.tensor([[now]]))
             logits.append(out.logits[0, -1])
-            for layer, state, att in zip(cache.layers, states, out.attentions):
+            for i, (layer, state, att) in enumerate(zip(cache.layers, states, out.attentions)):
                 state["pos"] = torch.cat([state["pos"], torch.full((1, n_kv, 1), now)], -1)
                 state["acc"] = torch.cat([state["acc"], policy.new_state(1, n_kv, 1, prompt.device)], 2)
                 if policy.needs_scores:
-                    policy.accumulate(state["acc"], grouped_probs(att, n_kv))
+                    policy.accumulate(state["acc"], rows_of(policy, att, i, n_kv))
                 if t % policy.interval == 0:
                     cut_by_hand(policy, layer, state, now, window)
             token = out.logits[:, -1:].argmax(-1)
     return torch.stack(logits), tokens
 
 
-@pytest.mark.parametrize("name", ["h2o", "tova", "streaming_llm", "knorm", "scissorhands"])
+@pytest.mark.parametrize("name", ["h2o", "tova", "streaming_llm", "knorm", "scissorhands", "r_kv", "snapkv"])
 def test_both_paths_equal_a_naive_reference_token_for_token(model, name):
     """Greedy decoding under the naive loop; the generated sequence through both paths (each sequence of a
     left-padded batch) gives the same logits, and the same greedy token at every step."""
-    policy = make_policy(name, budget=0.4, compress="interval", interval=3)
+    policy = make_policy(name, budget=0.4, compress="interval", interval=3, **SMALL.get(name, {}))
     Pn, steps = 14, 10
     prompts = [torch.randperm(120, generator=torch.Generator().manual_seed(s))[:Pn - n][None] + 1
                for s, n in zip((3, 4), (0, 3))]  # two prompts, the second 3 tokens shorter

@@ -253,7 +253,7 @@ def test_decode_is_spelled_alike_in_hydra_lm_eval_and_the_api(hydra_ctx, name):
     assert make_policy(name).compress == "prefill" and make_policy(name).cut_room == 0  # kvpress's default kept
 
 
-@pytest.mark.parametrize("name", ["snapkv", "pyramidkv", "expected_attention"])
+@pytest.mark.parametrize("name", ["pyramidkv", "expected_attention"])
 def test_the_methods_without_a_decoding_form_still_refuse_it(name):
     with pytest.raises(Unsupported, match=f"compress=decode: {name} (is defined at the end of a prompt only|has no "
                                           f"faithful decoding form)"):

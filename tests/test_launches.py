@@ -98,3 +98,24 @@ def test_simulated_h2o_syncs_do_not_grow_with_layers(monkeypatch, choice, syncs)
             model(batch, attention_mask=mask)
             counts = aten_ops(lambda: model(batch, attention_mask=mask))
         assert counts[SYNC] == syncs, (choice, layers, counts[SYNC])
+
+
+@pytest.mark.parametrize("name", ["full", "local", "streaming_llm", "strided", "fixed"])
+def test_simulated_closed_form_masks_run_the_fused_kernel_without_a_host_read(llama, name):
+    """A batch with left and right pads and a prompt: the mask built once per forward on the device, one fused
+    kernel call per layer and the guard's one read; every row's logits (pad rows too) equal the eager rows'
+    (an observer of the probabilities keeps the eager path)."""
+    x = torch.cat([ids(40), ids(40).flip(-1), ids(40).roll(7, -1)])
+    mask = torch.ones_like(x)
+    mask[1, :9] = 0
+    mask[2, -6:] = 0
+    policy = make_policy(name) if name == "full" else make_policy(name, budget=0.3)
+    with torch.no_grad(), attach(llama, policy, prompt_len=24) as state:
+        fused = llama(x, attention_mask=mask).logits
+        counts = aten_ops(lambda: llama(x, attention_mask=mask))
+        state.observer = lambda *_: None
+        eager = llama(x, attention_mask=mask).logits
+    assert counts[SYNC] == 1, counts[SYNC]
+    assert counts["aten::_scaled_dot_product_flash_attention_for_cpu"] == llama.config.num_hidden_layers, counts
+    torch.testing.assert_close(fused, eager, atol=1e-5, rtol=0)
+    assert not torch.equal(eager, llama(x, attention_mask=mask).logits) or name == "full"  # the policy cut

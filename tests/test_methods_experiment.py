@@ -71,7 +71,7 @@ def test_the_grid_lists_every_method_at_each_timing_it_defines(grid):
     assert text.count("   - refused ") == len(grid.refused) == 93 - len(grid.outside)
     assert text.endswith(f"; {len(grid.refused)} refused (not run); {len(grid.outside)} outside the experiment's "
                          f"grid_only cells (not run, not listed)")
-    assert "compress=decode: snapkv is defined at the end of a prompt only" in text
+    assert "compress=decode: pyramidkv is defined at the end of a prompt only" in text
     assert "compress=prefill: task austen_ppl scores sliding windows with no prompt" in text
 
 
@@ -84,7 +84,8 @@ def test_the_cluster_grid_crosses_the_papers_models_and_fig4_tasks_with_every_me
     sweep = expand(["experiment=methods_cluster", "model=opt-6.7b", "task=copa", "runs_dir=/nonexistent-runs"],
                    multirun=True)  # one model x task cell of it
     assert len({p.path for p in sweep.specs}) == 1 + 8 * 3 * 2 + 4 * 3  # full, decoding methods at both
-    assert len(sweep.refused) == 3 + 4 * 3  # full at prefill, the prefill-only methods at decode
+    assert len(sweep.refused) == 3 + 2 * 3  # full at prefill, pyramidkv and expected_attention at decode
+    assert len(sweep.outside) == 2 * 3  # snapkv and adakv at decode: their prompt-end form only (grid_only)
     assert {(p.task.shots, p.semantics) for p in sweep.specs} == {(5, "simulated")}
 
 

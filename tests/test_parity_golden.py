@@ -21,7 +21,9 @@ from h2o.core.policies.prefill import PrefillOnly
 GOLD = json.loads(RECORD.read_text())
 CASES = cases()
 FULL = Case("full")
-COMPARED = [(n, r) for n, c in CASES.items() if not c.statistical and c.policy() is not None for r in GOLD["ratios"]]
+COMPARED = [(n, r) for n, c in CASES.items() if not c.statistical and not c.differs and c.policy() is not None
+            for r in GOLD["ratios"]]
+DIFFERS = [(n, r) for n, c in CASES.items() if c.differs for r in GOLD["ratios"]]  # kvpress's own behaviour
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +54,23 @@ def test_every_kvpress_method_has_golden_numbers():
     silently: random only (kvpress's draws are torch's generator, ours a hash); every other method is built."""
     recorded = {(r["method"], r["ratio"]) for r in GOLD["records"]}
     assert {(n, r) for n in CASES for r in GOLD["ratios"]} | {("full", 0.0)} <= recorded
-    assert {n for n, c in CASES.items() if c.statistical} == {"random"}
+    assert {n for n, c in CASES.items() if c.statistical} == {"random", "random_interval"}
+    assert {n for n, c in CASES.items() if c.differs} == {"streaming_llm_interval", "snapkv_interval"}
     assert {n for n, c in CASES.items() if c.policy() is None} == set()
 
 
 @pytest.mark.parametrize("name, ratio", [("full", 0.0)] + COMPARED)
 def test_ours_equals_kvpress(model, name, ratio):
     assert largest_gap(model, name, ratio) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name, ratio", DIFFERS)
+def test_where_kvpress_differs_by_design_it_still_does(model, name, ratio):
+    """DecodingPress re-scoring a cache kept in top-k order (streaming_llm; snapkv, which also rotates its window
+    queries by the current step's position): its diagnostic twin that keeps position order (and rotates each query
+    by its own position) equals ours (``*_ordered_interval`` among COMPARED)."""
+    assert largest_gap(model, name, ratio) > 10 * TOLERANCE
+    assert f"{CASES[name].press}_ordered_interval" in CASES
 
 
 @pytest.mark.parametrize("name, ratio, policy", [
@@ -69,6 +81,9 @@ def test_ours_equals_kvpress(model, name, ratio):
     ("streaming_llm_ordered", 0.5, ("local", {})),  # no sinks in the decoding timing
     ("adakv_snapkv", 0.5, ("snapkv", {})),  # every head its own n: no top-k across the heads
     ("expected_attention", 0.5, ("expected_attention", {"use_covariance": False})),
+    ("knorm_interval", 0.8, ("knorm", {"interval": 4})),  # another interval
+    ("tova_interval", 0.5, ("tova", {"interval": 16})),
+    ("snapkv_ordered_interval", 0.5, ("snapkv", {"window": 4, "kernel": 5, "interval": 8})),  # another kernel
     ("kvzip", 0.5, ("kvzip", {"layerwise": True})),  # every layer the same count: no selection across layers
     ("kvzip_c64", 0.8, ("kvzip", {"chunk_size": 80})),  # other chunks: other replays
     ("kvzip", 0.8, ("kvzip", {"n_sink": 0})),  # the first tokens not protected

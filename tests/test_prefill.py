@@ -100,3 +100,17 @@ def test_blocks_hold_scores_linear_in_the_prompt():
         rows = prefill.block_rows(1, 9, S)
         assert rows * 9 * S <= prefill.CELLS or rows == 1
         assert prefill.block_rows(1, 9, S, prefill.STAT_ROWS) <= prefill.STAT_ROWS
+
+
+def test_the_guards_probe_is_finite_iff_the_tensor_is():
+    """attach.finite_probe (the non-finite guard's per-layer value and the logits' check): NaN, inf and -inf seen,
+    also together (inf + -inf), and in fp16 past its range."""
+    from h2o.core.attach import finite_probe
+
+    x = torch.randn(4, 33, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(finite_probe(x)) and finite_probe(x[:0]) == 0
+    for bad in ([float("inf")], [-float("inf")], [float("nan")], [float("inf"), -float("inf")]):
+        y = x.clone()
+        y[2, 5:5 + len(bad)] = torch.tensor(bad)
+        assert not torch.isfinite(finite_probe(y)), bad
+    assert torch.isfinite(finite_probe(torch.full((4, 10000), 60000.0, dtype=torch.float16)))

@@ -187,24 +187,26 @@ def test_lm_eval_cli_refuses_bad_sampling(args, words, capsys, tmp_path, monkeyp
 
 
 def test_cluster_grid_lists_both_models_four_tasks_and_token_budgets():
-    """experiment=reasoning_cluster offline: 168 runs, the field's sizes per task, whole-cache token budgets, each
-    policy in its decoding form (snapkv: its prompt-end form only); the launcher's estimate of an AIME run."""
+    """experiment=reasoning_cluster offline: 392 runs, the field's sizes per task, whole-cache token budgets, each
+    policy at every step and every 128 tokens (R-KV's buffer); the launcher's estimate of an AIME run."""
     from h2o.pipeline import launch
     from h2o.pipeline.sweep import expand
     from h2o.tasks.reasoning import DECODE_COST
 
     specs = expand(["experiment=reasoning_cluster"], multirun=True).specs
     runs = {p.path: p for p in specs}
-    assert len(runs) == 168
+    assert len(runs) == 392
     assert {p.model.name for p in specs} == {"deepseek-r1-distill-qwen-7b", "qwen3-8b"}
     assert {(p.task.name, p.task.lm_eval_task, p.task.n) for p in specs} == {
         ("aime24", "aime24", 8), ("aime25", "aime25", 8), ("math500", "hendrycks_math500", 1),
         ("gsm8k", "gsm8k_cot_zeroshot", 1)}
     assert all(p.task.max_gen_toks == 32768 and p.task.limit is None and p.task.thinking is True
                and p.task.think_end_token == "</think>" for p in specs)
-    cells = {(p.policy.name, p.policy.budget, p.policy.compress) for p in runs.values() if p.policy.name != "full"}
-    assert cells == {(m, b, "prefill" if m == "snapkv" else "decode")
-                     for m in ("h2o", "snapkv", "streaming_llm", "tova", "knorm") for b in (512, 1024, 2048, 4096)}
+    cells = {(p.policy.name, p.policy.budget, p.policy.compress, p.policy.interval)
+             for p in runs.values() if p.policy.name != "full"}
+    assert cells == {(m, b, *schedule) for m in ("h2o", "snapkv", "streaming_llm", "tova", "knorm", "r_kv")
+                     for b in (512, 1024, 2048, 4096) for schedule in (("decode", None), ("interval", 128))}
+    assert sum(p.policy.name == "full" for p in runs.values()) == 8  # one per model and task
     aime = next(p for p in specs if p.task.name == "aime24" and p.model.name == "qwen3-8b")
     assert launch.run_minutes(aime, launch.cluster_config([])) == pytest.approx(
         165 * 30 * 8 * (200 + DECODE_COST * 14000) / 1e6 / 60)

@@ -92,9 +92,37 @@ def test_left_padding_does_not_change_the_selection():
 
 def test_decode_timing_and_bad_options_refused_in_one_line():
     assert make_policy("snapkv").compress == "prefill"
-    with pytest.raises(PolicyError, match="compress=decode: snapkv is defined at the end of a prompt only"):
-        make_policy("snapkv", compress="decode")
+    with pytest.raises(PolicyError, match="compress=decode: pyramidkv is defined at the end of a prompt only"):
+        make_policy("pyramidkv", compress="decode")  # snapkv's per-layer budgets: no decoding form
     with pytest.raises(PolicyError, match="kernel=4"):
         make_policy("snapkv", kernel=4)
     with pytest.raises(PolicyError, match="window=0"):
         make_policy("snapkv", window=0)
+
+
+# ------------------------------------------------------------------ its decoding form
+@pytest.mark.parametrize("arch", ["llama_gqa", "llama", "gpt_neox", "mistral"])
+@pytest.mark.parametrize("compress", ["decode", "interval"])
+def test_its_decoding_form_agrees_in_both_paths_on_a_padded_batch(arch, compress):
+    """The window over the newest rows at every step or every N steps: both paths (GQA, a sliding window)."""
+    from tests.two_paths import padded_paths
+
+    policy = make_policy("snapkv", budget=0.4, window=3, kernel=3, compress=compress,
+                         interval=4 if compress == "interval" else None)
+    sim, full, _ = padded_paths(tiny_model(arch, seed=2), policy)
+    assert not torch.allclose(sim[:, -8:], full[:, -8:], atol=1e-3)
+
+
+def test_every_step_equals_a_naive_reference_token_for_token():
+    """The prompt cut to total - 1, then each full step cut by hand before the token attends (kvpress's
+    DecodingPress at interval 1); greedy, token for token, both paths."""
+    from tests.test_r_kv import naive_decode, ours
+
+    model = tiny_model("llama_gqa", seed=2)
+    policy = make_policy("snapkv", budget=7, window=3, kernel=3, compress="decode")
+    prompt = torch.randperm(120, generator=torch.Generator().manual_seed(3))[:14][None] + 1
+    logits, tokens = naive_decode(model, policy, prompt, 12)
+    sim, real = ours(model, policy, torch.cat([prompt, torch.tensor([tokens])], 1), prompt.shape[1])
+    torch.testing.assert_close(real[1:], logits[:-1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(sim[1:], logits[:-1], atol=1e-4, rtol=0)
+    assert real.argmax(-1).tolist() == tokens == sim.argmax(-1).tolist()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from h2o.assets.models import _DTYPES, TINY_ARCHS, DeviceError, load_model, wants_cuda
+from h2o.assets.models import _DTYPES, ATTENTION, TINY_ARCHS, DeviceError, load_model, wants_cuda
 from h2o.core.validate import ConfigError, check
 
 DTYPES = ("auto", *_DTYPES)
@@ -40,6 +40,7 @@ class ModelSpec:
     resources: dict | None = None  # per Slurm array task: gpus, mem_gb, cpus, load_min, s_per_mtok (RESOURCES)
     params: int | None = None  # parameter count (weights' bytes = params x the dtype's size)
     positions: int | None = None  # the longest sequence it takes (max_position_embeddings), known without the hub
+    attn_implementation: str = "auto"  # as loaded (h2o.assets.models.resolve_attention): auto, sdpa, eager, flash_*
 
     def __post_init__(self):
         check_cpu_run(self.device_map, self.resources)
@@ -50,6 +51,9 @@ class ModelSpec:
         check_pretrained(self.pretrained)
         check_device(self.device_map)
         check_resources(self.resources)
+        check(self.attn_implementation in ATTENTION or "/" in str(self.attn_implementation),
+              f"model.attn_implementation={self.attn_implementation!r}: allowed: {', '.join(ATTENTION)} or a "
+              f"kernels hub id owner/repo")
         check(self.params is None or (isinstance(self.params, int) and not isinstance(self.params, bool)
                                       and self.params > 0),
               f"model.params={self.params!r}: expected a parameter count (an integer > 0) or null")
@@ -105,7 +109,7 @@ class ModelSpec:
         return head_dim, rotary, config.num_hidden_layers
 
     def key(self) -> tuple:
-        return (self.pretrained, self.dtype, str(self.device_map))
+        return (self.pretrained, self.dtype, str(self.device_map), self.attn_implementation)
 
     def load(self) -> tuple[Any, Any]:
         """(model, tokenizer), eval mode. Keeps the last loaded model for the next job of the sweep."""
@@ -118,7 +122,8 @@ class ModelSpec:
                               f"set model.device_map=null model.resources.gpus=0")
         if self.key() not in _LOADED:
             release()
-            _LOADED[self.key()] = load_model(resolve_tiny(self.pretrained), self.dtype, self.device_map)
+            _LOADED[self.key()] = load_model(resolve_tiny(self.pretrained), self.dtype, self.device_map,
+                                               self.attn_implementation)
         return _LOADED[self.key()]
 
 

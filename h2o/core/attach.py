@@ -46,12 +46,13 @@ class Attached:
     cache: EvictingCache | None = None
     observer: Callable | None = field(default=None, repr=False)  # observer(layer_idx, probs (B, Hq, T, S))
     quant: Quantizer | None = None  # KV quantization (h2o.core.quant), bound to the model: the caches' storage
-    peaks: list = field(default_factory=list, repr=False)  # (layer, max |output|) of this forward, device scalars
-    worst: torch.Tensor | None = field(default=None, repr=False)  # their running maximum: NaN/inf = a layer was bad
+    peaks: list = field(default_factory=list, repr=False)  # (layer, finite_probe(output)) this forward, on device
+    worst: torch.Tensor | None = field(default=None, repr=False)  # their running sum: NaN/inf = a layer was bad
     # per sliding window (None: global layers): (attention mask, valid, forward plan) of the current forward
     memo: dict = field(default_factory=dict, repr=False)
     # Policy.reads_queries: {layer index: the attention module's rotary (h2o.core.prerope.RopeTap)}
     taps: dict = field(default_factory=dict, repr=False)
+    own: str = "eager"  # the attention the model was loaded with (a flash kernel serves the real path's prefill)
 
     def new_cache(self, ref_len: int | None = None) -> EvictingCache:
         """A fresh evicting cache for one generation (real mode). Budget ratios are taken of the prompt's
@@ -64,7 +65,8 @@ class Attached:
     def per_forward(self, attention_mask, query, build: Callable, window: int | None = None):
         """(valid (B, q) bool, ``build(valid)``), computed once per forward and sliding window: transformers
         passes the same mask tensor to every layer of a kind (global, sliding) in a forward and builds new ones
-        for the next forward."""
+        for the next forward. ``window``: the key of what is built beside the mask (the layer's sliding window, or
+        a tuple naming another build for that window)."""
         from .attention import new_valid
 
         # no mask (no pad: every column real): the same plan for every forward of this shape and prompt
@@ -88,22 +90,23 @@ class Attached:
             self.observer(module.layer_idx, probs)
 
     def flag(self, layer_idx: int, out: torch.Tensor) -> None:
-        """Record layer ``layer_idx``'s largest |attention output| (B, q, Hq, D): NaN and inf propagate into it and
-        into the forward's running maximum; no host sync (read once per forward by :meth:`check_logits`)."""
-        peak = torch.linalg.vector_norm(out, float("inf"))  # max |x|, one op
+        """Record layer ``layer_idx``'s attention output (B, q, Hq, D) as a value NaN and inf propagate into
+        (:func:`finite_probe`), and into the forward's running sum; no host sync (read once per forward by
+        :meth:`check_logits`)."""
+        peak = finite_probe(out)
         if layer_idx == 0 or self.worst is None:  # a new forward
             self.peaks, self.worst = [], peak
         else:
-            self.worst = torch.maximum(self.worst, on(peak, self.worst.device))
+            self.worst = self.worst + on(peak, self.worst.device)  # a sum: -inf is not lost as in a maximum
         self.peaks.append((layer_idx, peak))
 
     def check_logits(self, logits: torch.Tensor) -> None:
         """logits (B, q, V): the one host sync per forward. FloatingPointError, before anything samples from
         them, when the logits or any layer's attention output of this forward are non-finite."""
         self.memo.clear()  # the forward is over: the next one builds its own plan (h2o_mask may hand None alike)
-        worst = torch.linalg.vector_norm(logits, float("inf"))
+        worst = finite_probe(logits)
         if self.worst is not None:
-            worst = torch.maximum(worst, on(self.worst, worst.device))
+            worst = worst + on(self.worst, worst.device)
         peaks, self.peaks, self.worst = self.peaks, [], None
         if not math.isfinite(worst.item()):
             raise FloatingPointError(self.nonfinite_message(logits, peaks))
@@ -116,6 +119,13 @@ class Attached:
         where = f"attention output in layer {layers[0]}" if layers else "logits, produced outside attention (MLP, " \
                                                                         "norm or LM head; no attention output was)"
         return f"non-finite {where} at {token} ({self.mode} path): stopped before sampling"
+
+
+def finite_probe(x: torch.Tensor) -> torch.Tensor:
+    """A 0-dim value that is finite iff every element of ``x`` is (NaN, inf and -inf all propagate into a sum),
+    short of a sum of finite values past fp32's range (3e38): one reduction (7x faster on the CPU than
+    ``vector_norm(x, inf)``: 15 ms against 140 ms for a 1k-token prompt's logits). fp16 sums in fp32."""
+    return x.sum(dtype=torch.float32) if x.dtype == torch.float16 else x.sum()
 
 
 def on(x: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -201,6 +211,7 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     state = Attached(policy, mode, prompt_len=prompt_len, num_layers=len(modules),
                      quant=quant.bind(model) if quant is not None else None, taps=taps)
     previous = model.config._attn_implementation
+    state.own = previous
     head = model.get_output_embeddings()
     hook = head.register_forward_hook(lambda _m, _i, logits: state.check_logits(logits)) if head is not None else None
     entry = model.register_forward_pre_hook(check_input, with_kwargs=True)

@@ -18,7 +18,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .policies import PolicyError
-from .prefill import real_prefill, simulated_fused
+from .prefill import own_kernel, real_prefill, simulated_fused, simulated_mask
 from .simulate import grouped, grouped_values, masked_softmax, scores, simulated_attention, forward_plan
 from .step import LayerCall
 
@@ -68,13 +68,14 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
         if state.quant is not None:  # attend to the values a quantized cache would hold
             key, value = state.quant.fake_kv(key, value, module.layer_idx, valid)
         mask = plan[0]
-        # full with no padding and no window, in fp32: plain causal attention, the fused kernel. (A closed-form mask
-        # through sdpa cost 3 host syncs a forward on the CPU, test_launches; half precision keeps the eager rows,
-        # which both paths compute alike)
-        causal = attention_mask is None and window is None and state.policy.is_full
-        if (causal and mask is not None and mask.shape[2] == 1 and softcap is None and sinks is None
-                and state.observer is None and query.dtype == torch.float32):
-            out = simulated_fused(query, key, value, mask, scaling, causal)  # (B, Hq, T, D)
+        # a mask that does not read the scores (full, position-only in closed form), in fp32: the fused kernel, the
+        # mask built once per forward (half precision keeps the eager rows, which both paths compute alike)
+        if (mask is not None and mask.shape[2] == 1 and not state.policy.whole_forward and softcap is None
+                and sinks is None and state.observer is None and query.dtype == torch.float32):
+            plain = attention_mask is None and window is None and state.policy.is_full  # plain causal
+            _, fused_mask = state.per_forward(attention_mask, query, lambda _: simulated_mask(mask, plain),
+                                              ("fused", window))
+            out = simulated_fused(query, key, value, fused_mask, scaling)  # (B, Hq, T, D)
             state.flag(module.layer_idx, out)
             return out.transpose(1, 2), None
         out, probs = simulated_attention(state.policy, query, key, value, valid, scaling, LayerCall(
@@ -97,6 +98,7 @@ def new_valid(attention_mask, query) -> torch.Tensor:
 
 
 ROWS = 256  # query rows per block in a prefill: bounds the (B, Hkv, G, rows, S) fp32 scores
+FUSED_PREFILL = True  # False: the blocked eager loop serves every prefill (to measure the fused path against it)
 
 
 def real_attention(state, module, query, key, value, attention_mask, scaling, call: LayerCall):
@@ -115,9 +117,12 @@ def real_attention(state, module, query, key, value, attention_mask, scaling, ca
     B, Hq, q, D = query.shape
     key, value = layer.begin(key, value, q, lambda: new_valid(attention_mask, query), window, queries)
     # a prefill (chunk) in fp32: the fused kernel and the rule's statistics (half precision: the eager rows, as the
-    # simulated path computes them; fused, a bf16 top-k selection flipped between the paths: 0.73 logit gap measured)
-    if q > 1 and softcap is None and sinks is None and query.dtype == torch.float32:
-        out = real_prefill(layer, query, key, value, scaling, window)  # (B, Hq, q, D)
+    # simulated path computes them; fused, a bf16 top-k selection flipped between the paths: 0.73 logit gap measured),
+    # or in any dtype where the model was loaded with a flash kernel (its speed chosen over the paths' equality)
+    own = own_kernel(module, state.own)
+    if (q > 1 and FUSED_PREFILL and softcap is None and sinks is None
+            and (query.dtype == torch.float32 or own is not None)):
+        out = real_prefill(layer, query, key, value, scaling, window, own)  # (B, Hq, q, D)
         layer.end_forward(q)
         state.flag(module.layer_idx, out)  # on the contiguous layout: the same values, a faster reduction
         return out.transpose(1, 2), None
@@ -126,7 +131,7 @@ def real_attention(state, module, query, key, value, attention_mask, scaling, ca
     for r in range(0, q, ROWS):
         logits = scores(qg if q <= ROWS else qg[..., r:r + ROWS, :], key, scaling, softcap)  # (B, Hkv, G, r, S)
         probs = masked_softmax(logits, layer.visible(logits, r), sinks)  # (B, Hkv, G, r, S)
-        layer.attended(probs, r)
+        layer.attended(probs, r, logits)
         outs.append(grouped_values(probs if value.dtype == probs.dtype else probs.to(value.dtype), value))
     layer.end_forward(q)
     out = (outs[0] if len(outs) == 1 else torch.cat(outs, -2)).view(B, Hq, q, D).transpose(1, 2)

@@ -169,17 +169,20 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             return self.decoding().restrict(logits, self.acc.view(B, -1, 1, 1, S), self.held)
         return self.held
 
-    def attended(self, probs: torch.Tensor, r: int) -> None:
+    def attended(self, probs: torch.Tensor, r: int, logits: torch.Tensor | None = None) -> None:
         """The attention probabilities (B, Hkv, G, rows, S) of query rows r.. (as :meth:`visible` allowed) into
-        the scores; pad rows add nothing."""
+        the scores; pad rows add nothing. ``logits``: the rows' logits, given instead to a rule that reads them
+        (``Policy.reads_logits``)."""
+        logit_rule = self.policy.reads_logits
         if self.q > 1:
             rows = probs.shape[-2]
             valid = self.valid[:, r:r + rows]  # (B, rows)
             at = self.pos.shape[-1] - self.q + r
             left = (self.n_tok - 1)[:, None] - self.pos[:, 0, at:at + rows]  # (B, rows) tokens after each row
-            self.policy.accumulate_prompt(self.acc, probs * valid[:, None, None, :, None], valid, left)
+            rows_in = logits if logit_rule else probs * valid[:, None, None, :, None]
+            self.policy.accumulate_prompt(self.acc, rows_in, valid, left)
         elif self.policy.needs_scores:  # a decoding token is never a pad
-            step.accumulate(self.policy, self.acc, probs)
+            step.accumulate(self.policy, self.acc, logits if logit_rule else probs)
 
     # ------------------------------------------------------------------------- storage
     def append(self, key_states, value_states):

@@ -5,9 +5,10 @@ Real path (:func:`real_prefill`, called by :func:`h2o.core.attention.real_attent
 token, after :meth:`EvictingLayer.begin`):
 
 * the output: one fused call with ``is_causal`` where the forward is a first prompt without pads (on a global
-  layer, or a window longer than the prompt), else fused calls per block of rows under the layer's own mask
-  (:meth:`EvictingLayer.visible`: the held slots, causal by position, the sliding window); a pad row, which sees
-  nothing, gets the uniform average of the values as the eager softmax gives it;
+  layer, or a window longer than the prompt): the model's own flash kernel where it was loaded with one
+  (:func:`own_kernel`; in the model's dtype), else torch's sdpa; else fused calls per block of rows under the
+  layer's own mask (:meth:`EvictingLayer.visible`: the held slots, causal by position, the sliding window); a pad
+  row, which sees nothing, gets the uniform average of the values as the eager softmax gives it;
 * ``READ_ROWS`` (h2o, h2_only, scissorhands-like sums): every row's attention, recomputed per block of rows as
   ``exp(logits - lse)`` with the log-sum-exp the fused kernel returns (CPU; elsewhere each block's own), over the
   columns up to the block's last row only; the layer's hook (:meth:`EvictingLayer.attended`) adds them up as
@@ -21,8 +22,9 @@ Memory: the fused calls and the blocks of rows hold at most :data:`CELLS` scores
 the kernel's own), linear in the prompt for a fixed block.
 
 Simulated path (:func:`simulated_fused`): a policy whose mask does not depend on the scores (``full``, the
-position-only policies in closed form) hands its boolean mask to the fused kernel instead of materialising the
-``T x T`` probabilities (lm-eval scoring at the kernel's speed).
+position-only policies in closed form) hands its mask to the fused kernel instead of materialising the
+``T x T`` probabilities (lm-eval scoring at the kernel's speed): built once per forward from the positions on the
+device (:func:`simulated_mask`, no host read), on the CPU an additive mask beside the kernel's causal skip.
 
 Not served here (the blocked eager loop of the attention function serves them): Gemma-2's logit soft-capping and
 GPT-OSS's learned sinks (no fused kernel takes them), and a forward whose attention probabilities are observed.
@@ -30,6 +32,7 @@ GPT-OSS's learned sinks (no fused kernel takes them), and a forward whose attent
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -53,17 +56,28 @@ def fused(query, key, value, scaling: float, mask: torch.Tensor | None = None, c
         out, rows = fused(query.float(), key.float(), value.float(), scaling, mask, causal, lse)
         return out.to(dtype), rows
     if lse and query.device.type == "cpu":  # the CPU flash kernel returns the log-sum-exp beside the output
-        if G > 1:
-            key, value = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)
-        bias = None
-        if mask is not None:  # an additive mask of the query's dtype
-            bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, -torch.inf)
-        out, rows = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, causal, attn_mask=bias, scale=scaling)
+        out, rows = cpu_flash(query, key, value, scaling, None if mask is None else additive(mask), causal)
         return out.add_(guard), rows.float()
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal, scale=scaling,
                                          enable_gqa=G > 1)
     return out.add_(guard), None
+
+
+def cpu_flash(query, key, value, scaling: float, bias: torch.Tensor | None, causal: bool):
+    """torch's CPU flash kernel: query (B, Hq, q, D), key/value (B, Hkv, S, D), ``bias`` None or an additive
+    mask broadcastable to (B, Hq, q, S) of the query's dtype, ``causal`` the top-left causal skip of the blocks
+    above the diagonal (with a bias too: both apply) -> (out (B, Hq, q, D), log-sum-exp (B, Hq, q)). A row that
+    sees nothing comes out 0."""
+    G = query.shape[1] // key.shape[1]
+    if G > 1:
+        key, value = key.repeat_interleave(G, 1), value.repeat_interleave(G, 1)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
+                                                                      attn_mask=bias, scale=scaling)
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """bool mask (True: attend) -> the same shape, 0 where True and -inf elsewhere, of ``dtype``."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, -torch.inf)
 
 
 def nonfinite(*xs: torch.Tensor) -> torch.Tensor:
@@ -119,17 +133,46 @@ def narrowed(layer, c: int):
         layer.acc = whole
 
 
-def real_prefill(layer, query, key, value, scaling: float, window: int | None = None) -> torch.Tensor:
+def is_flash(implementation: str) -> bool:
+    """transformers' flash kernels: ``flash_attention_2``, ``_3``, ``_4``, a kernels hub flash kernel (not the
+    paged ones, which read a paged cache)."""
+    return "flash" in implementation and "paged" not in implementation
+
+
+def own_kernel(module, implementation: str | None):
+    """The attention the model was loaded with where it is a flash kernel (``flash_attention_2``, ``_3``, a kernels
+    hub flash kernel, any registered name with "flash" and without "paged"): a function (query (B, Hq, q, D),
+    key/value (B, Hkv, q, D), scaling) -> out (B, Hq, q, D) of a plain causal forward through transformers'
+    registered function; None for any other (torch's sdpa serves)."""
+    if not implementation or not is_flash(implementation):
+        return None
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    kernel = ALL_ATTENTION_FUNCTIONS.get(implementation)
+    if kernel is None:
+        return None
+
+    def causal(query, key, value, scaling: float) -> torch.Tensor:
+        out = kernel(module, query, key, value, None, dropout=0.0, scaling=scaling, is_causal=True)[0]
+        return out.transpose(1, 2)  # (B, q, Hq, D) -> (B, Hq, q, D)
+
+    return causal
+
+
+def real_prefill(layer, query, key, value, scaling: float, window: int | None = None, own=None) -> torch.Tensor:
     """The attention of a forward of ``q > 1`` tokens on an evicting layer: query (B, Hq, q, D), key/value
     (B, Hkv, S, D) as :meth:`EvictingLayer.begin` returned them -> out (B, Hq, q, D); the statistics the
-    policy reads go into the layer (:meth:`EvictingLayer.attended`), its cut follows (``end_forward``)."""
+    policy reads go into the layer (:meth:`EvictingLayer.attended`), its cut follows (``end_forward``).
+    ``own``: the model's own flash kernel (:func:`own_kernel`) for a plain causal forward, else None (sdpa)."""
     reads = layer.policy.reads
     B, Hq, q, D = query.shape
     Hkv, S = key.shape[1], key.shape[-2]
     G = Hq // Hkv
     rows = READ_ROWS in reads
     causal = first_prompt(layer, q, S, window)
-    if causal:
+    if causal and own is not None:  # the row statistics then from each block's own softmax
+        out, lse = own(query, key, value, scaling).add_(nonfinite(query, key, value)), None
+    elif causal:
         out, lse = fused(query, key, value, scaling, causal=True, lse=rows)
     else:
         outs, lses = [], []
@@ -210,16 +253,44 @@ def window_statistics(layer, query, key, scaling: float, w: int, causal: bool) -
     for r in range(first, q, step):
         n = min(step, q - r)
         logits = scores(qg[..., r:r + n, :], key, scaling)  # (B, Hkv, G, n, S)
-        layer.attended(masked_softmax(logits, allowed_rows(layer, r, n)), r)
+        layer.attended(masked_softmax(logits, allowed_rows(layer, r, n)), r, logits)
 
 
-def simulated_fused(query, key, value, mask: torch.Tensor, scaling: float, causal: bool = False) -> torch.Tensor:
+@dataclass(frozen=True)
+class SimulatedMask:
+    """A simulated forward's mask for the fused kernel, built once (:func:`simulated_mask`) and shared by the
+    layers. ``plain``: plain causal (nothing read); else ``empty`` (B, 1, T, 1) bool, the rows that see nothing
+    (leading pads), and on the CPU ``bias`` (B, 1, T, T) the mask as an additive fp32 mask (beside the kernel's
+    causal skip: every mask here is within causal), elsewhere ``mask`` (B, 1, T, T) bool with those rows opened
+    (a row must see something)."""
+    plain: bool
+    empty: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+def simulated_mask(mask: torch.Tensor, plain: bool) -> SimulatedMask:
+    """mask (B, 1, 1, T, T) bool of a policy that does not read the scores (True: attend; within causal), or
+    ``plain`` (plain causal: ``mask`` not read). No host read."""
+    if plain:
+        return SimulatedMask(True)
+    m = mask[:, :, 0]  # (B, 1, T, T)
+    empty = ~m.any(-1, keepdim=True)  # (B, 1, T, 1)
+    if m.device.type == "cpu":
+        return SimulatedMask(False, empty, bias=additive(m))
+    return SimulatedMask(False, empty, mask=m | empty)
+
+
+def simulated_fused(query, key, value, plan: SimulatedMask, scaling: float) -> torch.Tensor:
     """The simulated path for a mask that does not depend on the scores: query (B, Hq, T, D), key/value
-    (B, Hkv, T, D), mask (B, Hkv|1, 1, T, T) bool (``causal``: plain causal, not read) -> out (B, Hq, T, D)."""
+    (B, Hkv, T, D) fp32 -> out (B, Hq, T, D). A row that sees nothing gets the uniform average of the values, as
+    the eager softmax gives it. No host read."""
+    if plan.plain:
+        return fused(query, key, value, scaling, causal=True)[0]
     G = query.shape[1] // key.shape[1]
-    if causal:
-        out, _ = fused(query, key, value, scaling, causal=True)
+    if plan.bias is not None:
+        out = cpu_flash(query, key, value, scaling, plan.bias, causal=True)[0].add_(nonfinite(query, key, value))
     else:
-        m, fix = uniform_where_empty(to_heads(mask, G), value, G)
-        out = fix(fused(query, key, value, scaling, m)[0])
-    return out
+        out = fused(query, key, value, scaling, plan.mask)[0]
+    mean = value.mean(-2).repeat_interleave(G, 1)[:, :, None]  # (B, Hq, 1, D)
+    return torch.where(plan.empty, mean, out)

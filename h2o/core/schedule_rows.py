@@ -34,8 +34,8 @@ def compressed_once(policy: Policy, f: Forward) -> torch.Tensor:
     now = keep[:, 0].sum(-1) - 1
     if policy.needs_scores:
         probs = masked_softmax(logits[..., :prompt_len, :], allowed[..., :prompt_len, :])  # (B, Hkv, G, P, T)
-        policy.accumulate_prompt(acc, probs * valid[:, None, None, :prompt_len, None], valid[:, :prompt_len],
-                                 now[:, None] - pos[:, :prompt_len])
+        rows = logits[..., :prompt_len, :] if policy.reads_logits else probs * valid[:, None, None, :prompt_len, None]
+        policy.accumulate_prompt(acc, rows, valid[:, :prompt_len], now[:, None] - pos[:, :prompt_len])
     keep = step.expire(keep, posH, now, window)  # the window first: what left it is gone before the policy decides
     if policy.reads_queries:  # the prompt rows' query statistics against the held keys and values
         stats = policy.query_stats(f.queries, prompt_len, pos[:, :prompt_len], now + 1)
@@ -81,8 +81,8 @@ def interval_rows(policy: Policy, f: Forward) -> tuple[torch.Tensor, torch.Tenso
         if scored:
             first = masked_softmax(f.logits[..., :P, :], allowed[..., :P, :], f.sinks)  # (B, Hkv, G, P, T)
             seen[..., :P, :] = first
-            policy.accumulate_prompt(acc, first * valid[:, None, None, :P, None], valid[:, :P],
-                                     now[:, None] - pos[:, :P])
+            rows = f.logits[..., :P, :] if policy.reads_logits else first * valid[:, None, None, :P, None]
+            policy.accumulate_prompt(acc, rows, valid[:, :P], now[:, None] - pos[:, :P])
         keep = cut_rows(policy, keep, posH, acc, now, f)
     generated = pos - valid[:, :P].sum(-1, keepdim=True).clamp(min=1) + 1  # (B, T) tokens since the prompt
     due = valid & (col >= P) & (generated > 0) & policy.schedule.cuts_after(generated)  # (B, T) a cut after the row
@@ -102,7 +102,7 @@ def interval_rows(policy: Policy, f: Forward) -> tuple[torch.Tensor, torch.Tenso
                 p = torch.softmax(p, -1) if sink_row is None else with_sinks(p, sink_row)
                 seen.select(-2, i).copy_(p)
                 p = p.unsqueeze(-2) * tok.to(p.dtype).view(B, 1, 1, 1, 1)  # (B, Hkv, G, 1, T): pad rows add nothing
-                step.accumulate(policy, acc, p, tok.view(B, 1))
+                step.accumulate(policy, acc, f.logits[..., i:i + 1, :] if policy.reads_logits else p, tok.view(B, 1))
             if cuts[i]:
                 keep = torch.where(bcast(due[:, i]), cut_rows(policy, keep, posH, acc, pos[:, i], f), keep)
     return out, seen

@@ -188,7 +188,7 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     posH = pos[:, None, :].expand(B, Hkv, T)
     keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
     first = masked_softmax(logits[..., :start, :], allowed[..., :start, :], call.sinks)  # (B, Hkv, G, start, T)
-    probs = first * valid[:, None, None, :start, None]
+    probs = logits[..., :start, :] if policy.reads_logits else first * valid[:, None, None, :start, None]
     acc = policy.new_state(B, Hkv, T, logits.device)  # (B, Hkv, T) accumulated attention (Policy.new_state)
     step.accumulate(policy, acc, probs, valid[:, :start])
     keys = key if policy.evicts and policy.reads_keys else None  # (B, Hkv, T, D) for Policy.step_score
@@ -298,4 +298,7 @@ def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
             if seen is not None:
                 seen.select(-2, i).copy_(p)
             p = p.unsqueeze(-2)  # (B, Hkv, G, 1, T)
-            step.accumulate(policy, acc, p * weights[i] if padded else p, tok if padded else None)
+            if policy.reads_logits:
+                step.accumulate(policy, acc, logits[..., i:i + 1, :], tok)
+            else:
+                step.accumulate(policy, acc, p * weights[i] if padded else p, tok if padded else None)

@@ -47,6 +47,7 @@ class Case:
     ours: tuple | None = None
     timing: str = "prefill"
     statistical: bool = False
+    differs: str = ""  # why kvpress's press does not hold our tokens by design (then the gap must be large)
 
     def policy(self) -> tuple[str, dict] | None:
         return self.ours if self.ours is not None else OURS.get(self.press)
@@ -71,7 +72,22 @@ def cases() -> dict[str, Case]:
                                        ("kvzip", {"chunk_size": 100, "layerwise": True}))
     out["knorm_decode"] = Case("knorm", timing="decode")
     out["keydiff_decode"] = Case("keydiff", timing="decode")
+    # DecodingPress(compression_interval=INTERVAL, target_size=n) after a prefilling press to n (kvpress_side.py,
+    # run_interval) beside ours at compress=interval; snapkv with a window below the interval (kvpress asserts it)
+    for press, options, ours in INTERVAL_CASES:
+        out[f"{press}_interval"] = Case(press, options, (ours[0], {**ours[1], "interval": INTERVAL}), "interval",
+                                        statistical=press == "random", differs=INTERVAL_DIFFERS.get(press, ""))
     return out
+
+
+INTERVAL = 8  # DecodingPress's compression_interval of the interval cases: cuts after the 8th and 16th tokens
+SNAP = ({"window_size": 4, "kernel_size": 3}, ("snapkv", {"window": 4, "kernel": 3}))  # a window below INTERVAL
+INTERVAL_CASES = [(p, {}, OURS[p]) for p in ("knorm", "keydiff", "streaming_llm", "streaming_llm_ordered", "tova",
+                                            "random")] + [("snapkv", *SNAP), ("snapkv_ordered", *SNAP)]
+INTERVAL_DIFFERS = {  # docs/methods.md, "A finding"; docs/r_kv.md, "snapkv at decoding"
+    "streaming_llm": "kvpress re-scores a cache gathered in top-k order: its positions are slots",
+    "snapkv": "kvpress rotates every window query by the current step's position and pools along top-k order",
+}
 
 
 def golden_prompts() -> dict:
@@ -117,7 +133,7 @@ def ours_nll(model, case: Case, ratio: float, prompt: dict, policy: tuple[str, d
     name, options = policy or case.policy()
     ctx, cont = torch.tensor([prompt["context"]]), torch.tensor([prompt["continuation"]])
     pol = parity_policy(name, options, ctx.shape[1], ratio, case.timing)
-    return continuation_nll(model, pol, ctx, cont, stepwise=case.timing == "decode")[0] / cont.shape[1]
+    return continuation_nll(model, pol, ctx, cont, stepwise=case.timing != "prefill")[0] / cont.shape[1]
 
 
 def kvpress_records(venv: Path, prompts: dict, threads: int) -> list[dict]:
@@ -131,10 +147,10 @@ def kvpress_records(venv: Path, prompts: dict, threads: int) -> list[dict]:
         variants = tmp / "variants.json"
         variants.write_text(json.dumps({n: [c.press, c.press_options] for n, c in table.items()}))
         out = tmp / "kvpress.jsonl"
-        for decode in (False, True):
-            names = [n for n, c in table.items() if (c.timing == "decode") == decode]
-            run_kvpress(venv, tmp / "prompts.json", MODEL_DIR, out, ["full"] * (not decode) + names, list(RATIOS),
-                        decode, threads, variants)
+        for timing in ("prefill", "decode", "interval"):
+            names = [n for n, c in table.items() if c.timing == timing]
+            run_kvpress(venv, tmp / "prompts.json", MODEL_DIR, out, ["full"] * (timing == "prefill") + names,
+                        list(RATIOS), timing == "decode", threads, variants, INTERVAL * (timing == "interval"))
         recs = [json.loads(line) for line in out.read_text().splitlines()]
     # a decoding case's press also has a prefill timing, which its run records too: the case's own timing only
     return [r for r in recs if r["method"] not in table or r["timing"] == table[r["method"]].timing]
@@ -178,8 +194,9 @@ def record(venv: Path, threads: int = 1) -> int:
     for m, g in sorted(gaps.items()):
         print(f"golden {m}: largest |NLL/token kvpress - ours| {g:.1e}", file=sys.stderr)
     print(f"golden numbers: {RECORD}", file=sys.stderr)
-    bad = [m for m, g in gaps.items() if g > TOLERANCE]
+    bad = [m for m, g in gaps.items() if (g > TOLERANCE) != bool(table[m].differs)]  # equal, or different by design
     if bad:
-        print(f"golden: {', '.join(sorted(bad))} differ from kvpress by more than {TOLERANCE:g}", file=sys.stderr)
+        print(f"golden: {', '.join(sorted(bad))}: not as expected (within {TOLERANCE:g} of kvpress, or beyond it where "
+              f"the case names why)", file=sys.stderr)
     return 1 if bad else 0
 

@@ -58,14 +58,17 @@ def parity_policy(name: str, options: dict, context_len: int, ratio: float, timi
     if name == "full":
         return make_policy(name, **options)
     share = 1 - ratio if name in RATIO_BUDGET else kept(context_len, ratio)  # kvpress's arithmetic
-    return make_policy(name, budget=share, compress=timing, **options)
+    return make_policy(name, budget=share, compress=timing, **options)  # interval: its N among the options
 
 
 def run_kvpress(venv: Path, prompts: Path, model_path: Path, out: Path, methods: list[str], ratios: list[float],
-                decode: bool, threads: int, variants: Path | None = None) -> None:
+                decode: bool, threads: int, variants: Path | None = None, interval: int = 0) -> None:
+    """tools/parity/kvpress_side.py in the parity virtualenv: the prefill timing, with ``decode`` the decoding one,
+    with ``interval`` N the interval one (DecodingPress every N steps)."""
     cmd = [str(venv / "bin" / "python"), str(ROOT / "tools" / "parity" / "kvpress_side.py"), "--prompts",
            str(prompts), "--model", str(model_path), "--out", str(out), "--methods", ",".join(methods),
            "--ratios", ",".join(map(str, ratios)), "--threads", str(threads)] + (["--decode"] if decode else [])
+    cmd += ["--interval", str(interval)] if interval else []
     cmd += ["--variants", str(variants)] if variants is not None else []
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the kvpress side never sees h2o
     subprocess.run(cmd, check=True, env={**env, "OMP_NUM_THREADS": str(threads)})

@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from h2o.parity.pairs import DECODE_ONLY, EXTRA, OURS, RECORD, TOLERANCE, kept
+from h2o.parity.pairs import DECODE_ONLY, EXTRA, OURS, RECORD, RKV_RECORD, TOLERANCE, kept
 
 
 def load(path: Path) -> list[dict]:
@@ -123,7 +123,7 @@ def write_table(out: Path, table: Path, prompts: dict, golden: Path | None = REC
         total[side] += s["seconds"]
     lines += ["Time: " + ", ".join(f"{side} side {sec:.0f} s" for side, sec in sorted(total.items()))
               + " (1 thread each).", ""]
-    lines += NOTES + golden_section(golden)
+    lines += NOTES + golden_section(golden) + r_kv_section(RKV_RECORD)
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text("\n".join(lines))
 
@@ -147,6 +147,15 @@ NOTES = [
     "(knorm at layer 0: a token arriving beside a held copy of itself) kvpress drops what `topk` leaves out of its "
     "row in its slot order; ours carries that order (h2o/core/policies/decoding_press.py). "
     "tools/parity/decode_ties.py runs that tie order and the older-first one by hand.",
+    "- Interval timing (CI's golden numbers below, `*_interval`): kvpress's `PrefillDecodingPress` (the prompt "
+    "compressed to the budget `n`, then `DecodingPress(compression_interval=8, target_size=n)`) beside ours at "
+    "`compress=interval interval=8`. knorm, keydiff and tova hold the same tokens (ours carries kvpress's slot order "
+    "for exact key-norm ties). Two differ by design, each beside a diagnostic twin equal to ours: `streaming_llm` (the "
+    "top-k order, as at decode timing) and `snapkv`, whose window queries kvpress rotates by the current step's "
+    "position (a decoding step's `position_embeddings` are that step's) and whose pooling then reads neighbours in "
+    "top-k order; `snapkv_ordered` rotates each query by its own position and keeps position order. kvpress asserts "
+    "a window below the interval (its buffer of hidden states is cleared at each compression); ours has no such "
+    "limit (docs/r_kv.md, \"snapkv at decoding\").",
     "- PyramidKV at 20% of 1,024 tokens: its pyramid needs `L (1 - r) >= beta * window` (1,280 tokens at the "
     "defaults), so it falls back to one budget per layer, `round(L (1 - r))` (205, SnapKV's `int` gives 204).",
     "",
@@ -163,7 +172,8 @@ def golden_section(golden: Path | None) -> list[str]:
     rows = [f"| `{name}` | {c['press']}{' ' + json.dumps(c['press_options']) if c['press_options'] else ''} | "
             f"{c['timing']} | " + ("statistical: not compared" if c["statistical"] else
                                    f"{g['largest_gap'][name]:.1e}" if name in g["largest_gap"] else "not built yet")
-            + " |" for name, c in g["cases"].items()]
+            + (f" (differs by design: {c['differs']})" if c.get("differs") else "") + " |"
+            for name, c in g["cases"].items()]
     return ["## Golden numbers in CI", "",
             "`python -m h2o.parity --golden` (make parity PARITY_ARGS=--golden) recorded kvpress "
             f"{g['kvpress']}'s figures (transformers {g['transformers']}) on a "
@@ -174,3 +184,33 @@ def golden_section(golden: Path | None) -> list[str]:
             f"weights and ids and fails where a method's NLL per token moves from kvpress's by more than {TOLERANCE:g} "
             "(h2o/parity/golden.py); the largest gap over the records when they were made:", "",
             "| case | kvpress press (options) | timing | largest gap |", "| --- | --- | --- | --- |", *rows, ""]
+
+
+def r_kv_section(record: Path | None) -> list[str]:
+    """R-KV's reference scoring beside ``r_kv`` (tests/data/parity_golden/r_kv.json, :mod:`h2o.parity.r_kv`)."""
+    if record is None or not record.is_file():
+        return []
+    g = json.loads(record.read_text())
+    first, later = g["summary"]["first_cut"], g["summary"]["later_cuts"]
+    ref = g["reference"]
+    return ["## R-KV", "",
+            f"`python -m h2o.parity.r_kv --reference DIR --golden` ran R-KV's reference scoring ({ref['repo']} at "
+            f"`{(ref['commit'] or '?')[:12]}`, `R1KV.update_kv` of {', '.join(ref['files'])}, imported from a "
+            "checkout given on its command line, never copied) side by side with `r_kv` on recorded states: the "
+            f"queries and keys after RoPE of the committed tiny model above reading {len(g['ids'])} token ids "
+            f"(ids below {max(g['ids']) + 1}: repeated tokens, {g['summary']['similar_rows']:.0%} of the key rows "
+            "cross the similarity threshold). The reference's score is the tensor its `topk` is called on, caught, "
+            "not recomputed. Options: the reference's defaults "
+            + ", ".join(f"{k} {v}" for k, v in g["options"].items()) + ".", "",
+            "| comparison | heads compared | kept differently | largest score gap |", "| --- | --- | --- | --- |",
+            f"| first cut (whole sequence, budgets {', '.join(map(str, g['budgets']))}) | {first['heads']} | "
+            f"{first['heads_kept_differently']} | {first['largest_score_gap']:.1e} |",
+            f"| later cuts (prompt {g['prompt']}, then every {g['every']} tokens, budget {g['budgets'][0]}), the "
+            f"reference's cache re-sorted by position | {later['heads']} | {later['kept_differently_resorted']} | - |",
+            f"| the same, the reference's cache in its own order | {later['heads']} | "
+            f"{later['kept_differently_in_its_order']} | - |", "",
+            "At a cut of a cache in position order (a prompt's end) the two agree to fp32 noise. After its first cut "
+            "the reference keeps its cache in the order `topk` returned (by score), and its max-pool and its "
+            "\"newest similar key\" then read neighbours in that order; `r_kv` reads them by position (docs/r_kv.md). "
+            "tests/test_r_kv_parity.py checks ours against these numbers (and the evicting cache's cut of the whole "
+            "sequence against the reference's kept positions).", ""]

@@ -31,7 +31,8 @@ from h2o.cli.paths import SAFE, check_name
 from h2o.core.validate import check, is_number
 from h2o.store.locks import folder_lock
 
-IGNORED = {"_target_", "name", "batch_size", "device_map", "resources", "params", "positions"}  # never in <extras>
+IGNORED = {"_target_", "name", "batch_size", "device_map", "resources", "params", "positions",  # never in <extras>
+           "attn_implementation"}
 IN_PATH = {"task": {"shots"}, "policy": {"budget", "heavy", "recent"}, "model": set()}
 
 
@@ -63,6 +64,9 @@ def budget_label(policy, hand_split: bool = False) -> str:
     return f"h{part(policy.heavy)}-r{part(policy.recent)}" if hand_split else part(policy.budget)
 
 
+UNSET_IS_DEFAULT = ("compress", "interval")  # make_policy reads None as not given
+
+
 @functools.lru_cache(maxsize=None)
 def extras(cfg, default_semantics: str) -> list[str]:
     """``key=value`` for every result-relevant setting that differs from its default (sorted)."""
@@ -73,6 +77,8 @@ def extras(cfg, default_semantics: str) -> list[str]:
         for key in sorted(node):
             if key in IGNORED or key in IN_PATH[group]:
                 continue
+            if group == "policy" and key in UNSET_IS_DEFAULT and key not in base and node[key] is None:
+                continue  # a schedule option added as null (a sweep's cell without it) is the policy's own default
             if key not in base or base[key] != node[key]:
                 out.append(f"{key}={fmt(node[key])}")
     quant = cfg.get("quant")

@@ -18,11 +18,15 @@ evicted, at the positions it would have had without compression (position ids co
   compressed to ``n - 1`` tokens, then ``DecodingPress`` re-scoring to ``n - 1`` after every step), the continuation
   fed one token at a time, so each query sees ``n`` tokens, itself included: the harness's ``compress: decode``.
 
+* ``--interval N`` adds the interval timing for the presses that have one here: ``PrefillDecodingPress`` (the
+  prompt compressed to ``n`` tokens, then ``DecodingPress(compression_interval=N, target_size=n)``: back to ``n``
+  after every N-th step), the continuation fed one token at a time: the harness's ``compress: interval``.
+
 * ``--variants V.json`` names presses with options: ``{"snapkv_w16": ["snapkv", {"window_size": 16}]}``; such a
   name is then a method of ``--methods`` (its records carry that name), run in the timings its press has here.
 
 Usage: python tools/parity/kvpress_side.py --prompts P.json --model CKPT --out OUT.jsonl [--methods a,b]
-       [--ratios 0.5,0.8] [--decode] [--variants V.json] [--threads 1]
+       [--ratios 0.5,0.8] [--decode] [--interval N] [--variants V.json] [--threads 1]
 Each line of OUT is one record; a record already in OUT (same method, ratio, timing, prompt) is not run again.
 The record loop mirrors h2o.parity.driver.run_ours on purpose: this side may not import the harness.
 """
@@ -40,6 +44,8 @@ from pathlib import Path
 METHODS = ("streaming_llm", "observed_attention", "tova", "snapkv", "pyramidkv", "adakv_snapkv", "knorm",
            "keydiff", "expected_attention", "random", "kvzip")
 DECODE_METHODS = ("streaming_llm", "streaming_llm_ordered", "knorm", "keydiff", "random")  # no prompt window
+# DecodingPress every N steps (N above a press's window: its window queries are the steps since the last cut)
+INTERVAL_METHODS = (*DECODE_METHODS, "tova", "snapkv", "snapkv_ordered")
 # presses that hide the removed keys behind fake keys instead of freeing them (AdaKV): what follows the context is
 # fed one token at a time, because the fake key of a forward of m queries must have exp(q . k) ~ 0 for all m,
 # which kvpress's hyperplane search cannot always find once m exceeds the head size (the tiny golden model: 16)
@@ -72,22 +78,42 @@ def make_press(name: str, ratio: float, **options):
     return table[name]()
 
 
+ROTARY = []  # the model's rotary embedding (snapkv_ordered: its window queries at their own positions)
+NOW = [0]  # the position of the newest token fed (a compressed cache's cache_position counts its slots instead)
+
+
 def scorer(name: str, ratio: float = 0.0, **options):
-    """The scorer of a decoding-timing press (ratio 0: left to DecodingPress). ``streaming_llm_ordered``: a
-    diagnostic, not a kvpress method: StreamingLLMPress whose kept tokens stay in position order (kvpress gathers
-    them in top-k order, so at the next compression "the oldest after the sinks" is then not the 5th slot)."""
-    if name != "streaming_llm_ordered":
+    """The scorer of a decoding-timing press (ratio 0: left to DecodingPress). Two diagnostics, not kvpress methods:
+    ``streaming_llm_ordered``, StreamingLLMPress whose kept tokens stay in position order (kvpress gathers them in
+    top-k order, so at the next compression "the oldest after the sinks" is then not the 5th slot);
+    ``snapkv_ordered``, SnapKVPress with its kept tokens in position order (its pooling reads cache neighbours) and
+    its window queries rotated to their own positions (under DecodingPress kvpress rotates them all by the current
+    step's position: the step's ``position_embeddings``)."""
+    if name not in ("streaming_llm_ordered", "snapkv_ordered"):
         return make_press(name, ratio, **options)
     import kvpress as kp
+    import torch
 
-    class Ordered(kp.StreamingLLMPress):
-        def compress(self, module, hidden_states, keys, values, attentions, kwargs):
-            scores = self.score(module, hidden_states, keys, values, attentions, kwargs)  # (B, Hkv, S)
-            n = int(keys.shape[2] * (1 - self.compression_ratio))
-            idx = scores.topk(n, dim=-1).indices.sort(-1).values[..., None].expand(-1, -1, -1, keys.shape[-1])
-            return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
+    def ordered(base):
+        class Ordered(base):
+            def compress(self, module, hidden_states, keys, values, attentions, kwargs):
+                scores = self.score(module, hidden_states, keys, values, attentions, kwargs)  # (B, Hkv, S)
+                n = int(keys.shape[2] * (1 - self.compression_ratio))
+                idx = scores.topk(n, dim=-1).indices.sort(-1).values[..., None].expand(-1, -1, -1, keys.shape[-1])
+                return keys.gather(2, idx).contiguous(), values.gather(2, idx).contiguous()
 
-    return Ordered(compression_ratio=ratio, **options)
+            def score(self, module, hidden_states, keys, values, attentions, kwargs):
+                if base is kp.SnapKVPress:  # the window's own positions: the last w before the current one, itself
+                    now = NOW[0]
+                    at = torch.arange(now + 1 - self.window_size, now + 1, device=keys.device)[None]
+                    kwargs = {**kwargs, "position_embeddings": ROTARY[0](hidden_states, at)}
+                return super().score(module, hidden_states, keys, values, attentions, kwargs)
+
+        return Ordered
+
+    if name == "streaming_llm_ordered":
+        return ordered(kp.StreamingLLMPress)(compression_ratio=ratio, **options)
+    return ordered(kp.SnapKVPress)(compression_ratio=ratio, **options)
 
 
 def attn_impl(name: str) -> str:
@@ -151,6 +177,32 @@ def run_decode(model, name, ratio, context, cont, options):
     return torch.cat(out, 1)
 
 
+def run_interval(model, name, ratio, context, cont, options, every: int):
+    """The interval timing: budget n = int(L * (1 - ratio)); the prompt is compressed to n tokens, then after every
+    ``every``-th step (the step attended) the cache is re-scored back to n. Returns (logits (1, m, V))."""
+    import kvpress as kp
+    import torch
+    from transformers import DynamicCache
+
+    L = context.shape[1]
+    n = int(L * (1 - ratio))
+    pre = scorer(name, 1 - (n + 0.5) / L, **options)  # int(L * (1 - r)) = int(n + 0.5) = n, no float edge
+    dec = kp.DecodingPress(base_press=scorer(name, **options), compression_interval=every, target_size=n)
+    press = kp.PrefillDecodingPress(prefilling_press=pre, decoding_press=dec)
+    cache = DynamicCache()
+    out = []
+    with torch.no_grad(), press(model):
+        NOW[0] = L - 1
+        out.append(model(input_ids=context, past_key_values=cache, logits_to_keep=1).logits)
+        for i in range(cont.shape[1] - 1):
+            pos = torch.tensor([[L + i]])
+            NOW[0] = L + i
+            out.append(model(input_ids=cont[:, i:i + 1], past_key_values=cache, position_ids=pos).logits)
+            held = n + (i + 1) % every
+            assert cache.get_seq_length(0) == held, (cache.get_seq_length(0), held)
+    return torch.cat(out, 1)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", required=True)
@@ -159,21 +211,22 @@ def main(argv=None) -> None:
     ap.add_argument("--methods", default="full," + ",".join(METHODS))
     ap.add_argument("--ratios", default="0.5,0.8,0.9", help="kvpress compression ratios (share removed)")
     ap.add_argument("--decode", action="store_true", help="also the decoding timing (DecodingPress)")
+    ap.add_argument("--interval", type=int, default=0, help="also the interval timing (DecodingPress every N)")
     ap.add_argument("--variants", help="JSON file: {name: [press, {option: value}]}, presses with options")
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args(argv)
     methods = [m for m in args.methods.split(",") if m]
-    presses = {m: (m, {}) for m in ("full", *METHODS, *DECODE_METHODS)}  # record name -> (press, options)
+    presses = {m: (m, {}) for m in ("full", *METHODS, *INTERVAL_METHODS)}  # record name -> (press, options)
     if args.variants:
         try:
             variants = json.loads(Path(args.variants).read_text())
         except (OSError, ValueError) as e:
             fail(f"--variants {args.variants}: not a readable JSON file ({e})")
         for name, spec in variants.items():
-            if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in METHODS + DECODE_METHODS
+            if not (isinstance(spec, list) and len(spec) == 2 and spec[0] in METHODS + INTERVAL_METHODS
                     and isinstance(spec[1], dict)):
                 fail(f"--variants {args.variants}: {name}: {spec!r} is not [press, {{options}}] with a press of "
-                     f"{', '.join(dict.fromkeys(METHODS + DECODE_METHODS))}")
+                     f"{', '.join(dict.fromkeys(METHODS + INTERVAL_METHODS))}")
             presses[name] = (spec[0], spec[1])
     bad = [m for m in methods if m not in presses]
     if bad:
@@ -184,6 +237,8 @@ def main(argv=None) -> None:
         fail(f"--ratios {args.ratios!r}: expected comma-separated numbers in (0, 1)")
     if not all(0 < r < 1 for r in ratios):
         fail(f"--ratios {args.ratios!r}: each compression ratio must be in (0, 1)")
+    if args.interval < 0:
+        fail(f"--interval {args.interval}: allowed: an int >= 1 (0: no interval timing)")
     if not Path(args.prompts).is_file():
         fail(f"--prompts {args.prompts}: no such file")
     if not (Path(args.model) / "config.json").is_file():
@@ -209,6 +264,7 @@ def main(argv=None) -> None:
         if impl not in models:
             models[impl] = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32,
                                                                 attn_implementation=impl).eval()
+        ROTARY[:] = [models[impl].model.rotary_emb]
         return models[impl]
 
     versions = {"kvpress": md.version("kvpress"), "transformers": transformers.__version__,
@@ -217,13 +273,15 @@ def main(argv=None) -> None:
                                          for r in ratios]
     if args.decode:
         jobs += [(m, r, "decode") for m in methods if presses[m][0] in DECODE_METHODS for r in ratios]
+    if args.interval:
+        jobs += [(m, r, "interval") for m in methods if presses[m][0] in INTERVAL_METHODS for r in ratios]
     with out.open("a") as f:
         for method, ratio, timing in jobs:
             if method == "full" and "full" not in methods:
                 continue
             for kind in ("ppl", "needle"):
                 for p in prompts[kind]:
-                    if (method, ratio, timing, p["id"]) in done or (timing == "decode" and kind == "needle"):
+                    if (method, ratio, timing, p["id"]) in done or (timing != "prefill" and kind == "needle"):
                         continue
                     press_name, options = presses[method]
                     model = model_for(attn_impl(press_name))
@@ -236,6 +294,9 @@ def main(argv=None) -> None:
                         cont = torch.tensor([p["continuation"]])
                         if timing == "decode":
                             logits = run_decode(model, press_name, ratio, ctx, cont, options)
+                        elif timing == "interval":
+                            logits = run_interval(model, press_name, ratio, ctx, cont, options, args.interval)
+                            rec["interval"] = args.interval
                         else:
                             press = None if method == "full" else make_press(press_name, ratio, **options)
                             first, rest, held = run_prefill(model, press, ctx, cont[:, :-1], press_name in MASKING)

@@ -32,7 +32,9 @@ from .kvpress_select import kvpress_adakv
 # the inner policies' options this wrapper passes on (null in conf/policy/adakv.yaml: the inner's default)
 INNER_OPTIONS = ("window", "kernel", "beta", "score", "decay", "seed", "sinks", "n_future_positions", "n_sink",
                  "use_covariance", "use_vnorm", "epsilon", "history", "count")
-NOT_INNER = ("full", "h2o_reference")  # keeps everything; the paper code's rule (simulated only, no cut)
+# keeps everything; the paper code's rule (simulated only, no cut); a rule of the rows' logits with a state of rows
+# per slot (r_kv: its scores are not pooled across heads by its reference either)
+NOT_INNER = ("full", "h2o_reference", "r_kv")
 
 
 def inner_names() -> list[str]:

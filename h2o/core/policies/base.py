@@ -108,6 +108,10 @@ class Policy(BudgetChecks):
     # True: the prompt's queries before RoPE go to the policy's ``query_stats`` (h2o.core.prerope.Queries), and at
     # the cut ``query_score(stats, keys, values, pos, held)`` replaces ``acc`` (expected_attention; READ_QUERIES)
     reads_queries: ClassVar[bool] = False
+    # True: :meth:`accumulate` and :meth:`accumulate_prompt` are given the rows' logits (B, H, G, r, S) as the model
+    # computed them (scaled, soft-capped, unmasked) in place of their probabilities, pad rows not zeroed (``valid``
+    # always given where a row may be a pad): a rule that pools the query heads' logits (r_kv)
+    reads_logits: ClassVar[bool] = False
     # True: the priority ignores ``acc`` and a token the cache dropped would never be among the ``total - 1`` older
     # tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
     # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop)

@@ -11,6 +11,10 @@ in kvpress's row, ``j - n`` for the ``j``-th key ``topk`` returned (``n`` kept),
 where the head is full (the arriving token must evict) runs ``topk(n - 1)`` on the held keys' scores in that order
 and the one left out goes (:meth:`DecodingOrder.step_score`). Both paths call the same two hooks. One host read per
 layer and step (which sequences are full).
+
+The interval timing (``DecodingPress(press, compression_interval=N, target_size=n)``) keeps the same order: each cut
+runs ``topk(n)`` on kvpress's row (the kept keys in ``topk``'s order, then the tokens since by position; at the
+prompt's cut, positions) and keeps what it returns (:meth:`DecodingOrder.cut_order`).
 """
 from __future__ import annotations
 
@@ -28,17 +32,21 @@ class DecodingOrder(PrefillOnly):
     decode_form = True
 
     def accumulate(self, acc, probs, valid=None) -> None:
-        if self.compress != "decode":  # prefill, interval: attention, as any rule
+        if self.compress == "prefill":  # attention, as any rule (decode, interval: acc is kvpress's slot order)
             super().accumulate(acc, probs, valid)
 
     def accumulate_prompt(self, acc, probs, valid, left) -> None:
-        if self.compress != "decode":  # prefill, interval: attention, as any rule
+        if self.compress == "prefill":
             super().accumulate_prompt(acc, probs, valid, left)
 
     def cut_order(self, acc, prio, pos, valid, counts: Counts) -> None:
-        """kvpress's prefill press: a sequence that drops keys gets its kept slots' places in ``topk``'s order."""
-        if self.compress != "decode":  # prefill, interval: no slot order to keep (slots stay in position order)
+        """kvpress's prefill press: a sequence that drops keys gets its kept slots' places in ``topk``'s order.
+        The interval timing: each cut is ``topk(n)`` on kvpress's row; the slots it leaves out get the priority
+        -inf in ``prio`` (in place), so the selection keeps what it returned."""
+        if self.compress == "prefill":  # no slot order to keep (slots stay in position order)
             return
+        if self.compress == "interval":
+            return self.interval_cut(acc, prio, pos, valid, counts)
         rows, index, lengths = rows_by_position(prio, pos, valid)  # (B, H, L + 1) the scores by position
         for b, (length, n) in enumerate(zip(lengths, counts.total.tolist())):
             if n < length:
@@ -46,6 +54,21 @@ class DecodingOrder(PrefillOnly):
                 place = torch.zeros_like(rows[b])  # (H, L + 1)
                 place.scatter_(-1, top, torch.arange(n, dtype=place.dtype, device=place.device).expand_as(top) - n)
                 acc[b] = place.gather(-1, index[b]).to(acc.dtype)
+
+    def interval_cut(self, acc, prio, pos, valid, counts: Counts) -> None:
+        """acc (B, H, S) places, prio (B, H, S) the cut's scores, valid (B, H, S) held -> acc and prio in place."""
+        order = kvpress_row(acc, pos, valid)  # (B, H, S) the held slots in kvpress's order first
+        held = valid.sum(-1).amax(-1).tolist()  # (B,) the most any head holds (one host read)
+        for b, (m, n) in enumerate(zip(held, counts.total.tolist())):
+            if m <= n:  # nothing to drop: kvpress's cache is left as it is
+                continue
+            row = order[b, :, :m]  # (H, m)
+            score = torch.where(valid[b].gather(-1, row), prio[b].gather(-1, row), -torch.inf)
+            kept = row.gather(-1, score.topk(n, dim=-1).indices)  # (H, n) slots in topk's order
+            mark = torch.zeros_like(valid[b]).scatter_(-1, kept, True)  # (H, S)
+            acc[b] = torch.zeros_like(acc[b]).scatter_(-1, kept, torch.arange(n, dtype=acc.dtype,
+                                                                            device=acc.device).expand_as(kept) - n)
+            prio[b] = torch.where(mark, prio[b], -torch.inf)
 
     def step_score(self, acc, keys, held, pos, counts: Counts) -> torch.Tensor:
         """(B, H, S) the priority of a decoding step: where a head is full, 0 for the key ``topk(n - 1)`` leaves out
@@ -56,9 +79,7 @@ class DecodingOrder(PrefillOnly):
         full = held.sum(-1) >= counts.total[:, None]  # (B, H) the arriving token evicts
         if not bool(full.any()):
             return score
-        by_pos = torch.where(held, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
-        key = torch.where(held, acc, torch.inf).gather(-1, by_pos)  # places, then positions among equal places
-        order = by_pos.gather(-1, key.argsort(dim=-1, stable=True))  # (B, H, S) kvpress's row: its slots in order
+        order = kvpress_row(acc, pos, held)  # (B, H, S) kvpress's row: its slots in order
         out = score.clone()
         for b, n in enumerate(counts.total.tolist()):
             if not bool(full[b].any()) or n < 1:
@@ -72,3 +93,11 @@ class DecodingOrder(PrefillOnly):
             out[b] = torch.where(full[b][:, None], mark, score[b])
             acc[b] = torch.where(full[b][:, None], place, acc[b])
         return out
+
+
+def kvpress_row(acc: torch.Tensor, pos: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """(B, H, S) the slots in kvpress's cache order: by place (``acc``), then by position among equal places; the
+    slots not held last."""
+    by_pos = torch.where(held, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
+    key = torch.where(held, acc, torch.inf).gather(-1, by_pos)  # places, then positions among equal places
+    return by_pos.gather(-1, key.argsort(dim=-1, stable=True))

@@ -17,6 +17,7 @@ from .snapkv import SnapKV
 class PyramidKV(SnapKV):
     name = "pyramidkv"
     reads = frozenset({READ_WINDOW})  # snapkv's
+    decode_form = False  # its per-layer budgets are defined at a prompt's end only
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, window: int = 64, kernel: int = 5,
                  beta: float = 20):

@@ -1,0 +1,131 @@
+"""r_kv: keep the tokens that are important and not redundant (R-KV, Cai et al., arXiv 2505.24133), as the
+reference code (Zefan-Cai/R-KV, ``R1KV.update_kv`` with ``cal_similarity``) defines it, at decoding time.
+
+At a cut, per (sequence, KV head), over the held tokens in position order (``n`` held, ``w = window``):
+
+* the window: the newest ``w`` held tokens, always kept;
+* importance of each older held token ``j``: for each of the newest ``w`` query rows (the window's own tokens),
+  the logit of ``j`` taken as the maximum over the KV head's ``G`` query heads, a softmax over the older held
+  tokens (the window's keys left out), the mean over the ``w`` rows; then a max-pool along the held tokens
+  (``kernel``, stride 1, padding ``kernel // 2``);
+* redundancy of each held token ``j``: the cosine similarity of the held keys (after RoPE, norms plus 1e-8), the
+  diagonal zeroed; in each row ``i`` the entry of the newest held token more similar than ``threshold`` is zeroed
+  (none: the oldest held token's entry, as the reference's index 0); the mean of column ``j`` over the ``n`` rows;
+  a softmax over the ``n`` held tokens; then the older ones' values;
+* score ``mix_lambda * importance - (1 - mix_lambda) * redundancy``; the ``total - w`` highest are kept.
+
+Defaults are the reference code's: ``window`` 8, ``kernel`` 7, ``mix_lambda`` 0.07, ``threshold`` 0.5 (its
+``cal_similarity``), budget 128 tokens; its schedule, a cut every 128 generated tokens, is ``compress=interval``
+(``interval`` 128 where none is given: its ``divide_length``; the default timing is every rule's, ``decode``).
+``compress=decode`` is the rule at every step: the arriving token takes
+the slot of the lowest-scored older token, judged over the ``total`` held older tokens with the newest ``w`` rows
+(the reference's cut at interval 1 with a budget of ``total - 1``; docs/r_kv.md). A budget of at most ``w``
+tokens keeps the newest (all window).
+
+State: ``acc`` (B, H, S, w), per slot the group-maximum logit of each of the newest ``w`` rows (oldest first);
+the paths give the rows' logits (``reads_logits``). At a cut or step the priority reads ``acc`` beside the held
+keys (:meth:`cut_score`: (B, H, S, w + D)). Computed in at least fp32 (the reference: the model's dtype).
+Per sequence (the reference's similarity reads the batch's first sequence).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import READ_KEYS, READ_WINDOW, Counts, Policy, PolicyError, TIER
+from .snapkv import newest_rank, push_rows
+
+BUFFER = 128  # the reference's divide_length: generated tokens between two cuts (compress=interval)
+
+
+def check_number(name: str, value, low: float, high: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise PolicyError(f"{name}={value!r}: allowed: a number in [{low:g}, {high:g}]")
+    return float(value)
+
+
+class RKV(Policy):
+    name = "r_kv"
+    splits = False  # the whole budget is scored, the window inside it
+    reads = frozenset({READ_WINDOW, READ_KEYS})  # the newest rows' logits, the held keys
+    reads_logits = True
+    token_options = ("window",)  # the observation window: at most the model's positions
+    # the default timing is every rule's (decode); the reference's is compress=interval (BUFFER when none is given)
+
+    def __init__(self, budget=128, heavy=None, recent=None, heavy_share=0.5, window: int = 8, kernel: int = 7,
+                 mix_lambda: float = 0.07, threshold: float = 0.5):
+        super().__init__(budget, heavy, recent, heavy_share)
+        zero = 0.0 if isinstance(self.budget, float) else 0
+        Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent part: the window is inside the budget
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise PolicyError(f"window={window!r}: the observation window; allowed: an int >= 1")
+        if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+            raise PolicyError(f"kernel={kernel!r}: the pooling kernel; allowed: an odd int >= 1")
+        self.window, self.kernel = window, kernel
+        self.mix_lambda = check_number("mix_lambda", mix_lambda, 0.0, 1.0)
+        self.threshold = check_number("threshold", threshold, -1.0, 1.0)
+
+    def timed(self, compress: str, interval: int | None = None) -> Policy:
+        """The reference's buffer of :data:`BUFFER` tokens where ``compress=interval`` names none."""
+        return super().timed(compress, BUFFER if compress == "interval" and interval is None else interval)
+
+    def read_window(self) -> int:
+        return self.window
+
+    def new_state(self, B: int, H: int, S: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(B, H, S, self.window, dtype=torch.float32, device=device)  # (B, H, S, w)
+
+    def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """acc (B, H, S, w) <- the newest ``w`` real rows of the old rows and the logits ``probs`` (B, H, G, r, S)
+        (``reads_logits``), rows in order; valid (B, r) bool the real rows (None: all)."""
+        push_rows(acc, probs.float().amax(2).transpose(-1, -2), valid)  # (B, H, S, r) the group's largest logit
+
+    def accumulate_prompt(self, acc, probs, valid, left) -> None:
+        self.accumulate(acc, probs, valid)
+
+    def cut_score(self, acc: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """acc (B, H, S, w), keys (B, H, S, D) -> (B, H, S, w + D): what :meth:`priority` reads."""
+        dtype = torch.promote_types(keys.dtype, torch.float32)
+        return torch.cat([acc.to(dtype), keys.to(dtype)], -1)
+
+    def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
+        """pos (B, H, S) (-1: not held), acc (B, H, S, w + D) (:meth:`cut_score`) -> (B, H, S) float64: the
+        window a tier above the scores, newest first."""
+        w = self.window
+        held = pos >= 0
+        window = held & (newest_rank(pos) < w)  # (B, H, S) the newest w held
+        older = held & ~window
+        score = self.mix_lambda * self.importance(acc[..., :w], pos, older) \
+            - (1 - self.mix_lambda) * redundancy(acc[..., w:], pos, held, self.threshold)
+        return torch.where(window, 2 * TIER + pos.double(), torch.where(older, score.double(), 0.0))
+
+    def importance(self, logits: torch.Tensor, pos: torch.Tensor, older: torch.Tensor) -> torch.Tensor:
+        """logits (B, H, S, w) of the newest rows, the older held tokens ``older`` (B, H, S) -> (B, H, S): each
+        row's softmax over them, the mean over the rows, max-pooled along them in position order."""
+        B, H, S, _ = logits.shape
+        probs = logits.masked_fill(~older[..., None], -torch.inf).softmax(2).nan_to_num(0.0).mean(-1)  # (B, H, S)
+        order = torch.where(older, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)  # older first
+        line = probs.gather(-1, order).masked_fill(~older.gather(-1, order), -torch.inf)  # (B, H, S)
+        pooled = F.max_pool1d(line.view(B * H, 1, S), self.kernel, 1, self.kernel // 2).view(B, H, S)
+        return torch.empty_like(pooled).scatter_(-1, order, pooled)
+
+    def describe(self):
+        return {**super().describe(), "window": self.window, "kernel": self.kernel, "mix_lambda": self.mix_lambda,
+                "threshold": self.threshold}
+
+
+def redundancy(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, threshold: float) -> torch.Tensor:
+    """keys (B, H, S, D), pos (B, H, S), held (B, H, S) bool -> (B, H, S): each held key's mean cosine similarity
+    to the held keys (each row's newest similar entry zeroed), a softmax over the held keys."""
+    unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = unit @ unit.transpose(-1, -2)  # (B, H, S, S) rows i, columns j
+    sim.diagonal(dim1=-2, dim2=-1).zero_()
+    cols = held[..., None, :]  # (B, H, 1, S)
+    similar = (sim > threshold) & cols
+    newest = torch.where(similar, pos[..., None, :], -1).amax(-1)  # (B, H, S) per row, -1: none
+    oldest = torch.where(held, pos, torch.iinfo(torch.int64).max).amin(-1, keepdim=True)  # (B, H, 1)
+    target = torch.where(newest >= 0, newest, oldest)  # (B, H, S) the entry zeroed in each row
+    sim = sim.masked_fill((pos[..., None, :] == target[..., None]) & cols, 0.0)
+    rows = held.sum(-1, keepdim=True).clamp(min=1)  # (B, H, 1)
+    mean = (sim * held[..., None].to(sim.dtype)).sum(-2) / rows  # (B, H, S) per column
+    return mean.masked_fill(~held, -torch.inf).softmax(-1).nan_to_num(0.0)
