@@ -136,8 +136,8 @@ def place(pos: torch.Tensor, acc: torch.Tensor, slot: torch.Tensor, now: int | t
 
 
 def place_column(keep: torch.Tensor, i: int, tok: torch.Tensor, slot: torch.Tensor | None = None) -> None:
-    """A column-ordered row's :func:`place`, in place on keep (B, H, T) bool: the dropped column ``slot``
-    (B, H, 1) (None: none) is dropped, column ``i`` is where its token is real, tok (B, 1) bool."""
+    """A column-ordered row's :func:`place`, in place on keep (B, H, T) bool: clears the dropped column ``slot``
+    (B, H, 1) (None: none) and sets column ``i`` where its token is real, tok (B, 1) bool."""
     if slot is not None:
         keep.scatter_(-1, slot, False)
     keep.select(2, i).copy_(tok)
