@@ -19,15 +19,14 @@ as markdown (docs/benchmarks.md's table comes from there).
 """
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 from h2o.assets.policy_config import at_budget
 from h2o.bench.throughput import benchmark
 from h2o.bench.variants import Variant
 
 SECTION = "methods"  # the records' ``section``: not read by the targets
+OPTION = "task.methods"  # the make bench option that turns the section off (null)
 
 
 def method_names() -> list[str]:
@@ -115,30 +114,9 @@ def print_rows(table_rows: list[dict], out=None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the methods table of a ``make bench`` record (its folder or metrics.json) as markdown."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("error: usage: python -m h2o.bench.every_policy <run folder or metrics.json of make bench>",
-              file=sys.stderr)
-        return 2
-    path = Path(args[0])
-    path = path / "metrics.json" if path.is_dir() else path
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        print(f"error: {path}: not a readable record ({type(e).__name__}); allowed: a make bench run folder",
-              file=sys.stderr)
-        return 2
-    if not isinstance(record, dict) or not record.get(SECTION):
-        print(f"error: {path}: no methods section (task.methods was null, or the record predates it)",
-              file=sys.stderr)
-        return 2
-    bad = row_error(record[SECTION])
-    if bad:
-        print(f"error: {path}: {bad}; allowed: a make bench record whose methods rows have {', '.join(FIELDS)}",
-              file=sys.stderr)
-        return 2
-    print(table(record[SECTION]))
-    return 0
+    from h2o.bench.report import print_section
+
+    return print_section(argv, sys.modules[__name__])
 
 
 FIELDS = ("method", "compress", "prefill_s", "kv_bytes_prefill", "kv_prefill_vs_full", "tokens_held",

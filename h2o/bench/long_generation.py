@@ -15,14 +15,13 @@ smaller one (conf/task/bench_targets.yaml), labelled with its sizes in the table
 """
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 from h2o.bench.throughput import benchmark
 from h2o.bench.variants import Variant
 
 SECTION = "long_generation"  # the records' ``section``: not read by the targets
+OPTION = "task.long_gen"  # the make bench option that turns the section off (null)
 METHODS = ("h2o", "tova", "streaming_llm", "local", "knorm", "keydiff")  # the rules with a decoding form
 
 
@@ -130,26 +129,9 @@ def row_error(table_rows) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Print the long-generation table of a ``make bench`` record (its folder or metrics.json) as markdown."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("error: usage: python -m h2o.bench.long_generation <run folder or metrics.json of make bench>",
-              file=sys.stderr)
-        return 2
-    path = Path(args[0])
-    path = path / "metrics.json" if path.is_dir() else path
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        print(f"error: {path}: not a readable record ({type(e).__name__}); allowed: a make bench run folder",
-              file=sys.stderr)
-        return 2
-    bad = "no long_generation section (task.long_gen was null, or the record predates it)" \
-        if not isinstance(record, dict) or SECTION not in record else row_error(record[SECTION])
-    if bad:
-        print(f"error: {path}: {bad}", file=sys.stderr)
-        return 2
-    print(table(record[SECTION]))
-    return 0
+    from h2o.bench.report import print_section
+
+    return print_section(argv, sys.modules[__name__])
 
 
 if __name__ == "__main__":

@@ -62,3 +62,38 @@ def print_table(recs: list[dict], out=None, title: str | None = None) -> None:
     for row in rows:
         print(line(row), file=out or sys.stdout)
     (out or sys.stdout).flush()
+
+
+
+def print_section(argv: list[str] | None, module) -> int:
+    """``python -m <module> <run folder or metrics.json of make bench>``: print the record's ``module.SECTION`` rows
+    as markdown (``module.table``); 2 and one line when the record is unreadable, lacks the section (its option
+    ``module.OPTION`` was null) or has rows without ``module.FIELDS`` (``module.row_error``)."""
+    import json
+    from pathlib import Path
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print(f"error: usage: python -m {module.__name__} <run folder or metrics.json of make bench>",
+              file=sys.stderr)
+        return 2
+    path = Path(args[0])
+    path = path / "metrics.json" if path.is_dir() else path
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        print(f"error: {path}: not a readable record ({type(e).__name__}); allowed: a make bench run folder",
+              file=sys.stderr)
+        return 2
+    section = module.SECTION
+    if not isinstance(record, dict) or not record.get(section):
+        print(f"error: {path}: no {section} section ({module.OPTION} was null, or the record predates it)",
+              file=sys.stderr)
+        return 2
+    bad = module.row_error(record[section])
+    if bad:
+        print(f"error: {path}: {bad}; allowed: a make bench record whose {section} rows have "
+              f"{', '.join(module.FIELDS)}", file=sys.stderr)
+        return 2
+    print(module.table(record[section]))
+    return 0
