@@ -7,10 +7,8 @@ import torch
 
 from h2o import make_policy
 from h2o.core import row_kernel, simulate
-from h2o.core.cache import EvictingLayer
 from h2o.core.policies.base import ACCELERATORS, CLOSED_FORM, DECODER, ROW_KERNEL, Decoder, Policy
-
-H, D = 2, 1
+from tests.held_steps import held_after_each_step
 
 
 def declaring(accelerator: str) -> list[str]:
@@ -75,31 +73,6 @@ def test_closed_form_equals_the_step(monkeypatch, name):
                 real = valid[:, None, None, :, None]  # layer the two forms give pad rows different masks)
                 fast, step = fast & real, step & real
             assert torch.equal(fast, step), (name, budget, T, P, window)
-
-
-def feed(layer, valid: torch.Tensor) -> None:
-    """What real_attention does with a forward of valid (B, q) columns: update, positions, cut after a chunk."""
-    B, q = valid.shape
-    layer.update(torch.zeros(B, H, q, D), torch.zeros(B, H, q, D))
-    if layer.n_new:
-        layer.register_new(valid[:, -layer.n_new:])
-    if q > 1:
-        layer.cut()
-
-
-def held_after_each_step(policy, prompts: list[int], steps: int, chunk_at: int, seed: int):
-    """Prefill left-padded prompts, decode ``steps`` tokens (a 3-token chunk at step ``chunk_at``); the held
-    positions after every step, and the layer. Scores: random integers added to the held tokens."""
-    g = torch.Generator().manual_seed(seed)
-    layer = EvictingLayer(policy)
-    T = max(prompts)
-    feed(layer, torch.arange(T)[None, :] >= torch.tensor([T - p for p in prompts])[:, None])
-    states = []
-    for t in range(steps):
-        feed(layer, torch.ones(len(prompts), 3 if t == chunk_at else 1, dtype=torch.bool))
-        layer.acc += torch.randint(0, 3, layer.acc.shape, generator=g).float() * (layer.pos >= 0)
-        states.append(layer.pos.clone())
-    return states, layer
 
 
 @pytest.mark.parametrize("name", [n for n in declaring(DECODER) if Policy.registry[n].evicts])

@@ -10,39 +10,11 @@ import pytest
 import torch
 
 from h2o import make_policy
-from h2o.core.cache import EvictingLayer
 from h2o.core.policies.base import Decoder, Policy
 from h2o.core.policies.combine import WithHeavy
 from h2o.core.policies.protected import Protected
 from h2o.core.policies.topk import top_mask, top_rank
-
-H, D = 2, 1
-
-
-def feed(layer, valid: torch.Tensor) -> None:
-    """What real_attention does with a forward of valid (B, q) columns: update, positions, cut after a chunk."""
-    B, q = valid.shape
-    layer.update(torch.zeros(B, H, q, D), torch.zeros(B, H, q, D))
-    if layer.n_new:
-        layer.register_new(valid[:, -layer.n_new:])
-    if q > 1:
-        layer.cut()
-
-
-def run(policy, prompts: list[int], steps: int, chunk_at: int, seed: int) -> list[torch.Tensor]:
-    """Prefill left-padded prompts, decode ``steps`` tokens (a 3-token chunk at step ``chunk_at``); the held
-    positions after every step. Scores: random integers added to the held tokens (ties everywhere)."""
-    g = torch.Generator().manual_seed(seed)
-    layer = EvictingLayer(policy)
-    T = max(prompts)
-    feed(layer, torch.arange(T)[None, :] >= torch.tensor([T - p for p in prompts])[:, None])
-    states = []
-    for t in range(steps):
-        q = 3 if t == chunk_at else 1
-        feed(layer, torch.ones(len(prompts), q, dtype=torch.bool))
-        layer.acc += torch.randint(0, 3, layer.acc.shape, generator=g).float() * (layer.pos >= 0)
-        states.append(layer.pos.clone())
-    return states
+from tests.held_steps import held_after_each_step
 
 
 CASES = [  # (budget options, prompts)
@@ -64,9 +36,9 @@ def test_kept_state_decides_as_the_ranking(monkeypatch, name, score):
         made = []
         original = WithHeavy.decoder
         monkeypatch.setattr(type(policy), "decoder", lambda self, c, h: made.append(original(self, c, h)) or made[-1])
-        fast = run(policy, prompts, steps=40, chunk_at=17, seed=i)
+        fast = held_after_each_step(policy, prompts, 40, 17, i)[0]
         monkeypatch.setattr(type(policy), "decoder", Policy.decoder)  # the reference: priority as it is
-        slow = run(policy, prompts, steps=40, chunk_at=17, seed=i)
+        slow = held_after_each_step(policy, prompts, 40, 17, i)[0]
         assert all(torch.equal(a, b) for a, b in zip(fast, slow)), (name, score, opts, prompts)
         if policy.base is not None:
             assert made and all(isinstance(d, Protected) for d in made)
