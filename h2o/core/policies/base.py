@@ -108,9 +108,8 @@ class Policy(BudgetChecks):
     # True: the prompt's queries before RoPE go to the policy's ``query_stats`` (h2o.core.prerope.Queries), and at
     # the cut ``query_score(stats, keys, values, pos, held)`` replaces ``acc`` (expected_attention; READ_QUERIES)
     reads_queries: ClassVar[bool] = False
-    # True: :meth:`accumulate` and :meth:`accumulate_prompt` are given the rows' logits (B, H, G, r, S) as the model
-    # computed them (scaled, soft-capped, unmasked) in place of their probabilities, pad rows not zeroed (``valid``
-    # always given where a row may be a pad): a rule that pools the query heads' logits (r_kv)
+    # True: accumulate/accumulate_prompt get the rows' logits (B, H, G, r, S) as computed (scaled, soft-capped,
+    # unmasked, pad rows not zeroed: ``valid`` given) in place of probabilities: a rule pooling heads' logits (r_kv)
     reads_logits: ClassVar[bool] = False
     # True: the priority ignores ``acc`` and a token the cache dropped would never be among the ``total - 1`` older
     # tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
@@ -129,13 +128,11 @@ class Policy(BudgetChecks):
     # the simulated path only, one unpadded sequence at a time, no sliding window; the forward's plan is built once
     # (:meth:`mask_plan`) and each layer's mask from its logits (:meth:`forward_mask`)
     whole_forward: ClassVar[bool] = False
-    # when an evicting policy compresses (its schedule, :mod:`h2o.core.schedule`): "decode" (the budget kept at
-    # every step as the sequence grows), "prefill" (kvpress's protocol: cut once to the budget at the end of the
-    # prompt, every later token kept) or "interval" (cut back to the budget every ``interval`` generated tokens)
+    # when an evicting policy compresses (h2o.core.schedule): "decode" (the budget kept at every step), "prefill"
+    # (kvpress's: cut once to the budget at the prompt's end) or "interval" (cut back every ``interval`` tokens)
     compress: str = "decode"
     interval: int | None = None  # compress="interval": the generated tokens between two cuts
-    # why the rule has no simulated form (None: it has one); attach refuses mode="simulated" in one line with it
-    real_only: ClassVar[str | None] = None
+    real_only: ClassVar[str | None] = None  # why the rule has no simulated form (None: it has one): attach's refusal
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
     def __init_subclass__(cls, **kw):
