@@ -46,6 +46,7 @@ def test_full_budget_equals_the_model_on_smollm2(smol):
     model, ids = smol
     ids = ids[:, :72]
     with torch.no_grad():
+        model.set_attn_implementation("eager")  # loaded with sdpa (attn_implementation: auto on the CPU)
         ref = model(ids).logits
         model.set_attn_implementation("sdpa")
         fused = model(ids).logits

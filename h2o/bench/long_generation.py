@@ -19,6 +19,7 @@ import sys
 
 from h2o.bench.throughput import benchmark
 from h2o.bench.variants import Variant
+from h2o.core.engine import keeps_all
 
 SECTION = "long_generation"  # the records' ``section``: not read by the targets
 OPTION = "task.long_gen"  # the make bench option that turns the section off (null)
@@ -46,8 +47,8 @@ def measure(model, prompt_len: int, batch: int, gen_len: int, budget: int, inter
     for v, r in zip(chosen, recs):
         policy = v.build()
         r["section"] = SECTION
-        r["compress"] = None if policy.is_full else policy.compress
-        r["interval"] = policy.interval if not policy.is_full else None
+        r["compress"] = None if keeps_all(policy) else policy.compress
+        r["interval"] = None if keeps_all(policy) else policy.interval
     print_rows(rows(recs), out)
     return recs
 
