@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from h2o import attach, make_policy
-from h2o.core.policies import REAL_POLICIES  # the policies with an evicting cache
+from h2o.core.policies import BOTH_PATHS  # the policies with an evicting cache and a simulated form
 from h2o.assets.fetch import austen_text
 from h2o.assets.models import load_model
 
@@ -55,7 +55,7 @@ def test_full_budget_equals_the_model_on_smollm2(smol):
         dyn = DynamicCache(config=model.config)
         plain = torch.cat([model(ids[:, :64], cache=dyn).logits]
                           + [model(ids[:, t:t + 1], cache=dyn).logits for t in range(64, 72)], 1)
-        for name in REAL_POLICIES:
+        for name in BOTH_PATHS:
             policy = make_policy(name, budget=1.0)
             with attach(model, policy):
                 sim = model(ids).logits

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h2o.core.engine import keeps_all
 from h2o.tasks.base import Result, TaskSpec, check
 from h2o.tasks.batching import Sizing, record
 
@@ -153,7 +154,7 @@ class LongGenerationTask(TaskSpec):
                 continue
             out, watch = self.generate(model, tokenizer, policy, ids[start:rows.stop])
             mine = lm.answers(out, P, eos)
-            if policy.is_full:
+            if keeps_all(policy):
                 reference.keep(start, mine)
             refs = reference.get(start, lambda: lm.answers(self.generate(model, tokenizer, full,
                                                                          ids[start:rows.stop])[0], P, eos))
