@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 
 from h2o.assets.policy_config import at_budget
+from h2o.bench.report import section_rows
 from h2o.bench.throughput import benchmark
 from h2o.bench.variants import Variant
 
@@ -62,18 +63,10 @@ def measure(model, prompt_len: int, batch: int, gen_len: int, budget, repeats: i
 
 def rows(records: list[dict]) -> list[dict]:
     """The table's rows from the section's records (full first), plain numbers for the run record."""
-    out = []
-    for r in (r for r in records if r.get("section") == SECTION):
-        m = r["metrics"]
-        vf = m.get("vs_full", {})
-        out.append({"method": r["policy"], "compress": r["compress"] if r["policy"] != "full" else None,
-                    "budget": r["budget"], "prompt_len": r["prompt_len"], "batch_size": r["batch_size"],
-                    "gen_len": r["gen_len"], "prefill_s": m["prefill_s"], "kv_bytes_prefill": m["kv_bytes_prefill"],
-                    "kv_prefill_vs_full": vf.get("kv_bytes_prefill"), "tokens_held": r["kv_tokens_per_head"],
-                    "kv_meta_bytes": m["kv_meta_bytes"], "decode_tok_s": m["decode_tok_s"],
-                    "decode_vs_full": vf.get("decode_tok_s"), "decode_cpu_vs_full": vf.get("decode_tok_cpu_s"),
-                    "kv_bytes": m["kv_bytes"]})
-    return out
+    return section_rows(records, SECTION, lambda r, m, vf: {
+        "compress": r["compress"] if r["policy"] != "full" else None, "prefill_s": m["prefill_s"],
+        "kv_bytes_prefill": m["kv_bytes_prefill"], "kv_prefill_vs_full": vf.get("kv_bytes_prefill"),
+        "tokens_held": r["kv_tokens_per_head"], "kv_meta_bytes": m["kv_meta_bytes"]})
 
 
 def cell(x, spec: str) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 
+from h2o.bench.report import section_rows
 from h2o.bench.throughput import benchmark
 from h2o.bench.variants import Variant
 from h2o.core.engine import keeps_all
@@ -55,18 +56,9 @@ def measure(model, prompt_len: int, batch: int, gen_len: int, budget: int, inter
 
 def rows(records: list[dict]) -> list[dict]:
     """The table's rows from the section's records (full first), plain numbers for the run record."""
-    out = []
-    for r in (r for r in records if r.get("section") == SECTION):
-        m = r["metrics"]
-        vf = m.get("vs_full", {})
-        out.append({"method": r["policy"], "compress": r["compress"], "interval": r["interval"],
-                    "budget": r["budget"], "prompt_len": r["prompt_len"], "batch_size": r["batch_size"],
-                    "gen_len": r["gen_len"], "decode_tok_s": m["decode_tok_s"],
-                    "decode_vs_full": vf.get("decode_tok_s"),
-                    "decode_cpu_vs_full": vf.get("decode_tok_cpu_s"), "kv_bytes_max": m["kv_bytes_max"],
-                    "kv_max_vs_full": vf.get("kv_bytes_max"), "kv_bytes": m["kv_bytes"],
-                    "kv_end_vs_full": vf.get("kv_bytes")})
-    return out
+    return section_rows(records, SECTION, lambda r, m, vf: {
+        "compress": r["compress"], "interval": r["interval"], "kv_bytes_max": m["kv_bytes_max"],
+        "kv_max_vs_full": vf.get("kv_bytes_max"), "kv_end_vs_full": vf.get("kv_bytes")})
 
 
 COLUMNS = ("method", "schedule", "budget", "decode tok/s", "x full", "CPU x full", "KV max MiB", "x full",

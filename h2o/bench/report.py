@@ -65,6 +65,20 @@ def print_table(recs: list[dict], out=None, title: str | None = None) -> None:
 
 
 
+
+def section_rows(records: list[dict], section: str, fields) -> list[dict]:
+    """A ``make bench`` section's table rows from its records (full first), plain numbers for the run record: the
+    fields every section has, then ``fields(record, metrics, vs_full)``'s own."""
+    out = []
+    for r in (r for r in records if r.get("section") == section):
+        m = r["metrics"]
+        vf = m.get("vs_full", {})
+        out.append({"method": r["policy"], "budget": r["budget"], "prompt_len": r["prompt_len"],
+                    "batch_size": r["batch_size"], "gen_len": r["gen_len"], "decode_tok_s": m["decode_tok_s"],
+                    "decode_vs_full": vf.get("decode_tok_s"), "decode_cpu_vs_full": vf.get("decode_tok_cpu_s"),
+                    "kv_bytes": m["kv_bytes"], **fields(r, m, vf)})
+    return out
+
 def print_section(argv: list[str] | None, module) -> int:
     """``python -m <module> <run folder or metrics.json of make bench>``: print the record's ``module.SECTION`` rows
     as markdown (``module.table``); 2 and one line when the record is unreadable, lacks the section (its option
