@@ -49,8 +49,10 @@ def runs(root: Path) -> pd.DataFrame:
     options = [json_options(p) for p in df["path"]]
     df["schedule"] = [schedule_of({**r, "policy_options": o}) for (_, r), o in zip(df.iterrows(), options)]
     df["samples"] = [{s["doc_id"]: s for s in load_samples(p)} for p in df["path"]]
+    listed = df["protocol.prompts"] if "protocol.prompts" in df else df["n_samples"]
+    df["prompts"] = [int(p) if pd.notna(p) else int(n) for p, n in zip(listed, df["n_samples"])]
     df["order"] = [ORDER.index(p) if p in ORDER else 99 for p in df["policy"]]
-    return df.sort_values(["budget", "schedule", "order"]).reset_index(drop=True)
+    return df.sort_values(["budget", "schedule", "order", "prompts"]).reset_index(drop=True)
 
 
 def json_options(path: str) -> dict:
@@ -83,9 +85,22 @@ def verdict(p: dict) -> str:
     return "<" if p["hi"] < 0 else ">" if p["lo"] > 0 else "≈"
 
 
-def cell_of(df: pd.DataFrame, policy: str, budget, schedule: str):
-    hit = df[(df["policy"] == policy) & (df["budget"] == budget) & (df["schedule"] == schedule)]
+def grid_prompts(df: pd.DataFrame) -> int:
+    """The prompt count most records ran with (the grid's; a study may rerun some cells over more prompts)."""
+    return int(df["prompts"].mode().max())
+
+
+def cell_of(df: pd.DataFrame, policy: str, budget, schedule: str, prompts: int | None = None):
+    """The record of ``policy`` at ``budget`` and ``schedule`` over ``prompts`` prompts (the grid's by default)."""
+    prompts = grid_prompts(df) if prompts is None else prompts
+    hit = df[(df["policy"] == policy) & (df["budget"] == budget) & (df["schedule"] == schedule)
+             & (df["prompts"] == prompts)]
     return None if hit.empty else hit.iloc[0]
+
+
+def pooled(cells: list) -> dict:
+    """The samples of several records of one cell (different prompt sets), keyed by (prompts, doc_id)."""
+    return {(int(r["prompts"]), i): s for r in cells for i, s in r["samples"].items()}
 
 
 MEASURES = {"tf_nll_per_token": ("NLL per token of the full cache's answer teacher-forced through each cache", ".3f",
@@ -94,34 +109,53 @@ MEASURES = {"tf_nll_per_token": ("NLL per token of the full cache's answer teach
             "distinct_4": ("distinct 4-gram share of the answer", ".3f", ("more repetitive", "less repetitive"))}
 
 
+def compared(what: str, spec_: str, words: tuple, p: dict | None, A: str, B: str) -> str:
+    """One line of a paired comparison: difference, interval, prompts, how many favour each, verdict."""
+    if p is None:
+        return f"- {what}: fewer than two prompts in common"
+    low, high = words
+    word = {"<": f"{A} {low} at 95%", ">": f"{A} {high} at 95%", "≈": "not resolved at 95%"}[verdict(p)]
+    return (f"- {what}: {format(p['diff'], '+' + spec_)} [{format(p['lo'], '+' + spec_)}, "
+            f"{format(p['hi'], '+' + spec_)}] over {p['n']} prompts ({A} lower on {p['a_lower']}, "
+            f"{B} lower on {p['b_lower']}): {word}")
+
+
 def headline(df: pd.DataFrame, spec: dict) -> list[str]:
-    """The study's named comparison (``spec``: a, b, budget, schedule): a − b paired over prompts for the fidelity
-    (the first of :data:`MEASURES`, the headline), the answer's length and its repetition, each with its bootstrap 95%
-    interval and verdict."""
-    a, b = cell_of(df, spec["a"], spec["budget"], spec["schedule"]), cell_of(df, spec["b"], spec["budget"],
-                                                                             spec["schedule"])
+    """The study's named comparison (``spec``: a, b, budget, schedule, and prompts: the prompt set it is measured
+    on, the grid's by default): a − b paired over prompts for the fidelity (the first of :data:`MEASURES`, the
+    headline), the answer's length and its repetition, each with its bootstrap 95% interval and verdict; then the
+    fidelity on every other prompt set where both cells ran, and over all of them pooled (secondary)."""
+    prompts = spec.get("prompts") or grid_prompts(df)
+    cell = lambda m, n: cell_of(df, spec[m], spec["budget"], spec["schedule"], n)  # noqa: E731
+    a, b = cell("a", prompts), cell("b", prompts)
     A, B = label(spec["a"]), label(spec["b"])
-    head = (f"**Headline**: {A} against {B} at {spec['budget']} tokens, {spec['schedule']}, paired over prompts "
-            f"({A} − {B}, bootstrap 95% interval of the mean difference; the first line is the headline, the "
-            f"other two the answer it writes)")
+    head = (f"**Headline**: {A} against {B} at {spec['budget']} tokens, {spec['schedule']}, over the {prompts} "
+            f"prompts of task.prompts={prompts}, paired over prompts ({A} − {B}, bootstrap 95% interval of the mean "
+            f"difference; the first line is the headline, the other two the answer it writes)")
     if a is None or b is None:
         return [f"{head}: not yet measured (a record is missing)."]
-    lines = [head, ""]
-    for key, (what, spec_, (low, high)) in MEASURES.items():
-        p = paired(a["samples"], b["samples"], key)
-        if p is None:
-            lines.append(f"- {what}: fewer than two prompts in common")
-            continue
-        word = {"<": f"{A} {low} at 95%", ">": f"{A} {high} at 95%", "≈": "not resolved at 95%"}[verdict(p)]
-        lines.append(f"- {what}: {format(p['diff'], '+' + spec_)} [{format(p['lo'], '+' + spec_)}, "
-                     f"{format(p['hi'], '+' + spec_)}] over {p['n']} prompts ({A} lower on {p['a_lower']}, "
-                     f"{B} lower on {p['b_lower']}): {word}")
+    lines = [head, ""] + [compared(what, fmt_, words, paired(a["samples"], b["samples"], key), A, B)
+                          for key, (what, fmt_, words) in MEASURES.items()]
+    what, fmt_, words = MEASURES["tf_nll_per_token"]
+    others = [n for n in sorted(set(df["prompts"]) - {prompts})
+              if cell("a", n) is not None and cell("b", n) is not None]
+    for n in others:
+        lines.append(compared(f"secondary, the same {what.split(' of ')[0]} over the {n} prompts of "
+                              f"task.prompts={n} (other passages)", fmt_, words,
+                              paired(cell("a", n)["samples"], cell("b", n)["samples"]), A, B))
+    if others:
+        sets = [prompts, *others]
+        lines.append(compared(f"secondary, the same pooled over every prompt set ({' + '.join(map(str, sets))} "
+                              f"distinct passages)", fmt_, words,
+                              paired(pooled([cell("a", n) for n in sets]), pooled([cell("b", n) for n in sets])),
+                              A, B))
     return lines
 
 
 def versus_h2o(df: pd.DataFrame) -> list[str]:
     """Every other compressed method against H2O in each cell where both ran."""
     lines = []
+    df = df[df["prompts"] == grid_prompts(df)]
     for (budget, schedule), group in df[df["policy"] != "full"].groupby(["budget", "schedule"], sort=False):
         base = cell_of(df, "h2o", budget, schedule)
         if base is None:
@@ -143,7 +177,7 @@ def num(v, spec: str) -> str:
 
 def table(df: pd.DataFrame) -> str:
     """One row per record: fidelity, departure, length, repetition, KV held, time."""
-    cols = ["method", "budget", "schedule", "NLL/token of full's answer [95%]", "top-1 agreement",
+    cols = ["method", "budget", "schedule", "prompts", "NLL/token of full's answer [95%]", "top-1 agreement",
             "first departure (median)", "tokens generated", "at length limit", "distinct 4-grams", "KV peak MiB",
             "CPU s"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -153,7 +187,8 @@ def table(df: pd.DataFrame) -> str:
         ci = f"{num(r['tf_nll_per_token'], '.3f')} [{num(r.get('tf_nll_per_token_ci95_low'), '.3f')}, " \
              f"{num(r.get('tf_nll_per_token_ci95_high'), '.3f')}]"
         lines.append("| " + " | ".join([
-            label(r["policy"]), "—" if r["policy"] == "full" else f"{r['budget']:g}", r["schedule"], ci,
+            label(r["policy"]), "—" if r["policy"] == "full" else f"{r['budget']:g}", r["schedule"],
+            str(r["prompts"]), ci,
             num(r.get("tf_top1"), ".3f"), num(departure, ".0f"), num(r.get("gen_tokens"), ".0f"),
             num(r.get("at_limit_share"), ".2f"), num(r.get("distinct_4"), ".3f"),
             num(r.get("kv_bytes_peak") / MIB if r.get("kv_bytes_peak") is not None else None, ".2f"),
@@ -239,7 +274,8 @@ def page_body(df: pd.DataFrame, figures: Path, rel: str, spec: dict) -> list[str
                                       "at one budget and schedule hold the same bytes, so their lines coincide.",
                 "long_generation_fidelity": "NLL per token of the full cache's answer teacher-forced through each "
                                             "cache, with its 95% interval over prompts; the line: full's own."}
-    for p in kv_figure(df, figures) + fidelity_figure(df, figures):
+    on_grid = df[df["prompts"] == grid_prompts(df)]  # the figures: the grid's prompts (one record per cell)
+    for p in kv_figure(on_grid, figures) + fidelity_figure(on_grid, figures):
         if p.suffix == ".png":
             lines += [f"![{p.stem}]({rel}/{p.name})", "", captions.get(p.stem, ""), ""]
         else:

@@ -15,8 +15,9 @@ number comes from the records beside its ``study.yaml``, so a measured number in
     kind: records | streaming | methods | questions | long_generation
     records: records             # records, methods, questions, long_generation: a folder of run records
                                  # (``metrics.json`` + ``samples.jsonl``)
-    runs: 25                     # long_generation: the committed grid's runs (the page says how many finished)
-    headline: {a: h2o, b: streaming_llm, budget: 64, schedule: every step}   # long_generation: the named comparison
+    runs: 28                     # long_generation: the committed grid's runs (the page says how many finished)
+    headline: {a: h2o, b: streaming_llm, budget: 64, schedule: every step, prompts: 16}   # long_generation: the
+                                 # named comparison, on the records of that prompt count (the grid's by default)
     sections:                    # streaming: window samples (analysis.streaming_study), one section per folder
       - {title: "...", samples: samples}             # a folder, or a list of folders read together
       - {title: "...", samples: [a, b], budgets: [96]}   # budgets: only these caches

@@ -24,13 +24,16 @@ TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}
 def test_the_grid_lists_every_decoding_method_at_each_budget_and_schedule():
     sweep = expand(["experiment=long_generation", "runs_dir=/nonexistent-runs"], multirun=True)
     specs = list({p.path: p for p in sweep.specs}.values())  # full's one run serves both budgets
-    cells = Counter((p.policy.name, p.policy.budget, p.policy.compress, p.policy.interval) for p in specs)
+    cells = Counter((p.policy.name, p.policy.budget, p.policy.compress, p.policy.interval, p.task.prompts)
+                    for p in specs)
     assert set(cells.values()) == {1}
-    assert set(cells) == {("full", 1.0, "decode", None)} | {
-        (m, b, c, i) for m in DECODING for b in (64, 128) for c, i in (("decode", None), ("interval", 32))}
-    assert len(specs) == 25 and specs[0].policy.name == "full"
-    first = [(p.policy.name, p.policy.budget, p.policy.compress) for p in specs[1:13]]
-    assert {b for _, b, _ in first} == {64}  # every method and schedule at 64 tokens before 128
+    assert set(cells) == {("full", 1.0, "decode", None, 8)} | {
+        (m, b, c, i, 8) for m in DECODING for b in (64, 128) for c, i in (("decode", None), ("interval", 32))} | {
+        ("full", 1.0, "decode", None, 16), ("h2o", 64, "decode", None, 16), ("streaming_llm", 64, "decode", None, 16)}
+    assert len(specs) == 28 and specs[0].policy.name == "full"
+    first = [p.policy.budget for p in specs[:16] if p.policy.name != "full"]
+    assert first == [64] * 14  # every method and schedule at 64 tokens (both prompt sets) before 128
+    assert "prompts=16" in str(next(p.path for p in specs if p.task.prompts == 16))  # beside the grid's folders
     task = sweep.specs[0].task
     assert (task.prompts, task.passage_tokens, task.max_new_tokens, task.text, task.kind) == (
         8, 128, 512, "austen", "long_generation")
@@ -132,8 +135,8 @@ def test_the_task_records_fidelity_length_and_kv_against_the_full_cache(tiny_lm,
 
 
 # ----------------------------------------------------------------------------------------------- the page
-def record(root, policy, budget, compress, nll: list[float], kv: int):
-    folder = root / f"{policy}-{budget}-{compress}"
+def record(root, policy, budget, compress, nll: list[float], kv: int, prompts: int | None = None):
+    folder = root / f"{policy}-{budget}-{compress}{f'-{prompts}' if prompts else ''}"
     folder.mkdir(parents=True)
     interval = 32 if compress == "interval" else None
     samples = [{"doc_id": i, "tf_nll_per_token": v, "first_departure": 10 + i, "kv_trace": [kv, kv + 1, kv + 2],
@@ -145,6 +148,7 @@ def record(root, policy, budget, compress, nll: list[float], kv: int):
     rec = {"experiment": "long_generation", "model": "smollm2-135m", "task": "long_generation",
            "task_kind": "long_generation", "policy": policy, "budget": budget, "semantics": "real", "seed": 0,
            "n_samples": len(nll), "policy_options": options, "trace_every": 8, "cpu_s": 100.0,
+           **({"protocol": {"prompts": prompts}} if prompts else {}),
            **({"compress": compress, "interval": interval} if interval else {}),
            "metrics": {"tf_nll_per_token": mean, "tf_nll_per_token_ci95_low": mean - 0.1,
                        "tf_nll_per_token_ci95_high": mean + 0.1, "gen_tokens": 512, "kv_bytes_peak": kv}}
@@ -168,7 +172,8 @@ def test_the_page_comes_from_the_records(tmp_path):
     assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
     page = (out / "long_generation.md").read_text()
     assert "Runs finished: 5 of the committed grid's 25 (500 CPU-s in all, one thread each)." in page
-    assert "**Headline**: H2O against StreamingLLM at 64 tokens, every step, paired over prompts" in page
+    assert ("**Headline**: H2O against StreamingLLM at 64 tokens, every step, over the 4 prompts of "
+            "task.prompts=4, paired over prompts") in page
     assert ("- NLL per token of the full cache's answer teacher-forced through each cache: -0.500 [-0.575, -0.425] "
             "over 4 prompts (H2O lower on 4, StreamingLLM lower on 0): H2O lower: closer to the full cache at 95%") in page
     assert ("- tokens generated: +2.0 [+2.0, +2.0] over 4 prompts (H2O lower on 0, StreamingLLM lower on 4): H2O "
@@ -179,6 +184,34 @@ def test_the_page_comes_from_the_records(tmp_path):
     assert "![long_generation_kv](long_generation/long_generation_kv.png)" in page
     assert sorted(p.name for p in (out / "long_generation").iterdir()) == ["long_generation_fidelity.png",
                                                                          "long_generation_kv.png"]
-    assert "| H2O | 64 | every 32 | 1.100 [1.000, 1.200] |" in page
+    assert "| H2O | 64 | every 32 | 4 | 1.100 [1.000, 1.200] |" in page
     tie = paired({0: {"x": 1.0}, 1: {"x": 2.0}}, {0: {"x": 2.0}, 1: {"x": 1.0}}, "x")
     assert tie["lo"] < 0 < tie["hi"] and tie["a_lower"] == tie["b_lower"] == 1
+
+
+def test_the_headline_on_its_own_prompt_set_beside_the_grids(tmp_path):
+    from analysis import results_pages
+
+    root = tmp_path / "studies" / "long_generation" / "records"
+    record(root, "full", 1.0, "decode", [0.5, 0.6, 0.4, 0.5], 900)
+    record(root, "h2o", 64, "decode", [1.0, 1.2, 0.9, 1.1], 100)
+    record(root, "streaming_llm", 64, "decode", [1.5, 1.6, 1.4, 1.7], 100)
+    record(root, "tova", 64, "decode", [0.9, 1.3, 1.0, 1.0], 100)
+    record(root, "h2o", 64, "decode", [2.0, 2.0, 1.0, 1.0, 3.0, 3.0], 100, prompts=6)  # the headline's own set
+    record(root, "streaming_llm", 64, "decode", [1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 100, prompts=6)
+    spec = {"title": "Long generation", "kind": "long_generation", "runs": 7,
+            "headline": {"a": "h2o", "b": "streaming_llm", "budget": 64, "schedule": "every step", "prompts": 6}}
+    (root.parent / "study.yaml").write_text(json.dumps(spec))
+    out = tmp_path / "docs"
+    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
+    page = (out / "long_generation.md").read_text()
+    assert "**Headline**: H2O against StreamingLLM at 64 tokens, every step, over the 6 prompts of task.prompts=6" in page
+    assert ("- NLL per token of the full cache's answer teacher-forced through each cache: +1.000 [+0.333, +1.667] "
+            "over 6 prompts (H2O lower on 0, StreamingLLM lower on 4): H2O higher: further from the full cache at "
+            "95%") in page
+    assert "- secondary, the same NLL per token over the 4 prompts of task.prompts=4 (other passages): -0.500" in page
+    assert "- secondary, the same pooled over every prompt set (6 + 4 distinct passages): +0.400 [" in page
+    assert "over 10 prompts (H2O lower on 4, StreamingLLM lower on 4)" in page
+    assert "- 64 tokens, every step: H2O < StreamingLLM: -0.500" in page  # cell by cell: the grid's prompts only
+    assert "| H2O | 64 | every step | 6 | 2.000 [1.900, 2.100] |" in page
+    assert "| H2O | 64 | every step | 4 | 1.050 [0.950, 1.150] |" in page
