@@ -31,8 +31,9 @@ def test_the_grid_lists_every_decoding_method_at_each_budget_and_schedule():
         (m, b, c, i, 8) for m in DECODING for b in (64, 128) for c, i in (("decode", None), ("interval", 32))} | {
         ("full", 1.0, "decode", None, 16), ("h2o", 64, "decode", None, 16), ("streaming_llm", 64, "decode", None, 16)}
     assert len(specs) == 28 and specs[0].policy.name == "full"
-    first = [p.policy.budget for p in specs[:16] if p.policy.name != "full"]
-    assert first == [64] * 14  # every method and schedule at 64 tokens (both prompt sets) before 128
+    first = [(p.policy.budget, p.task.prompts) for p in specs[1:13]]
+    assert set(first) == {(64, 8)}  # every method and schedule at 64 tokens before 128, then the 16 prompts
+    assert [p.task.prompts for p in specs[25:]] == [16] * 3
     assert "prompts=16" in str(next(p.path for p in specs if p.task.prompts == 16))  # beside the grid's folders
     task = sweep.specs[0].task
     assert (task.prompts, task.passage_tokens, task.max_new_tokens, task.text, task.kind) == (
