@@ -124,7 +124,7 @@ def headline(df: pd.DataFrame, spec: dict) -> list[str]:
     """The study's named comparison (``spec``: a, b, budget, schedule, and prompts: the prompt set it is measured
     on, the grid's by default): a − b paired over prompts for the fidelity (the first of :data:`MEASURES`, the
     headline), the answer's length and its repetition, each with its bootstrap 95% interval and verdict; then the
-    fidelity on every other prompt set where both cells ran, and over all of them pooled (secondary)."""
+    same on every other prompt set where both cells ran, and the fidelity over all of them pooled (secondary)."""
     prompts = spec.get("prompts") or grid_prompts(df)
     cell = lambda m, n: cell_of(df, spec[m], spec["budget"], spec["schedule"], n)  # noqa: E731
     a, b = cell("a", prompts), cell("b", prompts)
@@ -132,20 +132,20 @@ def headline(df: pd.DataFrame, spec: dict) -> list[str]:
     head = (f"**Headline**: {A} against {B} at {spec['budget']} tokens, {spec['schedule']}, over the {prompts} "
             f"prompts of task.prompts={prompts}, paired over prompts ({A} − {B}, bootstrap 95% interval of the mean "
             f"difference; the first line is the headline, the other two the answer it writes)")
-    if a is None or b is None:
-        return [f"{head}: not yet measured (a record is missing)."]
-    lines = [head, ""] + [compared(what, fmt_, words, paired(a["samples"], b["samples"], key), A, B)
-                          for key, (what, fmt_, words) in MEASURES.items()]
+    measured = a is not None and b is not None
+    lines = [head + ("" if measured else ": not yet measured (a record is missing)."), ""]
+    lines += [compared(what, fmt_, words, paired(a["samples"], b["samples"], key), A, B)
+              for key, (what, fmt_, words) in MEASURES.items()] if measured else []
     what, fmt_, words = MEASURES["tf_nll_per_token"]
     others = [n for n in sorted(set(df["prompts"]) - {prompts})
               if cell("a", n) is not None and cell("b", n) is not None]
     for n in others:
-        lines.append(compared(f"secondary, the same {what.split(' of ')[0]} over the {n} prompts of "
-                              f"task.prompts={n} (other passages)", fmt_, words,
-                              paired(cell("a", n)["samples"], cell("b", n)["samples"]), A, B))
-    if others:
+        lines += [compared(f"secondary, over the {n} prompts of task.prompts={n} (other passages), {what_}", fmt__,
+                           words_, paired(cell("a", n)["samples"], cell("b", n)["samples"], key), A, B)
+                  for key, (what_, fmt__, words_) in MEASURES.items()]
+    if others and measured:
         sets = [prompts, *others]
-        lines.append(compared(f"secondary, the same pooled over every prompt set ({' + '.join(map(str, sets))} "
+        lines.append(compared(f"secondary, {what} pooled over every prompt set ({' + '.join(map(str, sets))} "
                               f"distinct passages)", fmt_, words,
                               paired(pooled([cell("a", n) for n in sets]), pooled([cell("b", n) for n in sets])),
                               A, B))

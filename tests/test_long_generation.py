@@ -210,8 +210,11 @@ def test_the_headline_on_its_own_prompt_set_beside_the_grids(tmp_path):
     assert ("- NLL per token of the full cache's answer teacher-forced through each cache: +1.000 [+0.333, +1.667] "
             "over 6 prompts (H2O lower on 0, StreamingLLM lower on 4): H2O higher: further from the full cache at "
             "95%") in page
-    assert "- secondary, the same NLL per token over the 4 prompts of task.prompts=4 (other passages): -0.500" in page
-    assert "- secondary, the same pooled over every prompt set (6 + 4 distinct passages): +0.400 [" in page
+    assert ("- secondary, over the 4 prompts of task.prompts=4 (other passages), NLL per token of the full cache's "
+            "answer teacher-forced through each cache: -0.500") in page
+    assert "- secondary, over the 4 prompts of task.prompts=4 (other passages), tokens generated: +2.0" in page
+    assert ("- secondary, NLL per token of the full cache's answer teacher-forced through each cache pooled over "
+            "every prompt set (6 + 4 distinct passages): +0.400 [") in page
     assert "over 10 prompts (H2O lower on 4, StreamingLLM lower on 4)" in page
     assert "- 64 tokens, every step: H2O < StreamingLLM: -0.500" in page  # cell by cell: the grid's prompts only
     assert "| H2O | 64 | every step | 6 | 2.000 [1.900, 2.100] |" in page
