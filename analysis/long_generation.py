@@ -20,7 +20,7 @@ from analysis.records import load_runs, load_samples
 
 ORDER = ["full", "h2o", "tova", "streaming_llm", "local", "knorm", "keydiff", "snapkv", "r_kv"]
 LABELS = {"h2o": "H2O", "tova": "TOVA", "streaming_llm": "StreamingLLM", "local": "local", "knorm": "K-norm",
-          "keydiff": "KeyDiff", "full": "full"}
+          "keydiff": "KeyDiff", "full": "full", "r_kv": "R-KV", "snapkv": "SnapKV"}
 MIB = 2 ** 20
 RESAMPLES = 10000
 

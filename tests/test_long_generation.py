@@ -16,7 +16,7 @@ from h2o.pipeline.sweep import expand
 from h2o.tasks import long_generation_measures as lm
 from h2o.tasks.long_generation import LongGenerationTask
 
-DECODING = ("h2o", "tova", "streaming_llm", "local", "knorm", "keydiff")
+DECODING = ("h2o", "tova", "streaming_llm", "local", "knorm", "keydiff", "r_kv")
 TEMPLATE = ("{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}[assistant] {% endif %}")
 
@@ -30,10 +30,10 @@ def test_the_grid_lists_every_decoding_method_at_each_budget_and_schedule():
     assert set(cells) == {("full", 1.0, "decode", None, 8)} | {
         (m, b, c, i, 8) for m in DECODING for b in (64, 128) for c, i in (("decode", None), ("interval", 32))} | {
         ("full", 1.0, "decode", None, 16), ("h2o", 64, "decode", None, 16), ("streaming_llm", 64, "decode", None, 16)}
-    assert len(specs) == 28 and specs[0].policy.name == "full"
-    first = [(p.policy.budget, p.task.prompts) for p in specs[1:13]]
+    assert len(specs) == 32 and specs[0].policy.name == "full"
+    first = [(p.policy.budget, p.task.prompts) for p in specs[1:15]]
     assert set(first) == {(64, 8)}  # every method and schedule at 64 tokens before 128, then the 16 prompts
-    assert [p.task.prompts for p in specs[25:]] == [16] * 3
+    assert [p.task.prompts for p in specs[29:]] == [16] * 3
     assert "prompts=16" in str(next(p.path for p in specs if p.task.prompts == 16))  # beside the grid's folders
     task = sweep.specs[0].task
     assert (task.prompts, task.passage_tokens, task.max_new_tokens, task.text, task.kind) == (
