@@ -85,6 +85,7 @@ def validate(args) -> None:
     longest = spec.max_positions()
     if longest:
         policy.check_reach(longest, "the model's longest context")
+        policy.check_run_counts(longest, "the model's longest context")
     if getattr(policy, "reads_queries", False):  # expected_attention: a rotary model, read from its config
         policy.check_rotary(spec.geometry()[1], pretrained)
     check(options.get("scoring", "sum") in SCORING,
