@@ -70,3 +70,22 @@ def contexts(tok, lengths, depths, samples: int, text: str, seed: int, n: int) -
     words = book(text)
     return [{**context(tok, words, int(length), float(d), i, seed, n), "haystack": text}
             for length in lengths for d in depths for i in range(int(samples))]
+
+
+def lm_eval_docs(tokenizer: str, lengths, depths, samples: int, text: str, seed: int, n: int) -> list[dict]:
+    """lm-eval's ``niah`` docs with ``questions`` / ``turns`` = ``n`` in its metadata: one doc per (context, question),
+    the context's questions in turn. Each doc is a niah doc (``prompt`` the shared context, ``question``, ``answer``,
+    ``key``, ``needle_depth`` the measured depth of its needle, ``prompt_tokens`` of the context and that question)
+    with ``context`` (the context's index) and ``question_index``."""
+    from h2o.tasks.niah import load_tokenizer
+
+    tok = load_tokenizer(str(tokenizer))
+    rows = []
+    for c, doc in enumerate(contexts(tok, lengths, depths, samples, text, seed, n)):
+        for k, question in enumerate(doc["questions"]):
+            rows.append({"prompt": doc["prompt"], "question": question, "answer": doc["answers"][k],
+                         "key": doc["keys"][k], "length": doc["length"], "depth": doc["depth"],
+                         "needle_depth": doc["needle_depths"][k], "sample": doc["sample"],
+                         "prompt_tokens": len(tok(doc["prompt"] + question, add_special_tokens=False).input_ids),
+                         "haystack": text, "context": c, "question_index": k})
+    return rows
