@@ -33,7 +33,7 @@ def check_keys(options: dict, policy) -> None:
     from h2o.assets.policy_config import option_keys
     from h2o.core.policies import POLICIES
     from h2o.core.validate import check
-    from h2o.tasks.lm_eval_many import check_many
+    from h2o.tasks.question_after import check_many
     from h2o.tasks.lm_eval_model import QUANT_PREFIX, HFLM
     from h2o.tasks.question_after import QUESTIONS
 

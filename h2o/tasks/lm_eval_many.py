@@ -5,7 +5,7 @@
 
 lm-eval hands the model one generation request per (context, question) and merges ``--model_args`` into the tasks'
 metadata, so ``questions=K`` reaches the ``niah`` task too: its data set then holds contexts of K needles, one doc
-per question (h2o.tasks.niah_many.lm_eval_docs). On the model's side the requests are grouped by what they share:
+per question (h2o.tasks.niah_many.dataset). On the model's side the requests are grouped by what they share:
 the request's text less its question (the doc's ``question`` field, or RULER's question pattern:
 h2o.tasks.question_after.question_of), per task. A group is one context:
 
@@ -28,22 +28,6 @@ question's (context tokens, tokens the compressed context holds per layer and he
 context's compressed cache once, and ``contexts`` one row per group (its task, doc ids, context tokens, footprint).
 """
 from __future__ import annotations
-
-MODES = ("questions", "turns")
-
-
-def check_many(questions, turns, prefix: str = "--model_args ") -> tuple[str, int] | None:
-    """ConfigError (one line) for a bad value -> ("questions" | "turns", K) when one is above 1, else None."""
-    from h2o.core.validate import check, is_int
-
-    for key, value in (("questions", questions), ("turns", turns)):
-        check(is_int(value) and value >= 1, f"{prefix}{key}={value!r}: allowed: an int >= 1 (1: one question "
-                                            f"per context)")
-    check(min(questions, turns) == 1,
-          f"{prefix}questions={questions},turns={turns}: allowed: one of them above 1")
-    if max(questions, turns) == 1:
-        return None
-    return ("turns", turns) if turns > 1 else ("questions", questions)
 
 
 def groups(requests, asked: list[str | None]) -> list[tuple[str, list[int]]]:

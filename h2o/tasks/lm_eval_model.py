@@ -70,14 +70,15 @@ import torch.nn.functional as F
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from h2o.assets.model_spec import resolve_pretrained
 from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
 from h2o.core import engine
 from h2o.core.quant import QuantError, Quantizer
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_left_padding, from_text, to_left_padding
-from h2o.tasks.question_after import QUESTIONS, context_then_question, prefill, question_of
+from h2o.tasks.question_after import QUESTIONS, check_many, context_then_question, prefill, question_of
 from h2o.tasks.generation_rows import GenerationRows, pair
-from h2o.tasks.lm_eval_many import AskMany, check_many
+from h2o.tasks.lm_eval_many import AskMany
 from h2o.tasks.resume_logs import ResumeLogs
 
 SEMANTICS = ("simulated", "reference")
@@ -127,20 +128,6 @@ def lm_policy(policy: str | Policy, args: dict, semantics: str = "simulated") ->
         notice(f"--model_args semantics=reference is spelled policy={reference.name} now; policy={policy.name}")
         policy = reference
     return policy
-
-
-def resolve_pretrained(pretrained):
-    """A packaged model (``smollm2-135m``, ``gemma3-270m``) -> its cached checkpoint; ``tiny:<arch>`` -> the tiny
-    checkpoint; else unchanged."""
-    if not isinstance(pretrained, str):
-        return pretrained
-    from h2o.assets.packaged import packaged, packaged_path
-
-    if packaged(pretrained):
-        return str(packaged_path(packaged(pretrained)))
-    from h2o.assets.model_spec import resolve_tiny
-
-    return resolve_tiny(pretrained)
 
 
 @register_model("h2o")

@@ -60,7 +60,7 @@ def book(text: str) -> str:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    from h2o.tasks.lm_eval_model import resolve_pretrained
+    from h2o.assets.model_spec import resolve_pretrained
 
     return AutoTokenizer.from_pretrained(resolve_pretrained(path))
 
@@ -148,24 +148,21 @@ def docs(tokenizer: str, lengths, depths, samples: int, text: str = "austen", se
 
 
 def dataset(tokenizer: str | None = None, pretrained: str | None = None, lengths=(1024,),
-            depths=(0.1, 0.5, 0.9), samples: int = 2, text: str = "austen", seed: int = 0, questions: int = 1,
-            turns: int = 1, **_other):
-    """lm-eval's ``custom_dataset`` hook: a DatasetDict with the ``test`` split (other metadata is ignored).
-    ``questions`` / ``turns`` above 1 (``--model_args questions=K`` reaches here too: lm-eval merges the model's
-    arguments into the metadata): contexts of that many needles, one doc per question (h2o.tasks.niah_many)."""
+            depths=(0.1, 0.5, 0.9), samples: int = 2, text: str = "austen", seed: int = 0, **_other):
+    """lm-eval's ``custom_dataset`` hook: a DatasetDict with the ``test`` split (other metadata is ignored)."""
     import datasets
 
-    from h2o.tasks.lm_eval_many import check_many
-    from h2o.tasks.niah_many import lm_eval_docs
+    rows = docs(tokenizer_path(tokenizer, pretrained), lengths, depths, samples, text, seed)
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
+
+def tokenizer_path(tokenizer: str | None, pretrained: str | None) -> str:
+    """The metadata's ``tokenizer`` (else ``pretrained``); ValueError (one line) when neither is a path."""
     path = tokenizer or pretrained
     if not isinstance(path, str) or not path:
         raise ValueError("task niah needs the tokenizer: --metadata '{\"tokenizer\": \"<path>\"}' or "
                          "--model_args pretrained=<path>")
-    many = check_many(questions, turns, "niah metadata ")
-    rows = (lm_eval_docs(path, lengths, depths, samples, text, seed, many[1]) if many
-            else docs(path, lengths, depths, samples, text, seed))
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+    return path
 
 
 def found(generation: str, answer: str) -> bool:
