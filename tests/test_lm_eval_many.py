@@ -1,7 +1,8 @@
 """Compress once, ask many through lm-eval's evaluator and ``--model h2o`` (``questions=K`` / ``turns=K``): the niah
 task's contexts of K needles, each compressed once, each question answered from its own copy; held against the
 per-request paths (the whole prompt under ``full``, ``question=after``) and answers computed by hand, on a tiny random
-Llama (one token per byte; weights drawn wider than the default so that answers depend on the prompt)."""
+Llama (one token per byte; weights drawn wider than the default so that answers depend on the prompt; answers
+compared token for token)."""
 from __future__ import annotations
 
 import pytest
@@ -17,10 +18,18 @@ GEN = {"max_gen_toks": 6}
 
 @pytest.fixture(scope="module")
 def tiny():
+    """The model, its byte tokenizer decoding each id as ``<id>`` (lossless: a random model's bytes are seldom
+    UTF-8, which decodes them all to one replacement character), the tokenizer's folder."""
     from h2o.assets.models import tiny_model
     from h2o.assets.tiny import byte_tokenizer, tiny_checkpoint
 
-    return tiny_model("llama", 0, initializer_range=0.2), byte_tokenizer(), str(tiny_checkpoint("llama"))
+    tok = byte_tokenizer()
+    def decode(token_ids, **_):
+        ids = torch.as_tensor(token_ids).flatten().tolist()
+        return "".join(f"<{i}>" for i in ids)
+
+    tok.decode = decode
+    return tiny_model("llama", 0, initializer_range=0.2), tok, str(tiny_checkpoint("llama"))
 
 
 def evaluate(tiny, n: int, policy: str = "full", options: dict | None = None, lengths=(480,), **model_args
@@ -76,11 +85,11 @@ def test_turns_answer_as_the_whole_conversation_does(tiny):
         first, second = (s for s in turns if s["doc"]["context"] == c)
         ctx, q0, q1 = ids(first["doc"]["prompt"]), ids(first["doc"]["question"]), ids(second["doc"]["question"])
         with torch.no_grad(), attach(model, make_policy("full"), mode="real") as h:
-            a0 = greedy(model, h.new_cache(), ctx + q0, GEN["max_gen_toks"], lambda out: "\n" in tok.decode(out))
+            a0 = greedy(model, h.new_cache(), ctx + q0, GEN["max_gen_toks"], lambda out: out[-1] == 2)  # 2: EOS
         with torch.no_grad(), attach(model, make_policy("full"), mode="real") as h:
-            a1 = greedy(model, h.new_cache(), ctx + q0 + a0 + q1, GEN["max_gen_toks"],
-                        lambda out: "\n" in tok.decode(out))
-        assert [first["resps"][0][0], second["resps"][0][0]] == [tok.decode(a).split("\n")[0] for a in (a0, a1)]
+            a1 = greedy(model, h.new_cache(), ctx + q0 + a0 + q1, GEN["max_gen_toks"], lambda out: out[-1] == 2)
+        assert [first["resps"][0][0], second["resps"][0][0]] == [tok.decode([t for t in a if t != 2]) for a in (a0, a1)]
+        assert a0 != a1
     assert [c["mode"] for c in lm.contexts] == ["turns", "turns"]
 
 
@@ -108,3 +117,56 @@ def test_bad_values_are_refused_in_one_line_before_loading(model_args, words, ca
     assert lm_eval_cli.main() == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err
+
+
+def ruler_doc() -> dict:
+    """A sample as lm-eval's RULER niah_multikey_1 writes it (four keys, one queried), by hand."""
+    needle = "One of the special magic numbers for {} is: {}."
+    context = ("Some special magic numbers are hidden within the following text. Make sure to memorize it. I will "
+               "quiz you about the numbers afterwards.\nThe river ran high. " + needle.format("calm-wagon", "1234567")
+               + " Rain fell. " + needle.format("rusty-quill", "7654321") + " The mill was quiet. "
+               + needle.format("proud-tower", "5551234") + " Bees hummed. " + needle.format("icy-kettle", "9990001")
+               + " The day was long.\n")
+    return {"index": 0, "input": context + "What is the special magic number for proud-tower mentioned in the "
+                                           "provided text?", "outputs": ["5551234"], "length": 480,
+            "max_length": 1024, "gen_prefix": "The special magic number for proud-tower mentioned in the provided "
+                                              "text is"}
+
+
+def test_ruler_samples_split_into_one_question_per_key():
+    from h2o.tasks.question_after import question_of
+    from h2o.tasks.ruler_many import split
+
+    docs = split(ruler_doc(), 4, 7)
+    assert [d["outputs"] for d in docs] == [["5551234"], ["1234567"], ["7654321"], ["9990001"]]  # queried first
+    assert [(d["context"], d["question_index"]) for d in docs] == [(7, k) for k in range(4)]
+    assert docs[1]["input"].endswith("\nWhat is the special magic number for calm-wagon mentioned in the provided "
+                                     "text?") and docs[1]["gen_prefix"].endswith("calm-wagon mentioned in the "
+                                                                                 "provided text is")
+    texts = [d["input"] + " " + d["gen_prefix"] for d in docs]  # lm-eval's request text
+    shared = {t[:len(t) - len(question_of(t, d, "niah_multikey_1_questions"))] for t, d in zip(texts, docs)}
+    assert shared == {ruler_doc()["input"].split("What is")[0]} and len(split(ruler_doc(), 2, 0)) == 2
+
+
+def test_ruler_questions_share_one_compressed_context(tiny):
+    """Through ``--model h2o``'s generation: the four answers of one RULER context, compressed once, are the
+    answers to each request alone with its context prefilled before its question (``question=after``), under
+    ``full`` and SnapKV."""
+    from lm_eval.api.instance import Instance
+
+    from h2o.tasks.ruler_many import split
+
+    model, tok, _ = tiny
+    docs = split(ruler_doc(), 4, 0)
+    gen = {"until": [], "max_gen_toks": 5, "do_sample": False}
+
+    def answer(policy, options=None, **model_args):
+        lm = H2OLM(pretrained=model, tokenizer=tok, batch_size=1, policy=policy, **(options or {}), **model_args)
+        reqs = [Instance("generate_until", d, (d["input"] + " " + d["gen_prefix"], dict(gen)), i,
+                         ("niah_multikey_1_questions", i, 1)) for i, d in enumerate(docs)]
+        return lm, lm.generate_until(reqs)
+
+    lm, many = answer("full", questions=4)
+    assert many == answer("full", question="after")[1] and len(set(many)) > 1 and len(lm.contexts) == 1
+    snap = {"budget": 0.3, "window": 8}
+    assert answer("snapkv", snap, questions=4)[1] == answer("snapkv", snap, question="after")[1]

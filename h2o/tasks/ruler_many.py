@@ -13,7 +13,8 @@ the sample queries first, then the others in the order their needles stand, in R
 the special magic number for <key> mentioned in the provided text?", and the answer prefix "The special magic
 number for <key> mentioned in the provided text is"); its ``outputs`` are that key's numbers, scored as RULER scores
 (``common_utils.process_results``: each number found in the answer). K is ``questions`` or ``turns`` from the
-metadata (``--model_args`` reach it: lm-eval merges them in), else 1 (the first queried key).
+metadata (``--model_args`` reach it: lm-eval merges them in), else 1 (the first queried key). ``samples`` in the
+metadata draws that many samples per length with lm-eval's generator (default: lm-eval's 500, slow on a CPU).
 
 The haystack: the project's book as for every RULER essay task (h2o.tasks.ruler_offline; ``$H2O_RULER_HAYSTACK``,
 installed here when no run installed one).
@@ -55,20 +56,42 @@ def split(doc: dict, k: int, context_index: int) -> list[dict]:
     return rows
 
 
-def dataset(task: str, questions: int = 1, turns: int = 1, **metadata):
-    """The split docs of lm-eval's RULER task ``task`` (``niah_multikey_1`` | ``niah_multiquery``)."""
+def dataset(task: str, questions: int = 1, turns: int = 1, samples: int | None = None, **metadata):
+    """The split docs of lm-eval's RULER task ``task`` (``niah_multikey_1`` | ``niah_multiquery``). ``samples``: the
+    samples per length lm-eval's generator draws (None: lm-eval's task function, 500)."""
     import datasets
-    from lm_eval.tasks.ruler import niah_utils
 
+    from h2o.core.validate import check, is_int
     from h2o.tasks import ruler_offline
     from h2o.tasks.question_after import check_many
 
     many = check_many(questions, turns, "RULER metadata ")
+    check(samples is None or (is_int(samples) and samples >= 1),
+          f"RULER metadata samples={samples!r}: allowed: an int >= 1 (absent: lm-eval's 500)")
     if "haystack" not in ruler_offline._state:
-        ruler_offline.from_env()
-    base = getattr(niah_utils, task)(**metadata)["test"]
+        ruler_offline.from_env()  # before lm-eval's RULER modules import (offline: h2o.tasks.ruler_offline)
+    from lm_eval.tasks.ruler import niah_utils
+
+    base = getattr(niah_utils, task)(**metadata)["test"] if samples is None else drawn(task, samples, metadata)
     rows = [row for c, doc in enumerate(base) for row in split(doc, many[1] if many else 1, c)]
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def drawn(task: str, samples: int, metadata: dict) -> list[dict]:
+    """lm-eval's RULER generator (``prepare_niah.generate_samples``) with ``task``'s settings (its ``niah_utils``
+    function's, h2o.tasks.ruler_offline.NIAH_SHAPES), ``samples`` per length of ``max_seq_lengths``."""
+    from lm_eval.tasks.ruler import niah_utils, prepare_niah
+    from lm_eval.tasks.ruler.common_utils import DEFAULT_SEQ_LENGTHS, get_tokenizer, resolve_tokenizer_name
+
+    from h2o.tasks.ruler_offline import NIAH_SHAPES
+
+    kind, key_type, value_type, keys, values, queries = NIAH_SHAPES[task]
+    tok = get_tokenizer(resolve_tokenizer_name(metadata))
+    return [row for seq in metadata.get("max_seq_lengths", DEFAULT_SEQ_LENGTHS)
+            for row in prepare_niah.generate_samples(
+                niah_utils.get_haystack(type_haystack=kind), max_seq_length=seq, template=niah_utils.TEMPLATE,
+                type_haystack=kind, type_needle_k=key_type, type_needle_v=value_type, num_needle_k=keys,
+                num_needle_v=values, num_needle_q=queries, num_samples=samples, TOKENIZER=tok)]
 
 
 def multikey_1(**metadata):
