@@ -29,7 +29,8 @@ def tiny():
         return "".join(f"<{i}>" for i in ids)
 
     tok.decode = decode
-    return tiny_model("llama", 0, initializer_range=0.2), tok, str(tiny_checkpoint("llama"))
+    model = tiny_model("llama", 0, initializer_range=0.2, max_position_embeddings=4096)  # as the checkpoint
+    return model, tok, str(tiny_checkpoint("llama"))
 
 
 def evaluate(tiny, n: int, policy: str = "full", options: dict | None = None, lengths=(480,), **model_args
@@ -151,7 +152,7 @@ def test_ruler_samples_split_into_one_question_per_key():
 def test_ruler_questions_share_one_compressed_context(tiny):
     """Through ``--model h2o``'s generation: the four answers of one RULER context, compressed once, are the
     answers to each request alone with its context prefilled before its question (``question=after``), under
-    ``full`` and SnapKV."""
+    ``full`` (there also the whole prompt's) and SnapKV."""
     from lm_eval.api.instance import Instance
 
     from h2o.tasks.ruler_many import split
@@ -167,6 +168,7 @@ def test_ruler_questions_share_one_compressed_context(tiny):
         return lm, lm.generate_until(reqs)
 
     lm, many = answer("full", questions=4)
-    assert many == answer("full", question="after")[1] and len(set(many)) > 1 and len(lm.contexts) == 1
+    assert many == answer("full", question="after")[1] == answer("full")[1]  # the last: the whole prompt
+    assert len(set(many)) > 1 and len(lm.contexts) == 1
     snap = {"budget": 0.3, "window": 8}
     assert answer("snapkv", snap, questions=4)[1] == answer("snapkv", snap, question="after")[1]

@@ -9,8 +9,8 @@ lm-eval 0.4.13 fills its model registry only by importing modules (no entry-poin
 arguments (pretrained, policy and its options, semantics, scoring, question, questions, turns, quant and its
 ``quant_*`` options, checked against the head size and rotary embeddings in the model's config), ``--batch_size``,
 ``--include_path`` and ``--output_path`` are checked first (h2o.cli): a bad one is one line and exit status 2,
-before any model loads. A RULER task (``--tasks niah_single_2``, ``ruler``, ...) gets its essay haystack from the project's
-books through h2o.tasks.ruler_offline (``H2O_RULER_HAYSTACK=austen | moby_dick | essays``, default austen).
+before any model loads. A RULER task (``--tasks niah_single_2``, ``ruler``, ...) gets its essay haystack from the
+project's books through h2o.tasks.ruler_offline (``H2O_RULER_HAYSTACK=austen | moby_dick | essays``, default austen).
 """
 from __future__ import annotations
 

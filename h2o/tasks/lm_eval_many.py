@@ -20,12 +20,13 @@ h2o.tasks.question_after.question_of), per task. A group is one context:
 
 A group holds at most K requests (fewer where ``--limit`` cut it); more is refused in one line. Tokens: the context
 encoded once as lm-eval encodes a request (its BOS rule), each question apart without special tokens (kvpress's
-encoding; equal to encoding them together wherever the question starts after a newline: niah and RULER), the
-context cut from the left as lm-eval cuts a prompt over ``max_length - max_gen_toks``. Greedy only (a sampling
-request is refused), stopped as lm-eval's generation stops (its ``until`` texts and the end-of-text token), the
-answer cut at them as lm-eval cuts it. One context at a time, whatever ``batch_size``. ``budgets`` gets each
-question's (context tokens, tokens the compressed context holds per layer and head: the mean), ``footprints`` each
-context's compressed cache once, and ``contexts`` one row per group (its task, doc ids, context tokens, footprint).
+encoding; equal to encoding them together wherever the question starts after a newline: niah and RULER), the context
+cut from the left (as lm-eval cuts a prompt) to leave room for its longest question and ``max_gen_toks``. Greedy only
+(a sampling request is refused), stopped as lm-eval's generation stops (its ``until`` texts and the end-of-text
+token), the answer cut at them as lm-eval cuts it. One context at a time, whatever ``batch_size``. ``budgets`` gets
+each question's (context tokens, tokens the compressed context holds per layer and head: the mean), ``footprints``
+each context's compressed cache once, and ``contexts`` one row per group (its task, doc ids, context tokens,
+footprint).
 """
 from __future__ import annotations
 
