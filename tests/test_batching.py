@@ -13,6 +13,7 @@ from h2o.core.policies import make_policy
 from h2o.core.validate import ConfigError
 from h2o.tasks import batching
 from h2o.tasks.batching import CPU_BATCH, HEADROOM, check_batch_size, choose, from_free_memory
+from tests.refusal import refusal
 
 MIB = 2**20
 
@@ -196,7 +197,7 @@ def test_bad_batch_size_one_line_exit_2_before_load(task, value, shown, tmp_path
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("loaded before the bad input"))
     assert main(["model=tiny-llama", f"task={task}", f"task.batch_size={value}"]) == 2
-    err = capsys.readouterr().err.strip()
+    err = refusal(capsys)
     assert err.startswith(f"error: task.batch_size={shown}: allowed: a positive int, auto"), err
     assert len(err.splitlines()) == 1
     assert ("auto:N" in err) == (task == "bb_copa")  # lm-eval's auto:N: multiple choice only

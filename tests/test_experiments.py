@@ -29,6 +29,7 @@ from h2o.pipeline.sweep import Composer, _compose, expand
 from h2o.pipeline.wandb_mirror import Settings, run_id
 from run_folders import check_folders  # tests/run_folders.py
 from wandb_offline import read_runs  # tests/wandb_offline.py
+from tests.refusal import refusal
 
 GROUPS = ("model", "task", "policy", "logger", "experiment")
 PAPER_GRIDS = ("table1", "table2", "table8", "table9", "table10", "fig4", "fig8", "fig9", "helm")  # test_paper_grids.py
@@ -152,7 +153,7 @@ def test_bad_values_exit_2_with_one_line_before_any_load(args, words, capsys, tm
     monkeypatch.chdir(tmp_path)
     models_spec._LOADED.clear()  # earlier in-process runs keep their model for the next job
     assert main(args) == 2
-    err = capsys.readouterr().err.strip()
+    err = refusal(capsys)
     assert err.startswith("error:") and len(err.splitlines()) == 1 and all(w in err for w in words), err
     assert not models_spec._LOADED and not (tmp_path / "runs").exists()
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from h2o.store.files import read_jsonl
+from tests.refusal import refusal
 
 TINY = ["model=tiny-llama", "threads=1"]
 NIAH = ["task=niah", "task.lengths=[1024]"]
@@ -290,7 +291,7 @@ def test_bad_input_one_line_exit_2_nothing_loaded(case, args, words, env, capsys
     models_spec._LOADED.clear()
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     assert main(args) == 2
-    err = capsys.readouterr().err.strip()
+    err = refusal(capsys)
     assert err.startswith("error:") and len(err.splitlines()) == 1 and len(err) < 1000, err
     assert all(w in err for w in words), (words, err)
     assert not models_spec._LOADED
@@ -394,7 +395,7 @@ def no_load(monkeypatch):
 
 
 def one_line_exit_2(code, capsys, words):
-    err = capsys.readouterr().err.strip()
+    err = refusal(capsys)
     assert code == 2, err
     assert err.startswith("error:") and len(err.splitlines()) == 1, err
     assert all(w in err for w in words), (words, err)

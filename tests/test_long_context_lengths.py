@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from h2o.tasks.niah import docs, shortest
+from tests.refusal import refusal
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,6 @@ def test_too_short_lengths_exit_2_before_the_model_loads(args, words, capsys, tm
     monkeypatch.chdir(tmp_path)
     model_spec._LOADED.clear()
     assert main(["model=tiny-llama", "threads=1", *args]) == 2
-    err = capsys.readouterr().err.strip()
+    err = refusal(capsys)
     assert len(err.splitlines()) == 1 and all(w in err for w in words) and "allowed: lengths >= " in err, err
     assert not model_spec._LOADED and not (tmp_path / "runs").exists()

@@ -9,6 +9,7 @@ import torch
 from h2o import attach, make_policy
 from h2o.core.validate import BadInput
 from h2o.tasks.many_questions import ask, copy_of, greedy, kv_entries_per_token
+from tests.refusal import refusal
 
 CONTEXT = ("The grass is green and the sky is blue. The code for the red door is 4821. Rain fell on the hills all "
            "day long. The code for the blue gate is 90317. The river ran high under the old stone bridge. The code "
@@ -151,7 +152,7 @@ def test_hydra_names_the_option_and_refuses_bad_values_before_loading(hydra_ctx,
     assert many.path == plain.path.with_name(plain.path.name + ",questions=3") and many.task.questions == 3
     capsys.readouterr()
     assert sweep.main([*root, "task.turns=0"]) == 2
-    err = capsys.readouterr().err.strip()
+    err = refusal(capsys)
     assert len(err.splitlines()) == 1 and "task.turns=0: expected an int >= 1" in err
 
 

@@ -59,3 +59,34 @@ def test_const_made_under_inference_mode_enters_a_recorded_forward():
     x = torch.ones(3, requires_grad=True)
     (x * c).sum().backward()
     assert not c.is_inference() and torch.allclose(x.grad, torch.full((3,), 0.123))
+
+
+ABSL_SEQUENCE = """
+import io, logging.config, sys
+first = io.StringIO()  # the stderr of the moment rouge-score (and with it absl) is imported
+sys.stderr = first
+if sys.argv[1] == "package":
+    from h2o.cli.process import rouge_scorer
+    rouge_scorer()
+else:
+    from rouge_score import rouge_scorer
+sys.stderr = io.StringIO()  # a later moment's stderr (pytest: the next test's capture)
+logging.config.dictConfig({"version": 1, "disable_existing_loggers": False,  # what Hydra does at every run
+                           "handlers": {"c": {"class": "logging.StreamHandler", "stream": "ext://sys.stdout"}},
+                           "root": {"handlers": ["c"]}})
+print(first.closed)
+"""
+
+
+def test_rouge_scorer_leaves_the_stderr_of_its_import_open_when_logging_shuts_down():
+    """absl, which rouge-score imports, closes the stream of its import when logging shuts its handlers down unless
+    it is the sys.stderr of that later moment: under pytest the captured stderr of a whole worker. The package's
+    import (h2o.cli.process.rouge_scorer) points absl's handler at the current stderr instead; the plain import does
+    not, which is what makes this test able to fail."""
+    import subprocess
+
+    def closed(way: str) -> str:
+        return subprocess.run([sys.executable, "-c", ABSL_SEQUENCE, way], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    assert (closed("package"), closed("plain")) == ("False", "True")

@@ -214,9 +214,9 @@ def xsum_examples(split: str = "test") -> list[dict]:
 
 def xsum_process_results(doc: dict, results: list[str]) -> dict[str, float]:
     """lm-eval ``process_results`` for ``bb_xsum``: ROUGE-1/2/L F1 (stemmed, as HELM) of the generation."""
-    from rouge_score import rouge_scorer
+    from h2o.cli.process import rouge_scorer
 
-    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+    scorer = rouge_scorer().RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
     prediction = results[0].split("###")[0].strip()
     scores = scorer.score(doc["summary"], prediction)
     return {k: v.fmeasure for k, v in scores.items()}

@@ -67,8 +67,11 @@ class FetchError(RuntimeError):
     """A download or extraction failed; the message is one line saying what to do."""
 
 
+LOG_PREFIX = "[h2o.assets.fetch] "  # the progress lines of a fetch on stderr begin so
+
+
 def _log(msg: str) -> None:
-    print(f"[h2o.assets.fetch] {msg}", file=sys.stderr, flush=True)
+    print(f"{LOG_PREFIX}{msg}", file=sys.stderr, flush=True)
 
 
 def fetch_once(done: Callable[[], bool], lock: str, what: str, build: Callable[[], None], force: bool = False) -> None:

@@ -109,6 +109,9 @@ class CurrentStream:
     def flush(self) -> None:
         getattr(sys, self.name).flush()
 
+    def close(self) -> None:
+        """Nothing: a handler that closes its stream when logging shuts its handlers down leaves sys's open."""
+
 
 def import_submitit():
     """submitit, its log lines going to the streams current when each is written: its import configures handlers
@@ -119,6 +122,20 @@ def import_submitit():
         if isinstance(handler, logging.StreamHandler) and not isinstance(handler.stream, CurrentStream):
             handler.setStream(CurrentStream("stderr" if handler.level >= logging.WARNING else "stdout"))
     return submitit
+
+
+def rouge_scorer():
+    """rouge-score's scorer module, with absl's log handler (which its import brings) writing to the sys.stderr
+    current at each line. absl binds its handler to the sys.stderr of its import and closes that stream when logging
+    shuts its handlers down (Hydra's logging config does, at every run) unless it is the sys.stderr of that later
+    moment: under pytest, the captured stderr of the whole worker, after which every test of the worker errors."""
+    import absl.logging
+    from rouge_score import rouge_scorer as module
+
+    handler = absl.logging.get_absl_handler().python_handler
+    if not isinstance(handler.stream, CurrentStream):
+        handler.setStream(CurrentStream("stderr"))
+    return module
 
 
 @contextlib.contextmanager

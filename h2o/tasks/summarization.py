@@ -200,9 +200,9 @@ class SummarizationTask(TaskSpec):
 
     # ----------------------------------------------------------------------------- generation
     def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
-        from rouge_score import rouge_scorer
         from tqdm import tqdm
 
+        from h2o.cli.process import rouge_scorer
         from h2o.tasks.progress import RequestLog
 
         shots, test = self.examples()
@@ -210,7 +210,7 @@ class SummarizationTask(TaskSpec):
         check(self.max_new_tokens < max_pos, f"task.max_new_tokens={self.max_new_tokens}: no room for a prompt "
                                              f"in the model's context of {max_pos} tokens")
         prompts = [self.prompt(shots, r, tokenizer, max_pos - self.max_new_tokens) for r in test]
-        scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
+        scorer = rouge_scorer().RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
         sizing = self.sizing(model, tokenizer, policy, prompts, quant)  # before the seed: probing draws no sample
         bs = sizing.size
         torch.manual_seed(seed)
