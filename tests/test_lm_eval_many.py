@@ -11,6 +11,7 @@ import torch
 from h2o import attach, make_policy
 from h2o.tasks.lm_eval_model import H2OLM
 from h2o.tasks.many_questions import greedy
+from tests.refusal import refusal
 
 META = {"depths": [0.3], "samples": 2}
 GEN = {"max_gen_toks": 6}
@@ -116,8 +117,8 @@ def test_bad_values_are_refused_in_one_line_before_loading(model_args, words, ca
                                      f"pretrained=tiny:llama,{model_args}", "--tasks", "niah", "--include_path",
                                      "tasks", "--output_path", str(tmp_path / "out")])
     assert lm_eval_cli.main() == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and words in err
+    err = refusal(capsys)
+    assert err.startswith("error:") and len(err.splitlines()) == 1 and words in err
 
 
 def ruler_doc() -> dict:
