@@ -173,3 +173,20 @@ def test_ruler_questions_share_one_compressed_context(tiny):
     assert len(set(many)) > 1 and len(lm.contexts) == 1
     snap = {"budget": 0.3, "window": 8}
     assert answer("snapkv", snap, questions=4)[1] == answer("snapkv", snap, question="after")[1]
+
+
+def test_the_command_line_gives_the_task_its_questions_from_the_model_args(tmp_path, monkeypatch):
+    """``--model_args ...,questions=2`` alone: lm-eval merges it into task niah's metadata (2 needles per context) and
+    the model answers each context's 2 questions from one compressed context."""
+    import json
+
+    from h2o.tasks import lm_eval_cli
+
+    monkeypatch.setattr("sys.argv", [
+        "lm_eval_cli", "--model", "h2o", "--model_args", "pretrained=tiny:llama,policy=snapkv,budget=0.3,questions=2",
+        "--tasks", "niah", "--include_path", "tasks", "--metadata", '{"lengths": [480], "depths": [0.5], "samples": 2}',
+        "--gen_kwargs", "max_gen_toks=2", "--device", "cpu", "--output_path", str(tmp_path / "out"), "--log_samples"])
+    assert lm_eval_cli.main() == 0
+    rows = [json.loads(line) for f in (tmp_path / "out").rglob("samples_niah_*.jsonl") for line in f.open()]
+    assert sorted((r["doc"]["context"], r["doc"]["question_index"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({r["doc"]["answer"] for r in rows}) == 4
