@@ -26,7 +26,8 @@ cut from the left (as lm-eval cuts a prompt) to leave room for its longest quest
 token), the answer cut at them as lm-eval cuts it. One context at a time, whatever ``batch_size``. ``budgets`` gets
 each question's (context tokens, tokens the compressed context holds per layer and head: the mean), ``footprints``
 each context's compressed cache once, and ``contexts`` one row per group (its task, doc ids, context tokens,
-footprint).
+footprint). Not built for grouped requests: ``generation_log`` rows, the resume logs of h2o.tasks.resume_logs (the
+pipeline runs ``task.questions`` / ``task.turns`` through h2o.tasks.many_questions, not lm-eval).
 """
 from __future__ import annotations
 
