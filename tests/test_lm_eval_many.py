@@ -175,6 +175,7 @@ def test_ruler_questions_share_one_compressed_context(tiny):
     assert answer("snapkv", snap, questions=4)[1] == answer("snapkv", snap, question="after")[1]
 
 
+@pytest.mark.slow  # lm-eval's command line and a checkpoint load: about 15 s on idle cores
 def test_the_command_line_gives_the_task_its_questions_from_the_model_args(tmp_path, monkeypatch):
     """``--model_args ...,questions=2`` alone: lm-eval merges it into task niah's metadata (2 needles per context) and
     the model answers each context's 2 questions from one compressed context."""
