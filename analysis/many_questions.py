@@ -132,7 +132,7 @@ def turn_figure(recs: list[dict], out: Path) -> Path:
     for r in sorted((r for r in recs if r["mode"] == "turns"), key=lambda r: (r["policy"] != "full", r["policy"])):
         accs = r["turn_acc"]
         n = len(r["samples"]) // len(accs)  # contexts: one question of each per turn
-        err = [[a - wilson(a, n)[0] for a in accs], [wilson(a, n)[1] - a for a in accs]]
+        err = [[max(a - wilson(a, n)[0], 0) for a in accs], [max(wilson(a, n)[1] - a, 0) for a in accs]]
         label = "full" if r["policy"] == "full" else f"{r['policy']} {r['budget']:.0%}"
         ax.errorbar(range(len(accs)), accs, yerr=err, marker="o", capsize=3, label=label,
                     ls=":" if r["policy"] == "full" else "-")
@@ -141,7 +141,8 @@ def turn_figure(recs: list[dict], out: Path) -> Path:
     ax.set_xlabel("turn (questions and answers before it kept in the cache)")
     ax.set_ylabel("accuracy (exact match)")
     ax.set_title("questions in turn on one cache")
-    ax.legend(fontsize=8)
+    ax.set_ylim(-0.05, 1.15)
+    ax.legend(fontsize=8, loc="upper left", ncol=4)
     fig.tight_layout()
     path = out / "many_questions_turns.png"
     fig.savefig(path, dpi=110)
