@@ -24,7 +24,9 @@ install: .venv/installed ## create .venv and install the package with its pinned
 
 test: install ## run the test suite (what CI runs) in a shuffled order; TEST_SEED=<n> repeats an order; tests/test_slurm_real.py brings a one-node Slurm up and down itself (root)
 	@echo "make test: test order shuffled with seed $(TEST_SEED); this order again: make test TEST_SEED=$(TEST_SEED)"
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p randomly --randomly-seed=$(TEST_SEED) --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p randomly --randomly-seed=$(TEST_SEED) --durations=15; \
+	status=$$?; echo "make test: seed $(TEST_SEED) (exit $$status); this order again: make test TEST_SEED=$(TEST_SEED)"; \
+	exit $$status
 
 slurm-up: ## start the one-node Slurm of the tests (root; installs the Debian packages if missing); then export SLURM_CONF=/tmp/h2o-slurm/slurm.conf
 	bash tests/slurm/up.sh
