@@ -31,6 +31,18 @@ def resolve_tiny(pretrained: str) -> str:
     return str(pretrained)
 
 
+def resolve_pretrained(pretrained):
+    """A packaged model (``smollm2-135m``, ``gemma3-270m``) -> its cached checkpoint; ``tiny:<arch>`` -> the tiny
+    checkpoint; else unchanged (a model object too)."""
+    if not isinstance(pretrained, str):
+        return pretrained
+    from h2o.assets.packaged import packaged, packaged_path
+
+    if packaged(pretrained):
+        return str(packaged_path(packaged(pretrained)))
+    return resolve_tiny(pretrained)
+
+
 @dataclass
 class ModelSpec:
     name: str
