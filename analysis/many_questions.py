@@ -3,8 +3,8 @@ budget with its 95% Wilson interval, each method against kvzip paired by questio
 
     python -m analysis.many_questions studies/many_questions/records --out analysis/out
 
-prints the tables and comparisons (markdown) and writes ``many_questions.png`` (accuracy against the budget) into
-``--out``; every number comes from the records' metrics.json and samples.jsonl. docs/results/many_questions.md is the
+prints the tables and comparisons (markdown) and writes ``many_questions.png`` (accuracy against the budget) and,
+with ``task.turns`` records, ``many_questions_turns.png`` (accuracy against the turn) into ``--out``; every number comes from the records' metrics.json and samples.jsonl. docs/results/many_questions.md is the
 same body, made by ``make docs-results`` from studies/many_questions/ (a study of kind ``questions``).
 """
 from __future__ import annotations
@@ -121,6 +121,35 @@ def figure(recs: list[dict], out: Path) -> Path:
     return path
 
 
+def turn_figure(recs: list[dict], out: Path) -> Path:
+    """Accuracy against the turn (``task.turns`` records), one line per method and budget, 95% Wilson bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in sorted((r for r in recs if r["mode"] == "turns"), key=lambda r: (r["policy"] != "full", r["policy"])):
+        accs = r["turn_acc"]
+        n = len(r["samples"]) // len(accs)  # contexts: one question of each per turn
+        err = [[max(a - wilson(a, n)[0], 0) for a in accs], [max(wilson(a, n)[1] - a, 0) for a in accs]]
+        label = "full" if r["policy"] == "full" else f"{r['policy']} {r['budget']:.0%}"
+        ax.errorbar(range(len(accs)), accs, yerr=err, marker="o", capsize=3, label=label,
+                    ls=":" if r["policy"] == "full" else "-")
+    turns = max(len(r["turn_acc"]) for r in recs if r["mode"] == "turns")
+    ax.set_xticks(range(turns), [str(k) for k in range(turns)])
+    ax.set_xlabel("turn (questions and answers before it kept in the cache)")
+    ax.set_ylabel("accuracy (exact match)")
+    ax.set_title("questions in turn on one cache")
+    ax.set_ylim(-0.05, 1.15)
+    ax.legend(fontsize=8, loc="upper left", ncol=4)
+    fig.tight_layout()
+    path = out / "many_questions_turns.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def page_lines(recs: list[dict], figures: Path, rel: str) -> list[str]:
     """The page's body: the tables of each mode its records have, then the figure (written into ``figures``,
     linked as ``rel/<name>``)."""
@@ -131,6 +160,9 @@ def page_lines(recs: list[dict], figures: Path, rel: str) -> list[str]:
     if any(r["mode"] == "questions" for r in recs):
         figures.mkdir(parents=True, exist_ok=True)
         lines += [f"![accuracy against the budget]({rel}/{figure(recs, figures).name})", ""]
+    if any(r["mode"] == "turns" for r in recs):
+        figures.mkdir(parents=True, exist_ok=True)
+        lines += [f"![accuracy against the turn]({rel}/{turn_figure(recs, figures).name})", ""]
     return lines
 
 

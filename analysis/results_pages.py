@@ -52,19 +52,53 @@ class StudyError(ValueError):
     """A study.yaml that does not describe a study (one line naming the file, the key and what is allowed)."""
 
 
+KEYS = ("title", "about", "measured", "commands", "kind", "records", "runs", "headline", "sections")
+
+
+def inside(folder: Path, sub) -> bool:
+    """Whether ``sub`` (a study's relative path) names a folder in the study's home, or nothing yet (a study whose
+    records are not committed yet has no folder)."""
+    if not isinstance(sub, str) or not sub or Path(sub).is_absolute():
+        return False
+    path = (folder / sub).resolve()
+    return path.is_relative_to(folder.resolve()) and (path.is_dir() or not path.exists())
+
+
 def read_study(folder: Path) -> dict:
-    """The study's description, checked: title and kind required, kind one of :data:`KINDS`."""
+    """The study's description, checked: title and kind required, kind one of :data:`KINDS`, its keys
+    :data:`KEYS`, its records and samples folders inside its home."""
     f = folder / "study.yaml"
-    spec = yaml.safe_load(f.read_text())
+    try:
+        spec = yaml.safe_load(f.read_text())
+    except yaml.YAMLError as exc:
+        raise StudyError(f"{f}: not YAML ({' '.join(str(exc).split())[:200]}); allowed: a mapping with "
+                         f"{', '.join(KEYS)}") from None
     if not isinstance(spec, dict):
         raise StudyError(f"{f}: expected a mapping with title, kind, ...")
     for key in ("title", "kind"):
         if not spec.get(key):
-            raise StudyError(f"{f}: {key!r} missing")
+            raise StudyError(f"{f}: {key!r} missing; allowed: a mapping with title, kind ({', '.join(KINDS)}), ...")
+    unknown = sorted(set(spec) - set(KEYS))
+    if unknown:
+        raise StudyError(f"{f}: {unknown[0]}={spec[unknown[0]]!r}: no such key; allowed: {', '.join(KEYS)}")
     if spec["kind"] not in KINDS:
         raise StudyError(f"{f}: kind={spec['kind']!r}: allowed: {', '.join(KINDS)}")
     if spec["kind"] == "streaming" and not spec.get("sections"):
         raise StudyError(f"{f}: a streaming study needs 'sections' (title, samples)")
+    commands = spec.get("commands", [])
+    if not isinstance(commands, list) or not all(isinstance(c, str) for c in commands):
+        raise StudyError(f"{f}: commands={commands!r}: allowed: a list of command lines (texts)")
+    runs = spec.get("runs")
+    if runs is not None and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
+        raise StudyError(f"{f}: runs={runs!r}: allowed: the grid's run count (an int >= 1)")
+    subs = [("records", spec.get("records", "records"))] + [
+        (f"sections[{i}].samples", sub) for i, s in enumerate(spec.get("sections") or [])
+        for sub in ([s.get("samples")] if not isinstance(s, dict) or not isinstance(s.get("samples"), list)
+                    else s["samples"])]
+    for key, sub in subs:
+        if not inside(folder, sub):
+            raise StudyError(f"{f}: {key}={sub!r}: not a folder in the study's home {folder}; allowed: a folder "
+                             f"name relative to it (e.g. records)")
     return spec
 
 
@@ -195,9 +229,10 @@ def build(studies: Path, out: Path) -> list[Path]:
     written, index = [], [HEADER, "", "# Results", "",
                           "Each page is regenerated from the records committed beside its `study.yaml` "
                           "(`make docs-results`).", ""]
-    out.mkdir(parents=True, exist_ok=True)
-    for folder in sorted(p.parent for p in studies.glob("*/study.yaml")):
-        spec, name = read_study(folder), folder.name
+    studies = {folder: read_study(folder) for folder in sorted(p.parent for p in studies.glob("*/study.yaml"))}
+    out.mkdir(parents=True, exist_ok=True)  # every study read first: a bad one stops before anything is written
+    for folder, spec in studies.items():
+        name = folder.name
         where = f"[`{folder.name}/`]({Path(os.path.relpath(folder, out)).as_posix()}/)"  # the records, linked
         figures = out / name
         if figures.exists():  # figures of an older version of the study would linger

@@ -56,6 +56,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import lm_eval  # noqa: E402,F401  (also sets HF_XET_HIGH_PERFORMANCE in the environment on import)
 import sklearn  # noqa: E402,F401  (lm-eval's metrics import it; it sets KMP_DUPLICATE_LIB_OK, KMP_INIT_AT_FORK)
 import transformers  # noqa: E402,F401
+import transformers.generation.utils  # noqa: E402,F401  (its continuous batching module adds a stderr handler)
 
 from h2o.cli.process import import_submitit, rouge_scorer  # noqa: E402
 

@@ -19,6 +19,7 @@ from tests.refusal import refusal
 TINY = ["model=tiny-llama", "threads=1"]
 NIAH = ["task=niah", "task.lengths=[1024]"]
 HUB_OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+REASONING_DATA = Path(__file__).parent / "data" / "reasoning"  # a few problems in each data set's own fields
 IS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
 
 # (id, args, words the one line must contain, extra environment). "{tmp}" is the test's tmp_path.
@@ -257,6 +258,66 @@ BAD = [
      ["task.lengths=512", "expected a list", "task.lengths=[512]", "allowed: a list of token counts (ints > 0)"], {}),
     ("niah-depths-number", [*TINY, *NIAH, "task.depths=0.5"],
      ["task.depths=0.5", "expected a list", "allowed: a list of fractions in [0, 1]"], {}),
+    # the new options: schedules, generation budgets, reasoning, questions per context, kvzip, r_kv, attention
+    ("interval-over-positions", [*TINY, "+policy.compress=interval", "+policy.interval=4097"],
+     ["interval=4097", "4096 positions", "allowed: interval in 1-4096"], {}),
+    ("interval-bool", [*TINY, "+policy.compress=interval", "+policy.interval=true"], ["interval=True", "an int >= 1"],
+     {}),
+    ("long-generation-over-positions", [*TINY, "task=long_generation", "task.max_new_tokens=5000"],
+     ["task.max_new_tokens=5000", "4096 positions", "allowed: max_new_tokens + passage_tokens <= 4032"], {}),
+    ("long-generation-trace-zero", [*TINY, "task=long_generation", "task.trace_every=0"],
+     ["task.trace_every=0", "allowed: an int >= 1"], {}),
+    ("r_kv-budget-ratio-over-one", [*TINY, "policy=r_kv", "policy.budget=128.5"], ["budget=128.5", "(0, 1]", "an int"],
+     {}),
+    ("r_kv-window-zero", [*TINY, "policy=r_kv", "policy.window=0"], ["window=0", "allowed: an int >= 1"], {}),
+    ("r_kv-window-over-positions", [*TINY, "policy=r_kv", "policy.window=5000"], ["window=5000", "allowed: window in "
+                                                                                  "1-4096"], {}),
+    ("r_kv-threshold", [*TINY, "policy=r_kv", "policy.threshold=2"], ["threshold=2", "a number in [-1, 1]"], {}),
+    ("r_kv-threshold-nan", [*TINY, "policy=r_kv", "policy.threshold=nan"], ["threshold=nan", "not a finite number"],
+     {}),
+    ("reasoning-temperature-inf", [*TINY, "task=aime24", "task.temperature=inf"],
+     ["task.temperature=inf", "not a finite number"], {}),
+    ("reasoning-top-p-nan", [*TINY, "task=aime24", "task.top_p=nan"], ["task.top_p=nan", "not a finite number"], {}),
+    ("reasoning-n-float", [*TINY, "task=aime24", "task.n=1.5"], ["task.n=1.5", "an int"], {}),
+    ("reasoning-chat-template-not-bool", [*TINY, "task=aime24", "task.chat_template=maybe"],
+     ["task.chat_template='maybe'", "true/false"], {}),
+    ("reasoning-think-end-empty", [*TINY, "task=aime24", "task.thinking=true", "task.think_end_token=''"],
+     ["task.think_end_token=''", "allowed: null or a text"], {}),
+    ("reasoning-lm-eval-task-unknown", [*TINY, "task=gsm8k", "task.lm_eval_task=nope"],
+     ["task.lm_eval_task='nope'", "allowed: aime24", "gsm8k_cot_zeroshot"], {}),
+    ("reasoning-data-files-missing", [*TINY, "task=math500", "task.data_files={tmp}/nope.jsonl"],
+     ["task.data_files=", "nope.jsonl", "no such file", "allowed: null or a JSON file"], {}),
+    ("reasoning-hub-data-not-fetched", [*TINY, "task=gsm8k", "task.chat_template=false"],
+     ["task=gsm8k", "not on this machine", "openai/gsm8k", "make prefetch", "task.data_files"], {"HF_HOME": "{tmp}/hf"}),
+    ("reasoning-no-chat-template", [*TINY, "task=aime24", f"task.data_files={REASONING_DATA}/aime24.jsonl"],
+     ["task.chat_template=true", "tiny-llama's tokenizer has no chat template", "allowed: task.chat_template=false"],
+     {}),
+    ("questions-over-keys", [*TINY, *NIAH, "task.questions=1000"],
+     ["task.questions=1000", "728 distinct keys", "allowed: task.questions in 1-728"], {}),
+    ("questions-zero", [*TINY, *NIAH, "task.questions=0"], ["task.questions=0", "an int >= 1"], {}),
+    ("turns-bool", [*TINY, *NIAH, "task.turns=true"], ["task.turns=True", "an int"], {}),
+    ("questions-float-one", [*TINY, *NIAH, "task.questions=1.0"], ["task.questions=1.0", "an int"], {}),
+    ("questions-and-turns", [*TINY, *NIAH, "task.questions=3", "task.turns=2"],
+     ["task.questions=3, task.turns=2", "allowed: one of them above 1"], {}),
+    ("questions-on-ruler", [*TINY, "task=ruler_niah_single_1", "+task.questions=3"],
+     ["task.questions=3", "niah only", "allowed: task.questions=1"], {}),
+    ("kvzip-n-sink-negative", [*TINY, "policy=kvzip", "policy.n_sink=-1"], ["n_sink=-1", "an int >= 0"], {}),
+    ("kvzip-chunk-size-zero", [*TINY, "policy=kvzip", "policy.chunk_size=0"], ["chunk_size=0", "an int >= 1"], {}),
+    ("kvzip-layerwise-not-bool", [*TINY, "policy=kvzip", "policy.layerwise=maybe"], ["layerwise='maybe'", "true"], {}),
+    ("kvzip-n-sink-over-positions", [*TINY, "policy=kvzip", "policy.n_sink=100000", "task=bb_xsum"],
+     ["n_sink=100000", "4096 positions", "allowed: n_sink in 0-4096"], {}),
+    ("kvzip-chunk-size-over-positions", [*TINY, "policy=kvzip", "policy.chunk_size=1000000000000", "task=bb_xsum"],
+     ["chunk_size=1000000000000", "allowed: chunk_size in 1-4096"], {}),
+    ("kvzip-compress-decode", [*TINY, "policy=kvzip", "policy.compress=decode", "task=bb_xsum"],
+     ["compress=decode", "kvzip", "allowed: prefill"], {}),
+    ("kvzip-simulated", [*TINY, "policy=kvzip"], ["policy=kvzip", "semantics=simulated", "allowed: a task that runs "
+                                                                                         "the real path"], {}),
+    ("attn-implementation-unknown", [*TINY, "model.attn_implementation=foo"],
+     ["model.attn_implementation='foo'", "allowed: auto, sdpa, eager"], {}),
+    ("attn-implementation-null", [*TINY, "model.attn_implementation=null"],
+     ["model.attn_implementation=None", "expected a string"], {}),
+    ("attn-implementation-flash-fp32", [*TINY, "model.attn_implementation=flash_attention_2"],
+     ["model.attn_implementation=flash_attention_2", "dtype fp16 or bf16", "dtype=fp32", "allowed: auto"], {}),
 ]
 
 
@@ -495,6 +556,7 @@ LM_EVAL_BAD = [
     ("pretrained=tiny:llama,policy=scissorhands,history=1000000000000",
      ["history=1000000000000", "allowed: history in 1-4096"]),
     ("pretrained=tiny:llama,policy=pyramidkv,beta=inf", ["beta=inf", "not a finite number"]),
+    ("pretrained=tiny:llama,policy=h2o,compress=interval,interval=5000", ["interval=5000", "allowed: interval in 1-4096"]),
 ]
 
 
@@ -590,6 +652,38 @@ def test_results_pages_cli_bad_input(args, words, capsys, tmp_path):
     (tmp_path / "runs" / "r" / "metrics.json").write_text(json.dumps({"model": "m", "metrics": {}}))
     one_line_exit_2(results_pages.main([a.replace("{tmp}", str(tmp_path)) for a in args]), capsys, words)
     assert not (tmp_path / "dest").exists() and not (tmp_path / "pages").exists()
+
+
+STUDY = "title: t\nkind: records\nrecords: records\n"
+STUDY_BAD = [  # (id, study.yaml, words): a study's home (studies/<study>/study.yaml) that does not describe it
+    ("kind-unknown", "title: t\nkind: tables\n", ["kind='tables'", "allowed: records, streaming, methods"]),
+    ("title-missing", "kind: records\n", ["'title' missing", "allowed: a mapping with title, kind"]),
+    ("not-yaml", "title: [unclosed\n", ["study.yaml: not YAML", "allowed: a mapping with title"]),
+    ("unknown-key", STUDY + "colour: red\n", ["colour='red'", "no such key", "allowed: title, about"]),
+    ("records-a-file", "title: t\nkind: records\nrecords: afile\n",
+     ["records='afile'", "not a folder in the study's home", "allowed: a folder name relative to it"]),
+    ("records-outside-home", "title: t\nkind: records\nrecords: ../../runs\n", ["records='../../runs'",
+                                                                               "not a folder in the study's home"]),
+    ("sections-samples-outside", "title: t\nkind: streaming\nsections: [{title: x, samples: /tmp}]\n",
+     ["sections[0].samples='/tmp'", "not a folder in the study's home"]),
+    ("commands-not-a-list", STUDY + "commands: 3\n", ["commands=3", "allowed: a list of command lines"]),
+    ("runs-text", STUDY + "runs: abc\n", ["runs='abc'", "allowed: the grid's run count (an int >= 1)"]),
+]
+
+
+@pytest.mark.parametrize("case, text, words", STUDY_BAD, ids=[c[0] for c in STUDY_BAD])
+def test_results_pages_bad_study_home(case, text, words, capsys, tmp_path):
+    """A bad ``study.yaml`` beside a good study: one line naming the file, the key and what is allowed, before any
+    page is written (the good study's included)."""
+    from analysis import results_pages
+
+    for name, yaml_text in (("a_good", STUDY), ("b_bad", text)):
+        (tmp_path / "studies" / name / "records").mkdir(parents=True)
+        (tmp_path / "studies" / name / "study.yaml").write_text(yaml_text)
+    (tmp_path / "studies" / "b_bad" / "afile").write_text("x")
+    code = results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(tmp_path / "pages")])
+    one_line_exit_2(code, capsys, ["b_bad/study.yaml", *words])
+    assert not (tmp_path / "pages").exists()
 
 
 # --------------------------------------------------------------------------------------- record identity

@@ -154,3 +154,18 @@ def test_hydra_names_the_option_and_refuses_bad_values_before_loading(hydra_ctx,
     assert sweep.main([*root, "task.turns=0"]) == 2
     err = refusal(capsys)
     assert len(err.splitlines()) == 1 and "task.turns=0: expected an int >= 1" in err
+
+
+def test_the_page_tabulates_and_draws_accuracy_against_turn(tmp_path):
+    from analysis.many_questions import page_lines
+
+    def rec(policy, budget, accs):  # 2 contexts x 3 turns: turn k right in the first accs[k] * 2 contexts
+        samples = [{"doc_id": c, "question": k, "turn": k, "acc": float(c < a * 2)}
+                   for k, a in enumerate(accs) for c in range(2)]
+        return {"policy": policy, "budget": budget, "mode": "turns", "protocol": {"turns": 3}, "turn_acc": accs,
+                "samples": samples, "metrics": {"acc": sum(accs) / 3}, "kv_bytes_cut": 2**20}
+
+    lines = page_lines([rec("full", 1.0, [1.0, 0.5, 0.5]), rec("h2o", 0.2, [0.5, 0.0, 0.0])], tmp_path, "fig")
+    assert "| h2o | 20% | 0.50 | 0.00 | 0.00 |" in lines and "| full | 100% | 1.00 | 0.50 | 0.50 |" in lines
+    assert "![accuracy against the turn](fig/many_questions_turns.png)" in lines
+    assert (tmp_path / "many_questions_turns.png").stat().st_size > 5_000

@@ -31,6 +31,18 @@ def resolve_tiny(pretrained: str) -> str:
     return str(pretrained)
 
 
+def resolve_pretrained(pretrained):
+    """A packaged model (``smollm2-135m``, ``gemma3-270m``) -> its cached checkpoint; ``tiny:<arch>`` -> the tiny
+    checkpoint; else unchanged (a model object too)."""
+    if not isinstance(pretrained, str):
+        return pretrained
+    from h2o.assets.packaged import packaged, packaged_path
+
+    if packaged(pretrained):
+        return str(packaged_path(packaged(pretrained)))
+    return resolve_tiny(pretrained)
+
+
 @dataclass
 class ModelSpec:
     name: str
@@ -54,6 +66,7 @@ class ModelSpec:
         check(self.attn_implementation in ATTENTION or "/" in str(self.attn_implementation),
               f"model.attn_implementation={self.attn_implementation!r}: allowed: {', '.join(ATTENTION)} or a "
               f"kernels hub id owner/repo")
+        check_flash(self.attn_implementation, self.dtype, self.device_map)
         check(self.params is None or (isinstance(self.params, int) and not isinstance(self.params, bool)
                                       and self.params > 0),
               f"model.params={self.params!r}: expected a parameter count (an integer > 0) or null")
@@ -227,6 +240,27 @@ def check_device(device_map: Any) -> None:
             have = f"{n} CUDA device(s)" if n else "no CUDA device"
             raise ConfigError(f"model.device_map={device_map!r}: this machine has {have}; allowed: null, cpu, auto"
                               + (f", cuda:0-{n - 1}" if n else ""))
+
+
+def check_flash(attn_implementation: str, dtype: str, device_map: Any) -> None:
+    """ConfigError when a flash attention kernel is asked for where it cannot run: it needs its package, a CUDA
+    device and half precision (transformers refuses each only while loading the model)."""
+    if attn_implementation not in ("flash_attention_2", "flash_attention_3"):
+        return
+    import importlib.util
+
+    import torch
+
+    package = "flash_attn" if attn_implementation == "flash_attention_2" else "flash_attn_interface"
+    values = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    lacks = [f"the {package} package is not installed"] if importlib.util.find_spec(package) is None else []
+    if not torch.cuda.is_available() or (values and all(v in ("cpu", "disk") for v in values)):
+        lacks.append("no CUDA device" if not torch.cuda.is_available() else f"device_map={device_map!r}")
+    if _DTYPES.get(dtype) is torch.float32:
+        lacks.append(f"dtype={dtype}")
+    check(not lacks, f"model.attn_implementation={attn_implementation}: needs its package, a CUDA device and "
+                     f"dtype fp16 or bf16 (here: {', '.join(lacks)}); allowed: auto (flash where it runs, else "
+                     f"sdpa), sdpa, eager")
 
 
 def check_cpu_run(device_map: Any, resources: Any) -> None:

@@ -204,7 +204,12 @@ class OutsideGrid(Unsupported):
 
 def without_added_defaults(cfg: DictConfig) -> DictConfig:
     """A copy of ``cfg`` without the :data:`ADDED` keys that hold their default."""
-    drop = [key for key in ADDED if OmegaConf.select(cfg, key, default=object()) == ADDED[key]]
+    def at_default(value, default) -> bool:  # true or 1.0 for 1: kept, for the type check to refuse
+        kind = (list, ListConfig) if isinstance(default, list) else type(default)
+        return isinstance(value, kind) and not (isinstance(value, bool) and not isinstance(default, bool)) \
+            and value == default
+
+    drop = [key for key in ADDED if at_default(OmegaConf.select(cfg, key, default=object()), ADDED[key])]
     if not drop:
         return cfg
     cfg = cfg.copy()
@@ -322,6 +327,7 @@ def prepare(cfg: DictConfig) -> RunSpec:
     longest = model.max_positions()
     if longest:
         policy.check_reach(longest, f"the longest context of {model.name}")
+        policy.check_run_counts(longest, f"the longest context of {model.name}")
     if getattr(policy, "reads_queries", False):  # the queries before RoPE: the config says whether there is one
         policy.check_rotary(model.geometry()[1], model.name)
     quant = build_quant(cfg, model)

@@ -6,11 +6,11 @@
 lm-eval 0.4.13 fills its model registry only by importing modules (no entry-point group is read), so
 ``lm_eval --model h2o`` cannot find an out-of-tree model; this wrapper imports :mod:`h2o.tasks.lm_eval_model`
 (which registers ``h2o``) and hands every argument to lm-eval's CLI unchanged. For ``--model h2o`` the model
-arguments (pretrained, policy and its options, semantics, scoring, quant and its ``quant_*`` options, checked
-against the head size and rotary embeddings in the model's config), ``--batch_size``, ``--include_path`` and
-``--output_path`` are checked first (h2o.cli): a bad one is one line and exit status 2, before any
-model loads. A RULER task (``--tasks niah_single_2``, ``ruler``, ...) gets its essay haystack from the project's
-books through h2o.tasks.ruler_offline (``H2O_RULER_HAYSTACK=austen | moby_dick | essays``, default austen).
+arguments (pretrained, policy and its options, semantics, scoring, question, questions, turns, quant and its
+``quant_*`` options, checked against the head size and rotary embeddings in the model's config), ``--batch_size``,
+``--include_path`` and ``--output_path`` are checked first (h2o.cli): a bad one is one line and exit status 2,
+before any model loads. A RULER task (``--tasks niah_single_2``, ``ruler``, ...) gets its essay haystack from the
+project's books through h2o.tasks.ruler_offline (``H2O_RULER_HAYSTACK=austen | moby_dick | essays``, default austen).
 """
 from __future__ import annotations
 
@@ -20,24 +20,26 @@ from h2o.cli.process import kept
 from h2o.core.validate import ConfigError
 
 OWN_KEYS = ("pretrained", "policy", "semantics", "scoring", "quant", "question",  # H2OLM's own model_args
-            "generation_log")
+            "generation_log", "questions", "turns")
 
 
 def check_keys(options: dict, policy) -> None:
     """ConfigError (one line) for a ``--model_args`` key that is neither H2OLM's own (:data:`OWN_KEYS`, the
     ``quant_*`` options), an option of a policy (another policy's is refused by lm_policy, naming it), nor an
     argument of lm-eval's HFLM (the rest would reach transformers' from_pretrained and fail there); and for a bad
-    ``question``. The allowed list names all three."""
+    ``question``, ``questions`` or ``turns``. The allowed list names all three."""
     import inspect
 
     from h2o.assets.policy_config import option_keys
     from h2o.core.policies import POLICIES
     from h2o.core.validate import check
+    from h2o.tasks.question_after import check_many
     from h2o.tasks.lm_eval_model import QUANT_PREFIX, HFLM
     from h2o.tasks.question_after import QUESTIONS
 
     question = options.get("question", "prompt")
     check(question in QUESTIONS, f"--model_args question={question!r}: allowed: {', '.join(QUESTIONS)}")
+    check_many(options.get("questions", 1), options.get("turns", 1))
     hflm = [k for k, p in inspect.signature(HFLM.__init__).parameters.items()
             if k != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     policy_keys = {k for name in POLICIES for k in option_keys(name)}
@@ -85,6 +87,7 @@ def validate(args) -> None:
     longest = spec.max_positions()
     if longest:
         policy.check_reach(longest, "the model's longest context")
+        policy.check_run_counts(longest, "the model's longest context")
     if getattr(policy, "reads_queries", False):  # expected_attention: a rotary model, read from its config
         policy.check_rotary(spec.geometry()[1], pretrained)
     check(options.get("scoring", "sum") in SCORING,

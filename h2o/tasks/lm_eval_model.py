@@ -24,60 +24,61 @@ Only the model call changes:
 * generation requests: ``model.generate`` inside ``attach(model, policy, mode="real")`` with a fresh evicting
   cache per call (left-padded batches); the budget is a ratio of each prompt's length, and each generated row's
   ``(prompt tokens, budget tokens)`` is kept in ``budgets`` (in the order lm-eval generates).
+* ``questions=K`` / ``turns=K``: the generation requests sharing a context, compressed once (h2o.tasks.lm_eval_many).
 With ``generation_log=<file>`` (or ``track_rows`` set, as h2o.tasks.reasoning does) each generated answer's tokens,
 length-limit stop, KV held at its end and peak, and time are kept in ``generations`` (task, doc id, repeat; appended
 to the file as JSON lines; h2o.tasks.generation_rows).
-Every policy runs through the harness's attention function and cache, ``full`` included (no pass-through to the
-plain model): at 100% budget generations equal lm-eval's ``hf`` model token for token and log-likelihoods agree
-within float noise (tests/test_long_context.py).
+Every policy runs through the harness's attention function and cache, ``full`` included (no pass-through to the plain
+model): at 100% budget generations equal lm-eval's ``hf`` model token for token and log-likelihoods agree within
+float noise (tests/test_long_context.py).
 
-The prompt and the question: a generation request's context may end with a question -- the doc's ``question``
-field (h2o.tasks.niah) or, in lm-eval's RULER tasks, the text from kvpress's question pattern on
-(h2o.tasks.question_after). :meth:`H2OLM.question_tokens` gives how many trailing prompt tokens are that question (0
-when none is known). ``question=prompt`` (default) compresses the whole context, the question's queries the newest;
-``question=after`` (kvpress's query-agnostic protocol) prefills the context less the question alone, the budget a
-ratio of it, then feeds the question and generates (``budgets`` then holds each row's context tokens); a request
-with no question to move is refused in one line.
+The prompt and the question: a generation request's context may end with a question -- the doc's ``question`` field
+(h2o.tasks.niah) or, in lm-eval's RULER tasks, the text from kvpress's question pattern on (h2o.tasks.question_after).
+:meth:`H2OLM.question_tokens` gives how many trailing prompt tokens are that question (0 when none is known).
+``question=prompt`` (default) compresses the whole context, the question's queries the newest; ``question=after``
+(kvpress's query-agnostic protocol) prefills the context less the question alone, the budget a ratio of it, then feeds
+the question and generates (``budgets`` then holds each row's context tokens); a request with no question to move is
+refused in one line.
 
-Padding fix: HFLM right-pads a log-likelihood batch with zeros and passes no attention mask, so a policy would
-take its budget of the padded length. ``_loglikelihood_tokens`` records every request's exact input, and
-``_model_call`` recovers each row's true length from it (strip the trailing zeros, then match the known
-input), moves the pads to the left with the matching attention mask (the simulated path's exact layout;
-its right-padded layout starts evicting too late for the shorter rows, reported to the core), and moves
-the logits back: budgets stay per sequence, pads are never attended, and results are identical for any
-batch size (tested). A row that matches no known input (only lm-eval's batch-size probe) is taken whole.
+Padding fix: HFLM right-pads a log-likelihood batch with zeros and passes no attention mask, so a policy would take
+its budget of the padded length. ``_loglikelihood_tokens`` records every request's exact input, and ``_model_call``
+recovers each row's true length from it (strip the trailing zeros, then match the known input), moves the pads to
+the left with the matching attention mask (the simulated path's exact layout; its right-padded layout starts
+evicting too late for the shorter rows, reported to the core), and moves the logits back: budgets stay per
+sequence, pads are never attended, and results are identical for any batch size (tested). A row that matches no
+known input (only lm-eval's batch-size probe) is taken whole.
 ``batch_size=auto`` / ``auto:N``: lm-eval's scheduler asks :meth:`H2OLM._detect_batch_size`, which sizes the batch
 by h2o.tasks.batching (free GPU memory and a measured per-sequence cost, checked, halved on out-of-memory; a
 fixed default on the CPU) instead of lm-eval's halving from 64; each sizing is kept in ``sizings``.
 
 Scoring: ``scoring=sum`` is lm-eval's (summed log-likelihood for ``acc``, byte-normalised for ``acc_norm``);
-``scoring=mean`` divides each continuation's log-likelihood by its number of tokens (the paper code's rule),
-so ``acc`` becomes the per-token-average accuracy. Either way ``cont_tokens`` maps each request's
-``(context, continuation)`` to its continuation's token count, so a caller can apply the other rule to the same
-log-likelihoods (h2o.tasks.multiple_choice computes both accuracies from one forward pass).
+``scoring=mean`` divides each continuation's log-likelihood by its number of tokens (the paper code's rule), so
+``acc`` becomes the per-token-average accuracy. Either way ``cont_tokens`` maps each request's ``(context,
+continuation)`` to its continuation's token count, so a caller can apply the other rule to the same log-likelihoods
+(h2o.tasks.multiple_choice computes both accuracies from one forward pass).
 
-BOS: ``add_bos_token`` is lm-eval's: ``None`` leaves the tokenizer's default (which adds BOS for LLaMA and OPT),
-``False`` encodes without special tokens (the paper code's ``add_special_tokens=False``), ``True`` with them. The
-``h2o`` model defaults to ``False`` (the paper's protocol); HFLM's default is ``None``.
-
-lm-eval 0.4.13 has no plugin hook for out-of-tree models (its registry is filled by imports only), hence
-``python -m h2o.tasks.lm_eval_cli``, which imports this module and runs lm-eval's CLI.
+BOS: ``add_bos_token`` is lm-eval's: ``None`` leaves the tokenizer's default (BOS for LLaMA and OPT), ``False``
+encodes without special tokens (the paper code's protocol, the ``h2o`` model's default), ``True`` with them.
+lm-eval 0.4.13 fills its model registry by imports only: ``python -m h2o.tasks.lm_eval_cli`` imports this module.
 """
 from __future__ import annotations
 
+import json
 
 import torch
 import torch.nn.functional as F
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from h2o.assets.model_spec import resolve_pretrained
 from h2o.core.attach import attach
 from h2o.core.policies import POLICIES, Policy, PolicyError
 from h2o.core import engine
 from h2o.core.quant import QuantError, Quantizer
 from h2o.tasks.batching import Sizing, check_batch_size, choose, from_left_padding, from_text, to_left_padding
-from h2o.tasks.question_after import QUESTIONS, context_then_question, prefill, question_of
-from h2o.tasks.generation_rows import GenerationRows
+from h2o.tasks.question_after import QUESTIONS, check_many, context_then_question, prefill, question_of
+from h2o.tasks.generation_rows import GenerationRows, pair
+from h2o.tasks.lm_eval_many import AskMany
 from h2o.tasks.resume_logs import ResumeLogs
 
 SEMANTICS = ("simulated", "reference")
@@ -129,30 +130,17 @@ def lm_policy(policy: str | Policy, args: dict, semantics: str = "simulated") ->
     return policy
 
 
-def resolve_pretrained(pretrained):
-    """A packaged model (``smollm2-135m``, ``gemma3-270m``) -> its cached checkpoint; ``tiny:<arch>`` -> the tiny
-    checkpoint; else unchanged."""
-    if not isinstance(pretrained, str):
-        return pretrained
-    from h2o.assets.packaged import packaged, packaged_path
-
-    if packaged(pretrained):
-        return str(packaged_path(packaged(pretrained)))
-    from h2o.assets.model_spec import resolve_tiny
-
-    return resolve_tiny(pretrained)
-
-
 @register_model("h2o")
-class H2OLM(ResumeLogs, GenerationRows, HFLM):
+class H2OLM(AskMany, ResumeLogs, GenerationRows, HFLM):
     def __init__(self, pretrained="smollm2-135m", policy: str | Policy = "full", semantics: str = "simulated",
                  scoring: str = "sum", quant: str | Quantizer | None = "none", question: str = "prompt",
-                 generation_log: str | None = None, **kwargs):
+                 generation_log: str | None = None, questions: int = 1, turns: int = 1, **kwargs):
         """``policy`` and ``quant``: names with their options in ``kwargs`` (model_args), or built objects;
         ``question``: prompt | after; ``generation_log``: a JSON-lines file each generated answer's row is
-        appended to (see the module docstring)."""
+        appended to (see the module docstring); ``questions`` / ``turns``: h2o.tasks.lm_eval_many."""
         if question not in QUESTIONS:
             raise PolicyError(f"question={question!r}: allowed: {', '.join(QUESTIONS)}")
+        self.many = check_many(questions, turns, "")  # (questions | turns, K) or None
         policy = lm_policy(policy, kwargs, semantics)
         quant_args = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)}
         if isinstance(quant, str):
@@ -186,6 +174,7 @@ class H2OLM(ResumeLogs, GenerationRows, HFLM):
         self.generation_log = generation_log
         self.rows: list[dict] = []  # the rows of the current generate_until call, in generation order
         self.generations: list[dict] = []  # per answered request: task, doc id, repeat, the row's fields
+        self.contexts: list[dict] = []  # questions / turns: per shared context, its requests and compressed cache
         self.open_logs()  # what a resumed run's record needs from before the interruption (h2o.tasks.resume_logs)
 
     # ------------------------------------------------------------------ log-likelihood (simulated)
@@ -314,6 +303,8 @@ class H2OLM(ResumeLogs, GenerationRows, HFLM):
 
     # ---------------------------------------------------------------------- generation (real cache)
     def generate_until(self, requests, disable_tqdm: bool = False):
+        if self.many:  # compress once, ask many: one context at a time (h2o.tasks.lm_eval_many)
+            return self.generate_many(requests)
         for req in requests:  # the question that ends each context, where the task's doc or RULER names one
             question = question_of(req.args[0], getattr(req, "doc", None), getattr(req, "task_name", None))
             if question:
@@ -324,14 +315,10 @@ class H2OLM(ResumeLogs, GenerationRows, HFLM):
                                   f"context; allowed: niah and lm-eval's RULER tasks, or question=prompt")
         answers = super().generate_until(requests, disable_tqdm)
         if self.track_rows:
-            from h2o.tasks.generation_rows import pair
-
             done = pair(requests, answers, self.rows)
             self.rows = []
             self.generations.extend(done)
             if self.generation_log:
-                import json
-
                 with open(self.generation_log, "a", encoding="utf-8") as f:
                     f.writelines(json.dumps(row) + "\n" for row in done)
         return answers

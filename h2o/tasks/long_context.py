@@ -114,6 +114,11 @@ class LongContextTask(TaskSpec):
                   f"task.{key}={value!r}: expected an int >= 1")
             check(value == 1 or self.is_niah, f"task.{key}={value}: several questions per context on task niah "
                                               f"only; allowed: task.{key}=1 for task {self.lm_eval_task}")
+            from h2o.tasks.niah import ADJECTIVES, NOUNS
+
+            keys = len(ADJECTIVES) * len(NOUNS)  # each needle of a context has a key of its own
+            check(value <= keys, f"task.{key}={value}: more needles than the task's {keys} distinct keys; allowed: "
+                                 f"task.{key} in 1-{keys}")
         check(min(self.questions, self.turns) == 1, f"task.questions={self.questions}, task.turns={self.turns}: "
                                                     f"allowed: one of them above 1")
 

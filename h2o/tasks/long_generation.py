@@ -67,7 +67,9 @@ class LongGenerationTask(TaskSpec):
         need = self.passage_tokens + self.max_new_tokens + 64  # the chat template's own tokens: well under 64
         if max_pos is not None:
             check(need <= max_pos, f"task.max_new_tokens={self.max_new_tokens}, passage_tokens="
-                                   f"{self.passage_tokens}: {need} tokens exceed model {model.name}'s {max_pos}")
+                                   f"{self.passage_tokens}: {need} tokens with the template's 64 exceed model "
+                                   f"{model.name}'s {max_pos} positions; allowed: max_new_tokens + passage_tokens "
+                                   f"<= {max_pos - 64}")
 
     def tokens(self) -> int:
         """Tokens of one run for the time estimates: each prompt and its answer, the answer counted 30 times over

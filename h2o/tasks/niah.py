@@ -60,7 +60,7 @@ def book(text: str) -> str:
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    from h2o.tasks.lm_eval_model import resolve_pretrained
+    from h2o.assets.model_spec import resolve_pretrained
 
     return AutoTokenizer.from_pretrained(resolve_pretrained(path))
 
@@ -152,12 +152,17 @@ def dataset(tokenizer: str | None = None, pretrained: str | None = None, lengths
     """lm-eval's ``custom_dataset`` hook: a DatasetDict with the ``test`` split (other metadata is ignored)."""
     import datasets
 
+    rows = docs(tokenizer_path(tokenizer, pretrained), lengths, depths, samples, text, seed)
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def tokenizer_path(tokenizer: str | None, pretrained: str | None) -> str:
+    """The metadata's ``tokenizer`` (else ``pretrained``); ValueError (one line) when neither is a path."""
     path = tokenizer or pretrained
     if not isinstance(path, str) or not path:
         raise ValueError("task niah needs the tokenizer: --metadata '{\"tokenizer\": \"<path>\"}' or "
                          "--model_args pretrained=<path>")
-    return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs(path, lengths, depths, samples, text,
-                                                                         seed))})
+    return path
 
 
 def found(generation: str, answer: str) -> bool:

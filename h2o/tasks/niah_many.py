@@ -7,13 +7,17 @@ A context of the needle task's (h2o.tasks.niah: its instruction, needle and ques
 questions ask them in that order. ``length`` counts the context and the first question (as the needle task counts
 its prompt). Keys, numbers and the haystack's start are drawn from ``random.Random(f"{seed}/{L}/{depth}/{i}/{n}")``:
 the contexts are a pure function of their arguments.
+
+lm-eval's task ``niah`` reads its data through :func:`dataset`: h2o.tasks.niah's docs, or with ``questions`` /
+``turns`` above 1 in its metadata one doc per (context, question) (:func:`lm_eval_docs`), which ``--model h2o``
+with the same option answers from one compressed context (h2o.tasks.lm_eval_many).
 """
 from __future__ import annotations
 
 import random
 
 from h2o.tasks.niah import (ADJECTIVES, INSTRUCTION, MIN_HAYSTACK, NEEDLE, NOUNS, QUESTION, haystack, insert_at,
-                            splice)
+                            load_tokenizer, splice)
 
 
 def draw(length: int, depth: float, index: int, seed: int, n: int) -> tuple[random.Random, list[str], list[str]]:
@@ -70,3 +74,38 @@ def contexts(tok, lengths, depths, samples: int, text: str, seed: int, n: int) -
     words = book(text)
     return [{**context(tok, words, int(length), float(d), i, seed, n), "haystack": text}
             for length in lengths for d in depths for i in range(int(samples))]
+
+
+def lm_eval_docs(tokenizer: str, lengths, depths, samples: int, text: str, seed: int, n: int) -> list[dict]:
+    """lm-eval's ``niah`` docs with ``questions`` / ``turns`` = ``n`` in its metadata: one doc per (context, question),
+    the context's questions in turn. Each doc is a niah doc (``prompt`` the shared context, ``question``, ``answer``,
+    ``key``, ``needle_depth`` the measured depth of its needle, ``prompt_tokens`` of the context and that question)
+    with ``context`` (the context's index) and ``question_index``."""
+    tok = load_tokenizer(str(tokenizer))
+    rows = []
+    for c, doc in enumerate(contexts(tok, lengths, depths, samples, text, seed, n)):
+        for k, question in enumerate(doc["questions"]):
+            rows.append({"prompt": doc["prompt"], "question": question, "answer": doc["answers"][k],
+                         "key": doc["keys"][k], "length": doc["length"], "depth": doc["depth"],
+                         "needle_depth": doc["needle_depths"][k], "sample": doc["sample"],
+                         "prompt_tokens": len(tok(doc["prompt"] + question, add_special_tokens=False).input_ids),
+                         "haystack": text, "context": c, "question_index": k})
+    return rows
+
+
+def dataset(tokenizer: str | None = None, pretrained: str | None = None, lengths=(1024,),
+            depths=(0.1, 0.5, 0.9), samples: int = 2, text: str = "austen", seed: int = 0, questions: int = 1,
+            turns: int = 1, **other):
+    """lm-eval's ``custom_dataset`` hook of task ``niah`` (tasks/niah.yaml): h2o.tasks.niah.dataset's docs, or with
+    ``questions`` / ``turns`` above 1 in the metadata (``--model_args questions=K`` reaches here too: lm-eval merges
+    the model's arguments into the metadata) :func:`lm_eval_docs` of that many questions per context."""
+    import datasets
+
+    from h2o.tasks import niah
+    from h2o.tasks.question_after import check_many
+
+    many = check_many(questions, turns, "niah metadata ")
+    if not many:
+        return niah.dataset(tokenizer, pretrained, lengths, depths, samples, text, seed, **other)
+    rows = lm_eval_docs(niah.tokenizer_path(tokenizer, pretrained), lengths, depths, samples, text, seed, many[1])
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})

@@ -30,6 +30,22 @@ import torch
 
 QUESTIONS = ("prompt", "after")
 
+
+def check_many(questions, turns, prefix: str = "--model_args ") -> tuple[str, int] | None:
+    """Questions per context after it (``--model_args questions=K`` / ``turns=K``, h2o.tasks.lm_eval_many; niah's
+    metadata): ConfigError (one line) for a bad value -> ("questions" | "turns", K) when one is above 1, else None."""
+    from h2o.core.validate import check, is_int
+
+    for key, value in (("questions", questions), ("turns", turns)):
+        check(is_int(value) and value >= 1, f"{prefix}{key}={value!r}: allowed: an int >= 1 (1: one question "
+                                            f"per context)")
+    check(min(questions, turns) == 1,
+          f"{prefix}questions={questions},turns={turns}: allowed: one of them above 1")
+    if max(questions, turns) == 1:
+        return None
+    return ("turns", turns) if turns > 1 else ("questions", questions)
+
+
 # the start of the question in a RULER input, by task family (kvpress's QUESTION_PATTERNS)
 RULER_QUESTION = {
     "niah": re.compile(r"What (?:is|are all) the special magic"),

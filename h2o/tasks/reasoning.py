@@ -171,6 +171,20 @@ class ReasoningTask(TaskSpec):
         if max_pos is not None:
             check(self.max_gen_toks < max_pos, f"task.max_gen_toks={self.max_gen_toks}: leaves no prompt in model "
                                                f"{model.name}'s {max_pos} positions; allowed: < {max_pos}")
+        if self.chat_template:  # the tokenizer alone, from this machine (unknown here: left to lm-eval)
+            from h2o.tasks.long_context import local_tokenizer
+
+            tok = local_tokenizer(model)
+            check(tok is None or bool(getattr(tok, "chat_template", None)),
+                  f"task.chat_template=true: model {model.name}'s tokenizer has no chat template; allowed: "
+                  f"task.chat_template=false (the problem as plain text), or a model whose tokenizer has one")
+
+    def check_data(self) -> None:
+        """The hub data set a cluster run reads from the prefetched cache (none with a local ``data_files``)."""
+        lost = missing(self)
+        check(lost is None, f"task={self.name}: its data are not on this machine ({lost}); allowed: fetch them first "
+                            f"with `make prefetch EXP=<experiment>` (python -m h2o.pipeline.prefetch task={self.name} "
+                            f"...), on a machine with internet, or task.data_files=<a local JSON file of problems>")
 
     def tokens(self) -> int:
         """Prompt tokens plus generated tokens (x :data:`DECODE_COST`) of one run, for the time estimates: the

@@ -51,6 +51,18 @@ class BudgetChecks:
                 raise PolicyError(f"{name}={value}: longer than any sequence the model holds ({longest} positions, "
                                   f"{where}); allowed: {name} in 1-{longest} tokens")
 
+    def check_run_counts(self, longest: int, where: str) -> None:
+        """PolicyError for a token count that a whole run's sequence bounds, longer than ``longest`` (the model's
+        positions, named by ``where``): the schedule's ``interval`` (no cut would come after the prompt's) and
+        :attr:`run_count_options` (kvzip's sinks and replay chunk). Not checked against a benchmark's prompt alone
+        (its generated tokens come after)."""
+        for name in ("interval", *getattr(self, "run_count_options", ())):
+            value = getattr(self, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > longest:
+                low = 0 if name == "n_sink" else 1
+                raise PolicyError(f"{name}={value}: longer than any sequence the model holds ({longest} positions, "
+                                  f"{where}); allowed: {name} in {low}-{longest} tokens")
+
     def check_rotary(self, rotary: bool | None, model: str) -> None:
         """PolicyError when the rule reads the queries before RoPE (expected_attention) and the model's config says
         it has no rotary embedding (``rotary`` False; None: unknown, left to the check at attach, h2o.core.prerope):

@@ -26,6 +26,7 @@ class KVzip(PrefillOnly):
     name = "kvzip"
     reads = NOTHING  # from the prompt's forward: nothing (the replay's own forwards score it)
     pooled = True  # heads (and layers) hold uneven counts
+    run_count_options = ("n_sink", "chunk_size")  # tokens: at most the model's positions
     real_only = ("it scores the context by replaying it after the prompt (extra forwards), which the simulated "
                  "path's one-pass mask cannot hold")
 
