@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,15 +157,21 @@ def record(root, policy, budget, compress, nll: list[float], kv: int, prompts: i
     (folder / "metrics.json").write_text(json.dumps(rec))
 
 
-def test_the_page_comes_from_the_records(tmp_path):
-    from analysis import results_pages
-    from analysis.long_generation import paired
-
+def grid_records(tmp_path) -> Path:
+    """full, and h2o, streaming_llm and tova at 64 tokens every step, over 4 prompts (tova mixed against H2O)."""
     root = tmp_path / "studies" / "long_generation" / "records"
     record(root, "full", 1.0, "decode", [0.5, 0.6, 0.4, 0.5], 900)
     record(root, "h2o", 64, "decode", [1.0, 1.2, 0.9, 1.1], 100)
     record(root, "streaming_llm", 64, "decode", [1.5, 1.6, 1.4, 1.7], 100)
-    record(root, "tova", 64, "decode", [0.9, 1.3, 1.0, 1.0], 100)  # mixed against H2O: unresolved
+    record(root, "tova", 64, "decode", [0.9, 1.3, 1.0, 1.0], 100)
+    return root
+
+
+def test_the_page_comes_from_the_records(tmp_path):
+    from analysis import results_pages
+    from analysis.long_generation import paired
+
+    root = grid_records(tmp_path)
     record(root, "h2o", 64, "interval", [1.1, 1.2, 1.0, 1.1], 120)
     spec = {"title": "Long generation", "kind": "long_generation", "runs": 25,
             "headline": {"a": "h2o", "b": "streaming_llm", "budget": 64, "schedule": "every step"}}
@@ -193,11 +200,7 @@ def test_the_page_comes_from_the_records(tmp_path):
 def test_the_headline_on_its_own_prompt_set_beside_the_grids(tmp_path):
     from analysis import results_pages
 
-    root = tmp_path / "studies" / "long_generation" / "records"
-    record(root, "full", 1.0, "decode", [0.5, 0.6, 0.4, 0.5], 900)
-    record(root, "h2o", 64, "decode", [1.0, 1.2, 0.9, 1.1], 100)
-    record(root, "streaming_llm", 64, "decode", [1.5, 1.6, 1.4, 1.7], 100)
-    record(root, "tova", 64, "decode", [0.9, 1.3, 1.0, 1.0], 100)
+    root = grid_records(tmp_path)
     record(root, "h2o", 64, "decode", [2.0, 2.0, 1.0, 1.0, 3.0, 3.0], 100, prompts=6)  # the headline's own set
     record(root, "streaming_llm", 64, "decode", [1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 100, prompts=6)
     spec = {"title": "Long generation", "kind": "long_generation", "runs": 7,
