@@ -211,21 +211,15 @@ def naive_interval(model, policy, prompt: torch.Tensor, steps: int) -> tuple[tor
     return torch.stack(logits), tokens
 
 
-@pytest.mark.parametrize("name", ["h2o", "tova", "streaming_llm", "knorm", "scissorhands", "r_kv", "snapkv"])
-def test_both_paths_equal_a_naive_reference_token_for_token(model, name):
-    """Greedy decoding under the naive loop; the generated sequence through both paths (each sequence of a
-    left-padded batch) gives the same logits, and the same greedy token at every step."""
-    policy = make_policy(name, budget=0.4, compress="interval", interval=3, **SMALL.get(name, {}))
-    Pn, steps = 14, 10
-    prompts = [torch.randperm(120, generator=torch.Generator().manual_seed(s))[:Pn - n][None] + 1
-               for s, n in zip((3, 4), (0, 3))]  # two prompts, the second 3 tokens shorter
-    runs = [naive_interval(model, policy, p, steps) for p in prompts]
-    x = torch.zeros(2, Pn + steps, dtype=torch.long)
-    mask = torch.zeros_like(x)
-    for b, (p, (_, toks)) in enumerate(zip(prompts, runs)):
-        n = Pn - p.shape[1]
-        x[b, n:] = torch.cat([p[0], torch.tensor(toks)])
-        mask[b, n:] = 1
+# knorm ranks keys by their norm: a repeated token's keys tie at layer 0 (RoPE keeps the norm), and which copy goes is
+# decided by the key's last bit, which on some CPUs differs between a forward of one token and of many (an AMD EPYC:
+# k_proj 9.5e-07 apart; docs/results/parity.md). So its sequences are run alone, shaped as the naive loop runs them.
+TIED_BY_THE_LAST_BIT = ("knorm",)
+
+
+def both_paths_greedy(model, policy, x, mask, Pn: int, steps: int):
+    """x, mask (B, Pn + steps) left-padded -> (sim logits (B, Pn + steps, V), real logits (B, steps, V): each the
+    logits that chose the generated token)."""
     with torch.no_grad():
         with attach(model, policy, prompt_len=Pn):
             sim = model(x, attention_mask=mask).logits
@@ -234,12 +228,36 @@ def test_both_paths_equal_a_naive_reference_token_for_token(model, name):
             real = [model(x[:, :Pn], attention_mask=mask[:, :Pn], cache=cache).logits[:, -1:]]
             real += [model(x[:, t:t + 1], attention_mask=mask[:, :t + 1], cache=cache).logits
                      for t in range(Pn, Pn + steps - 1)]
-    real = torch.cat(real, 1)  # (2, steps, V): the logits that chose each generated token
-    for b, (logits, toks) in enumerate(runs):
+    return sim, torch.cat(real, 1)
+
+
+@pytest.mark.parametrize("name", ["h2o", "tova", "streaming_llm", "knorm", "scissorhands", "r_kv", "snapkv"])
+def test_both_paths_equal_a_naive_reference_token_for_token(model, name):
+    """Greedy decoding under the naive loop; the generated sequence through both paths (each sequence of a
+    left-padded batch; alone for a rule whose ties the last bit decides) gives the same logits, and the same greedy
+    token at every step."""
+    policy = make_policy(name, budget=0.4, compress="interval", interval=3, **SMALL.get(name, {}))
+    Pn, steps = 14, 10
+    prompts = [torch.randperm(120, generator=torch.Generator().manual_seed(s))[:Pn - n][None] + 1
+               for s, n in zip((3, 4), (0, 3))]  # two prompts, the second 3 tokens shorter
+    runs = [naive_interval(model, policy, p, steps) for p in prompts]
+    seqs = [torch.cat([p[0], torch.tensor(toks)]) for p, (_, toks) in zip(prompts, runs)]
+    if name in TIED_BY_THE_LAST_BIT:
+        outs = [both_paths_greedy(model, policy, q[None], torch.ones_like(q[None]), len(p[0]), steps)
+                for p, q in zip(prompts, seqs)]
+        outs = [(torch.nn.functional.pad(sim, (0, 0, Pn - len(p[0]), 0)), real) for p, (sim, real) in zip(prompts, outs)]
+    else:
+        x = torch.zeros(2, Pn + steps, dtype=torch.long)
+        mask = torch.zeros_like(x)
+        for b, q in enumerate(seqs):
+            x[b, Pn + steps - len(q):], mask[b, Pn + steps - len(q):] = q, 1
+        sim, real = both_paths_greedy(model, policy, x, mask, Pn, steps)
+        outs = [(sim[b:b + 1], real[b:b + 1]) for b in range(2)]
+    for (logits, toks), (sim, real) in zip(runs, outs):
         naive = torch.cat([torch.zeros_like(logits[:1]), logits[:-1]])  # step 0's from the prompt's forward
-        torch.testing.assert_close(real[b, 1:], naive[1:], atol=1e-4, rtol=0)
-        torch.testing.assert_close(sim[b, Pn:Pn + steps - 1], logits[:-1], atol=1e-4, rtol=0)
-        assert real[b].argmax(-1).tolist() == toks and sim[b, Pn - 1:-1].argmax(-1).tolist() == toks
+        torch.testing.assert_close(real[0, 1:], naive[1:], atol=1e-4, rtol=0)
+        torch.testing.assert_close(sim[0, Pn:Pn + steps - 1], logits[:-1], atol=1e-4, rtol=0)
+        assert real[0].argmax(-1).tolist() == toks and sim[0, Pn - 1:-1].argmax(-1).tolist() == toks
 
 
 def test_a_wrong_schedule_differs_from_the_naive_reference():

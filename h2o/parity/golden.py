@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from h2o.parity.pairs import GOLDEN, OURS, RECORD, TOLERANCE
+from h2o.store.env import cpu_name
 
 MODEL_DIR = GOLDEN / "model"
 SEED = 11  # of the model's weights and of the prompts
@@ -163,6 +164,44 @@ def dump(out: dict) -> str:
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
+def beside(old: dict, new: dict) -> dict:
+    """The record to write when ``old`` exists: ``new``, unless ``new`` was made on another CPU for the same cases,
+    weights and prompts; then ``old`` with ``new``'s figures where they differ from it (by more than
+    :data:`TOLERANCE`) under ``other_cpus[new's CPU]``.
+
+    kvpress's own figures depend on the CPU where the last bit of a key decides a tie: in knorm's decoding form a
+    repeated token's keys at layer 0 have equal norms (RoPE rotates, the norm stays), and ``k_proj`` of one token and
+    of many tokens agree to the last bit on some CPUs' kernels and not on others' (an AMD EPYC: 9.5e-07 apart)."""
+    same = ("kvpress", "transformers", "model", "ratios", "prompts")
+    if (old.get("cpu", new["cpu"]) == new["cpu"] or any(old.get(k) != new[k] for k in same)
+            or {n: Case(**c) for n, c in old["cases"].items()} != {n: Case(**c) for n, c in new["cases"].items()}):
+        return new
+    first = {key(r): nll(r) for r in old["records"]}
+    differ = [r for r in new["records"] if abs(nll(r) - first[key(r)]) > TOLERANCE]
+    others = {**old.get("other_cpus", {}), new["cpu"]: {"largest_gap": new["largest_gap"], "records": differ}}
+    return {**old, "other_cpus": others}
+
+
+def records_of(gold: dict, cpu: str) -> list[dict]:
+    """kvpress's records as made on ``cpu`` (one of :func:`cpus`): the first CPU's, with that CPU's own figures."""
+    own = {key(r): r for r in gold.get("other_cpus", {}).get(cpu, {}).get("records", [])}
+    return [own.get(key(r), r) for r in gold["records"]]
+
+
+def cpus(gold: dict) -> list[str]:
+    """The CPUs whose kvpress figures the record holds, the first CPU first."""
+    return [gold["cpu"], *gold.get("other_cpus", {})]
+
+
+def key(r: dict) -> tuple:
+    return r["method"], r["ratio"], r["prompt"]
+
+
+def nll(r: dict) -> float:
+    """A record's NLL per token."""
+    return r["nll"] / r["n_tokens"]
+
+
 def record(venv: Path, threads: int = 1) -> int:
     """Steps 1-4 of the module docstring, then our side beside them (printed: the largest gap per case)."""
     save_model()
@@ -189,7 +228,10 @@ def record(venv: Path, threads: int = 1) -> int:
         "largest_gap": {m: float(f"{g:.2e}") for m, g in sorted(gaps.items())},
         "prompts": prompts,
         "records": [{k: r[k] for k in keep if k in r} for r in recs],
+        "cpu": cpu_name(),
     }
+    if RECORD.is_file():
+        out = beside(json.loads(RECORD.read_text()), out)
     RECORD.write_text(dump(out))
     for m, g in sorted(gaps.items()):
         print(f"golden {m}: largest |NLL/token kvpress - ours| {g:.1e}", file=sys.stderr)

@@ -45,13 +45,16 @@ def device_info() -> dict:
     if torch.cuda.is_available():
         return {"device": "cuda", "device_name": torch.cuda.get_device_name(0), "n_gpus": torch.cuda.device_count(),
                 "cuda": torch.version.cuda}
-    cpu = platform.processor() or ""
+    return {"device": "cpu", "device_name": cpu_name(), "n_cpus": os.cpu_count()}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), e.g. ``AMD EPYC``; ``platform.processor()`` where that is missing."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {"device": "cpu", "device_name": cpu, "n_cpus": os.cpu_count()}
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or ""
 
 
 def env_info(started: float, ended: float) -> dict:
