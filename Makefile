@@ -24,7 +24,7 @@ install: .venv/installed ## create .venv and install the package with its pinned
 
 test: install ## run the test suite (what CI runs) in a shuffled order; TEST_SEED=<n> repeats an order; tests/test_slurm_real.py brings a one-node Slurm up and down itself (root)
 	@echo "make test: test order shuffled with seed $(TEST_SEED); this order again: make test TEST_SEED=$(TEST_SEED)"
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p randomly --randomly-seed=$(TEST_SEED) --durations=15; \
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p randomly --randomly-seed=$(TEST_SEED) --durations=15; \
 	status=$$?; echo "make test: seed $(TEST_SEED) (exit $$status); this order again: make test TEST_SEED=$(TEST_SEED)"; \
 	exit $$status
 
@@ -78,6 +78,9 @@ prefetch: install ## download every model and data set of experiment EXP into th
 # BENCH_THREADS=1 beside four other jobs on 2 cores). On shared cores use BENCH_THREADS=1: two threads per process
 # then wait on each other at every small op (decoding measured 5-10x slower).
 TEST_WORKERS ?= 2  # make test: pytest-xdist processes, each test file on one (tests/slurm and the model cache are shared)
+# make test: torch/OpenMP threads per worker (and per process a test starts). 2 workers x 2 threads on 2 cores spin
+# against each other at every small op: test_sliding_window + test_paths measured 397 s at the default, 36 s at 1.
+TEST_THREADS ?= 1
 # make test: the shuffle's seed (pytest-randomly), drawn once per make (:=) unless given
 TEST_SEED ?= $(shell python3 -c 'import random; print(random.randrange(1, 10**6))')
 TEST_SEED := $(strip $(TEST_SEED))
