@@ -120,20 +120,23 @@ def compared(what: str, spec_: str, words: tuple, p: dict | None, A: str, B: str
             f"{B} lower on {p['b_lower']}): {word}")
 
 
-def headline(df: pd.DataFrame, spec: dict) -> list[str]:
+def headline(df: pd.DataFrame, spec: dict, word: str = "Headline") -> list[str]:
     """The study's named comparison (``spec``: a, b, budget, schedule, and prompts: the prompt set it is measured
-    on, the grid's by default): a − b paired over prompts for the fidelity (the first of :data:`MEASURES`, the
-    headline), the answer's length and its repetition, each with its bootstrap 95% interval and verdict; then the
-    same on every other prompt set where both cells ran, and the fidelity over all of them pooled (secondary)."""
+    on, the grid's by default; ``why``: a sentence shown after it): a − b paired over prompts for the fidelity (the
+    first of :data:`MEASURES`, the headline), the answer's length and its repetition, each with its bootstrap 95%
+    interval and verdict; then the same on every other prompt set where both cells ran, and the fidelity over all of
+    them pooled (secondary). ``word`` names it: the headline, or a confirmatory replication named after it."""
     prompts = spec.get("prompts") or grid_prompts(df)
     cell = lambda m, n: cell_of(df, spec[m], spec["budget"], spec["schedule"], n)  # noqa: E731
     a, b = cell("a", prompts), cell("b", prompts)
     A, B = label(spec["a"]), label(spec["b"])
-    head = (f"**Headline**: {A} against {B} at {spec['budget']} tokens, {spec['schedule']}, over the {prompts} "
+    head = (f"**{word}**: {A} against {B} at {spec['budget']} tokens, {spec['schedule']}, over the {prompts} "
             f"prompts of task.prompts={prompts}, paired over prompts ({A} − {B}, bootstrap 95% interval of the mean "
-            f"difference; the first line is the headline, the other two the answer it writes)")
+            f"difference; the first line is the comparison named, the other two the answer it writes)")
     measured = a is not None and b is not None
-    lines = [head + ("" if measured else ": not yet measured (a record is missing)."), ""]
+    head += "" if measured else ": not yet measured (a record is missing)"
+    head += f". {spec['why']}" if spec.get("why") else ""
+    lines = [head, ""]
     lines += [compared(what, fmt_, words, paired(a["samples"], b["samples"], key), A, B)
               for key, (what, fmt_, words) in MEASURES.items()] if measured else []
     what, fmt_, words = MEASURES["tf_nll_per_token"]
@@ -263,8 +266,9 @@ def page_body(df: pd.DataFrame, figures: Path, rel: str, spec: dict) -> list[str
     cpu = pd.to_numeric(df["cpu_s"], errors="coerce").sum() if "cpu_s" in df else float("nan")
     lines = [f"Runs finished: {len(df)}" + (f" of the committed grid's {grid}" if grid else "") +
              f" ({cpu:,.0f} CPU-s in all, one thread each).", ""]
-    if spec.get("headline"):
-        lines += [*headline(df, spec["headline"]), ""]
+    for key, word in (("headline", "Headline"), ("replication", "Confirmatory replication")):
+        if spec.get(key):
+            lines += [*headline(df, spec[key], word), ""]
     found = versus_h2o(df)
     if found:
         lines += ["**H2O against each other method, cell by cell** (`<`: H2O's NLL lower at 95%, `>`: higher, `≈`: "

@@ -18,6 +18,8 @@ number comes from the records beside its ``study.yaml``, so a measured number in
     runs: 28                     # long_generation: the committed grid's runs (the page says how many finished)
     headline: {a: h2o, b: streaming_llm, budget: 64, schedule: every step, prompts: 16}   # long_generation: the
                                  # named comparison, on the records of that prompt count (the grid's by default)
+    replication: {a: h2o, b: r_kv, budget: 64, schedule: every 32, prompts: 32, why: "..."}   # long_generation: a
+                                 # comparison named after the headline (before its runs), shown after it
     sections:                    # streaming: window samples (analysis.streaming_study), one section per folder
       - {title: "...", samples: samples}             # a folder, or a list of folders read together
       - {title: "...", samples: [a, b], budgets: [96]}   # budgets: only these caches
@@ -52,7 +54,7 @@ class StudyError(ValueError):
     """A study.yaml that does not describe a study (one line naming the file, the key and what is allowed)."""
 
 
-KEYS = ("title", "about", "measured", "commands", "kind", "records", "runs", "headline", "sections")
+KEYS = ("title", "about", "measured", "commands", "kind", "records", "runs", "headline", "replication", "sections")
 
 
 def inside(folder: Path, sub) -> bool:

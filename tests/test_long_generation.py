@@ -30,16 +30,18 @@ def test_the_grid_lists_every_decoding_method_at_each_budget_and_schedule():
     assert set(cells.values()) == {1}
     assert set(cells) == {("full", 1.0, "decode", None, 8)} | {
         (m, b, c, i, 8) for m in DECODING for b in (64, 128) for c, i in (("decode", None), ("interval", 32))} | {
-        ("full", 1.0, "decode", None, 16), ("h2o", 64, "decode", None, 16), ("streaming_llm", 64, "decode", None, 16)}
-    assert len(specs) == 32 and specs[0].policy.name == "full"
+        ("full", 1.0, "decode", None, 16), ("h2o", 64, "decode", None, 16), ("streaming_llm", 64, "decode", None, 16),
+        ("full", 1.0, "decode", None, 32), ("h2o", 64, "interval", 32, 32), ("r_kv", 64, "interval", 32, 32)}
+    assert len(specs) == 35 and specs[0].policy.name == "full"
     first = [(p.policy.budget, p.task.prompts) for p in specs[1:15]]
     assert set(first) == {(64, 8)}  # every method and schedule at 64 tokens before 128, then the 16 prompts
-    assert [p.task.prompts for p in specs[29:]] == [16] * 3
+    assert [p.task.prompts for p in specs[29:]] == [16] * 3 + [32] * 3  # the headline's cells, the replication's
     assert "prompts=16" in str(next(p.path for p in specs if p.task.prompts == 16))  # beside the grid's folders
+    assert "prompts=32" in str(next(p.path for p in specs if p.task.prompts == 32))
     task = sweep.specs[0].task
     assert (task.prompts, task.passage_tokens, task.max_new_tokens, task.text, task.kind) == (
         8, 128, 512, "austen", "long_generation")
-    assert len(sweep.refused) == 2  # full at interval: its one run serves both schedules
+    assert len(sweep.refused) == 3  # full at interval: its one run serves both schedules
 
 
 def stepwise_nll(model, policy, prompt: torch.Tensor, answer: list[int]) -> float:
@@ -182,6 +184,7 @@ def test_the_page_comes_from_the_records(tmp_path):
     assert "Runs finished: 5 of the committed grid's 25 (500 CPU-s in all, one thread each)." in page
     assert ("**Headline**: H2O against StreamingLLM at 64 tokens, every step, over the 4 prompts of "
             "task.prompts=4, paired over prompts") in page
+    assert "Confirmatory replication" not in page
     assert ("- NLL per token of the full cache's answer teacher-forced through each cache: -0.500 [-0.575, -0.425] "
             "over 4 prompts (H2O lower on 4, StreamingLLM lower on 0): H2O lower: closer to the full cache at 95%") in page
     assert ("- tokens generated: +2.0 [+2.0, +2.0] over 4 prompts (H2O lower on 0, StreamingLLM lower on 4): H2O "
@@ -222,3 +225,33 @@ def test_the_headline_on_its_own_prompt_set_beside_the_grids(tmp_path):
     assert "- 64 tokens, every step: H2O < StreamingLLM: -0.500" in page  # cell by cell: the grid's prompts only
     assert "| H2O | 64 | every step | 6 | 2.000 [1.900, 2.100] |" in page
     assert "| H2O | 64 | every step | 4 | 1.050 [0.950, 1.150] |" in page
+
+
+def test_a_replication_named_after_the_headline_follows_it(tmp_path):
+    """study.yaml's ``replication``: a second named comparison on its own prompt set, shown after the headline with
+    its reason, and its secondary lines on the grid's prompts where both cells ran there."""
+    from analysis import results_pages
+
+    root = grid_records(tmp_path)
+    record(root, "h2o", 64, "interval", [1.0, 1.0, 1.0, 1.0], 100)
+    record(root, "tova", 64, "interval", [1.5, 1.5, 1.5, 1.5], 100)
+    record(root, "h2o", 64, "interval", [1.0, 1.1, 0.9, 1.0, 1.2, 0.8], 100, prompts=6)
+    record(root, "tova", 64, "interval", [1.5, 1.6, 1.4, 1.5, 1.7, 1.3], 100, prompts=6)
+    spec = {"title": "Long generation", "kind": "long_generation", "runs": 9,
+            "headline": {"a": "h2o", "b": "streaming_llm", "budget": 64, "schedule": "every step"},
+            "replication": {"a": "h2o", "b": "tova", "budget": 64, "schedule": "every 32", "prompts": 6,
+                            "why": "Named before its runs."}}
+    (root.parent / "study.yaml").write_text(json.dumps(spec))
+    out = tmp_path / "docs"
+    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
+    page = (out / "long_generation.md").read_text()
+    head, rest = page.split("**Confirmatory replication**: H2O against TOVA at 64 tokens, every 32, over the 6 "
+                            "prompts of task.prompts=6, paired over prompts")
+    assert "**Headline**: H2O against StreamingLLM" in head
+    assert rest.startswith(" (H2O − TOVA, bootstrap 95% interval of the mean difference; the first line is the "
+                           "comparison named, the other two the answer it writes). Named before its runs.")
+    assert ("- NLL per token of the full cache's answer teacher-forced through each cache: -0.500 [-0.500, -0.500] "
+            "over 6 prompts (H2O lower on 6, TOVA lower on 0): H2O lower: closer to the full cache at 95%") in rest
+    assert ("- secondary, over the 4 prompts of task.prompts=4 (other passages), NLL per token of the full cache's "
+            "answer teacher-forced through each cache: -0.500") in rest
+    assert "pooled over every prompt set (6 + 4 distinct passages): -0.500 [-0.500, -0.500] over 10 prompts" in rest
