@@ -150,10 +150,27 @@ def turn_figure(recs: list[dict], out: Path) -> Path:
     return path
 
 
-def page_lines(recs: list[dict], figures: Path, rel: str) -> list[str]:
-    """The page's body: the tables of each mode its records have, then the figure (written into ``figures``,
-    linked as ``rel/<name>``)."""
-    lines = []
+def headline(recs: list[dict], spec: dict) -> list[str]:
+    """The study's named comparison under ``task.questions`` (``spec``: a, b, budget, and ``why``, a sentence shown
+    after it): a − b accuracy paired by question, its 95% interval and verdict."""
+    runs = {(r["policy"], r["budget"]): r for r in recs if r["mode"] == "questions"}
+    a, b, budget = spec["a"], spec["b"], float(spec["budget"])
+    got = paired(runs[(a, budget)], runs[(b, budget)]) if (a, budget) in runs and (b, budget) in runs else None
+    head = f"**Headline**: {a} against {b} at {budget:.0%}, each context asked its questions (`task.questions`), " \
+           f"paired by question ({a} − {b}, difference in accuracy with its 95% interval)"
+    if got is None:
+        head += ": not yet measured (a record is missing)"
+    else:
+        mean, lo, hi, k = got
+        verdict = f"{a} better at 95%" if lo > 0 else f"{a} worse at 95%" if hi < 0 else "not resolved at 95%"
+        head += f": {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] over {k} questions, {verdict}"
+    return [head + (f". {spec['why']}" if spec.get("why") else ""), ""]
+
+
+def page_lines(recs: list[dict], figures: Path, rel: str, named: dict | None = None) -> list[str]:
+    """The page's body: the headline ``named`` (study.yaml's), the tables of each mode its records have, then the
+    figure (written into ``figures``, linked as ``rel/<name>``)."""
+    lines = headline(recs, named) if named else []
     for mode in ("questions", "turns"):
         if any(r["mode"] == mode for r in recs):
             lines += tables(recs, mode)

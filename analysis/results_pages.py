@@ -17,7 +17,8 @@ number comes from the records beside its ``study.yaml``, so a measured number in
                                  # (``metrics.json`` + ``samples.jsonl``)
     runs: 28                     # long_generation: the committed grid's runs (the page says how many finished)
     headline: {a: h2o, b: streaming_llm, budget: 64, schedule: every step, prompts: 16}   # long_generation: the
-                                 # named comparison, on the records of that prompt count (the grid's by default)
+                                 # named comparison, on the records of that prompt count (the grid's by default);
+                                 # questions: {a: kvzip, b: keydiff, budget: 0.2, why: "..."}
     replication: {a: h2o, b: r_kv, budget: 64, schedule: every 32, prompts: 32, why: "..."}   # long_generation: a
                                  # comparison named after the headline (before its runs), shown after it
     sections:                    # streaming: window samples (analysis.streaming_study), one section per folder
@@ -201,7 +202,7 @@ def questions_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[st
     if not recs:
         return None
     return head(spec, "; ".join(x for x in (spec.get("measured"), provenance(root)) if x)) + \
-        page_lines(recs, figures, rel)
+        page_lines(recs, figures, rel, spec.get("headline"))
 
 
 def streaming_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str] | None:

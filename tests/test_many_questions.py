@@ -169,3 +169,25 @@ def test_the_page_tabulates_and_draws_accuracy_against_turn(tmp_path):
     assert "| h2o | 20% | 0.50 | 0.00 | 0.00 |" in lines and "| full | 100% | 1.00 | 0.50 | 0.50 |" in lines
     assert "![accuracy against the turn](fig/many_questions_turns.png)" in lines
     assert (tmp_path / "many_questions_turns.png").stat().st_size > 5_000
+
+
+def test_the_named_headline_heads_the_page(tmp_path):
+    """study.yaml's ``headline`` for many questions: a − b paired by question at its budget, with its interval,
+    verdict and reason; a missing record says so."""
+    from analysis.many_questions import page_lines
+
+    def rec(policy, budget, right):  # 4 contexts x 3 questions: the first ``right`` of 12 answered
+        samples = [{"doc_id": c, "question": q, "acc": float(3 * c + q < right)} for c in range(4) for q in range(3)]
+        return {"policy": policy, "budget": budget, "mode": "questions", "protocol": {"questions": 3},
+                "samples": samples, "metrics": {"acc": right / 12}, "kv_bytes_cut": 2**20}
+
+    named = {"a": "kvzip", "b": "keydiff", "budget": 0.2, "why": "Named first."}
+    recs = [rec("full", 1.0, 12), rec("kvzip", 0.2, 9), rec("keydiff", 0.2, 3)]
+    lines = page_lines(recs, tmp_path, "fig", named)
+    # 6 of 12 questions differ (+1 each): mean 0.5, variance 3/11, se sqrt(3/11/12) = 0.1508, z 1.96
+    assert lines[0] == ("**Headline**: kvzip against keydiff at 20%, each context asked its questions "
+                        "(`task.questions`), paired by question (kvzip − keydiff, difference in accuracy with its 95% "
+                        "interval): +0.500 [+0.205, +0.795] over 12 questions, kvzip better at 95%. Named first.")
+    assert page_lines(recs[:2], tmp_path, "fig", named)[0].endswith(": not yet measured (a record is missing). "
+                                                                     "Named first.")
+    assert not page_lines(recs, tmp_path, "fig")[0].startswith("**Headline**")
