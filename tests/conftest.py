@@ -50,9 +50,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 
 # Libraries that configure log handlers on the streams of the moment, or set the environment, when first imported
-# (transformers, huggingface_hub, submitit, lm-eval, scikit-learn, absl through rouge-score): imported here, at
+# (datasets, transformers, huggingface_hub, submitit, lm-eval, scikit-learn, absl through rouge-score): imported here, at
 # collection, not inside a test (whose captured streams close after it); submitit's and absl's handlers then write to
 # the stream current at each line (h2o.cli.process)
+import datasets  # noqa: E402,F401  (sets its logger's level on import: a test that imports it first changed it)
 import lm_eval  # noqa: E402,F401  (also sets HF_XET_HIGH_PERFORMANCE in the environment on import)
 import sklearn  # noqa: E402,F401  (lm-eval's metrics import it; it sets KMP_DUPLICATE_LIB_OK, KMP_INIT_AT_FORK)
 import transformers  # noqa: E402,F401
