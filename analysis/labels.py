@@ -12,7 +12,8 @@ POLICIES = ["full", "local", "strided", "fixed", "streaming_llm", "topk", "h2o",
 LABELS = {"streaming_llm": "StreamingLLM", "strided_h2": "strided+H2", "fixed_h2": "fixed+H2",
           "topk": "top-k", "topk_h2": "top-k+H2", "h2_only": "H2 only", "h2o": "H2O"}
 KIND_METRICS = {"multiple_choice": ["acc_mean", "acc"], "summarization": ["rouge2"],
-                "perplexity": ["ppl"], "streaming": ["ppl"], "retrieval": ["acc", "score"], "reasoning": ["pass_at_1"]}
+                "perplexity": ["ppl"], "streaming": ["ppl"], "retrieval": ["acc", "score"], "reasoning": ["pass_at_1"],
+                "shared_context": ["acc"]}
 
 
 def label(policy: str) -> str:

@@ -55,6 +55,7 @@ CLUSTER_ONLY = {
     "make sweep EXP=fig4 LAUNCHER=slurm", "make sweep EXP=helm LAUNCHER=slurm", "make sweep EXP=table6 LAUNCHER=slurm",
     "make status EXP=fig4", "make sweep EXP=niah_cluster LAUNCHER=slurm", "make sweep EXP=ruler_cluster LAUNCHER=slurm",
     "make sweep EXP=longbench_cluster LAUNCHER=slurm", "make sweep EXP=reasoning_cluster LAUNCHER=slurm",
+    "make sweep EXP=scbench_cluster LAUNCHER=slurm",
 }
 HYDRA = {"h2o.pipeline.run", "h2o.pipeline.sweep", "h2o.pipeline.launch", "h2o.pipeline.status",
          "h2o.pipeline.prefetch"}

@@ -81,7 +81,7 @@ def run_minutes(spec: RunSpec, cluster: DictConfig) -> float:
     task = spec.task
     if task.kind == "perplexity":
         mtok = task.n_windows * task.window / 1e6
-    elif task.kind in ("retrieval", "reasoning"):  # sized by their own grid (h2o.tasks.long_context, reasoning)
+    elif task.kind in ("retrieval", "reasoning", "shared_context"):  # sized by their own grid (their tokens())
         mtok = task.tokens() / 1e6
     else:
         size = cluster.task_size.get(task.name) or cluster.default_task_size

@@ -10,8 +10,9 @@ Models: hub ids go to the Hugging Face cache (``huggingface_hub.snapshot_downloa
 Data: lm-eval tasks are built once by lm-eval's TaskManager (which downloads their data sets with ``datasets``),
 summarization tasks load their splits, perplexity tasks their book, long-context tasks what
 h2o.tasks.long_context_data lists (books, RULER's essays, punkt_tab and qa files, LongBench's data), reasoning tasks
-their lm-eval task's hub data set (h2o.tasks.reasoning). The launcher calls :func:`missing_model` /
-:func:`missing_data` before it submits: a missing asset fails there, in one line.
+their lm-eval task's hub data set (h2o.tasks.reasoning), SCBench its subset's file (h2o.tasks.scbench). The
+launcher calls :func:`missing_model` / :func:`missing_data` before it submits: a missing asset fails there, in one
+line.
 """
 from __future__ import annotations
 
@@ -62,6 +63,10 @@ def missing_data(task) -> str | None:
         from h2o.tasks.reasoning import missing as missing_reasoning
 
         return missing_reasoning(task)
+    if task.kind == "shared_context":  # SCBench's subset files
+        from h2o.tasks.scbench import missing as missing_scbench
+
+        return missing_scbench(task)
     name = getattr(task, "lm_eval_task", None)
     if name and getattr(task, "include_path", None) is None and not hub_data_cached(name):
         return f"the data of lm-eval task {name} are not in the Hugging Face cache"
@@ -108,7 +113,17 @@ def fetch_data(task) -> str:
         from h2o.tasks.reasoning import fetch as fetch_reasoning
 
         return fetch_reasoning(task)
+    if kind == "shared_context":
+        from h2o.tasks.scbench import fetch as fetch_scbench
+
+        return fetch_scbench(task)
     return "nothing to fetch"
+
+
+def data_name(task) -> str:
+    """A task by the data it reads: its name, and its subset where it has several (SCBench's files)."""
+    subset = getattr(task, "subset", None)
+    return f"{task.name} ({subset})" if subset else task.name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     models = {p.model.name: p.model for p in sweep.specs}
-    tasks = {p.task.name: p.task for p in sweep.specs}
+    tasks = {data_name(p.task): p.task for p in sweep.specs}
     missing = 0
     for kind, items, why_missing, fetch, cached in (
             ("model", models, missing_model, fetch_model, "cached"),

@@ -29,7 +29,7 @@ from h2o.store.folders import fmt
 from h2o.pipeline.wandb_mirror import Settings, is_number, run_id, start, table
 
 CURVE_METRIC = {"multiple_choice": "acc", "summarization": "rouge2", "perplexity": "ppl", "retrieval": "acc",
-                "reasoning": "pass_at_1"}
+                "reasoning": "pass_at_1", "shared_context": "acc"}
 PROTOCOL = ("model", "task", "shots", "semantics", "scoring", "limit", "seed")
 MISSING = {"", "—", "-", "–", "nan", "None"}
 NUM = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"

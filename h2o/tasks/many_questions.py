@@ -93,39 +93,60 @@ def run(task, model, tok, policy, quant=None) -> Result:
     from h2o.tasks.niah_many import contexts
 
     cpu0 = time.process_time()
-    mode = "turns" if task.turns > 1 else "questions"
     n = max(task.questions, task.turns)
     bos = task.add_bos(tok)
-    done = stop_at(tok)
+    docs = []
+    for doc in contexts(tok, task.lengths, task.depths, task.samples, task.text, task.seed, n):
+        docs.append({"context": tok(doc["prompt"], add_special_tokens=bos).input_ids,
+                     "questions": [tok(q, add_special_tokens=False).input_ids for q in doc["questions"]],
+                     "targets": doc["answers"], "fields": {k: doc[k] for k in ("length", "depth", "sample")},
+                     "question_fields": [{"needle_depth": d} for d in doc["needle_depths"]]})
+    result = answer_contexts(model, tok, policy, docs, "turns" if task.turns > 1 else "questions", task.gen_tokens,
+                             stop_at(tok), lambda text, target: float(found(text, target)), quant,
+                             cut=lambda text: text.split("\n")[0])
+    info = result.info
+    result.info = {"headline": info.pop("headline"), "cells": cells(result.samples, True),
+                   "lm_eval_task": task.lm_eval_task, "haystack": task.text, **info,
+                   "cpu_s": round(time.process_time() - cpu0, 1)}
+    return result
+
+
+def answer_contexts(model, tok, policy, docs: list[dict], mode: str, max_new: int, done: Callable,
+                    score: Callable[[str, object], float], quant=None,
+                    cut: Callable[[str], str] = lambda text: text) -> Result:
+    """Each doc (``context``: its token ids; ``questions``: each question's ids; ``targets``: what each answer is
+    scored against; ``fields`` and ``question_fields``: what its records carry) asked its questions by :func:`ask`
+    under ``mode`` (questions | turns), each answer decoded up to ``done``, ``cut`` (niah: its first line) and scored
+    by ``score(text, target)``.
+    The Result's info: the question mode, the contexts' rows with their compressed KV, and what was kept."""
     samples, rows, prints = [], [], []
-    for c, doc in enumerate(contexts(tok, task.lengths, task.depths, task.samples, task.text, task.seed, n)):
-        ctx = tok(doc["prompt"], add_special_tokens=bos).input_ids
-        qs = [tok(q, add_special_tokens=False).input_ids for q in doc["questions"]]
-        answers, compressed, held = ask(model, policy, ctx, qs, task.gen_tokens, done, mode == "turns", quant)
+    for c, doc in enumerate(docs):
+        ctx, qs = doc["context"], doc["questions"]
+        answers, compressed, held = ask(model, policy, ctx, qs, max_new, done, mode == "turns", quant)
         scores = []
         for k, (q, answer) in enumerate(zip(qs, answers)):
-            generation = tok.decode(answer, skip_special_tokens=True).split("\n")[0]
-            scores.append(float(found(generation, doc["answers"][k])))
+            generation = cut(tok.decode(answer, skip_special_tokens=True))
+            scores.append(score(generation, doc["targets"][k]))
             turn = {"turn": k, "kv_tokens_turn_end": held[k]} if mode == "turns" else {}
-            samples.append({"doc_id": c, "question": k, **turn, "length": doc["length"], "depth": doc["depth"],
-                            "needle_depth": doc["needle_depths"][k], "context_tokens": len(ctx),
-                            "question_tokens": len(q), "target": doc["answers"][k], "generation": generation,
+            extra = doc["question_fields"][k] if doc.get("question_fields") else {}
+            samples.append({"doc_id": c, "question": k, **turn, **doc.get("fields", {}), **extra,
+                            "context_tokens": len(ctx), "question_tokens": len(q), "target": doc["targets"][k],
+                            "generation": generation,
                             "acc": scores[-1]})
         prints.append((compressed, 1))
-        rows.append({"doc_id": c, "length": doc["length"], "depth": doc["depth"], "sample": doc["sample"],
-                     "context_tokens": len(ctx), **{CUT[k]: compressed[k] for k in CUT},
-                     "acc": sum(scores) / len(scores)})
-    scores = [s["acc"] for s in samples]
-    layers_heads = kv_entries_per_token(model)
-    held_ratio = (sum(r["kv_tokens_cut"] for r in rows) / (layers_heads * sum(r["context_tokens"] for r in rows)))
-    info = {"headline": "acc", "cells": cells(samples, True), "lm_eval_task": task.lm_eval_task, "haystack": task.text,
-            "question": "after", mode: n, "contexts": rows, "kept_ratio": round(held_ratio, 4),
+        rows.append({"doc_id": c, **doc.get("fields", {}), "context_tokens": len(ctx),
+                     **{CUT[k]: compressed[k] for k in CUT}, "acc": sum(scores) / len(scores)})
+    n = max(len(doc["questions"]) for doc in docs)
+    accs = [s["acc"] for s in samples]
+    held_ratio = (sum(r["kv_tokens_cut"] for r in rows) / (kv_entries_per_token(model) *
+                                                            sum(r["context_tokens"] for r in rows)))
+    info = {"headline": "acc", "question": "after", mode: n, "contexts": rows, "kept_ratio": round(held_ratio, 4),
             "mean_prompt_tokens": round(sum(r["context_tokens"] for r in rows) / len(rows), 1),
             "clamped_requests": clamped(policy, [r["context_tokens"] for r in rows]),
-            **batch_fields(prints, CUT, token_digits=1), "cpu_s": round(time.process_time() - cpu0, 1)}
+            **batch_fields(prints, CUT, token_digits=1)}
     if mode == "turns":
         info["turn_acc"] = [sum(s["acc"] for s in samples if s["turn"] == k) / len(rows) for k in range(n)]
-    return Result({"acc": sum(scores) / len(scores), "acc_stderr": stderr(scores)}, samples, info)
+    return Result({"acc": sum(accs) / len(accs), "acc_stderr": stderr(accs)}, samples, info)
 
 
 def kv_entries_per_token(model) -> int:

@@ -1,0 +1,174 @@
+"""SCBench (SharedContextBench, microsoft/MInference, arXiv 2412.10319) through the evicting cache: one shared
+context asked its requests (conf/task/scbench.yaml; docs/many-questions.md).
+
+* ``mode=questions``: SCBench's shared context, different queries ("scdq"): the context prompt is prefilled once
+  into the policy's cache (cut at its end under either timing) and each request is answered from its own copy of
+  it (h2o.tasks.many_questions.ask).
+* ``mode=turns``: SCBench's multi-turn mode on one cache, each request fed after the previous answer, the model's
+  own answer kept (SCBench's ``disable_golden_context``; its default writes the reference answer of each turn into
+  the next prompt instead, which this task does not do).
+
+Subsets, SCBench's string-matched ones, with its own prompt texts (no chat template) and scorers:
+``scbench_kv`` (a value from a JSON object of UUID pairs) and ``scbench_prefix_suffix`` (a string by its prefix and
+suffix): correct when the reference is in the answer; ``scbench_vt`` (variable tracking): the share of the
+reference names in the answer, lower-cased. The context prompt is the subset's instruction, a blank line and the
+context (the context alone where SCBench has no instruction); each request is fed as a blank line and its
+``input`` (SCBench's multi-turn template's separator). A context longer than ``max_context_tokens`` keeps its first
+and last halves (SCBench's middle truncation). Greedy, up to ``max_gen_toks`` (SCBench's per subset: kv and
+prefix_suffix 150, vt 30) or the end-of-sequence token.
+
+Data: ``data/<subset>.jsonl`` of the hub data set ``microsoft/SCBench`` (fields ``context``, ``multi_turns``:
+``[{input, answer}]``), fetched into the Hugging Face cache by ``make prefetch``; ``data_files``: a local JSONL in
+the same form (tests, offline).
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none
+
+REPO = "microsoft/SCBench"
+INSTRUCTIONS = {"scbench_kv": "Extract the value corresponding to the specified key in the JSON object below.",
+                "scbench_prefix_suffix": None, "scbench_vt": None}
+MAX_GEN_TOKS = {"scbench_kv": 150, "scbench_prefix_suffix": 150, "scbench_vt": 30}
+MODES = ("questions", "turns")
+ROOM = 2048  # tokens kept free for the requests and their answers (SCBench's contexts have ~5 requests)
+
+
+def contains(text: str, target) -> float:
+    """kv and prefix_suffix: 1.0 when the reference is in the answer (case kept)."""
+    return float(str(target) in text)
+
+
+def share_found(text: str, target) -> float:
+    """vt: the share of the reference names found in the answer, lower-cased, to 2 decimals (SCBench's)."""
+    refs = target if isinstance(target, list) else [target]
+    return round(sum(str(r).lower() in text.lower() for r in refs) / len(refs), 2)
+
+
+SCORERS = {"scbench_kv": contains, "scbench_prefix_suffix": contains, "scbench_vt": share_found}
+
+
+@dataclass
+class SCBenchTask(TaskSpec):
+    name: str
+    subset: str = "scbench_kv"
+    mode: str = "questions"  # questions: each request from a copy of the context compressed once; turns: in turn
+    limit: int | None = None  # contexts (null: every one)
+    max_context_tokens: int | None = None  # longer contexts keep their first and last halves (null: whole)
+    max_gen_toks: int | None = None  # null: SCBench's for the subset
+    data_files: str | None = None  # a local JSONL instead of the hub's data/<subset>.jsonl
+    shots: int = 0
+    batch_size: int = 1  # one context at a time
+
+    kind = "shared_context"
+    semantics = ("real",)
+
+    def __post_init__(self):
+        check(self.subset in SCORERS, f"task.subset={self.subset!r}: allowed: {', '.join(SCORERS)}")
+        check(self.mode in MODES, f"task.mode={self.mode!r}: allowed: {', '.join(MODES)}")
+        for key in ("limit", "max_context_tokens", "max_gen_toks"):
+            positive_or_none(f"task.{key}", getattr(self, key))
+        check(self.shots == 0, f"task.shots={self.shots!r}: SCBench is zero-shot; allowed: 0")
+        check(self.batch_size == 1, f"task.batch_size={self.batch_size!r}: one context at a time; allowed: 1")
+        check(self.data_files is None or Path(str(self.data_files)).expanduser().is_file(),
+              f"task.data_files={self.data_files!r}: no such file; allowed: null or a JSONL file of SCBench rows")
+
+    @property
+    def gen_tokens(self) -> int:
+        return self.max_gen_toks or MAX_GEN_TOKS[self.subset]
+
+    def add_bos(self, tokenizer) -> bool:
+        """The context starts with BOS where the tokenizer adds one (SCBench encodes with the tokenizer's default)."""
+        return adds_bos(tokenizer, None)
+
+    def check_model(self, model) -> None:
+        """The context cap and :data:`ROOM` tokens for the requests and answers fit the model's positions (the
+        hub's contexts need a cap; a local ``data_files`` is not judged without one)."""
+        max_pos = model.max_positions()
+        cap = self.max_context_tokens
+        if max_pos is not None and (cap is not None or self.data_files is None):
+            check(cap is not None and cap + ROOM <= max_pos,
+                  f"task.max_context_tokens={cap}: SCBench's contexts run to ~128k tokens, and with {ROOM} tokens for "
+                  f"the requests and answers they must fit model {model.name}'s {max_pos} positions; allowed: "
+                  f"task.max_context_tokens <= {max_pos - ROOM}")
+
+    def hub_file(self) -> str:
+        return f"data/{self.subset}.jsonl"
+
+    def check_data(self) -> None:
+        lost = missing(self)
+        check(lost is None, f"task={self.name}: its data are not on this machine ({lost}); allowed: fetch them first "
+                            f"with `make prefetch EXP=<experiment>` on a machine with internet, or "
+                            f"task.data_files=<a local JSONL of SCBench rows>")
+
+    def tokens(self) -> int:
+        """Tokens of one run for the time estimates: SCBench's contexts run to ~128k tokens, 5 requests each."""
+        contexts = self.limit or 100
+        return contexts * ((self.max_context_tokens or 131072) + 5 * 8 * self.gen_tokens)
+
+    def rows(self) -> list[dict]:
+        path = self.data_files or local_file(self)
+        with open(Path(str(path)).expanduser(), encoding="utf-8") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        return rows[:self.limit] if self.limit else rows
+
+    def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
+        from h2o.tasks.many_questions import answer_contexts
+
+        cpu0 = time.process_time()
+        docs = [self.doc(tokenizer, row) for row in self.rows()]
+        eos = tokenizer.eos_token_id
+        result = answer_contexts(model, tokenizer, policy, docs, self.mode, self.gen_tokens,
+                                 lambda out: out[-1] == eos, SCORERS[self.subset], quant, cut=str.strip)
+        result.info = {**result.info, "subset": self.subset, "truncated_contexts": sum(d["fields"]["truncated"]
+                                                                                   for d in docs),
+                       "cpu_s": round(time.process_time() - cpu0, 1)}
+        return result
+
+    def doc(self, tok, row: dict) -> dict:
+        """One SCBench row as token ids: the context prompt (middle-truncated), each request, each reference."""
+        context = row["context"] if "context" in row else row["input"]
+        instruction = INSTRUCTIONS[self.subset]
+        head = f"{instruction}\n\n" if instruction else ""
+        ids = tok(head + str(context), add_special_tokens=self.add_bos(tok)).input_ids
+        cap = self.max_context_tokens
+        truncated = cap is not None and len(ids) > cap
+        if truncated:
+            ids = ids[:cap // 2] + ids[len(ids) - (cap - cap // 2):]
+        turns = row["multi_turns"]
+        questions = [tok("\n\n" + t["input"], add_special_tokens=False).input_ids for t in turns]
+        return {"context": ids, "questions": questions, "targets": [t["answer"] for t in turns],
+                "fields": {"truncated": truncated}}
+
+
+def local_file(task: SCBenchTask) -> str:
+    """The subset's file in the Hugging Face cache (no download): a ConfigError names what to fetch."""
+    from huggingface_hub import try_to_load_from_cache
+
+    path = try_to_load_from_cache(REPO, task.hub_file(), repo_type="dataset")
+    check(isinstance(path, str), f"task.subset={task.subset}: {REPO}/{task.hub_file()} is not in the Hugging Face "
+                                 f"cache; allowed: `make prefetch EXP=<experiment>` first, or task.data_files=<JSONL>")
+    return path
+
+
+def missing(task: SCBenchTask) -> str | None:
+    """Why the subset's file is not here, or None."""
+    from huggingface_hub import try_to_load_from_cache
+
+    if task.data_files or isinstance(try_to_load_from_cache(REPO, task.hub_file(), repo_type="dataset"), str):
+        return None
+    return f"hub data set {REPO} file {task.hub_file()} is not in the Hugging Face cache"
+
+
+def fetch(task: SCBenchTask) -> str:
+    """Download the subset's file into the Hugging Face cache (``make prefetch``)."""
+    if task.data_files:
+        return f"local {task.data_files}"
+    from huggingface_hub import hf_hub_download
+
+    path = hf_hub_download(REPO, task.hub_file(), repo_type="dataset")
+    return f"{REPO}/{task.hub_file()}: {sum(1 for _ in open(path, encoding='utf-8'))} contexts"

@@ -1,0 +1,122 @@
+"""SCBench (h2o.tasks.scbench) on a stand-in of its own row format, the tiny random Llama: the prompt ids its
+protocol builds, its scorers, full equal to each request answered with the whole context, the turns mode on one
+cache, the record through h2o-run, and the data check; the hub's file is never read here."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from h2o import attach, make_policy
+from h2o.assets.paths import REPO
+from h2o.core.validate import BadInput
+from h2o.tasks.many_questions import greedy
+from h2o.tasks.scbench import SCBenchTask, contains, missing, share_found
+
+DATA = REPO / "tests" / "data" / "scbench" / "scbench_kv.jsonl"  # 2 contexts of SCBench's kv rows, 2 and 3 requests
+ROWS = [json.loads(line) for line in DATA.read_text().splitlines()]
+MAX_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from h2o.assets.model_spec import ModelSpec
+
+    return ModelSpec("tiny-llama", "tiny:llama").load()
+
+
+def test_scorers_are_scbench_s():
+    assert contains("the value is c3d4.", "c3d4") == 1.0 and contains("C3D4", "c3d4") == 0.0
+    assert share_found("VAR_A, var_c", ["var_a", "var_b", "var_c"]) == 0.67 and share_found("x", "x") == 1.0
+
+
+def test_prompt_ids_and_middle_truncation(tiny):
+    _, tok = tiny
+    doc = SCBenchTask("scbench", data_files=str(DATA)).doc(tok, ROWS[0])
+    text = "Extract the value corresponding to the specified key in the JSON object below.\n\n" + ROWS[0]["context"]
+    assert doc["context"] == tok(text).input_ids and doc["targets"] == ["c3d4", "e1f2"]
+    assert doc["questions"][1] == tok("\n\n" + ROWS[0]["multi_turns"][1]["input"], add_special_tokens=False).input_ids
+    cut = SCBenchTask("scbench", data_files=str(DATA), max_context_tokens=11).doc(tok, ROWS[0])
+    assert cut["context"] == doc["context"][:5] + doc["context"][-6:] and cut["fields"] == {"truncated": True}
+    vt = SCBenchTask("scbench", subset="scbench_vt", data_files=str(DATA)).doc(tok, ROWS[0])
+    assert vt["context"] == tok(ROWS[0]["context"]).input_ids  # no instruction: the context alone
+
+
+def test_full_answers_each_request_as_the_whole_context_does(tiny):
+    model, tok = tiny
+    task = SCBenchTask("scbench", data_files=str(DATA), max_gen_toks=MAX_NEW)
+    result = task.run(model, tok, make_policy("full"), "real", 0)
+    assert [(s["doc_id"], s["question"]) for s in result.samples] == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    eos = tok.eos_token_id
+    for s in result.samples:
+        doc = task.doc(tok, ROWS[s["doc_id"]])
+        with torch.no_grad(), attach(model, make_policy("full"), mode="real") as h:
+            out = greedy(model, h.new_cache(), doc["context"] + doc["questions"][s["question"]], MAX_NEW,
+                         lambda o: o[-1] == eos)
+        assert s["generation"] == tok.decode(out, skip_special_tokens=True).strip()
+        assert s["acc"] == float(s["target"] in s["generation"]) and s["target"] == doc["targets"][s["question"]]
+    assert result.metrics["acc"] == sum(s["acc"] for s in result.samples) / 5
+    assert result.info["questions"] == 3 and len(result.info["contexts"]) == 2 and result.info["subset"] == "scbench_kv"
+    # the same request twice in one context: the same answer (no request sees another's tokens)
+    assert result.samples[3]["generation"] == result.samples[4]["generation"]
+
+
+def test_turns_keep_one_cache_and_grow_it(tiny):
+    model, tok = tiny
+    task = SCBenchTask("scbench", mode="turns", data_files=str(DATA), max_gen_toks=MAX_NEW, limit=1)
+    result = task.run(model, tok, make_policy("full"), "real", 0)
+    held = [s["kv_tokens_turn_end"] for s in result.samples]
+    assert [s["turn"] for s in result.samples] == [0, 1] and held[1] > held[0]
+    assert len(result.info["turn_acc"]) == 2 and result.info["turns"] == 2
+
+
+def test_through_h2o_run_with_its_record(tmp_path, monkeypatch):
+    from h2o.pipeline.run import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("H2O_RUNS", raising=False)
+    assert main(["model=tiny-llama", "threads=1", "task=scbench", f"task.data_files={DATA}",
+                 f"task.max_gen_toks={MAX_NEW}", "policy=snapkv", "policy.budget=0.5", "policy.window=4"]) == 0
+    (path,) = (tmp_path / "runs").rglob("metrics.json")
+    rec = json.loads(path.read_text())
+    samples = [json.loads(line) for line in (path.parent / "samples.jsonl").read_text().splitlines()]
+    assert rec["task_kind"] == "shared_context" and rec["n_samples"] == 5 and len(samples) == 5
+    assert rec["metrics"]["acc"] == sum(s["acc"] for s in samples) / 5
+    assert rec["protocol"]["subset"] == "scbench_kv" and rec["protocol"]["mode"] == "questions"
+
+
+def test_bad_values_and_missing_data_in_one_line(tmp_path, monkeypatch):
+    with pytest.raises(BadInput, match=r"^task.subset='scbench_qa_eng': allowed: scbench_kv, scbench_prefix_suffix"):
+        SCBenchTask("scbench", subset="scbench_qa_eng")
+    with pytest.raises(BadInput, match=r"^task.mode='many': allowed: questions, turns$"):
+        SCBenchTask("scbench", mode="many")
+    with pytest.raises(BadInput, match=r"^task.data_files='/nonexistent.jsonl': no such file"):
+        SCBenchTask("scbench", data_files="/nonexistent.jsonl")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty cache: the hub's file is not here
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert missing(SCBenchTask("scbench")) == ("hub data set microsoft/SCBench file data/scbench_kv.jsonl is not in "
+                                               "the Hugging Face cache")
+    with pytest.raises(BadInput, match=r"^task=scbench: its data are not on this machine \(hub data set"):
+        SCBenchTask("scbench").check_data()
+
+
+def test_the_cluster_grid_checks_each_subset_and_fits_the_model(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants as constants
+
+    from h2o.assets.model_spec import ModelSpec
+    from h2o.pipeline import prefetch
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    assert prefetch.main(["experiment=scbench_cluster", "policy=full", "--check"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [ln.split(":")[0] for ln in lines if ln.startswith("task")] == [
+        "task scbench (scbench_kv)", "task scbench (scbench_prefix_suffix)", "task scbench (scbench_vt)"]
+    qwen = ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", positions=40960)
+    SCBenchTask("scbench", max_context_tokens=32000).check_model(qwen)
+    with pytest.raises(BadInput, match=r"^task.max_context_tokens=None: SCBench's contexts run to ~128k tokens.*"
+                                       r"allowed: task.max_context_tokens <= 38912$"):
+        SCBenchTask("scbench").check_model(qwen)
