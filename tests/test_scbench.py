@@ -11,7 +11,7 @@ import torch
 from h2o import attach, make_policy
 from h2o.assets.paths import REPO
 from h2o.core.validate import BadInput
-from h2o.tasks.many_questions import greedy
+from h2o.tasks.many_questions import answer_contexts, greedy
 from h2o.tasks.scbench import SCBenchTask, contains, missing, share_found
 
 DATA = REPO / "tests" / "data" / "scbench" / "scbench_kv.jsonl"  # 2 contexts of SCBench's kv rows, 2 and 3 requests
@@ -64,11 +64,18 @@ def test_full_answers_each_request_as_the_whole_context_does(tiny):
 
 def test_turns_keep_one_cache_and_grow_it(tiny):
     model, tok = tiny
-    task = SCBenchTask("scbench", mode="turns", data_files=str(DATA), max_gen_toks=MAX_NEW, limit=1)
+    task = SCBenchTask("scbench", mode="turns", data_files=str(DATA), max_gen_toks=MAX_NEW)
     result = task.run(model, tok, make_policy("full"), "real", 0)
     held = [s["kv_tokens_turn_end"] for s in result.samples]
-    assert [s["turn"] for s in result.samples] == [0, 1] and held[1] > held[0]
-    assert len(result.info["turn_acc"]) == 2 and result.info["turns"] == 2
+    assert [s["turn"] for s in result.samples] == [0, 1, 0, 1, 2] and held[0] < held[1] and held[2] < held[3] < held[4]
+    assert result.info["turns"] == 3
+    # accuracy by turn over the contexts that have that turn (the first context has 2 requests, the second 3)
+    docs = [task.doc(tok, row) for row in ROWS]
+    right = {"c3d4", "ddcc"}  # turn 0 of context 0; turns 1 and 2 of context 1
+    got = answer_contexts(model, tok, make_policy("full"), docs, "turns", 2, lambda out: False,
+                          lambda text, target: float(target in right))
+    assert [s["acc"] for s in got.samples] == [1.0, 0.0, 0.0, 1.0, 1.0]
+    assert got.info["turn_acc"] == [0.5, 0.5, 1.0]
 
 
 def test_through_h2o_run_with_its_record(tmp_path, monkeypatch):

@@ -131,8 +131,7 @@ def answer_contexts(model, tok, policy, docs: list[dict], mode: str, max_new: in
             extra = doc["question_fields"][k] if doc.get("question_fields") else {}
             samples.append({"doc_id": c, "question": k, **turn, **doc.get("fields", {}), **extra,
                             "context_tokens": len(ctx), "question_tokens": len(q), "target": doc["targets"][k],
-                            "generation": generation,
-                            "acc": scores[-1]})
+                            "generation": generation, "acc": scores[-1]})
         prints.append((compressed, 1))
         rows.append({"doc_id": c, **doc.get("fields", {}), "context_tokens": len(ctx),
                      **{CUT[k]: compressed[k] for k in CUT}, "acc": sum(scores) / len(scores)})
@@ -145,7 +144,8 @@ def answer_contexts(model, tok, policy, docs: list[dict], mode: str, max_new: in
             "clamped_requests": clamped(policy, [r["context_tokens"] for r in rows]),
             **batch_fields(prints, CUT, token_digits=1)}
     if mode == "turns":
-        info["turn_acc"] = [sum(s["acc"] for s in samples if s["turn"] == k) / len(rows) for k in range(n)]
+        at = [[s["acc"] for s in samples if s["turn"] == k] for k in range(n)]  # contexts may have fewer turns
+        info["turn_acc"] = [sum(a) / len(a) for a in at]
     return Result({"acc": sum(accs) / len(accs), "acc_stderr": stderr(accs)}, samples, info)
 
 
