@@ -59,6 +59,15 @@ def wilson(p: float, n: float) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def mcnemar_exact(a_only: int, b_only: int) -> float:
+    """Two-sided exact McNemar p-value for paired right/wrong outcomes: ``a_only`` pairs where only the first is
+    right, ``b_only`` where only the second is; the smaller count under Binomial(a_only + b_only, 1/2), doubled."""
+    n, k = a_only + b_only, min(a_only, b_only)
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
 def bounds(metric: str) -> tuple:
     """Accuracies, ROUGE, Self-BLEU and LongBench's ``score`` lie in [0, 1]; perplexity in [1, inf)."""
     if metric.startswith(("acc", "rouge", "self_bleu")) or metric == "score":

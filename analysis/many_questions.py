@@ -15,7 +15,7 @@ import math
 import sys
 from pathlib import Path
 
-from analysis.estimate import Z95, wilson
+from analysis.estimate import Z95, mcnemar_exact, wilson
 
 BASE = "kvzip"  # the method every other is compared with
 
@@ -47,6 +47,13 @@ def paired(a: dict, b: dict) -> tuple[float, float, float, int] | None:
     m = sum(d) / len(d)
     se = math.sqrt(sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d))
     return m, m - Z95 * se, m + Z95 * se, len(d)
+
+
+def discordant(a: dict, b: dict) -> tuple[int, int]:
+    """Questions answered right by a alone and by b alone (paired by context and question)."""
+    sb = {key(s): s["acc"] for s in b["samples"]}
+    pairs = [(s["acc"], sb[key(s)]) for s in a["samples"] if key(s) in sb]
+    return sum(x > y for x, y in pairs), sum(y > x for x, y in pairs)
 
 
 def cell(rec: dict) -> str:
@@ -163,7 +170,9 @@ def headline(recs: list[dict], spec: dict) -> list[str]:
     else:
         mean, lo, hi, k = got
         verdict = f"{a} better at 95%" if lo > 0 else f"{a} worse at 95%" if hi < 0 else "not resolved at 95%"
-        head += f": {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] over {k} questions, {verdict}"
+        a_only, b_only = discordant(runs[(a, budget)], runs[(b, budget)])
+        head += (f": {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] over {k} questions, {verdict} (right with {a} alone on "
+                 f"{a_only}, with {b} alone on {b_only}: exact McNemar p = {mcnemar_exact(a_only, b_only):.2g})")
     return [head + (f". {spec['why']}" if spec.get("why") else ""), ""]
 
 

@@ -184,10 +184,22 @@ def test_the_named_headline_heads_the_page(tmp_path):
     named = {"a": "kvzip", "b": "keydiff", "budget": 0.2, "why": "Named first."}
     recs = [rec("full", 1.0, 12), rec("kvzip", 0.2, 9), rec("keydiff", 0.2, 3)]
     lines = page_lines(recs, tmp_path, "fig", named)
-    # 6 of 12 questions differ (+1 each): mean 0.5, variance 3/11, se sqrt(3/11/12) = 0.1508, z 1.96
+    # 6 of 12 questions differ (+1 each): mean 0.5, variance 3/11, se sqrt(3/11/12) = 0.1508, z 1.96; McNemar:
+    # 6 discordant pairs all one way, p = 2 x 0.5^6 = 0.03125
     assert lines[0] == ("**Headline**: kvzip against keydiff at 20%, each context asked its questions "
                         "(`task.questions`), paired by question (kvzip − keydiff, difference in accuracy with its 95% "
-                        "interval): +0.500 [+0.205, +0.795] over 12 questions, kvzip better at 95%. Named first.")
+                        "interval): +0.500 [+0.205, +0.795] over 12 questions, kvzip better at 95% (right with kvzip alone on 6, "
+                        "with keydiff alone on 0: exact McNemar p = 0.031). Named first.")
     assert page_lines(recs[:2], tmp_path, "fig", named)[0].endswith(": not yet measured (a record is missing). "
                                                                      "Named first.")
     assert not page_lines(recs, tmp_path, "fig")[0].startswith("**Headline**")
+
+
+@pytest.mark.parametrize("a_only, b_only", [(6, 0), (10, 2), (3, 3), (0, 7), (17, 1), (0, 0)])
+def test_exact_mcnemar_equals_scipy_s_binomial_test(a_only, b_only):
+    from scipy.stats import binomtest
+
+    from analysis.estimate import mcnemar_exact
+
+    want = binomtest(min(a_only, b_only), a_only + b_only, 0.5).pvalue if a_only + b_only else 1.0
+    assert mcnemar_exact(a_only, b_only) == pytest.approx(want, rel=1e-12)
