@@ -103,13 +103,15 @@ def figure(recs: list[dict], out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     runs = [r for r in recs if r["mode"] == "questions"]
-    for m in sorted({r["policy"] for r in runs if r["policy"] != "full"}):
+    markers = "osD^v<>ph*X"  # with the 10 colours of the cycle, no two methods share both
+    for i, m in enumerate(sorted({r["policy"] for r in runs if r["policy"] != "full"})):
         pts = sorted((r["budget"], r["metrics"]["acc"], len(r["samples"])) for r in runs if r["policy"] == m)
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
         err = [[y - wilson(y, n)[0] for _, y, n in pts], [wilson(y, n)[1] - y for _, y, n in pts]]
-        ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=m, lw=2.5 if m == BASE else 1)
+        ax.errorbar(xs, ys, yerr=err, marker=markers[i % len(markers)], color=f"C{i % 10}", capsize=3, label=m,
+                    lw=2.5 if m == BASE else 1)
     full = [r for r in runs if r["policy"] == "full"]
     if full:
         ax.axhline(full[0]["metrics"]["acc"], ls=":", color="k", label="full")
@@ -120,7 +122,7 @@ def figure(recs: list[dict], out: Path) -> Path:
     ax.set_xticks(budgets, [f"{b:.0%}" for b in budgets])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_title("3 needles per context, compressed once, 3 questions")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path = out / "many_questions.png"
     fig.savefig(path, dpi=110)
