@@ -58,6 +58,7 @@ def test_full_answers_each_request_as_the_whole_context_does(tiny):
         assert s["acc"] == float(s["target"] in s["generation"]) and s["target"] == doc["targets"][s["question"]]
     assert result.metrics["acc"] == sum(s["acc"] for s in result.samples) / 5
     assert result.info["questions"] == 3 and len(result.info["contexts"]) == 2 and result.info["subset"] == "scbench_kv"
+    assert result.info["context_cap"] == model.config.max_position_embeddings - 2048  # null: the model's window
     # the same request twice in one context: the same answer (no request sees another's tokens)
     assert result.samples[3]["generation"] == result.samples[4]["generation"]
 
@@ -124,6 +125,7 @@ def test_the_cluster_grid_checks_each_subset_and_fits_the_model(tmp_path, monkey
         "task scbench (scbench_kv)", "task scbench (scbench_prefix_suffix)", "task scbench (scbench_vt)"]
     qwen = ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", positions=40960)
     SCBenchTask("scbench", max_context_tokens=32000).check_model(qwen)
-    with pytest.raises(BadInput, match=r"^task.max_context_tokens=None: SCBench's contexts run to ~128k tokens.*"
-                                       r"allowed: task.max_context_tokens <= 38912$"):
-        SCBenchTask("scbench").check_model(qwen)
+    SCBenchTask("scbench").check_model(qwen)  # null: cut to its positions less the room for the requests
+    with pytest.raises(BadInput, match=r"^task.max_context_tokens=40000: with 2048 tokens for the requests and "
+                                       r"answers, .* allowed: null \(its positions less 2048\) or an int <= 38912$"):
+        SCBenchTask("scbench", max_context_tokens=40000).check_model(qwen)

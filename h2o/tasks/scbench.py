@@ -13,9 +13,10 @@ Subsets, SCBench's string-matched ones, with its own prompt texts (no chat templ
 suffix): correct when the reference is in the answer; ``scbench_vt`` (variable tracking): the share of the
 reference names in the answer, lower-cased. The context prompt is the subset's instruction, a blank line and the
 context (the context alone where SCBench has no instruction); each request is fed as a blank line and its
-``input`` (SCBench's multi-turn template's separator). A context longer than ``max_context_tokens`` keeps its first
-and last halves (SCBench's middle truncation). Greedy, up to ``max_gen_toks`` (SCBench's per subset: kv and
-prefix_suffix 150, vt 30) or the end-of-sequence token.
+``input`` (SCBench's multi-turn template's separator). A context longer than ``max_context_tokens`` (null: the
+model's positions less :data:`ROOM`) keeps its first and last halves (SCBench's middle truncation to its model's
+window). Greedy, up to ``max_gen_toks`` (SCBench's per subset: kv and prefix_suffix 150, vt 30) or the
+end-of-sequence token.
 
 Data: ``data/<subset>.jsonl`` of the hub data set ``microsoft/SCBench`` (fields ``context``, ``multi_turns``:
 ``[{input, answer}]``), fetched into the Hugging Face cache by ``make prefetch``; ``data_files``: a local JSONL in
@@ -58,7 +59,7 @@ class SCBenchTask(TaskSpec):
     subset: str = "scbench_kv"
     mode: str = "questions"  # questions: each request from a copy of the context compressed once; turns: in turn
     limit: int | None = None  # contexts (null: every one)
-    max_context_tokens: int | None = None  # longer contexts keep their first and last halves (null: whole)
+    max_context_tokens: int | None = None  # longer contexts keep both ends (null: the model's positions less ROOM)
     max_gen_toks: int | None = None  # null: SCBench's for the subset
     data_files: str | None = None  # a local JSONL instead of the hub's data/<subset>.jsonl
     shots: int = 0
@@ -86,15 +87,19 @@ class SCBenchTask(TaskSpec):
         return adds_bos(tokenizer, None)
 
     def check_model(self, model) -> None:
-        """The context cap and :data:`ROOM` tokens for the requests and answers fit the model's positions (the
-        hub's contexts need a cap; a local ``data_files`` is not judged without one)."""
-        max_pos = model.max_positions()
-        cap = self.max_context_tokens
-        if max_pos is not None and (cap is not None or self.data_files is None):
-            check(cap is not None and cap + ROOM <= max_pos,
-                  f"task.max_context_tokens={cap}: SCBench's contexts run to ~128k tokens, and with {ROOM} tokens for "
-                  f"the requests and answers they must fit model {model.name}'s {max_pos} positions; allowed: "
-                  f"task.max_context_tokens <= {max_pos - ROOM}")
+        """A context cap and :data:`ROOM` tokens for the requests and answers fit the model's positions."""
+        max_pos, cap = model.max_positions(), self.max_context_tokens
+        if max_pos is not None:
+            check(max_pos > ROOM and (cap is None or cap + ROOM <= max_pos),
+                  f"task.max_context_tokens={cap}: with {ROOM} tokens for the requests and answers, contexts must fit "
+                  f"model {model.name}'s {max_pos} positions; allowed: null (its positions less {ROOM}) or an int "
+                  f"<= {max_pos - ROOM}")
+
+    def context_cap(self, model) -> int | None:
+        """Tokens a context keeps: ``max_context_tokens``, else the model's positions less :data:`ROOM` (SCBench
+        truncates to its model's window), else None (whole: positions unknown)."""
+        positions = getattr(model.config, "max_position_embeddings", None)
+        return self.max_context_tokens or (positions - ROOM if positions else None)
 
     def hub_file(self) -> str:
         return f"data/{self.subset}.jsonl"
@@ -120,22 +125,24 @@ class SCBenchTask(TaskSpec):
         from h2o.tasks.many_questions import answer_contexts
 
         cpu0 = time.process_time()
-        docs = [self.doc(tokenizer, row) for row in self.rows()]
+        cap = self.context_cap(model)
+        docs = [self.doc(tokenizer, row, cap) for row in self.rows()]
         eos = tokenizer.eos_token_id
         result = answer_contexts(model, tokenizer, policy, docs, self.mode, self.gen_tokens,
                                  lambda out: out[-1] == eos, SCORERS[self.subset], quant, cut=str.strip)
-        result.info = {**result.info, "subset": self.subset, "truncated_contexts": sum(d["fields"]["truncated"]
-                                                                                   for d in docs),
+        result.info = {**result.info, "subset": self.subset, "context_cap": cap,
+                       "truncated_contexts": sum(d["fields"]["truncated"] for d in docs),
                        "cpu_s": round(time.process_time() - cpu0, 1)}
         return result
 
-    def doc(self, tok, row: dict) -> dict:
-        """One SCBench row as token ids: the context prompt (middle-truncated), each request, each reference."""
+    def doc(self, tok, row: dict, cap: int | None = None) -> dict:
+        """One SCBench row as token ids: the context prompt (middle-truncated to ``cap`` tokens, default
+        ``max_context_tokens``), each request, each reference."""
         context = row["context"] if "context" in row else row["input"]
         instruction = INSTRUCTIONS[self.subset]
         head = f"{instruction}\n\n" if instruction else ""
         ids = tok(head + str(context), add_special_tokens=self.add_bos(tok)).input_ids
-        cap = self.max_context_tokens
+        cap = cap or self.max_context_tokens
         truncated = cap is not None and len(ids) > cap
         if truncated:
             ids = ids[:cap // 2] + ids[len(ids) - (cap - cap // 2):]
