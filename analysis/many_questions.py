@@ -178,9 +178,11 @@ def headline(recs: list[dict], spec: dict) -> list[str]:
     return [head + (f". {spec['why']}" if spec.get("why") else ""), ""]
 
 
-def page_lines(recs: list[dict], figures: Path, rel: str, named: dict | None = None) -> list[str]:
-    """The page's body: the headline ``named`` (study.yaml's), the tables of each mode its records have, then the
-    figure (written into ``figures``, linked as ``rel/<name>``)."""
+def page_lines(recs: list[dict], figures: Path, rel: str, named: dict | None = None,
+               placement: dict | None = None) -> list[str]:
+    """The page's body: the headline ``named`` (study.yaml's), the placement comparison ``placement`` (its
+    ``placement``), the tables of each mode its records have, then the figures (written into ``figures``, linked as
+    ``rel/<name>``)."""
     lines = headline(recs, named) if named else []
     for mode in ("questions", "turns"):
         if any(r["mode"] == mode for r in recs):

@@ -21,6 +21,8 @@ number comes from the records beside its ``study.yaml``, so a measured number in
                                  # questions: {a: kvzip, b: keydiff, budget: 0.2, why: "..."}
     replication: {a: h2o, b: r_kv, budget: 64, schedule: every 32, prompts: 32, why: "..."}   # long_generation: a
                                  # comparison named after the headline (before its runs), shown after it
+    placement: {method: snapkv, budget: 0.2, why: "..."}   # questions: a comparison named before its runs, each
+                                 # question inside its own compressed prompt (task.question=each) - compressed once
     sections:                    # streaming: window samples (analysis.streaming_study), one section per folder
       - {title: "...", samples: samples}             # a folder, or a list of folders read together
       - {title: "...", samples: [a, b], budgets: [96]}   # budgets: only these caches
@@ -55,7 +57,8 @@ class StudyError(ValueError):
     """A study.yaml that does not describe a study (one line naming the file, the key and what is allowed)."""
 
 
-KEYS = ("title", "about", "measured", "commands", "kind", "records", "runs", "headline", "replication", "sections")
+KEYS = ("title", "about", "measured", "commands", "kind", "records", "runs", "headline", "replication", "placement",
+        "sections")
 
 
 def inside(folder: Path, sub) -> bool:
@@ -202,7 +205,7 @@ def questions_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[st
     if not recs:
         return None
     return head(spec, "; ".join(x for x in (spec.get("measured"), provenance(root)) if x)) + \
-        page_lines(recs, figures, rel, spec.get("headline"))
+        page_lines(recs, figures, rel, spec.get("headline"), spec.get("placement"))
 
 
 def streaming_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str] | None:

@@ -83,6 +83,26 @@ def test_a_copy_shares_no_state(tiny):
             assert layer.host_tok == host
 
 
+@pytest.mark.parametrize("name, options", POLICIES)
+def test_each_question_is_compressed_inside_its_own_prompt(tiny, name, options):
+    """``question=each``: each answer is the one-prompt answer of the context and that question (by hand), the
+    footprint the mean of its prompts' cuts; under ``full`` the same answers as compressing once."""
+    model, tok = tiny
+    policy = make_policy(name, budget=0.3, **options)
+    ctx, qs = ids(tok, CONTEXT), [ids(tok, q) for q in QUESTIONS]
+    answers, compressed, held = ask(model, policy, ctx, qs, MAX_NEW, never, each=True)
+    assert answers == [whole(model, policy, ctx, q) for q in qs]
+    e = kv_entries_per_token(model)
+    budgets = [int(policy.counts(torch.tensor([len(ctx) + len(q)])).total) * e for q in qs]
+    if policy.schedule.once:  # the cut at each prompt's end, then the answer kept whole
+        assert compressed["tokens_held"] == pytest.approx(sum(budgets) / len(qs))
+        assert held == [b + (MAX_NEW - 1) * e for b in budgets]
+    else:  # decode timing: the budget held from the prompt's end on
+        assert held == budgets
+    full = make_policy("full")
+    assert ask(model, full, ctx, qs, MAX_NEW, never, each=True)[0] == ask(model, full, ctx, qs, MAX_NEW, never)[0]
+
+
 def test_full_turns_answer_as_the_whole_conversation_does(tiny):
     """Multi-turn: each turn's answer under ``full`` is what the whole conversation so far, one prompt, gives."""
     model, tok = tiny
@@ -122,6 +142,11 @@ def test_the_needle_task_asks_each_context_many_questions(tiny):
     assert all(r["kv_bytes_cut"] > 0 and "kv_bytes_cut" not in s for r in result.info["contexts"]
                for s in result.samples)
     assert task.protocol(tok)["questions"] == 3 and "turns" not in task.protocol(tok)
+    each = LongContextTask("niah", lengths=[512], depths=[0.5], samples=2, questions=3, question="each")
+    inside = each.run(model, tok, make_policy("snapkv", budget=0.3, window=8), "real", 0)
+    assert [s["target"] for s in inside.samples] == [s["target"] for s in result.samples]
+    assert inside.info["question"] == "each" and result.info["question"] == "after"
+    assert each.protocol(tok)["question"] == "each"
     turns = LongContextTask("niah", lengths=[512], depths=[0.5], samples=1, turns=2)
     out = turns.run(model, tok, make_policy("h2o", budget=0.3, compress="decode"), "real", 0)
     assert [s["turn"] for s in out.samples] == [0, 1] and len(out.info["turn_acc"]) == 2
@@ -136,6 +161,8 @@ def test_bad_values_are_refused_in_one_line():
         LongContextTask("niah", turns="2")
     with pytest.raises(BadInput, match=r"^task.questions=2, task.turns=3: allowed: one of them above 1$"):
         LongContextTask("niah", questions=2, turns=3)
+    with pytest.raises(BadInput, match=r"^task.question='each': allowed: prompt, after \(each: with task.questions "):
+        LongContextTask("niah", question="each", turns=3)
     with pytest.raises(BadInput, match=r"^task.questions=2: several questions per context on task niah only"):
         LongContextTask("r", "niah_single_2", questions=2)
 

@@ -61,7 +61,8 @@ class LongContextTask(TaskSpec):
     batch_size: BatchSize = 1
     add_bos_token: bool | None = False
     clip_to_model: bool = False  # true: lengths beyond the model's positions are dropped (the record has those run)
-    question: str = "prompt"  # prompt | after: the question inside the compressed prompt or after it (niah, RULER)
+    question: str = "prompt"  # prompt | after: the question inside the compressed prompt or after it (niah, RULER);
+    # with questions > 1: compressed once (prompt | after) or with each question inside its prompt (each)
     questions: int = 1  # niah: questions per context, each from a copy of the compressed context (many_questions)
     turns: int = 1  # niah: questions asked in turn on one cache, answers kept (many_questions)
 
@@ -97,12 +98,14 @@ class LongContextTask(TaskSpec):
             check(self.lm_eval_task in yaml_task_names(self.lm_eval_folder()),
                   f"task.lm_eval_task={self.lm_eval_task!r}: allowed: niah, lm-eval's RULER tasks ({ruler}) and its "
                   f"longbench_* tasks")
-        check(self.question in QUESTIONS, f"task.question={self.question!r}: allowed: {', '.join(QUESTIONS)}")
+        self.check_many()
+        allowed = QUESTIONS + (("each",) if self.questions > 1 else ())  # each: per question, with task.questions
+        check(self.question in allowed, f"task.question={self.question!r}: allowed: {', '.join(allowed)}"
+                                        + ("" if self.questions > 1 else " (each: with task.questions > 1)"))
         splits = self.is_niah or (self.family == "ruler" and ruler_pattern(self.lm_eval_task) is not None)
         check(self.question == "prompt" or splits,
               f"task.question={self.question}: task {self.lm_eval_task}'s prompts hold no question to split off; "
               f"allowed: question=prompt (question=after: niah and lm-eval's RULER tasks)")
-        self.check_many()
         check(self.family != "longbench" or len(self.lengths) == 1,
               f"task.lengths={self.lengths}: a LongBench run takes one length (its prompts' cut); allowed: [<n>]")
 

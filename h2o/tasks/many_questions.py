@@ -6,6 +6,12 @@ several needles (h2o.tasks.niah_many).
   under either timing: kvpress's query-agnostic protocol, as ``task.question=after``); each question is then
   answered from its own copy of that compressed cache (:func:`copy_of`), so no question sees another's tokens and
   the context is compressed once, whatever the number of questions.
+* ``questions=N`` with ``task.question=each``: the question-aware protocol that compressing once gives up, beside
+  it: for each question the context and that question are one prompt, prefilled into a fresh evicting cache and
+  cut there (the question inside the compressed prompt, as ``task.question=prompt`` for one question), then the
+  answer. The context is compressed N times; the tokens are those of ``questions=N`` (the context and each question
+  encoded apart), so the two protocols differ only in where the question is. (``prompt`` and ``after`` both mean
+  compressed once here: ``prompt``, the default, is what the committed records of ``questions=N`` ran with.)
 * ``turns=N``: one cache for the whole conversation. Each turn feeds its question after what the cache holds (the
   previous turns' questions and answers included) and generates its answer into the cache; the policy's timing
   decides what later tokens do: ``compress=prefill`` cuts the context once and evicts nothing after it (the cache
@@ -49,12 +55,14 @@ def copy_of(cache):
     return copy.deepcopy(cache, memo)
 
 
-def greedy(model, cache, ids: list[int], max_new: int, done: Callable[[list[int]], bool]) -> list[int]:
-    """``ids`` fed after what ``cache`` holds, then up to ``max_new`` greedy tokens (stopped once ``done``); every
-    generated token but the last is fed into the cache."""
+def greedy(model, cache, ids: list[int], max_new: int, done: Callable[[list[int]], bool],
+           fed: Callable[[], None] = lambda: None) -> list[int]:
+    """``ids`` fed after what ``cache`` holds (then ``fed()``), then up to ``max_new`` greedy tokens (stopped once
+    ``done``); every generated token but the last is fed into the cache."""
     device = model.device
     logits = model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True,
                    logits_to_keep=1).logits[0, -1]  # (V,)
+    fed()
     out: list[int] = []
     while True:
         out.append(int(logits.argmax()))
@@ -64,11 +72,14 @@ def greedy(model, cache, ids: list[int], max_new: int, done: Callable[[list[int]
 
 
 def ask(model, policy, context: list[int], questions: list[list[int]], max_new: int, done: Callable,
-        turns: bool = False, quant=None) -> tuple[list[list[int]], dict, list[int]]:
+        turns: bool = False, quant=None, each: bool = False) -> tuple[list[list[int]], dict, list[int]]:
     """The context compressed once, then each question: from a copy of the compressed cache, or (``turns``) in turn
-    on the one cache. Returns (each answer's tokens, the compressed context's footprint (EvictingCache.footprint),
-    the tokens held (token x KV head entries) after each answer)."""
+    on the one cache; or (``each``) the context compressed with each question inside its prompt. Returns (each
+    answer's tokens, the compressed context's footprint (EvictingCache.footprint; ``each``: the mean of its
+    prompts'), the tokens held (token x KV head entries) after each answer)."""
     answers, held = [], []
+    if each:
+        return ask_each(model, policy, context, questions, max_new, done, quant)
     with torch.no_grad(), attach(model, policy, mode="real", quant=quant) as h:
         base = h.new_cache()
         model(input_ids=torch.tensor([context], device=model.device), cache=base, use_cache=True, logits_to_keep=1)
@@ -81,6 +92,18 @@ def ask(model, policy, context: list[int], questions: list[list[int]], max_new: 
             pending = answers[-1][-1:] if turns else []
             held.append(h.cache.footprint()["tokens_held"])
     return answers, compressed, held
+
+
+def ask_each(model, policy, context: list[int], questions: list[list[int]], max_new: int, done: Callable,
+             quant=None) -> tuple[list[list[int]], dict, list[int]]:
+    """:func:`ask` with ``each``: per question, the context and the question one prompt in a fresh cache."""
+    answers, held, prints = [], [], []
+    with torch.no_grad(), attach(model, policy, mode="real", quant=quant) as h:
+        for q in questions:
+            cache = h.new_cache()
+            answers.append(greedy(model, cache, context + q, max_new, done, lambda: prints.append(cache.footprint())))
+            held.append(cache.footprint()["tokens_held"])
+    return answers, {k: sum(p[k] for p in prints) / len(prints) for k in prints[0]}, held
 
 
 def stop_at(tok, until: str = "\n") -> Callable[[list[int]], bool]:
@@ -103,7 +126,8 @@ def run(task, model, tok, policy, quant=None) -> Result:
                      "question_fields": [{"needle_depth": d} for d in doc["needle_depths"]]})
     result = answer_contexts(model, tok, policy, docs, "turns" if task.turns > 1 else "questions", task.gen_tokens,
                              stop_at(tok), lambda text, target: float(found(text, target)), quant,
-                             cut=lambda text: text.split("\n")[0])
+                             cut=lambda text: text.split("\n")[0],
+                             question="each" if task.question == "each" else "after")
     info = result.info
     result.info = {"headline": info.pop("headline"), "cells": cells(result.samples, True),
                    "lm_eval_task": task.lm_eval_task, "haystack": task.text, **info,
@@ -113,16 +137,17 @@ def run(task, model, tok, policy, quant=None) -> Result:
 
 def answer_contexts(model, tok, policy, docs: list[dict], mode: str, max_new: int, done: Callable,
                     score: Callable[[str, object], float], quant=None,
-                    cut: Callable[[str], str] = lambda text: text) -> Result:
+                    cut: Callable[[str], str] = lambda text: text, question: str = "after") -> Result:
     """Each doc (``context``: its token ids; ``questions``: each question's ids; ``targets``: what each answer is
     scored against; ``fields`` and ``question_fields``: what its records carry) asked its questions by :func:`ask`
     under ``mode`` (questions | turns), each answer decoded up to ``done``, ``cut`` (niah: its first line) and scored
-    by ``score(text, target)``.
+    by ``score(text, target)``; ``question``: after (compressed once) | each (:func:`ask_each`).
     The Result's info: the question mode, the contexts' rows with their compressed KV, and what was kept."""
     samples, rows, prints = [], [], []
     for c, doc in enumerate(docs):
         ctx, qs = doc["context"], doc["questions"]
-        answers, compressed, held = ask(model, policy, ctx, qs, max_new, done, mode == "turns", quant)
+        answers, compressed, held = ask(model, policy, ctx, qs, max_new, done, mode == "turns", quant,
+                                        question == "each")
         scores = []
         for k, (q, answer) in enumerate(zip(qs, answers)):
             generation = cut(tok.decode(answer, skip_special_tokens=True))
@@ -139,7 +164,7 @@ def answer_contexts(model, tok, policy, docs: list[dict], mode: str, max_new: in
     accs = [s["acc"] for s in samples]
     held_ratio = (sum(r["kv_tokens_cut"] for r in rows) / (kv_entries_per_token(model) *
                                                             sum(r["context_tokens"] for r in rows)))
-    info = {"headline": "acc", "question": "after", mode: n, "contexts": rows, "kept_ratio": round(held_ratio, 4),
+    info = {"headline": "acc", "question": question, mode: n, "contexts": rows, "kept_ratio": round(held_ratio, 4),
             "mean_prompt_tokens": round(sum(r["context_tokens"] for r in rows) / len(rows), 1),
             "clamped_requests": clamped(policy, [r["context_tokens"] for r in rows]),
             **batch_fields(prints, CUT, token_digits=1)}
