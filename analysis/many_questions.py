@@ -1,5 +1,6 @@
 """Compress once, ask many (``task.questions`` / ``task.turns`` records of the needle task): accuracy per method and
-budget with its 95% Wilson interval, each method against kvzip paired by question, the figure, and accuracy by turn.
+budget with its 95% Wilson interval, each method against kvzip paired by question, the figure, accuracy by turn, and
+each question inside its own compressed prompt (``task.question=each``) against compressing once.
 
     python -m analysis.many_questions studies/many_questions/records --out analysis/out
 
@@ -21,8 +22,9 @@ BASE = "kvzip"  # the method every other is compared with
 
 
 def load(root: Path) -> list[dict]:
-    """Every record under ``root`` with ``task.questions`` or ``task.turns`` above 1: its metrics.json fields and its
-    samples (one per question)."""
+    """Every record under ``root`` with ``task.questions`` or ``task.turns`` above 1: its metrics.json fields, its
+    samples (one per question) and its ``mode``: questions (compressed once), each (``task.question=each``: each
+    question inside its own compressed prompt) or turns."""
     out = []
     for f in sorted(root.rglob("metrics.json")):
         rec = json.loads(f.read_text())
@@ -30,7 +32,8 @@ def load(root: Path) -> list[dict]:
         if proto.get("questions", 1) == 1 and proto.get("turns", 1) == 1:
             continue
         samples = [json.loads(line) for line in (f.parent / "samples.jsonl").read_text().splitlines() if line]
-        out.append({**rec, "samples": samples, "mode": "turns" if proto.get("turns", 1) > 1 else "questions"})
+        mode = "turns" if proto.get("turns", 1) > 1 else "each" if rec.get("question") == "each" else "questions"
+        out.append({**rec, "samples": samples, "mode": mode})
     return out
 
 
@@ -159,31 +162,75 @@ def turn_figure(recs: list[dict], out: Path) -> Path:
     return path
 
 
+def versus(a: dict, b: dict, a_name: str, b_name: str) -> str:
+    """``a_name`` − ``b_name`` paired by question: the difference with its 95% interval, the verdict, the discordant
+    questions and the exact McNemar p (a phrase that follows a colon)."""
+    got = paired(a, b)
+    if got is None:
+        return "fewer than 2 questions in common"
+    mean, lo, hi, k = got
+    verdict = f"{a_name} better at 95%" if lo > 0 else f"{a_name} worse at 95%" if hi < 0 else "not resolved at 95%"
+    a_only, b_only = discordant(a, b)
+    return (f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}] over {k} questions, {verdict} (right with {a_name} alone on "
+            f"{a_only}, with {b_name} alone on {b_only}: exact McNemar p = {mcnemar_exact(a_only, b_only):.2g})")
+
+
 def headline(recs: list[dict], spec: dict) -> list[str]:
     """The study's named comparison under ``task.questions`` (``spec``: a, b, budget, and ``why``, a sentence shown
     after it): a − b accuracy paired by question, its 95% interval and verdict."""
     runs = {(r["policy"], r["budget"]): r for r in recs if r["mode"] == "questions"}
     a, b, budget = spec["a"], spec["b"], float(spec["budget"])
-    got = paired(runs[(a, budget)], runs[(b, budget)]) if (a, budget) in runs and (b, budget) in runs else None
     head = f"**Headline**: {a} against {b} at {budget:.0%}, each context asked its questions (`task.questions`), " \
            f"paired by question ({a} − {b}, difference in accuracy with its 95% interval)"
-    if got is None:
-        head += ": not yet measured (a record is missing)"
+    if (a, budget) in runs and (b, budget) in runs:
+        head += ": " + versus(runs[(a, budget)], runs[(b, budget)], a, b)
     else:
-        mean, lo, hi, k = got
-        verdict = f"{a} better at 95%" if lo > 0 else f"{a} worse at 95%" if hi < 0 else "not resolved at 95%"
-        a_only, b_only = discordant(runs[(a, budget)], runs[(b, budget)])
-        head += (f": {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] over {k} questions, {verdict} (right with {a} alone on "
-                 f"{a_only}, with {b} alone on {b_only}: exact McNemar p = {mcnemar_exact(a_only, b_only):.2g})")
+        head += ": not yet measured (a record is missing)"
     return [head + (f". {spec['why']}" if spec.get("why") else ""), ""]
 
 
+def placement(recs: list[dict], spec: dict | None) -> list[str]:
+    """Each question inside its own compressed prompt (``task.question=each``) against the same questions answered
+    from the context compressed once: the comparison ``spec`` names (method, budget, ``why``; None: none), then a
+    row per method that has both records (accuracy, each − once paired by question, the CPU time of each run)."""
+    once = {(r["policy"], r["budget"]): r for r in recs if r["mode"] == "questions"}
+    each = {(r["policy"], r["budget"]): r for r in recs if r["mode"] == "each"}
+    lines = []
+    if spec:
+        m, budget = spec["method"], float(spec["budget"])
+        head = (f"**Placement**: {m} at {budget:.0%} with each question inside its own compressed prompt "
+                f"(`task.question=each`: the context compressed once per question) against the same questions "
+                f"answered from the context compressed once (`task.questions`), paired by question (each − once)")
+        if (m, budget) in each and (m, budget) in once:
+            head += ": " + versus(each[(m, budget)], once[(m, budget)], "each", "once")
+        else:
+            head += ": not yet measured (a record is missing)"
+        lines = [head + (f". {spec['why']}" if spec.get("why") else ""), ""]
+    both = sorted(k for k in each if k in once)
+    if not both:
+        return lines
+    lines += ["Where the question goes, each method at its budget: accuracy [95% Wilson] compressed once and with "
+              "each question inside its prompt, each − once paired by question (difference with its 95% interval; "
+              "`>` each better, `<` worse at 95%, `≈` unresolved), and the CPU time of the runs (one thread):", "",
+              "| method | budget | once | each | each − once | CPU-s once / each |", "|---" * 6 + "|"]
+    for p, b in both:
+        mean, lo, hi, _ = paired(each[(p, b)], once[(p, b)])
+        sign = ">" if lo > 0 else "<" if hi < 0 else "≈"
+        acc = [f"{r['metrics']['acc']:.2f} [{wilson(r['metrics']['acc'], len(r['samples']))[0]:.2f}, "
+               f"{wilson(r['metrics']['acc'], len(r['samples']))[1]:.2f}]" for r in (once[(p, b)], each[(p, b)])]
+        lines.append(f"| {p} | {b:.0%} | {acc[0]} | {acc[1]} | {sign} {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+                     f"{once[(p, b)]['cpu_s']:.0f} / {each[(p, b)]['cpu_s']:.0f} |")
+    return lines + [""]
+
+
 def page_lines(recs: list[dict], figures: Path, rel: str, named: dict | None = None,
-               placement: dict | None = None) -> list[str]:
-    """The page's body: the headline ``named`` (study.yaml's), the placement comparison ``placement`` (its
+               placement_spec: dict | None = None) -> list[str]:
+    """The page's body: the headline ``named`` (study.yaml's), the comparison ``placement_spec`` (its
     ``placement``), the tables of each mode its records have, then the figures (written into ``figures``, linked as
     ``rel/<name>``)."""
     lines = headline(recs, named) if named else []
+    if placement_spec or any(r["mode"] == "each" for r in recs):
+        lines += placement(recs, placement_spec)
     for mode in ("questions", "turns"):
         if any(r["mode"] == mode for r in recs):
             lines += tables(recs, mode)

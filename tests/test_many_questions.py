@@ -222,6 +222,30 @@ def test_the_named_headline_heads_the_page(tmp_path):
     assert not page_lines(recs, tmp_path, "fig")[0].startswith("**Headline**")
 
 
+def test_the_placement_pairs_each_question_inside_its_prompt_with_compressing_once(tmp_path):
+    """study.yaml's ``placement``: a method's ``task.question=each`` record against its record compressed once, paired
+    by question, named first, then a row per method with both; a record of either alone makes no row."""
+    from analysis.many_questions import page_lines
+
+    def rec(policy, mode, right, cpu):  # 2 contexts x 3 questions: the first ``right`` of 6 answered
+        samples = [{"doc_id": c, "question": q, "acc": float(3 * c + q < right)} for c in range(2) for q in range(3)]
+        return {"policy": policy, "budget": 0.2, "mode": mode, "protocol": {"questions": 3}, "samples": samples,
+                "metrics": {"acc": right / 6}, "kv_bytes_cut": 2**20, "cpu_s": cpu}
+
+    recs = [rec("snapkv", "questions", 0, 50), rec("snapkv", "each", 6, 140), rec("tova", "questions", 3, 60),
+            rec("tova", "each", 3, 170), rec("h2o", "each", 1, 150)]
+    lines = page_lines(recs, tmp_path, "fig", None, {"method": "snapkv", "budget": 0.2, "why": "Named first."})
+    # all 6 differ by +1: mean 1, variance 0: the interval [1, 1]; McNemar 6 vs 0: p = 2 x 0.5^6
+    assert lines[0].endswith("paired by question (each − once): +1.000 [+1.000, +1.000] over 6 questions, each better "
+                             "at 95% (right with each alone on 6, with once alone on 0: exact McNemar p = 0.031). "
+                             "Named first.")
+    assert "| snapkv | 20% | 0.00 [0.00, 0.39] | 1.00 [0.61, 1.00] | > +1.000 [+1.000, +1.000] | 50 / 140 |" in lines
+    assert "| tova | 20% | 0.50 [0.19, 0.81] | 0.50 [0.19, 0.81] | ≈ +0.000 [+0.000, +0.000] | 60 / 170 |" in lines
+    assert not any(line.startswith("| h2o | 20%") for line in lines)
+    missing = page_lines(recs[2:], tmp_path, "fig", None, {"method": "snapkv", "budget": 0.2})
+    assert missing[0].endswith("(each − once): not yet measured (a record is missing)")
+
+
 @pytest.mark.parametrize("a_only, b_only", [(6, 0), (10, 2), (3, 3), (0, 7), (17, 1), (0, 0)])
 def test_exact_mcnemar_equals_scipy_s_binomial_test(a_only, b_only):
     from scipy.stats import binomtest

@@ -31,10 +31,12 @@ the cache held after its answer).
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from collections.abc import Callable
 
 import torch
+from tqdm import tqdm
 
 from h2o.core.attach import attach
 from h2o.tasks.base import Result, cells, clamped, stderr
@@ -144,7 +146,7 @@ def answer_contexts(model, tok, policy, docs: list[dict], mode: str, max_new: in
     by ``score(text, target)``; ``question``: after (compressed once) | each (:func:`ask_each`).
     The Result's info: the question mode, the contexts' rows with their compressed KV, and what was kept."""
     samples, rows, prints = [], [], []
-    for c, doc in enumerate(docs):
+    for c, doc in enumerate(tqdm(docs, desc=f"{mode} {policy.name}", unit="context", file=sys.stderr)):
         ctx, qs = doc["context"], doc["questions"]
         answers, compressed, held = ask(model, policy, ctx, qs, max_new, done, mode == "turns", quant,
                                         question == "each")
