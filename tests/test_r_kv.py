@@ -161,3 +161,20 @@ def test_wrappers_refuse_it():
         make_policy("adakv", inner="r_kv")
     with pytest.raises(PolicyError, match="^PerSequence: r_kv keeps its own state per slot"):
         PerSequence([make_policy("r_kv", budget=8), make_policy("h2o", budget=8)])
+
+
+@pytest.mark.parametrize("share", [0.2, 0.5, 0.9])
+def test_redundancy_over_the_held_keys_equals_it_over_every_slot(share):
+    """The simulated path's rows hold at most the budget of every position: the similarity taken over the held
+    keys only (gathered) gives the figures of the whole S x S one, and 0 where nothing is held."""
+    from h2o.core.policies.r_kv import redundancy, redundancy_of
+
+    g = torch.Generator().manual_seed(3)
+    B, H, S, D = 2, 3, 40, 8
+    keys = torch.randn(B, H, S, D, generator=g)
+    held = torch.rand(B, H, S, generator=g) < share
+    held[0, 0] = False  # a head holding nothing
+    pos = torch.where(held, torch.arange(S).expand(B, H, S), -1)
+    want = redundancy_of(keys, pos, held, 0.5)
+    torch.testing.assert_close(redundancy(keys, pos, held, 0.5), want, rtol=0, atol=1e-7)
+    assert bool((want[~held] == 0).all()) and torch.allclose(want.sum(-1)[held.any(-1)], torch.tensor(1.0))

@@ -116,7 +116,23 @@ class RKV(Policy):
 
 def redundancy(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, threshold: float) -> torch.Tensor:
     """keys (B, H, S, D), pos (B, H, S), held (B, H, S) bool -> (B, H, S): each held key's mean cosine similarity
-    to the held keys (each row's newest similar entry zeroed), a softmax over the held keys."""
+    to the held keys (each row's newest similar entry zeroed), a softmax over the held keys; 0 where not held.
+
+    Where at most half the S slots are held (the simulated path's rows: S is every position, at most the budget
+    held), the similarity is taken over the held keys only, gathered in slot order (n^2 instead of S^2 entries per
+    head; one host read of n): the same figures, the non-held entering neither the means nor the softmax."""
+    S = held.shape[-1]
+    n = int(held.sum(-1).amax()) if S > 1 else S
+    if n > S // 2:
+        return redundancy_of(keys, pos, held, threshold)
+    idx = held.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :max(n, 1)]  # (B, H, n) held first
+    sub = redundancy_of(keys.gather(2, idx[..., None].expand(*idx.shape, keys.shape[-1])), pos.gather(-1, idx),
+                        held.gather(-1, idx), threshold)  # (B, H, n)
+    return torch.zeros(held.shape, dtype=sub.dtype, device=sub.device).scatter_(-1, idx, sub)
+
+
+def redundancy_of(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, threshold: float) -> torch.Tensor:
+    """:func:`redundancy` over all S slots: the (B, H, S, S) similarity."""
     unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
     sim = unit @ unit.transpose(-1, -2)  # (B, H, S, S) rows i, columns j
     sim.diagonal(dim1=-2, dim2=-1).zero_()
