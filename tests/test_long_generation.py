@@ -109,6 +109,22 @@ def tiny_lm(monkeypatch, tmp_path):
     return model, tok
 
 
+def test_a_base_model_without_a_template_is_prompted_with_the_plain_instruction(tiny_lm, monkeypatch):
+    """Gemma-3-270m's tokenizer has no chat template: its prompt is the tokenizer's BOS, the instruction, a blank
+    line, then the passage (the passages of the templated prompts), and the record says so."""
+    from h2o.tasks.perplexity import book
+
+    model, tok = tiny_lm
+    task = LongGenerationTask(name="long_generation", prompts=2, passage_tokens=12, max_new_tokens=4, batch_size=2)
+    _, starts = task.prompt_ids(tok)
+    monkeypatch.setattr(tok, "chat_template", None)
+    plain, same = task.prompt_ids(tok)
+    head = tok("Continue this story in the same style, at length:\n\n", add_special_tokens=True).input_ids
+    passages = [tok(book("austen")[c:c + 144], add_special_tokens=False).input_ids[:12] for c in starts]
+    assert same == starts and plain.tolist() == [head + passage for passage in passages]
+    assert task.run(model, tok, make_policy("full"), "real", 0).info["chat_template"] is False
+
+
 def test_the_task_records_fidelity_length_and_kv_against_the_full_cache(tiny_lm, tmp_path):
     from h2o.tasks.kv_held import geometry
 

@@ -3,8 +3,9 @@ long greedy answer through the real evicting cache, and the answer is compared w
 
 Prompts, offline: ``prompts`` passages of a book (Jane Austen's six novels, or Moby-Dick; h2o.assets.data), each
 ``passage_tokens`` tokens from the first paragraph after an even spread of the text (passage ``i`` after character
-``(i + 1/2) x len / prompts``), put after ``instruction`` in the model's chat template: every prompt has the same
-token count (the template's text around the passage's token ids, no padding). All prompts are answered in one batch of
+``(i + 1/2) x len / prompts``), put after ``instruction`` in the model's chat template (a base model without one:
+its BOS, the instruction, a blank line, the passage; the record's ``chat_template: false``): every prompt has the
+same token count (the template's text around the passage's token ids, no padding). All prompts are answered in one batch of
 ``batch_size`` rows at a time, greedy, up to ``max_new_tokens`` (stopped at EOS).
 
 Measured per prompt (h2o.tasks.long_generation_measures):
@@ -82,12 +83,15 @@ class LongGenerationTask(TaskSpec):
         from h2o.tasks.perplexity import book
 
         text = book(self.text)
-        holder = "\x00PASSAGE\x00"
-        messages = [{"role": "user", "content": f"{self.instruction}\n\n{holder}"}]
-        template = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        before, after = template.split(holder)
-        head = tokenizer(before, add_special_tokens=False).input_ids
-        tail = tokenizer(after, add_special_tokens=False).input_ids
+        if tokenizer.chat_template:
+            holder = "\x00PASSAGE\x00"
+            messages = [{"role": "user", "content": f"{self.instruction}\n\n{holder}"}]
+            template = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            before, after = template.split(holder)
+            head = tokenizer(before, add_special_tokens=False).input_ids
+            tail = tokenizer(after, add_special_tokens=False).input_ids
+        else:  # a base model without a template (Gemma-3-270m's): the instruction, a blank line, then the passage
+            head, tail = tokenizer(f"{self.instruction}\n\n", add_special_tokens=True).input_ids, []
         rows, starts = [], []
         for i in range(self.prompts):
             at = (2 * i + 1) * len(text) // (2 * self.prompts)
@@ -174,6 +178,7 @@ class LongGenerationTask(TaskSpec):
         metrics = lm.metrics(samples, self.ngram)
         info = {"headline": "tf_nll_per_token", "prompt_tokens": P, "text": self.text,
                 "prompt_example": tokenizer.decode(ids[0]), "kv_bytes_per_entry": per_entry,
+                **({} if tokenizer.chat_template else {"chat_template": False}),
                 "trace_every": self.trace_every, "reference": reference.describe(),
                 "cpu_s": round(time.process_time() - cpu0, 1),
                 **record(self.batch_size, [Sizing(self.batch_size, "fixed", f"task.batch_size={self.batch_size}")])}
