@@ -199,7 +199,7 @@ def table(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
-def kv_figure(df: pd.DataFrame, out: Path) -> list[Path]:
+def kv_figure(df: pd.DataFrame, out: Path, suffix: str = "") -> list[Path]:
     """KV MiB held per sequence against generated tokens (the mean over the answers still being written at each
     step): one panel per budget, a line per method and schedule (solid: every step; dashed: every N), full's in
     each panel."""
@@ -226,10 +226,10 @@ def kv_figure(df: pd.DataFrame, out: Path) -> list[Path]:
         ax.set(title=f"budget {budget:g} tokens", xlabel="generated tokens", ylabel="KV held per sequence (MiB)")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=6, ncol=2)
-    return save(fig, out, "long_generation_kv")
+    return save(fig, out, "long_generation_kv" + suffix)
 
 
-def fidelity_figure(df: pd.DataFrame, out: Path) -> list[Path]:
+def fidelity_figure(df: pd.DataFrame, out: Path, suffix: str = "") -> list[Path]:
     """NLL per token of full's answer per method (with its 95% interval), at each budget and schedule."""
     from analysis.plotting import panels, save
 
@@ -257,31 +257,53 @@ def fidelity_figure(df: pd.DataFrame, out: Path) -> list[Path]:
     ax.set_xticks(np.arange(len(methods)), [label(m) for m in methods])
     ax.set(ylabel="NLL per token of full's answer")
     ax.legend(fontsize=7)
-    return save(fig, out, "long_generation_fidelity")
+    return save(fig, out, "long_generation_fidelity" + suffix)
+
+
+CAPTIONS = {"long_generation_kv": "KV bytes held per sequence while the answer is written (the mean over the answers "
+                                  "still being written): full's rises with every token; the methods at one budget "
+                                  "and schedule hold the same bytes, so their lines coincide.",
+            "long_generation_fidelity": "NLL per token of the full cache's answer teacher-forced through each cache, "
+                                        "with its 95% interval over prompts; the line: full's own."}
 
 
 def page_body(df: pd.DataFrame, figures: Path, rel: str, spec: dict) -> list[str]:
-    """The page below its head: runs finished, the headline, the comparisons, the figures and the table."""
+    """The page below its head: the main model's records (the most numerous) -- runs finished, the headline and
+    the replication, the comparisons, the figures and the table -- then a section per other model with its named
+    comparison (``spec["second_family"]`` where it names that model), comparisons, figures and table."""
+    models = list(df["model"].value_counts(sort=True).index) if "model" in df else [None]
+    main = df if models[0] is None else df[df["model"] == models[0]]
     grid = spec.get("runs")
-    cpu = pd.to_numeric(df["cpu_s"], errors="coerce").sum() if "cpu_s" in df else float("nan")
-    lines = [f"Runs finished: {len(df)}" + (f" of the committed grid's {grid}" if grid else "") +
-             f" ({cpu:,.0f} CPU-s in all, one thread each).", ""]
-    for key, word in (("headline", "Headline"), ("replication", "Confirmatory replication")):
-        if spec.get(key):
-            lines += [*headline(df, spec[key], word), ""]
+    cpu = pd.to_numeric(main["cpu_s"], errors="coerce").sum() if "cpu_s" in main else float("nan")
+    lines = [f"Runs finished: {len(main)}" + (f" of the committed grid's {grid}" if grid else "") +
+             f" ({cpu:,.0f} CPU-s in all, one thread each)" + (f", {models[0]}" if len(models) > 1 else "") + ".", ""]
+    named = [(spec[key], word) for key, word in (("headline", "Headline"), ("replication", "Confirmatory replication"))
+             if spec.get(key)]
+    lines += section(main, figures, rel, named, "")
+    for model in models[1:]:
+        sub = df[df["model"] == model]
+        family = spec.get("second_family") or {}
+        cpu = pd.to_numeric(sub["cpu_s"], errors="coerce").sum()
+        lines += [f"## {model}", "", f"Runs finished: {len(sub)} ({cpu:,.0f} CPU-s in all, one thread each).", "",
+                  *section(sub, figures, rel, [(family, "Second family")] if family.get("model") == model else [],
+                           f"_{model}")]
+    return lines
+
+
+def section(df: pd.DataFrame, figures: Path, rel: str, named: list, suffix: str) -> list[str]:
+    """One model's records: each named comparison (spec, word), H2O against each method, the figures (their names
+    ending in ``suffix``) and the table."""
+    lines = []
+    for spec_, word in named:
+        lines += [*headline(df, spec_, word), ""]
     found = versus_h2o(df)
     if found:
         lines += ["**H2O against each other method, cell by cell** (`<`: H2O's NLL lower at 95%, `>`: higher, `≈`: "
                   "unresolved; H2O − other, paired over prompts, bootstrap 95% interval)", "", *found, ""]
-    captions = {"long_generation_kv": "KV bytes held per sequence while the answer is written (the mean over the "
-                                      "answers still being written): full's rises with every token; the methods "
-                                      "at one budget and schedule hold the same bytes, so their lines coincide.",
-                "long_generation_fidelity": "NLL per token of the full cache's answer teacher-forced through each "
-                                            "cache, with its 95% interval over prompts; the line: full's own."}
     on_grid = df[df["prompts"] == grid_prompts(df)]  # the figures: the grid's prompts (one record per cell)
-    for p in kv_figure(on_grid, figures) + fidelity_figure(on_grid, figures):
+    for p in kv_figure(on_grid, figures, suffix) + fidelity_figure(on_grid, figures, suffix):
         if p.suffix == ".png":
-            lines += [f"![{p.stem}]({rel}/{p.name})", "", captions.get(p.stem, ""), ""]
+            lines += [f"![{p.stem}]({rel}/{p.name})", "", CAPTIONS.get(p.stem.removesuffix(suffix), ""), ""]
         else:
             p.unlink()
     return lines + [table(df), ""]

@@ -155,8 +155,9 @@ def test_the_task_records_fidelity_length_and_kv_against_the_full_cache(tiny_lm,
 
 
 # ----------------------------------------------------------------------------------------------- the page
-def record(root, policy, budget, compress, nll: list[float], kv: int, prompts: int | None = None):
-    folder = root / f"{policy}-{budget}-{compress}{f'-{prompts}' if prompts else ''}"
+def record(root, policy, budget, compress, nll: list[float], kv: int, prompts: int | None = None,
+           model: str = "smollm2-135m"):
+    folder = root / f"{model}-{policy}-{budget}-{compress}{f'-{prompts}' if prompts else ''}"
     folder.mkdir(parents=True)
     interval = 32 if compress == "interval" else None
     samples = [{"doc_id": i, "tf_nll_per_token": v, "first_departure": 10 + i, "kv_trace": [kv, kv + 1, kv + 2],
@@ -165,7 +166,7 @@ def record(root, policy, budget, compress, nll: list[float], kv: int, prompts: i
     mean = sum(nll) / len(nll)
     options = {} if policy == "full" else {"budget": budget, "compress": compress,
                                            **({"interval": interval} if interval else {})}
-    rec = {"experiment": "long_generation", "model": "smollm2-135m", "task": "long_generation",
+    rec = {"experiment": "long_generation", "model": model, "task": "long_generation",
            "task_kind": "long_generation", "policy": policy, "budget": budget, "semantics": "real", "seed": 0,
            "n_samples": len(nll), "policy_options": options, "trace_every": 8, "cpu_s": 100.0,
            **({"protocol": {"prompts": prompts}} if prompts else {}),
@@ -241,6 +242,36 @@ def test_the_headline_on_its_own_prompt_set_beside_the_grids(tmp_path):
     assert "- 64 tokens, every step: H2O < StreamingLLM: -0.500" in page  # cell by cell: the grid's prompts only
     assert "| H2O | 64 | every step | 6 | 2.000 [1.900, 2.100] |" in page
     assert "| H2O | 64 | every step | 4 | 1.050 [0.950, 1.150] |" in page
+
+
+def test_a_second_model_gets_its_own_section_and_named_comparison(tmp_path):
+    """Records of another model (study.yaml ``second_family``): the main model's lines read its records only; the
+    other model's section has its comparison, its cell-by-cell lines, its figures and its table."""
+    from analysis import results_pages
+
+    root = grid_records(tmp_path)
+    gemma = "gemma3-270m"
+    record(root, "full", 1.0, "decode", [2.0, 2.0, 2.0, 2.0], 900, model=gemma)
+    record(root, "h2o", 64, "interval", [3.0, 3.1, 2.9, 3.0], 100, model=gemma)
+    record(root, "r_kv", 64, "interval", [3.5, 3.6, 3.4, 3.7], 100, model=gemma)
+    spec = {"title": "Long generation", "kind": "long_generation", "runs": 4,
+            "headline": {"a": "h2o", "b": "streaming_llm", "budget": 64, "schedule": "every step"},
+            "second_family": {"model": gemma, "a": "h2o", "b": "r_kv", "budget": 64, "schedule": "every 32",
+                              "why": "Named first."}}
+    (root.parent / "study.yaml").write_text(json.dumps(spec))
+    out = tmp_path / "docs"
+    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
+    page = (out / "long_generation.md").read_text()
+    main, other = page.split(f"## {gemma}\n")
+    assert "Runs finished: 4 of the committed grid's 4 (400 CPU-s in all, one thread each), smollm2-135m." in main
+    assert "**Headline**: H2O against StreamingLLM" in main and "R-KV" not in main
+    assert other.startswith("\nRuns finished: 3 (300 CPU-s in all, one thread each).")
+    assert ("**Second family**: H2O against R-KV at 64 tokens, every 32, over the 4 prompts of task.prompts=4"
+            in other and "Named first." in other)
+    assert "- 64 tokens, every 32: H2O < R-KV: -0.550" in other
+    assert f"![long_generation_kv_{gemma}](long_generation/long_generation_kv_{gemma}.png)" in other
+    assert (out / "long_generation" / f"long_generation_fidelity_{gemma}.png").stat().st_size > 5_000
+    assert "| R-KV | 64 | every 32 | 4 | 3.550 [3.450, 3.650] |" in other
 
 
 def test_a_replication_named_after_the_headline_follows_it(tmp_path):
