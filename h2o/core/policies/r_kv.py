@@ -118,11 +118,12 @@ def redundancy(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, thresh
     """keys (B, H, S, D), pos (B, H, S), held (B, H, S) bool -> (B, H, S): each held key's mean cosine similarity
     to the held keys (each row's newest similar entry zeroed), a softmax over the held keys; 0 where not held.
 
-    Where at most half the S slots are held (the simulated path's rows: S is every position, at most the budget
-    held), the similarity is taken over the held keys only, gathered in slot order (n^2 instead of S^2 entries per
-    head; one host read of n): the same figures, the non-held entering neither the means nor the softmax."""
+    On the CPU, where at most half the S slots are held (the simulated path's rows: S is every position, at most
+    the budget held), the similarity is taken over the held keys only, gathered in slot order (n^2 instead of S^2
+    entries per head): the same figures, the non-held entering neither the means nor the softmax. It needs n on the
+    host, a read that costs nothing on the CPU and a sync on a GPU, so a GPU takes the S x S form."""
     S = held.shape[-1]
-    n = int(held.sum(-1).amax()) if S > 1 else S
+    n = int(held.sum(-1).amax()) if held.device.type == "cpu" and S > 1 else S
     if n > S // 2:
         return redundancy_of(keys, pos, held, threshold)
     idx = held.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :max(n, 1)]  # (B, H, n) held first
