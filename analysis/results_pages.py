@@ -21,8 +21,8 @@ number comes from the records beside its ``study.yaml``, so a measured number in
                                  # questions: {a: kvzip, b: keydiff, budget: 0.2, why: "..."}
     replication: {a: h2o, b: r_kv, budget: 64, schedule: every 32, prompts: 32, why: "..."}   # long_generation: a
                                  # comparison named after the headline (before its runs), shown after it
-    second_family: {model: gemma3-270m, a: h2o, b: r_kv, budget: 64, schedule: every 32, why: "..."}   # long_generation:
-                                 # a comparison on another model's records, shown in that model's section
+    second_family: {model: gemma3-270m, a: h2o, b: r_kv, budget: 64, schedule: every 32, why: "..."}
+                                 # long_generation: a comparison on another model's records, in that model's section
     placement: {method: snapkv, budget: 0.2, why: "..."}   # questions: a comparison named before its runs, each
                                  # question inside its own compressed prompt (task.question=each) - compressed once
     sections:                    # streaming: window samples (analysis.streaming_study), one section per folder

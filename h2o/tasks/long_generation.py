@@ -5,8 +5,8 @@ Prompts, offline: ``prompts`` passages of a book (Jane Austen's six novels, or M
 ``passage_tokens`` tokens from the first paragraph after an even spread of the text (passage ``i`` after character
 ``(i + 1/2) x len / prompts``), put after ``instruction`` in the model's chat template (a base model without one:
 its BOS, the instruction, a blank line, the passage; the record's ``chat_template: false``): every prompt has the
-same token count (the template's text around the passage's token ids, no padding). All prompts are answered in one batch of
-``batch_size`` rows at a time, greedy, up to ``max_new_tokens`` (stopped at EOS).
+same token count (the template's text around the passage's token ids, no padding). All prompts are answered in one
+batch of ``batch_size`` rows at a time, greedy, up to ``max_new_tokens`` (stopped at EOS).
 
 Measured per prompt (h2o.tasks.long_generation_measures):
 
