@@ -12,7 +12,7 @@ from h2o import attach, make_policy
 from h2o.assets.paths import REPO
 from h2o.core.validate import BadInput
 from h2o.tasks.many_questions import answer_contexts, greedy
-from h2o.tasks.scbench import SCBenchTask, contains, missing, share_found
+from h2o.tasks.scbench import SCBenchTask, any_label, choice, contains, missing, rouge_lsum, share_found
 
 DATA = REPO / "tests" / "data" / "scbench" / "scbench_kv.jsonl"  # 2 contexts of SCBench's kv rows, 2 and 3 requests
 ROWS = [json.loads(line) for line in DATA.read_text().splitlines()]
@@ -29,6 +29,46 @@ def tiny():
 def test_scorers_are_scbench_s():
     assert contains("the value is c3d4.", "c3d4") == 1.0 and contains("C3D4", "c3d4") == 0.0
     assert share_found("VAR_A, var_c", ["var_a", "var_b", "var_c"]) == 0.67 and share_found("x", "x") == 1.0
+
+
+def test_qa_choice_and_summary_score_as_scbench_s():
+    """SCBench's compute_scores for qa_eng (InfiniteBench's longdialogue_qa_eng), choice_eng (longbook_choice_eng)
+    and summary (ROUGE-Lsum F1), case by case."""
+    assert any_label(" it was mr. bingley", ["Mr. Bingley", "Bingley"]) == 1.0 and any_label("Darcy", ["Bingley"]) == 0
+    five = ["five", "C"]
+    assert [choice(t, five) for t in ["C. five", "B", "five", "The answer is: C", "the answer is five.",
+                                      "I think the option is B", "Surely C", "", "The answer is"]] == \
+        [1, 0, 1, 1, 1, 0, 1, 0, 0]
+    assert choice("hmm AB maybe", five) == 0.0  # "AB" is in "ABCD": SCBench's test reads it as the choice
+    ref = "Jane Bennet married Mr. Bingley at Longbourn."
+    assert rouge_lsum(ref, ref) == 1.0 and rouge_lsum("Elizabeth walked", ref) == 0.0
+    # LCS "Jane married Mr. Bingley" = 4 tokens (rouge-score lower-cases and drops punctuation): P 4/5, R 4/7
+    p, r = 4 / 5, 4 / 7
+    assert rouge_lsum("Jane married Mr. Bingley yesterday", ref) == pytest.approx(2 * p * r / (p + r))
+
+
+@pytest.mark.parametrize("mode", ["questions", "turns"])
+def test_qa_and_choice_requests_are_scbench_s_queries(tiny, mode):
+    _, tok = tiny
+    folder = DATA.parent
+    qa = SCBenchTask("scbench", subset="scbench_qa_eng", mode=mode, data_files=str(folder / "scbench_qa_eng.jsonl"))
+    row = qa.rows()[0]
+    doc = qa.doc(tok, row)
+    head = "Read the book and answer the question. Be very concise in your answer.\n\n"
+    assert doc["context"] == tok(head + row["context"]).input_ids
+    assert doc["questions"][0] == tok("\n\nQuestion: Where did Elizabeth walk every morning?\nAnswer:",
+                                      add_special_tokens=False).input_ids
+    assert doc["targets"] == [["to the old mill"], ["Mr. Bingley", "Bingley"]]
+    ch = SCBenchTask("scbench", subset="scbench_choice_eng", mode=mode,
+                     data_files=str(folder / "scbench_choice_eng.jsonl"))
+    doc = ch.doc(tok, ch.rows()[0])
+    later = "The letter of the correct answer is" if mode == "turns" else "The the correct answer is"
+    text = f"\n\nQuestion: Where was the wedding held?\nA. the old mill\nB. Longbourn church\nC. London\nD. " \
+           f"Netherfield\n\n{later}"
+    assert doc["questions"][1] == tok(text, add_special_tokens=False).input_ids
+    assert doc["targets"] == [["five", "C"], ["Longbourn church", "B"]] and ch.gen_tokens == 40
+    summary = SCBenchTask("scbench", subset="scbench_summary", data_files=str(folder / "scbench_summary.jsonl"))
+    assert summary.gen_tokens == 200 and summary.doc(tok, summary.rows()[0])["context"] == tok(row["context"]).input_ids
 
 
 def test_prompt_ids_and_middle_truncation(tiny):
@@ -95,8 +135,8 @@ def test_through_h2o_run_with_its_record(tmp_path, monkeypatch):
 
 
 def test_bad_values_and_missing_data_in_one_line(tmp_path, monkeypatch):
-    with pytest.raises(BadInput, match=r"^task.subset='scbench_qa_eng': allowed: scbench_kv, scbench_prefix_suffix"):
-        SCBenchTask("scbench", subset="scbench_qa_eng")
+    with pytest.raises(BadInput, match=r"^task.subset='scbench_qa_chn': allowed: scbench_kv, scbench_prefix_suffix"):
+        SCBenchTask("scbench", subset="scbench_qa_chn")
     with pytest.raises(BadInput, match=r"^task.mode='many': allowed: questions, turns$"):
         SCBenchTask("scbench", mode="many")
     with pytest.raises(BadInput, match=r"^task.data_files='/nonexistent.jsonl': no such file"):
@@ -122,7 +162,8 @@ def test_the_cluster_grid_checks_each_subset_and_fits_the_model(tmp_path, monkey
     assert prefetch.main(["experiment=scbench_cluster", "policy=full", "--check"]) == 1
     lines = capsys.readouterr().out.strip().splitlines()
     assert [ln.split(":")[0] for ln in lines if ln.startswith("task")] == [
-        "task scbench (scbench_kv)", "task scbench (scbench_prefix_suffix)", "task scbench (scbench_vt)"]
+        "task scbench (scbench_kv)", "task scbench (scbench_prefix_suffix)", "task scbench (scbench_vt)",
+        "task scbench (scbench_qa_eng)", "task scbench (scbench_choice_eng)", "task scbench (scbench_summary)"]
     qwen = ModelSpec("qwen3-8b", "Qwen/Qwen3-8B", positions=40960)
     SCBenchTask("scbench", max_context_tokens=32000).check_model(qwen)
     SCBenchTask("scbench").check_model(qwen)  # null: cut to its positions less the room for the requests

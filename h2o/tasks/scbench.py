@@ -8,19 +8,22 @@ context asked its requests (conf/task/scbench.yaml; docs/many-questions.md).
   own answer kept (SCBench's ``disable_golden_context``; its default writes the reference answer of each turn into
   the next prompt instead, which this task does not do).
 
-Subsets, SCBench's string-matched ones, with its own prompt texts (no chat template) and scorers:
+Subsets, with SCBench's own prompt texts (no chat template) and scorers (its compute_scores.py):
 ``scbench_kv`` (a value from a JSON object of UUID pairs) and ``scbench_prefix_suffix`` (a string by its prefix and
 suffix): correct when the reference is in the answer; ``scbench_vt`` (variable tracking): the share of the
-reference names in the answer, lower-cased. The context prompt is the subset's instruction, a blank line and the
-context (the context alone where SCBench has no instruction); each request is fed as a blank line and its
-``input`` (SCBench's multi-turn template's separator). A context longer than ``max_context_tokens`` (null: the
-model's positions less :data:`ROOM`) keeps its first and last halves (SCBench's middle truncation to its model's
-window). Greedy, up to ``max_gen_toks`` (SCBench's per subset: kv and prefix_suffix 150, vt 30) or the
-end-of-sequence token.
+reference names in the answer, lower-cased; ``scbench_qa_eng`` (questions on a book): correct when a reference is
+in the answer, upper-cased; ``scbench_choice_eng`` (four options): the letter or option chosen
+(:func:`choice`); ``scbench_summary``: ROUGE-Lsum F1. The context prompt is the subset's instruction, a blank line
+and the context (the context alone where SCBench has no instruction); each request is fed as a blank line and its
+query (:func:`request`: the ``input``, or for qa and choice SCBench's question template). A context longer than
+``max_context_tokens`` (null: the model's positions less :data:`ROOM`) keeps its first and last halves (SCBench's
+middle truncation to its model's window). Greedy, up to ``max_gen_toks`` (SCBench's per subset: kv and prefix_suffix
+150, vt 30, qa and choice 40, summary 200) or the end-of-sequence token. (SCBench's Chinese qa, its code and math
+subsets and the mixed ones are not built.)
 
 Data: ``data/<subset>.jsonl`` of the hub data set ``microsoft/SCBench`` (fields ``context``, ``multi_turns``:
-``[{input, answer}]``), fetched into the Hugging Face cache by ``make prefetch``; ``data_files``: a local JSONL in
-the same form (tests, offline).
+``[{input, answer}]``, choice_eng's with ``options``), fetched into the Hugging Face cache by ``make prefetch``;
+``data_files``: a local JSONL in the same form (tests, offline).
 """
 from __future__ import annotations
 
@@ -33,8 +36,11 @@ from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none
 
 REPO = "microsoft/SCBench"
 INSTRUCTIONS = {"scbench_kv": "Extract the value corresponding to the specified key in the JSON object below.",
-                "scbench_prefix_suffix": None, "scbench_vt": None}
-MAX_GEN_TOKS = {"scbench_kv": 150, "scbench_prefix_suffix": 150, "scbench_vt": 30}
+                "scbench_prefix_suffix": None, "scbench_vt": None,
+                "scbench_qa_eng": "Read the book and answer the question. Be very concise in your answer.",
+                "scbench_choice_eng": "Read the book and answer the question.", "scbench_summary": None}
+MAX_GEN_TOKS = {"scbench_kv": 150, "scbench_prefix_suffix": 150, "scbench_vt": 30, "scbench_qa_eng": 40,
+                "scbench_choice_eng": 40, "scbench_summary": 200}
 MODES = ("questions", "turns")
 ROOM = 2048  # tokens kept free for the requests and their answers (SCBench's contexts have ~5 requests)
 
@@ -50,7 +56,70 @@ def share_found(text: str, target) -> float:
     return round(sum(str(r).lower() in text.lower() for r in refs) / len(refs), 2)
 
 
-SCORERS = {"scbench_kv": contains, "scbench_prefix_suffix": contains, "scbench_vt": share_found}
+def any_label(text: str, target) -> float:
+    """qa_eng (SCBench scores it as InfiniteBench's longdialogue_qa_eng): 1.0 when one of the references is in the
+    answer, both upper-cased."""
+    refs = target if isinstance(target, list) else [target]
+    return float(any(str(r).upper() in text.strip().upper() for r in refs))
+
+
+def choice(text: str, target: list) -> float:
+    """choice_eng (InfiniteBench's longbook_choice_eng), ``target`` [the option's text, its letter]: the answer's
+    first character when it is a letter A-D; else the whole answer equal to the option; else what follows the first
+    answer phrase ("answer is:", "answer:", "answer is", "option is") after punctuation is blanked; else its first
+    word that is a substring of "ABCD" (SCBench's test, kept)."""
+    pred = text.strip()
+    if not pred:
+        return 0.0
+    if pred[0] in "ABCD":
+        return float(pred[0] in target)
+    if pred in target:
+        return 1.0
+    for c in "\n\"'.,?!{}":
+        pred = pred.replace(c, " ")
+    while "  " in pred:
+        pred = pred.replace("  ", " ")
+    for phrase in ("answer is:", "answer:", "answer is", "option is"):
+        at = pred.find(phrase)
+        if at >= 0:
+            after = pred[at + len(phrase) + 1:]
+            return float(len(pred) >= at + len(phrase) + 1 and any(after.startswith(t) for t in target))
+    return next((float(word in target) for word in pred.split() if word in "ABCD"), 0.0)
+
+
+def rouge_lsum(text: str, target) -> float:
+    """summary: ROUGE-Lsum F1 of the answer against the reference (SCBench's, through Hugging Face evaluate's
+    rouge: rouge-score, no stemmer)."""
+    from h2o.cli.process import rouge_scorer
+
+    return rouge_scorer().RougeScorer(["rougeLsum"], use_stemmer=False).score(str(target), text)["rougeLsum"].fmeasure
+
+
+SCORERS = {"scbench_kv": contains, "scbench_prefix_suffix": contains, "scbench_vt": share_found,
+           "scbench_qa_eng": any_label, "scbench_choice_eng": choice, "scbench_summary": rouge_lsum}
+
+
+def request(subset: str, turn: dict, k: int, mode: str) -> str:
+    """The text of request ``k`` fed after the context (or the previous answer): a blank line, then SCBench's query
+    for the subset (its texts, its typo "The the" kept; the multi-turn mode's later choice turns ask "The letter of
+    the correct answer is", as its follow-up template does)."""
+    if subset == "scbench_qa_eng":
+        return f"\n\nQuestion: {turn['input']}\nAnswer:"
+    if subset == "scbench_choice_eng":
+        options = "".join(f"\n{letter}. {option}" for letter, option in zip("ABCD", turn["options"]))
+        ask = "The letter of the correct answer is" if mode == "turns" and k > 0 else "The the correct answer is"
+        return f"\n\nQuestion: {turn['input']}{options}\n\n{ask}"
+    return "\n\n" + turn["input"]
+
+
+def reference(subset: str, turn: dict):
+    """What request ``turn``'s answer is scored against: choice_eng [the option, its letter], qa_eng a list."""
+    answer = turn["answer"]
+    if subset == "scbench_choice_eng":
+        return [answer, "ABCD"[turn["options"].index(answer)]]
+    if subset == "scbench_qa_eng":
+        return answer if isinstance(answer, list) else [answer]
+    return answer
 
 
 @dataclass
@@ -147,8 +216,9 @@ class SCBenchTask(TaskSpec):
         if truncated:
             ids = ids[:cap // 2] + ids[len(ids) - (cap - cap // 2):]
         turns = row["multi_turns"]
-        questions = [tok("\n\n" + t["input"], add_special_tokens=False).input_ids for t in turns]
-        return {"context": ids, "questions": questions, "targets": [t["answer"] for t in turns],
+        questions = [tok(request(self.subset, t, k, self.mode), add_special_tokens=False).input_ids
+                     for k, t in enumerate(turns)]
+        return {"context": ids, "questions": questions, "targets": [reference(self.subset, t) for t in turns],
                 "fields": {"truncated": truncated}}
 
 
