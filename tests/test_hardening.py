@@ -300,7 +300,7 @@ BAD = [
     ("questions-and-turns", [*TINY, *NIAH, "task.questions=3", "task.turns=2"],
      ["task.questions=3, task.turns=2", "allowed: one of them above 1"], {}),
     ("questions-on-ruler", [*TINY, "task=ruler_niah_single_1", "+task.questions=3"],
-     ["task.questions=3", "niah only", "allowed: task.questions=1"], {}),
+     ["task.questions=3", "niah and RULER's split tasks", "allowed: task.questions=1"], {}),
     ("kvzip-n-sink-negative", [*TINY, "policy=kvzip", "policy.n_sink=-1"], ["n_sink=-1", "an int >= 0"], {}),
     ("kvzip-chunk-size-zero", [*TINY, "policy=kvzip", "policy.chunk_size=0"], ["chunk_size=0", "an int >= 1"], {}),
     ("kvzip-layerwise-not-bool", [*TINY, "policy=kvzip", "policy.layerwise=maybe"], ["layerwise='maybe'", "true"], {}),

@@ -5,6 +5,8 @@ Llama (one token per byte; weights drawn wider than the default so that answers 
 compared token for token)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -191,3 +193,24 @@ def test_the_command_line_gives_the_task_its_questions_from_the_model_args(tmp_p
     rows = [json.loads(line) for f in (tmp_path / "out").rglob("samples_niah_*.jsonl") for line in f.open()]
     assert sorted((r["doc"]["context"], r["doc"]["question_index"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert len({r["doc"]["answer"] for r in rows}) == 4
+
+
+def test_ruler_split_tasks_through_h2o_run(tmp_path, monkeypatch):
+    """``task=ruler_niah_multikey_1 task.lm_eval_task=niah_multikey_1_questions task.questions=2``: lm-eval's RULER
+    contexts (``limit`` of them per length) each asked 2 keys, one record with each question's context and index,
+    the question after the shared context; a bad count is refused before anything loads."""
+    from h2o.pipeline.run import main
+
+    monkeypatch.chdir(tmp_path)
+    args = ["model=tiny-llama", "threads=1", "task=ruler_niah_multikey_1",
+            "task.lm_eval_task=niah_multikey_1_questions", "task.limit=2", "policy=snapkv", "policy.budget=0.5",
+            "policy.window=8", f"runs_dir={tmp_path / 'runs'}"]
+    assert main([*args, "task.questions=2"]) == 0
+    (path,) = (tmp_path / "runs").rglob("metrics.json")
+    rec = json.loads(path.read_text())
+    samples = [json.loads(line) for line in (path.parent / "samples.jsonl").read_text().splitlines()]
+    assert [(s["context"], s["question"]) for s in samples] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len({s["target"][0] for s in samples}) == 4 and rec["protocol"]["questions"] == 2
+    assert rec["question"] == "after" and rec["kept_ratio"] == pytest.approx(0.5, abs=0.01)
+    assert path.parent.name.endswith("questions=2,window=8")
+    assert main([*args, "task.questions=5"]) == 2  # RULER's contexts hold 4 keys

@@ -161,9 +161,11 @@ def test_bad_values_are_refused_in_one_line():
         LongContextTask("niah", turns="2")
     with pytest.raises(BadInput, match=r"^task.questions=2, task.turns=3: allowed: one of them above 1$"):
         LongContextTask("niah", questions=2, turns=3)
-    with pytest.raises(BadInput, match=r"^task.question='each': allowed: prompt, after \(each: with task.questions "):
+    with pytest.raises(BadInput, match=r"^task.question='each': allowed: prompt, after "
+                                       r"\(each: with task.questions > 1 on niah\)$"):
         LongContextTask("niah", question="each", turns=3)
-    with pytest.raises(BadInput, match=r"^task.questions=2: several questions per context on task niah only"):
+    with pytest.raises(BadInput, match=r"^task.questions=2: several questions per context on task niah and "
+                                       r"RULER's split"):
         LongContextTask("r", "niah_single_2", questions=2)
 
 

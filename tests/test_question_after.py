@@ -137,7 +137,7 @@ def test_bad_values_are_refused_in_one_line(tiny):
     from h2o.tasks.long_context import LongContextTask
 
     with pytest.raises(BadInput, match=r"^task.question='later': allowed: prompt, after "
-                                       r"\(each: with task.questions > 1\)$"):
+                                       r"\(each: with task.questions > 1 on niah\)$"):
         LongContextTask("niah", question="later")
     with pytest.raises(BadInput, match="task longbench_narrativeqa's prompts hold no question to split off; "
                                        "allowed: question=prompt"):

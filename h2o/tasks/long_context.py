@@ -63,7 +63,9 @@ class LongContextTask(TaskSpec):
     clip_to_model: bool = False  # true: lengths beyond the model's positions are dropped (the record has those run)
     question: str = "prompt"  # prompt | after: the question inside the compressed prompt or after it (niah, RULER);
     # with questions > 1: compressed once (prompt | after) or with each question inside its prompt (each)
-    questions: int = 1  # niah: questions per context, each from a copy of the compressed context (many_questions)
+    questions: int = 1  # niah and RULER's *_questions tasks: questions per context, each from a copy of the context
+    # compressed once (h2o.tasks.many_questions; RULER's through lm-eval, h2o.tasks.lm_eval_many); RULER's split
+    # tasks read ``limit`` as contexts per length (each asked its questions)
     turns: int = 1  # niah: questions asked in turn on one cache, answers kept (many_questions)
 
     kind = "retrieval"
@@ -99,9 +101,10 @@ class LongContextTask(TaskSpec):
                   f"task.lm_eval_task={self.lm_eval_task!r}: allowed: niah, lm-eval's RULER tasks ({ruler}) and its "
                   f"longbench_* tasks")
         self.check_many()
-        allowed = QUESTIONS + (("each",) if self.questions > 1 else ())  # each: per question, with task.questions
+        each = self.questions > 1 and self.is_niah  # each: per question, with task.questions (niah)
+        allowed = QUESTIONS + (("each",) if each else ())
         check(self.question in allowed, f"task.question={self.question!r}: allowed: {', '.join(allowed)}"
-                                        + ("" if self.questions > 1 else " (each: with task.questions > 1)"))
+                                        + ("" if each else " (each: with task.questions > 1 on niah)"))
         splits = self.is_niah or (self.family == "ruler" and ruler_pattern(self.lm_eval_task) is not None)
         check(self.question == "prompt" or splits,
               f"task.question={self.question}: task {self.lm_eval_task}'s prompts hold no question to split off; "
@@ -115,11 +118,15 @@ class LongContextTask(TaskSpec):
             value = getattr(self, key)
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                   f"task.{key}={value!r}: expected an int >= 1")
-            check(value == 1 or self.is_niah, f"task.{key}={value}: several questions per context on task niah "
-                                              f"only; allowed: task.{key}=1 for task {self.lm_eval_task}")
+            check(value == 1 or self.is_niah or self.split,
+                  f"task.{key}={value}: several questions per context on task niah and RULER's split tasks "
+                  f"(niah_multikey_1_questions, niah_multiquery_questions) only; allowed: task.{key}=1 for task "
+                  f"{self.lm_eval_task}")
             from h2o.tasks.niah import ADJECTIVES, NOUNS
+            from h2o.tasks.ruler_offline import NIAH_SHAPES
 
-            keys = len(ADJECTIVES) * len(NOUNS)  # each needle of a context has a key of its own
+            # each needle of a context has a key of its own: niah's drawn from its words, RULER's 4
+            keys = NIAH_SHAPES[self.split][3] if self.split else len(ADJECTIVES) * len(NOUNS)
             check(value <= keys, f"task.{key}={value}: more needles than the task's {keys} distinct keys; allowed: "
                                  f"task.{key} in 1-{keys}")
         check(min(self.questions, self.turns) == 1, f"task.questions={self.questions}, task.turns={self.turns}: "
@@ -140,13 +147,24 @@ class LongContextTask(TaskSpec):
         """niah (ours) | longbench | ruler (lm-eval's)."""
         return NIAH if self.is_niah else "longbench" if self.lm_eval_task.startswith("longbench_") else "ruler"
 
+    @property
+    def split(self) -> str | None:
+        """The RULER task a ``*_questions`` task splits into one question per key over a shared context
+        (h2o.tasks.ruler_many: ``niah_multikey_1``, ``niah_multiquery``), else None."""
+        from h2o.tasks.ruler_many import SOURCES
+
+        return SOURCES.get(self.lm_eval_task)
+
     def lm_eval_folder(self):
-        """The lm-eval task folder that holds ``lm_eval_task`` (ours, or lm-eval's own ruler / longbench)."""
+        """The lm-eval task folder that holds ``lm_eval_task`` (ours: niah and RULER's split tasks; or lm-eval's own
+        ruler / longbench)."""
         from pathlib import Path
 
         from h2o.assets.paths import TASKS
         from h2o.tasks.longbench import folder
 
+        if self.split:
+            return Path(TASKS)
         return {NIAH: Path(TASKS), "longbench": folder()}.get(self.family) or ruler_folder()
 
     def check_model(self, model) -> None:
@@ -208,7 +226,7 @@ class LongContextTask(TaskSpec):
         else:
             from h2o.tasks.ruler_offline import shortest_length
 
-            need = shortest_length(tok, self.lm_eval_task, self.text)
+            need = shortest_length(tok, self.split or self.lm_eval_task, self.text)
             short = next(((n, need) for n in self.lengths if need and n < need), None)
             what = f"lm-eval's {self.lm_eval_task} prompt and the tokens it sizes generation with"
         n, need = short or (0, 0)
@@ -259,7 +277,8 @@ class LongContextTask(TaskSpec):
                     "text": self.text, "seed": self.seed}
         if self.family == "longbench":  # its docs come from the hub data set as they are
             return {}
-        return {"tokenizer": path, "max_seq_lengths": self.lengths}
+        split = {"questions": self.questions, "turns": self.turns, "samples": self.limit} if self.split else {}
+        return {"tokenizer": path, "max_seq_lengths": self.lengths, **split}
 
     @property
     def metric(self) -> str:
@@ -268,7 +287,7 @@ class LongContextTask(TaskSpec):
 
     def run(self, model, tokenizer, policy, semantics: str, seed: int, quant=None) -> Result:
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if self.many:  # compress once, ask many: the model's own loop, not lm-eval's (one request per context)
+        if self.many and self.is_niah:  # compress once, ask many: the model's own loop (one request per context)
             from h2o.tasks.many_questions import run
 
             return run(self, model, tokenizer, policy, quant)
@@ -287,15 +306,17 @@ class LongContextTask(TaskSpec):
         elif self.family == "longbench":  # prompts over the length less the generated tokens keep both ends
             haystack, cut = {"truncation": "middle", "max_length": self.lengths[0]}, {"max_length": self.lengths[0]}
         lm = H2OLM(pretrained=model, tokenizer=tokenizer, policy=policy, quant=quant, batch_size=self.batch_size,
-                   add_bos_token=self.add_bos_token, question=self.question, **cut)
+                   add_bos_token=self.add_bos_token, question=self.question, questions=self.questions,
+                   turns=self.turns, **cut)
         lm.truncate = "middle" if cut else "left"
         tm = TaskManager(include_path=str(self.lm_eval_folder()), include_defaults=False,
                          metadata=self.metadata(tokenizer))
         gen = {"max_gen_toks": self.max_gen_toks} if self.max_gen_toks else None
         with lm_eval_cache() as cache:
-            out = simple_evaluate(model=lm, tasks=[self.lm_eval_task], limit=self.limit, task_manager=tm,
-                                  log_samples=True, gen_kwargs=gen, random_seed=seed, numpy_random_seed=seed,
-                                  torch_random_seed=seed, fewshot_random_seed=seed, use_cache=cache)
+            out = simple_evaluate(model=lm, tasks=[self.lm_eval_task], limit=None if self.split else self.limit,
+                                  task_manager=tm, log_samples=True, gen_kwargs=gen, random_seed=seed,
+                                  numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                                  use_cache=cache)
         samples = [self.sample_row(s, lm) for s in out["samples"][self.lm_eval_task]]
         scores = [s[self.metric] for s in samples]
         metrics = {self.metric: sum(scores) / len(scores), f"{self.metric}_stderr": stderr(scores)}
@@ -303,7 +324,7 @@ class LongContextTask(TaskSpec):
         prompt, held = (sum(x) for x in zip(*budgets)) if budgets else (0, 0)
         info = {"headline": self.metric,  # the metric analysis draws and tabulates (analysis.figures.headline_metric)
                 "cells": cells(samples, self.is_niah, self.metric), "lm_eval_task": self.lm_eval_task, **haystack,
-                "question": self.question,
+                "question": "after" if self.many else self.question,  # several: the shared context compressed once
                 "chat_template": False, "kept_ratio": round(held / prompt, 4) if prompt else None,
                 "mean_prompt_tokens": round(prompt / len(budgets), 1) if budgets else None,
                 "clamped_requests": clamped(policy, [n for n, _ in budgets]),  # a ratio of each prompt
@@ -326,6 +347,8 @@ class LongContextTask(TaskSpec):
         length = int(doc["max_length"])
         asked = ({"question_tokens": lm.question_tokens(s["arguments"][0][0], s["doc"], self.lm_eval_task)}
                  if self.question == "after" else {})
+        if self.split:  # its shared context and the question's index in it
+            asked = {**asked, "context": doc["context"], "question": doc["question_index"]}
         return {"doc_id": s["doc_id"], "length": length, "target": doc["outputs"], **asked,
                 "generation": generation, "acc": float(s[str(length)])}
 

@@ -120,8 +120,9 @@ def redundancy(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, thresh
 
     On the CPU, where at most half the S slots are held (the simulated path's rows: S is every position, at most
     the budget held), the similarity is taken over the held keys only, gathered in slot order (n^2 instead of S^2
-    entries per head): the same figures, the non-held entering neither the means nor the softmax. It needs n on the
-    host, a read that costs nothing on the CPU and a sync on a GPU, so a GPU takes the S x S form."""
+    entries per head): the same figures up to float rounding (the non-held enter neither the means nor the softmax;
+    the sums run in another order, so an exact near-tie may be decided the other way). It needs n on the host, a
+    read that costs nothing on the CPU and a sync on a GPU, so a GPU takes the S x S form."""
     S = held.shape[-1]
     n = int(held.sum(-1).amax()) if held.device.type == "cpu" and S > 1 else S
     if n > S // 2:
