@@ -273,12 +273,14 @@ RESUMED = [  # (args, requests kept before the kill: about half of the run's)
       "task.greedy=true", "task.batch_size=1", "policy.budget=0.5"], 1),  # greedy: sampled runs do not resume
     (["task=austen_ppl", "task.n_windows=2", "task.window=48", "task.batch_size=1", "policy=streaming_llm",
       "policy.budget=0.5"], 1),
+    (["task=ruler_niah_multikey_1", "task.lm_eval_task=niah_multikey_1_questions", "task.questions=2",
+      "task.limit=2", "task.max_gen_toks=8", "policy=snapkv", "policy.window=8", "policy.budget=0.5"], 2),
 ]
 TIMINGS = {"wall_s", "cpu_s", "resumed_requests"}  # how long it took, and how much came from before the kill
 
 
 @pytest.mark.parametrize("args, before", RESUMED, ids=["multiple-choice", "retrieval", "summarization",
-                                                       "perplexity"])
+                                                       "perplexity", "shared-context"])
 def test_a_run_killed_mid_way_and_resumed_records_what_an_uninterrupted_one_does(args, before, tmp_path, monkeypatch):
     """The run dies after ``before`` requests' results is kept (lm-eval's request cache, h2o.tasks.progress);
     the same command resumes it from there; its record equals an uninterrupted run's field by field, timings

@@ -26,8 +26,10 @@ cut from the left (as lm-eval cuts a prompt) to leave room for its longest quest
 token), the answer cut at them as lm-eval cuts it. One context at a time, whatever ``batch_size``. ``budgets`` gets
 each question's (context tokens, tokens the compressed context holds per layer and head: the mean), ``footprints``
 each context's compressed cache once, and ``contexts`` one row per group (its task, doc ids, context tokens,
-footprint). Not built for grouped requests: ``generation_log`` rows, the resume logs of h2o.tasks.resume_logs (the
-pipeline runs ``task.questions`` / ``task.turns`` through h2o.tasks.many_questions, not lm-eval).
+footprint). The resume logs (h2o.tasks.resume_logs.ResumeLogs.log_context) keep each group's figures before lm-eval
+caches its answers, so a resumed run (RULER's split tasks through h2o-run) records what an uninterrupted one does.
+Not built for grouped requests: ``generation_log`` rows. (The pipeline's niah ``task.questions`` / ``task.turns``
+run through h2o.tasks.many_questions, not lm-eval: a run stopped there starts again.)
 """
 from __future__ import annotations
 
@@ -96,6 +98,7 @@ class AskMany:
                 outs, compressed, _ = ask(self.model, self.policy, ctx, questions, max_new, done, mode == "turns",
                                           self.quant)
             held = round(compressed["tokens_held"] / kv_entries_per_token(self.model), 1)
+            self.log_context([requests[i].args[0] for i in members], len(ctx), held, compressed)
             for i, out in zip(members, outs):
                 text = postprocess_generated_text(self.tok_decode(out), until, think)
                 answers[i] = text

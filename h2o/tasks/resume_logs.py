@@ -35,6 +35,15 @@ class ResumeLogs:
         self.prompt_log.update({key(t): [int(n), int(k)] for t, n, k in zip(self._batch, prompt, held)})
         self.batch_log.update({key("\x00".join(self._batch)): [footprint, rows]})
 
+    def log_context(self, texts: list[str], prompt: int, held: float, footprint: dict) -> None:
+        """A shared context compressed once and asked the requests ``texts`` (h2o.tasks.lm_eval_many): each
+        request's (context tokens, tokens held per layer and KV head) keyed by its text, the compressed context's
+        footprint once, keyed by the requests' texts; written before lm-eval caches their answers."""
+        if self.prompt_log is None:
+            return
+        self.prompt_log.update({key(t): [int(prompt), held] for t in texts})
+        self.batch_log.update({key("\x00".join(texts)): [footprint, 1]})
+
     def log_rows(self, inps: torch.Tensor, lengths: torch.Tensor, short: list[bool]) -> None:
         """Each scored row's (true length, clamped) into the run's row log, keyed by the row's tokens: lm-eval
         scores one row per distinct model input (its requests grouped by context + continuation[:-1]), so a row
