@@ -79,9 +79,9 @@ def ask(model, policy, context: list[int], questions: list[list[int]], max_new: 
     on the one cache; or (``each``) the context compressed with each question inside its prompt. Returns (each
     answer's tokens, the compressed context's footprint (EvictingCache.footprint; ``each``: the mean of its
     prompts'), the tokens held (token x KV head entries) after each answer)."""
-    answers, held = [], []
     if each:
         return ask_each(model, policy, context, questions, max_new, done, quant)
+    answers, held = [], []
     with torch.no_grad(), attach(model, policy, mode="real", quant=quant) as h:
         base = h.new_cache()
         model(input_ids=torch.tensor([context], device=model.device), cache=base, use_cache=True, logits_to_keep=1)
