@@ -79,6 +79,32 @@ def test_no_question_sees_another(tiny, name, options):
     assert sorted(lm.budgets) == sorted((c["context_tokens"], b) for c, b in zip(lm.contexts, budget) for _ in "ab")
 
 
+@pytest.mark.parametrize("turns", [False, True])
+def test_each_grouped_answer_has_its_generation_row(tiny, tmp_path, turns):
+    """``generation_log``: one row per grouped request, as for ungrouped ones; under ``full`` the entries held at
+    an answer's last step are its context, question and answer less its last token (plus the earlier turns)."""
+    log = tmp_path / "rows.jsonl"
+    mode = {"turns": 2} if turns else {"questions": 2}
+    lm, samples = evaluate(tiny, 2, generation_log=str(log), **mode)
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["task"], r["doc_id"], r["repeat"]) for r in rows] == [("niah", i, 0) for i in range(4)]
+    e = lm.model.config.num_hidden_layers * lm.model.config.num_key_value_heads
+    per_entry = 2 * lm.model.config.head_dim * 4  # fp32 keys and values of one token and KV head
+    for c, context in enumerate(lm.contexts):
+        fed = context["context_tokens"]
+        for k, q in enumerate(context["question_tokens"]):
+            row = rows[2 * c + k]
+            fed += q + row["gen_tokens"] - 1 + (k > 0 and turns)  # a turn also feeds the last answer's token
+            held = fed if turns else context["context_tokens"] + q + row["gen_tokens"] - 1
+            assert row["kv_tokens_end"] == row["kv_tokens_peak"] == held * e
+            assert row["kv_bytes_end"] == held * e * per_entry and row["prompt_tokens"] == context["context_tokens"] + q
+            assert 1 <= row["gen_tokens"] <= GEN["max_gen_toks"] and (not row["at_limit"] or row["gen_tokens"] == 6)
+            assert row["time_s"] > 0
+            if not turns:
+                fed = context["context_tokens"]
+    assert lm.generations == rows
+
+
 def test_turns_answer_as_the_whole_conversation_does(tiny):
     """``turns``: under ``full`` turn 1's answer is what the context, turn 0's question and answer and turn 1's
     question, one prompt, give (computed by hand)."""

@@ -28,8 +28,9 @@ each question's (context tokens, tokens the compressed context holds per layer a
 each context's compressed cache once, and ``contexts`` one row per group (its task, doc ids, context tokens,
 footprint). The resume logs (h2o.tasks.resume_logs.ResumeLogs.log_context) keep each group's figures before lm-eval
 caches its answers, so a resumed run (RULER's split tasks through h2o-run) records what an uninterrupted one does.
-Not built for grouped requests: ``generation_log`` rows. (The pipeline's niah ``task.questions`` / ``task.turns``
-run through h2o.tasks.many_questions, not lm-eval: a run stopped there starts again.)
+With ``generation_log`` (or ``track_rows``) each answer's row is kept as for ungrouped requests
+(:meth:`AskMany.note_answers`). (The pipeline's niah ``task.questions`` / ``task.turns`` run through
+h2o.tasks.many_questions, not lm-eval: a run stopped there starts again.)
 """
 from __future__ import annotations
 
@@ -94,9 +95,10 @@ class AskMany:
             def done(out: list[int]) -> bool:
                 return out[-1] == self.eot_token_id or any(s and s in self.tok_decode(out) for s in until)
 
+            steps: list | None = [] if self.track_rows else None
             with torch.no_grad():
                 outs, compressed, _ = ask(self.model, self.policy, ctx, questions, max_new, done, mode == "turns",
-                                          self.quant)
+                                          self.quant, steps=steps)
             held = round(compressed["tokens_held"] / kv_entries_per_token(self.model), 1)
             self.log_context([requests[i].args[0] for i in members], len(ctx), held, compressed)
             for i, out in zip(members, outs):
@@ -104,8 +106,38 @@ class AskMany:
                 answers[i] = text
                 self.budgets.append((len(ctx), held))
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
+            if steps is not None:
+                self.note_answers([requests[i] for i in members], len(ctx), questions, outs, steps, done)
             self.footprints.append((compressed, 1))
             self.contexts.append({"task": getattr(first, "task_name", None), "mode": mode,
                                   "doc_ids": [requests[i].doc_id for i in members], "context_tokens": len(ctx),
                                   "question_tokens": [len(q) for q in questions], "footprint": compressed})
         return answers
+
+    def note_answers(self, members, context: int, questions: list[list[int]], outs: list[list[int]],
+                     steps: list[list[tuple[float, int]]], done) -> None:
+        """Each answer's row (h2o.tasks.generation_rows.FIELDS, keyed by task, doc id and repeat 0) into
+        ``generations`` and the ``generation_log`` file: prompt tokens (the context and its question), tokens
+        generated (up to the stop, counted), whether it stopped at the length limit, the entries held at its last
+        step and at their most, their bytes (None with a KV quantizer), and the seconds from its question's feed to
+        its last step."""
+        import json
+
+        import torch
+
+        from h2o.tasks.kv_held import geometry
+
+        size = None if self.quant is not None else \
+            2 * geometry(self.model)[2] * torch.empty((), dtype=self.model.dtype).element_size()
+        rows = []
+        for req, q, out, seen in zip(members, questions, outs, steps):
+            held = [n for _, n in seen]
+            rows.append({"task": getattr(req, "task_name", None), "doc_id": getattr(req, "doc_id", None), "repeat": 0,
+                         "prompt_tokens": context + len(q), "gen_tokens": len(out), "at_limit": not done(out),
+                         "kv_tokens_end": held[-1], "kv_bytes_end": None if size is None else held[-1] * size,
+                         "kv_tokens_peak": max(held), "kv_bytes_peak": None if size is None else max(held) * size,
+                         "time_s": round(seen[-1][0], 4)})
+        self.generations.extend(rows)
+        if self.generation_log:
+            with open(self.generation_log, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)

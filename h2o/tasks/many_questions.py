@@ -58,15 +58,17 @@ def copy_of(cache):
 
 
 def greedy(model, cache, ids: list[int], max_new: int, done: Callable[[list[int]], bool],
-           fed: Callable[[], None] = lambda: None) -> list[int]:
+           fed: Callable[[], None] = lambda: None, step: Callable[[], None] = lambda: None) -> list[int]:
     """``ids`` fed after what ``cache`` holds (then ``fed()``), then up to ``max_new`` greedy tokens (stopped once
-    ``done``); every generated token but the last is fed into the cache."""
+    ``done``); every generated token but the last is fed into the cache. ``step()`` is called before each token is
+    chosen, on the cache it is predicted from (h2o.tasks.generation_rows.StepWatch's step)."""
     device = model.device
     logits = model(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True,
                    logits_to_keep=1).logits[0, -1]  # (V,)
     fed()
     out: list[int] = []
     while True:
+        step()
         out.append(int(logits.argmax()))
         if len(out) >= max_new or done(out):
             return out
@@ -74,13 +76,18 @@ def greedy(model, cache, ids: list[int], max_new: int, done: Callable[[list[int]
 
 
 def ask(model, policy, context: list[int], questions: list[list[int]], max_new: int, done: Callable,
-        turns: bool = False, quant=None, each: bool = False) -> tuple[list[list[int]], dict, list[int]]:
+        turns: bool = False, quant=None, each: bool = False, steps: list | None = None
+        ) -> tuple[list[list[int]], dict, list[int]]:
     """The context compressed once, then each question: from a copy of the compressed cache, or (``turns``) in turn
     on the one cache; or (``each``) the context compressed with each question inside its prompt. Returns (each
     answer's tokens, the compressed context's footprint (EvictingCache.footprint; ``each``: the mean of its
-    prompts'), the tokens held (token x KV head entries) after each answer)."""
+    prompts'), the tokens held (token x KV head entries) after each answer). ``steps``: a list that gets, per
+    question, each step's (seconds since the question was fed, token x KV head entries held: host counts)."""
     if each:
         return ask_each(model, policy, context, questions, max_new, done, quant)
+    from h2o.tasks.kv_held import geometry
+
+    kv_heads = geometry(model)[1]
     answers, held = [], []
     with torch.no_grad(), attach(model, policy, mode="real", quant=quant) as h:
         base = h.new_cache()
@@ -90,7 +97,16 @@ def ask(model, policy, context: list[int], questions: list[list[int]], max_new: 
         for q in questions:
             if not turns:
                 h.cache = copy_of(base)  # the attention function reads the attached cache
-            answers.append(greedy(model, h.cache, pending + q, max_new, done))
+            seen: list[tuple[float, int]] = []
+            start, cache = time.perf_counter(), h.cache
+
+            def step() -> None:  # this question's cache and clock (called within this iteration only)
+                held_now = sum(layer.host_held[0] for layer in cache.layers if layer.host_held)
+                seen.append((time.perf_counter() - start, kv_heads * held_now))
+
+            answers.append(greedy(model, cache, pending + q, max_new, done, step=step))
+            if steps is not None:
+                steps.append(seen)
             pending = answers[-1][-1:] if turns else []
             held.append(h.cache.footprint()["tokens_held"])
     return answers, compressed, held
