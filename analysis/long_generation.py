@@ -274,20 +274,25 @@ def page_body(df: pd.DataFrame, figures: Path, rel: str, spec: dict) -> list[str
     models = list(df["model"].value_counts(sort=True).index) if "model" in df else [None]
     main = df if models[0] is None else df[df["model"] == models[0]]
     grid = spec.get("runs")
-    cpu = pd.to_numeric(main["cpu_s"], errors="coerce").sum() if "cpu_s" in main else float("nan")
     lines = [f"Runs finished: {len(main)}" + (f" of the committed grid's {grid}" if grid else "") +
-             f" ({cpu:,.0f} CPU-s in all, one thread each)" + (f", {models[0]}" if len(models) > 1 else "") + ".", ""]
+             f" ({cpu_of(main):,.0f} CPU-s in all, one thread each)" + (f", {models[0]}" if len(models) > 1 else "")
+             + ".", ""]
     named = [(spec[key], word) for key, word in (("headline", "Headline"), ("replication", "Confirmatory replication"))
              if spec.get(key)]
     lines += section(main, figures, rel, named, "")
     for model in models[1:]:
         sub = df[df["model"] == model]
         family = spec.get("second_family") or {}
-        cpu = pd.to_numeric(sub["cpu_s"], errors="coerce").sum()
-        lines += [f"## {model}", "", f"Runs finished: {len(sub)} ({cpu:,.0f} CPU-s in all, one thread each).", "",
+        lines += [f"## {model}", "", f"Runs finished: {len(sub)} ({cpu_of(sub):,.0f} CPU-s in all, one thread each).",
+                  "",
                   *section(sub, figures, rel, [(family, "Second family")] if family.get("model") == model else [],
                            f"_{model}")]
     return lines
+
+
+def cpu_of(df: pd.DataFrame) -> float:
+    """The records' CPU seconds in all (NaN without the field)."""
+    return pd.to_numeric(df["cpu_s"], errors="coerce").sum() if "cpu_s" in df else float("nan")
 
 
 def section(df: pd.DataFrame, figures: Path, rel: str, named: list, suffix: str) -> list[str]:

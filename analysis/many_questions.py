@@ -59,16 +59,30 @@ def discordant(a: dict, b: dict) -> tuple[int, int]:
     return sum(x > y for x, y in pairs), sum(y > x for x, y in pairs)
 
 
+def by_cell(recs: list[dict], mode: str) -> dict[tuple, dict]:
+    """The records of ``mode`` by (policy, budget)."""
+    return {(r["policy"], r["budget"]): r for r in recs if r["mode"] == mode}
+
+
+def sign(lo: float, hi: float) -> str:
+    """``>`` (the interval above 0), ``<`` (below), ``≈`` (it holds 0)."""
+    return ">" if lo > 0 else "<" if hi < 0 else "≈"
+
+
+def accuracy(rec: dict) -> str:
+    """The record's accuracy with its 95% Wilson interval."""
+    acc = rec["metrics"]["acc"]
+    lo, hi = wilson(acc, len(rec["samples"]))
+    return f"{acc:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
 def cell(rec: dict) -> str:
-    n, acc = len(rec["samples"]), rec["metrics"]["acc"]
-    lo, hi = wilson(acc, n)
-    mib = rec.get("kv_bytes_cut", 0) / 2**20
-    return f"{acc:.2f} [{lo:.2f}, {hi:.2f}] · {mib:.1f} MiB"
+    return f"{accuracy(rec)} · {rec.get('kv_bytes_cut', 0) / 2**20:.1f} MiB"
 
 
 def tables(recs: list[dict], mode: str) -> list[str]:
     """The accuracy table (methods x budgets) and the paired comparisons against :data:`BASE`."""
-    runs = {(r["policy"], r["budget"]): r for r in recs if r["mode"] == mode}
+    runs = by_cell(recs, mode)
     budgets = sorted({b for p, b in runs if p != "full"})
     methods = [BASE] + sorted({p for p, _ in runs if p not in (BASE, "full")})
     n = max(len(r["samples"]) for r in runs.values())
@@ -88,8 +102,8 @@ def tables(recs: list[dict], mode: str) -> list[str]:
                 got = paired(runs[(BASE, b)], runs[(m, b)])
                 if got:
                     mean, lo, hi, k = got
-                    sign = ">" if lo > 0 else "<" if hi < 0 else "≈"
-                    lines.append(f"* {b:.0%}: {BASE} {sign} {m}: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] ({k} questions)")
+                    lines.append(f"* {b:.0%}: {BASE} {sign(lo, hi)} {m}: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] "
+                                 f"({k} questions)")
     if mode == "turns":
         turns = max(len(r["turn_acc"]) for r in runs.values())
         lines += ["", "Accuracy by turn (the questions asked in turn on one cache):", "",
@@ -178,7 +192,7 @@ def versus(a: dict, b: dict, a_name: str, b_name: str) -> str:
 def headline(recs: list[dict], spec: dict) -> list[str]:
     """The study's named comparison under ``task.questions`` (``spec``: a, b, budget, and ``why``, a sentence shown
     after it): a − b accuracy paired by question, its 95% interval and verdict."""
-    runs = {(r["policy"], r["budget"]): r for r in recs if r["mode"] == "questions"}
+    runs = by_cell(recs, "questions")
     a, b, budget = spec["a"], spec["b"], float(spec["budget"])
     head = f"**Headline**: {a} against {b} at {budget:.0%}, each context asked its questions (`task.questions`), " \
            f"paired by question ({a} − {b}, difference in accuracy with its 95% interval)"
@@ -193,8 +207,7 @@ def placement(recs: list[dict], spec: dict | None) -> list[str]:
     """Each question inside its own compressed prompt (``task.question=each``) against the same questions answered
     from the context compressed once: the comparison ``spec`` names (method, budget, ``why``; None: none), then a
     row per method that has both records (accuracy, each − once paired by question, the CPU time of each run)."""
-    once = {(r["policy"], r["budget"]): r for r in recs if r["mode"] == "questions"}
-    each = {(r["policy"], r["budget"]): r for r in recs if r["mode"] == "each"}
+    once, each = by_cell(recs, "questions"), by_cell(recs, "each")
     lines = []
     if spec:
         m, budget = spec["method"], float(spec["budget"])
@@ -215,10 +228,8 @@ def placement(recs: list[dict], spec: dict | None) -> list[str]:
               "| method | budget | once | each | each − once | CPU-s once / each |", "|---" * 6 + "|"]
     for p, b in both:
         mean, lo, hi, _ = paired(each[(p, b)], once[(p, b)])
-        sign = ">" if lo > 0 else "<" if hi < 0 else "≈"
-        acc = [f"{r['metrics']['acc']:.2f} [{wilson(r['metrics']['acc'], len(r['samples']))[0]:.2f}, "
-               f"{wilson(r['metrics']['acc'], len(r['samples']))[1]:.2f}]" for r in (once[(p, b)], each[(p, b)])]
-        lines.append(f"| {p} | {b:.0%} | {acc[0]} | {acc[1]} | {sign} {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+        lines.append(f"| {p} | {b:.0%} | {accuracy(once[(p, b)])} | {accuracy(each[(p, b)])} | {sign(lo, hi)} "
+                     f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
                      f"{once[(p, b)]['cpu_s']:.0f} / {each[(p, b)]['cpu_s']:.0f} |")
     return lines + [""]
 

@@ -11,6 +11,7 @@ generated tokens). A row that generated ``n`` tokens ended at step ``n - 1``: it
 """
 from __future__ import annotations
 
+import json
 import time
 
 import torch
@@ -30,11 +31,14 @@ class StepWatch(LogitsProcessor):
         self.held: list[list[int]] = []  # per step, per row
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        rows = input_ids.shape[0]
+        self.note(input_ids.shape[0])
+        return scores
+
+    def note(self, rows: int = 1) -> None:
+        """One step of ``rows`` rows (h2o.tasks.many_questions.greedy calls it with its one row)."""
         self.times.append(time.perf_counter() - self.start)
         self.held.append([self.kv_heads * sum(layer.host_held[b] for layer in self.cache.layers if layer.host_held)
                           for b in range(rows)])
-        return scores
 
 
 def ended_at(tokens: list[int], eos: set[int], stop: list[str], decode) -> int | None:
@@ -69,11 +73,19 @@ def row_fields(out: torch.Tensor, prompt_width: int, prompts: list[int], watch: 
         gen = n if n is not None else len(tokens)
         last = min(max(gen - 1, 0), len(watch.held) - 1)  # the step its last token was predicted at
         held = [step[b] for step in watch.held[:last + 1]] or [0]
-        size = (lambda t: None) if bytes_per_token is None else (lambda t: t * bytes_per_token)  # noqa: E731
-        rows.append({"prompt_tokens": prompts[b], "gen_tokens": gen, "at_limit": n is None, "kv_tokens_end": held[-1],
-                     "kv_bytes_end": size(held[-1]), "kv_tokens_peak": max(held), "kv_bytes_peak": size(max(held)),
-                     "time_s": round(watch.times[last], 4) if watch.times else None})
+        rows.append(fields(prompts[b], gen, n is None, held, watch.times[last] if watch.times else None,
+                           bytes_per_token))
     return rows
+
+
+def fields(prompt: int, gen: int, at_limit: bool, held: list[int], seconds: float | None,
+           bytes_per_token: int | None) -> dict:
+    """One answer's :data:`FIELDS`: ``held`` the entries at each of its steps (the last: its end), ``seconds`` to
+    its last step (None: not timed), the bytes None where ``bytes_per_token`` is None."""
+    size = (lambda t: None) if bytes_per_token is None else (lambda t: t * bytes_per_token)  # noqa: E731
+    return {"prompt_tokens": prompt, "gen_tokens": gen, "at_limit": at_limit, "kv_tokens_end": held[-1],
+            "kv_bytes_end": size(held[-1]), "kv_tokens_peak": max(held), "kv_bytes_peak": size(max(held)),
+            "time_s": None if seconds is None else round(seconds, 4)}
 
 
 def pair(requests, answers: list[str], rows: list[dict]) -> list[dict]:
@@ -99,7 +111,14 @@ def pair(requests, answers: list[str], rows: list[dict]) -> list[dict]:
 class GenerationRows:
     """The part of lm-eval's ``--model h2o`` (h2o.tasks.lm_eval_model.H2OLM, mixed in) that records each generated
     answer's row: it reads the model's ``model``, ``tokenizer``, ``quant``, ``think_end_token``, ``_batch`` and
-    appends to its ``rows``."""
+    ``generation_log``, appends to its ``rows`` and keeps the answered requests' rows in ``generations``."""
+
+    def keep_generations(self, rows: list[dict]) -> None:
+        """Answered requests' rows into ``generations`` and, with ``generation_log``, appended to its file."""
+        self.generations.extend(rows)
+        if self.generation_log:
+            with open(self.generation_log, "a", encoding="utf-8") as f:
+                f.writelines(json.dumps(row) + "\n" for row in rows)
 
     def watch(self, cache, generation_kwargs: dict):
         """A :class:`h2o.tasks.generation_rows.StepWatch` on ``cache``, added to the call's logits processors."""
@@ -119,12 +138,11 @@ class GenerationRows:
         answer as lm-eval returns it (the same decoding and cut as HFLM.generate_until) -> ``rows``."""
         from lm_eval.models.utils import postprocess_generated_text
 
-        from h2o.tasks.kv_held import geometry
+        from h2o.tasks.kv_held import entry_bytes
 
         ids = getattr(self.model.generation_config, "eos_token_id", None)
         eos = {self.tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])} - {None}
-        size = None if self.quant is not None else \
-            2 * geometry(self.model)[2] * torch.empty((), dtype=self.model.dtype).element_size()
+        size = entry_bytes(self.model, self.quant)
         raw = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731  (as lm-eval's stop test)
         fields = row_fields(out, width, prompts, watch, eos, stop, raw, size)
         think = self.think_end_token if isinstance(self.think_end_token, str) else None

@@ -66,14 +66,21 @@ def held_per_layer(model, policy, window: int, context: int | None) -> tuple[lis
     return cut, end
 
 
+def entry_bytes(model, quant=None) -> int | None:
+    """Bytes of one token x KV head entry of one layer: its key and its value (2 x head_dim x the dtype's bytes);
+    None with a KV quantizer (its bytes are its own formula)."""
+    if quant is not None:
+        return None
+    return 2 * geometry(model)[2] * torch.empty((), dtype=model.dtype).element_size()
+
+
 def formula(model, held: list[int] | None, quant=None) -> dict | None:
     """One sequence's footprint from the tokens per KV head of each layer ``held``: every head holds them (None for
     None; bytes None with a KV quantizer)."""
     if held is None:
         return None
-    _, kv, dim, _ = geometry(model)
-    tokens = kv * sum(held)
-    size = None if quant is not None else 2 * dim * torch.empty((), dtype=model.dtype).element_size()
+    tokens = geometry(model)[1] * sum(held)
+    size = entry_bytes(model, quant)
     nbytes = None if size is None else tokens * size
     return {"tokens_held": tokens, "slots_stored": tokens, "bytes_held": nbytes, "bytes_stored": nbytes}
 

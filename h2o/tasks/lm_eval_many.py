@@ -115,29 +115,18 @@ class AskMany:
         return answers
 
     def note_answers(self, members, context: int, questions: list[list[int]], outs: list[list[int]],
-                     steps: list[list[tuple[float, int]]], done) -> None:
+                     steps: list, done) -> None:
         """Each answer's row (h2o.tasks.generation_rows.FIELDS, keyed by task, doc id and repeat 0) into
         ``generations`` and the ``generation_log`` file: prompt tokens (the context and its question), tokens
         generated (up to the stop, counted), whether it stopped at the length limit, the entries held at its last
         step and at their most, their bytes (None with a KV quantizer), and the seconds from its question's feed to
-        its last step."""
-        import json
+        its last step; ``steps``: each answer's StepWatch (h2o.tasks.many_questions.ask)."""
+        from h2o.tasks.generation_rows import fields
+        from h2o.tasks.kv_held import entry_bytes
 
-        import torch
-
-        from h2o.tasks.kv_held import geometry
-
-        size = None if self.quant is not None else \
-            2 * geometry(self.model)[2] * torch.empty((), dtype=self.model.dtype).element_size()
-        rows = []
-        for req, q, out, seen in zip(members, questions, outs, steps):
-            held = [n for _, n in seen]
-            rows.append({"task": getattr(req, "task_name", None), "doc_id": getattr(req, "doc_id", None), "repeat": 0,
-                         "prompt_tokens": context + len(q), "gen_tokens": len(out), "at_limit": not done(out),
-                         "kv_tokens_end": held[-1], "kv_bytes_end": None if size is None else held[-1] * size,
-                         "kv_tokens_peak": max(held), "kv_bytes_peak": None if size is None else max(held) * size,
-                         "time_s": round(seen[-1][0], 4)})
-        self.generations.extend(rows)
-        if self.generation_log:
-            with open(self.generation_log, "a", encoding="utf-8") as f:
-                f.writelines(json.dumps(row) + "\n" for row in rows)
+        size = entry_bytes(self.model, self.quant)
+        rows = [{"task": getattr(req, "task_name", None), "doc_id": getattr(req, "doc_id", None), "repeat": 0,
+                 **fields(context + len(q), len(out), not done(out), [h[0] for h in watch.held], watch.times[-1],
+                          size)}
+                for req, q, out, watch in zip(members, questions, outs, steps)]
+        self.keep_generations(rows)

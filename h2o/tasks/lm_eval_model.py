@@ -63,8 +63,6 @@ lm-eval 0.4.13 fills its model registry by imports only: ``python -m h2o.tasks.l
 """
 from __future__ import annotations
 
-import json
-
 import torch
 import torch.nn.functional as F
 from lm_eval.api.registry import register_model
@@ -317,10 +315,7 @@ class H2OLM(AskMany, ResumeLogs, GenerationRows, HFLM):
         if self.track_rows:
             done = pair(requests, answers, self.rows)
             self.rows = []
-            self.generations.extend(done)
-            if self.generation_log:
-                with open(self.generation_log, "a", encoding="utf-8") as f:
-                    f.writelines(json.dumps(row) + "\n" for row in done)
+            self.keep_generations(done)
         return answers
 
     def tok_batch_encode(self, strings, padding_side="left", left_truncate_len=None, truncation=False):

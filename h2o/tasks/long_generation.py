@@ -32,6 +32,7 @@ import torch
 from h2o.core.engine import keeps_all
 from h2o.tasks.base import Result, TaskSpec, check
 from h2o.tasks.batching import Sizing, record
+from h2o.tasks.kv_held import entry_bytes
 
 TEXTS = ("austen", "moby_dick")
 INSTRUCTION = "Continue this story in the same style, at length:"
@@ -148,7 +149,7 @@ class LongGenerationTask(TaskSpec):
         ids, starts = self.prompt_ids(tokenizer)
         P = ids.shape[1]
         eos = lm.eos_ids(model, tokenizer)
-        per_entry = lm.bytes_per_entry(model)
+        per_entry = entry_bytes(model)
         full = make_policy("full")
         reference = lm.ReferenceAnswers(self, model, ids)
         log = RequestLog.open("prompts")  # prompts done before an interruption (None outside a recorded run)

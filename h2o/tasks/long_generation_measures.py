@@ -18,13 +18,6 @@ def eos_ids(model, tokenizer) -> set[int]:
     return {tokenizer.eos_token_id, *([ids] if isinstance(ids, int) else ids or [])} - {None}
 
 
-def bytes_per_entry(model) -> int:
-    """Bytes of one token x KV head entry of one layer: its key and its value (2 x head_dim x the dtype's bytes)."""
-    from h2o.tasks.kv_held import geometry
-
-    return 2 * geometry(model)[2] * torch.empty((), dtype=model.dtype).element_size()
-
-
 def answers(out: torch.Tensor, width: int, eos: set[int]) -> list[list[int]]:
     """(b, width + new) output -> each row's answer ids up to and including its first EOS (all new ids if none)."""
     rows = []

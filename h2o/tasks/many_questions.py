@@ -82,12 +82,13 @@ def ask(model, policy, context: list[int], questions: list[list[int]], max_new: 
     on the one cache; or (``each``) the context compressed with each question inside its prompt. Returns (each
     answer's tokens, the compressed context's footprint (EvictingCache.footprint; ``each``: the mean of its
     prompts'), the tokens held (token x KV head entries) after each answer). ``steps``: a list that gets, per
-    question, each step's (seconds since the question was fed, token x KV head entries held: host counts)."""
+    question, the h2o.tasks.generation_rows.StepWatch of its steps (seconds since the question was fed, entries
+    held)."""
     if each:
         return ask_each(model, policy, context, questions, max_new, done, quant)
+    from h2o.tasks.generation_rows import StepWatch
     from h2o.tasks.kv_held import geometry
 
-    kv_heads = geometry(model)[1]
     answers, held = [], []
     with torch.no_grad(), attach(model, policy, mode="real", quant=quant) as h:
         base = h.new_cache()
@@ -97,16 +98,10 @@ def ask(model, policy, context: list[int], questions: list[list[int]], max_new: 
         for q in questions:
             if not turns:
                 h.cache = copy_of(base)  # the attention function reads the attached cache
-            seen: list[tuple[float, int]] = []
-            start, cache = time.perf_counter(), h.cache
-
-            def step() -> None:  # this question's cache and clock (called within this iteration only)
-                held_now = sum(layer.host_held[0] for layer in cache.layers if layer.host_held)
-                seen.append((time.perf_counter() - start, kv_heads * held_now))
-
-            answers.append(greedy(model, cache, pending + q, max_new, done, step=step))
             if steps is not None:
-                steps.append(seen)
+                steps.append(StepWatch(h.cache, geometry(model)[1], time.perf_counter()))
+            answers.append(greedy(model, h.cache, pending + q, max_new, done,
+                                  step=steps[-1].note if steps is not None else lambda: None))
             pending = answers[-1][-1:] if turns else []
             held.append(h.cache.footprint()["tokens_held"])
     return answers, compressed, held

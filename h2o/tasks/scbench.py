@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 
 from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none
@@ -90,9 +91,15 @@ def choice(text: str, target: list) -> float:
 def rouge_lsum(text: str, target) -> float:
     """summary: ROUGE-Lsum F1 of the answer against the reference (SCBench's, through Hugging Face evaluate's
     rouge: rouge-score, no stemmer)."""
+    return lsum_scorer().score(str(target), text)["rougeLsum"].fmeasure
+
+
+@lru_cache(maxsize=1)
+def lsum_scorer():
+    """rouge-score's ROUGE-Lsum scorer, built once (h2o.cli.process.rouge_scorer: its import's log handler kept)."""
     from h2o.cli.process import rouge_scorer
 
-    return rouge_scorer().RougeScorer(["rougeLsum"], use_stemmer=False).score(str(target), text)["rougeLsum"].fmeasure
+    return rouge_scorer().RougeScorer(["rougeLsum"], use_stemmer=False)
 
 
 SCORERS = {"scbench_kv": contains, "scbench_prefix_suffix": contains, "scbench_vt": share_found,
