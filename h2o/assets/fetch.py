@@ -9,10 +9,13 @@ Everything comes from package registries and lands in the cache folder (``h2o.as
 
 Sources and how they are fetched:
 
-* ``bigbench==1.0.0`` (PyPI sdist, 358 MB). ``pip download`` unpacks it, then rejects its metadata
-  ("cannot declare direct URL dependencies": it depends on a ``bleurt`` zip inside the sdist) and
-  deletes the tarball. We run it with ``--no-clean`` and a private ``TMPDIR`` so the unpacked tree stays, copy
-  the eight ``task.json`` files out (about 7 MB) and delete the rest (1.8 GB unpacked).
+* BIG-bench's task files: from the folder named by ``$H2O_BIGBENCH`` when set (read in place), else from
+  ``<cache>/bigbench``, else from the ``bigbench==1.0.0`` sdist where an index still offers it (PyPI no longer
+  does: it offers 0.0.1 only, which holds no task files). ``pip download`` unpacks the sdist, then rejects its
+  metadata ("cannot declare direct URL dependencies") and deletes the tarball. We run it with ``--no-clean`` and a
+  private ``TMPDIR`` so the unpacked tree stays, copy the eight ``task.json`` files out (about 7 MB) and delete the
+  rest (1.8 GB unpacked). Without any of the three, the refusal is one line naming ``H2O_BIGBENCH``
+  (:data:`BIGBENCH_DOOR`).
 * Debian packages ``r-cran-janeaustenr`` and ``r-cran-tokenizers`` (``apt-get download``, then
   ``dpkg-deb -x``): the texts are R objects in a lazy-load database (``data/Rdata.rdb`` + ``.rdx``),
   read by :func:`h2o.assets.r_data.read_rdb`.
@@ -24,6 +27,7 @@ Every fetch is idempotent (a second call only checks that the files exist) and g
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
@@ -105,28 +109,78 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no error output"
 
 
+BIGBENCH_ENV = "H2O_BIGBENCH"  # a folder holding BIG-bench's task files (<dir>/<task>/task.json): read, never fetched
+#: Where the files can be had now that the index no longer offers the sdist (one line, in every refusal).
+BIGBENCH_DOOR = (f"set {BIGBENCH_ENV}=<dir> to a folder holding BIG-bench's task.json files as "
+                 f"<dir>/<task>/task.json for {', '.join(BIGBENCH_TASKS)} (e.g. bigbench/benchmark_tasks of a BIG-bench "
+                 f"checkout), or copy them into <cache>/bigbench; on a cluster with the hub, lm-eval's own tasks need "
+                 f"none (task=copa, piqa, mathqa, rte, winogrande, xsum)")
+
+
+def bigbench_missing(root: Path) -> list[str]:
+    """The tasks of ``BIGBENCH_TASKS`` whose ``task.json`` is not under ``root``."""
+    return [t for t in BIGBENCH_TASKS if not (root / t / "task.json").is_file()]
+
+
 def bigbench_dir() -> Path:
-    """The folder holding the BIG-bench task files (``<cache>/bigbench``), fetched on first use."""
-    fetch_bigbench()
-    return cache_dir() / "bigbench"
+    """The folder holding the BIG-bench task files: ``$H2O_BIGBENCH`` when set (read as it is; a missing file is one
+    line naming it), else ``<cache>/bigbench``, fetched on first use from the sdist while an index offers it."""
+    named = os.environ.get(BIGBENCH_ENV)
+    if named:
+        root = Path(named).expanduser()
+        missing = bigbench_missing(root)
+        if missing:
+            raise FetchError(f"{BIGBENCH_ENV}={named}: no {missing[0]}/task.json there ({len(missing)} of "
+                             f"{len(BIGBENCH_TASKS)} task files missing); {BIGBENCH_DOOR}")
+        return root
+    return fetch_bigbench()
+
+
+def bigbench_digest(root: Path | None = None) -> str:
+    """sha256 over the task files (in ``BIGBENCH_TASKS`` order) of ``root`` (default: :func:`bigbench_dir`):
+    which BIG-bench files a conversion and a run read. Memoized per file size and time stamp."""
+    root = bigbench_dir() if root is None else root
+    files = [root / t / "task.json" for t in BIGBENCH_TASKS]
+    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        for task, f in zip(BIGBENCH_TASKS, files):
+            digest.update(f"{task}\0".encode())
+            digest.update(hashlib.sha256(f.read_bytes()).digest())
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[tuple, str] = {}
+
+
+def pip_refusal(spec: str, stderr: str) -> str:
+    """Why ``pip download spec`` failed, told apart: the index answered without this version, or it was not reached."""
+    offered = re.search(r"\(from versions: ([^)]*)\)", stderr or "")
+    if offered and offered.group(1).strip() not in ("", "none"):
+        return f"the package index no longer offers {spec} (it offers {offered.group(1).strip()})"
+    if re.search(r"Could not fetch URL|Max retries|Failed to establish|Temporary failure in name resolution|"
+                 r"NewConnectionError|ConnectTimeout|Network is unreachable", stderr or ""):
+        return f"the package index could not be reached for {spec} ({_last_line(stderr)})"
+    return f"the package index does not offer {spec} ({_last_line(stderr)})"
 
 
 def fetch_bigbench(force: bool = False) -> Path:
     """Copy the ``task.json`` of every task in ``BIGBENCH_TASKS`` from the bigbench sdist into the cache.
 
-    Costs one 358 MB download and 1.8 GB of temporary disk (inside the cache folder), ~30 s here.
+    Costs one 358 MB download and 1.8 GB of temporary disk (inside the cache folder), ~30 s, where an index still
+    offers ``bigbench==1.0.0`` (PyPI no longer does, since 2026: :data:`BIGBENCH_DOOR` says what to do instead).
     """
     root = cache_dir() / "bigbench"
     spec = f"bigbench=={BIGBENCH_VERSION}"
 
     def build() -> None:
-        hint = "check that PyPI is reachable (pip download works) or copy the task.json files into " + str(root)
         tmp = Path(tempfile.mkdtemp(prefix=".tmp-bigbench-", dir=cache_dir()))
         try:
             (tmp / "pip-tmp").mkdir()
             cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
                    "--no-clean", "--no-cache-dir", "--disable-pip-version-check", spec, "-d", str(tmp / "dl")]
-            proc = _run(cmd, spec, hint, env={**os.environ, "TMPDIR": str(tmp / "pip-tmp")},
+            proc = _run(cmd, spec, BIGBENCH_DOOR, env={**os.environ, "TMPDIR": str(tmp / "pip-tmp")},
                         stdout=subprocess.DEVNULL)
             # pip unpacks the sdist, then refuses its metadata (a direct-URL dependency): the unpacked
             # tree survives thanks to --no-clean. Should a later pip accept it, the tarball is in dl/.
@@ -136,17 +190,18 @@ def fetch_bigbench(force: bool = False) -> Path:
                 for task in BIGBENCH_TASKS:
                     src = Path(trees[0]) / task / "task.json"
                     if not src.exists():
-                        raise FetchError(f"{spec} has no benchmark_tasks/{task}/task.json")
+                        raise FetchError(f"{spec} has no benchmark_tasks/{task}/task.json; {BIGBENCH_DOOR}")
                     (root / task).mkdir(parents=True, exist_ok=True)
                     shutil.copyfile(src, root / task / "task.json")
             elif tarballs:
                 _extract_from_tarball(Path(tarballs[0]), root)
             else:
-                raise FetchError(f"could not fetch {spec} with pip ({_last_line(proc.stderr)}); {hint}")
+                raise FetchError(f"BIG-bench's task files are not here and {pip_refusal(spec, proc.stderr)}; "
+                                 f"{BIGBENCH_DOOR}")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    fetch_once(lambda: all((root / t / "task.json").exists() for t in BIGBENCH_TASKS), "bigbench",
+    fetch_once(lambda: not bigbench_missing(root), "bigbench",
                f"{len(BIGBENCH_TASKS)} task files from the {spec} sdist (358 MB download) into {root}", build, force)
     return root
 

@@ -1,6 +1,6 @@
 """``h2o-run`` / ``python -m h2o.pipeline.run``: run one config (or a Hydra multirun) and write its record under runs/.
 
-    h2o-run task=bb_copa policy=h2o policy.budget=0.2 task.limit=20
+    h2o-run task=austen_ppl policy=h2o policy.budget=0.2 task.n_windows=4
     h2o-run -m experiment=default                          # the experiment's sweep, basic launcher
     h2o-run -m experiment=table1 hydra/launcher=slurm      # make sweep EXP=table1 LAUNCHER=slurm: h2o.pipeline.launch
 
