@@ -34,19 +34,25 @@ slurm-up: ## start the one-node Slurm of the tests (root; installs the Debian pa
 slurm-down: ## stop it
 	bash tests/slurm/down.sh
 
-data: install ## fetch bigbench files and Austen novels into the cache
+data: install ## the Austen novels and Moby-Dick into the cache, and the bb_* tasks converted (BIG-bench's files: H2O_BIGBENCH=<dir>, docs/protocols.md)
 	$(PY) -m h2o.assets.data
+
+sources: install ## one line per external artifact: pinned version and digest, cached here or not, still offered by its index or not, what needs it (exit 0)
+	$(PY) -m h2o.assets.sources
 
 model: install ## fetch SmolLM2-135M into the cache
 	$(PY) -m h2o.assets.models fetch
 
 tables: install ## regenerate the paper's tables from runs/
+	@mkdir -p runs
 	$(PY) -m analysis tables --runs runs --out analysis/out
 
 figures: install ## regenerate the figures from runs/
+	@mkdir -p runs
 	$(PY) -m analysis figures --runs runs --out analysis/out
 
 report: install ## analysis/out/REPORT.md: every paper number beside ours, with a verdict (any runs/, even empty)
+	@mkdir -p runs
 	$(PY) -m analysis report --runs runs --out analysis/out
 
 docs-results: install ## docs/results/*.md and their figures, regenerated from the study records committed under studies/<study>/
@@ -147,4 +153,4 @@ parity: install ## kvpress 0.5.5 beside the harness, same prompts (own venv .par
 	tools/parity/setup_venv.sh .parity-venv
 	$(PY) -m h2o.parity.driver $(PARITY_ARGS)
 
-.PHONY: help install test slurm-up slurm-down tables figures report docs-results data model bench stream sweep wandb status prefetch gpu-check parity
+.PHONY: help install test slurm-up slurm-down tables figures report docs-results data sources model bench stream sweep wandb status prefetch gpu-check parity

