@@ -24,7 +24,7 @@ install: .venv/installed ## create .venv and install the package with its pinned
 
 test: install ## run the test suite (what CI runs) in a shuffled order; TEST_SEED=<n> repeats an order; tests/test_slurm_real.py brings a one-node Slurm up and down itself (root)
 	@echo "make test: test order shuffled with seed $(TEST_SEED); this order again: make test TEST_SEED=$(TEST_SEED)"
-	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -p randomly --randomly-seed=$(TEST_SEED) --durations=15; \
+	OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile -p randomly --randomly-seed=$(TEST_SEED) --durations=15; \
 	status=$$?; echo "make test: seed $(TEST_SEED) (exit $$status); this order again: make test TEST_SEED=$(TEST_SEED)"; \
 	exit $$status
 

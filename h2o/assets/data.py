@@ -234,9 +234,10 @@ def xsum_process_results(doc: dict, results: list[str]) -> dict[str, float]:
 def fetch_all(force: bool = False, moby: bool = True) -> dict[str, Path]:
     """Find the BIG-bench files (:func:`h2o.assets.fetch.bigbench_dir`), fetch the Austen novels (and Moby-Dick)
     and write every lm-eval task."""
-    out = {"bigbench": bigbench_dir(), "austen": fetch_austen(force)}
+    out = {"austen": fetch_austen(force)}  # the books first: a missing BIG-bench folder leaves them fetched
     if moby:
         out["moby_dick"] = fetch_moby_dick(force)
+    out["bigbench"] = bigbench_dir()
     for task in TASKS:
         out[task] = write_task(task, force)
     return out
