@@ -1,0 +1,66 @@
+"""Hardening, round five (issue 50): the reasoning, SCBench, long-generation and study inputs that crashed after the
+model loaded or passed silently, each now one ``error:`` line naming the bad value and what is allowed, exit status
+2, before any model loads; the lm-eval wrapper checking what h2o-run checks; the study and analysis commands
+refusing or skipping a malformed record. No bb_* task: each row names its task."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from test_hardening import TINY, no_load, one_line_exit_2  # tests/ is on sys.path (no package)
+from test_hardening import test_bad_input_one_line_exit_2_nothing_loaded as refused_before_loading
+
+DATA = Path(__file__).parent / "data"
+AIME = f"task.data_files={DATA}/reasoning/aime24.jsonl"
+RZ = ["task.chat_template=false", "task.max_gen_toks=4", "task.limit=1"]
+
+# (id, args, words the one line must contain, extra environment): {tmp} is the test's tmp_path, which holds
+# empty.jsonl (no bytes) and notjson.jsonl (one line that is not JSON)
+BAD = [
+    # data files: read and checked against the task's own fields
+    ("reasoning-data-empty", [*TINY, "task=aime24", "task.data_files={tmp}/empty.jsonl", *RZ],
+     ["task.data_files=", "empty.jsonl", "empty (no documents)", "allowed", "Problem, Answer"], {}),
+    ("reasoning-data-not-json", [*TINY, "task=aime24", "task.data_files={tmp}/notjson.jsonl", *RZ],
+     ["notjson.jsonl", "line 1 is not JSON", "allowed", "Problem, Answer"], {}),
+    ("reasoning-data-other-task", [*TINY, "task=gsm8k", AIME, *RZ],
+     ["aime24.jsonl", "document 0 lacks 'question'", "its fields: ID, Problem", "allowed", "question, answer",
+      "gsm8k_cot_zeroshot"], {}),
+    ("scbench-data-empty", [*TINY, "task=scbench", "task.data_files={tmp}/empty.jsonl"],
+     ["task.data_files=", "empty (no documents)", "SCBench rows"], {}),
+    ("scbench-data-not-json", [*TINY, "task=scbench", "task.data_files={tmp}/notjson.jsonl"],
+     ["notjson.jsonl", "line 1 is not JSON", "SCBench rows"], {}),
+    ("scbench-data-other-subset", [*TINY, "task=scbench", f"task.data_files={DATA}/scbench/scbench_kv.jsonl",
+                                   "task.subset=scbench_choice_eng"],
+     ["scbench_kv.jsonl", "row 0's request 0 lacks 'options'", "allowed", "task.subset=scbench_choice_eng"], {}),
+    # counts bounded by what the model and the data hold
+    ("reasoning-n-huge", [*TINY, "task=aime24", AIME, *RZ, "task.n=1000000000"],
+     ["task.n=1000000000", "allowed: an int in 1-1024"], {}),
+    ("reasoning-max-gen-toks-cuts-prompt", [*TINY, "task=aime24", AIME, *RZ[:1], "task.limit=1",
+                                            "task.max_gen_toks=4095"],
+     ["task.max_gen_toks=4095", "longest prompt of task.data_files", "4096 positions", "allowed: max_gen_toks <="],
+     {}),
+    # a choice that cannot run here
+    ("reasoning-minerva-without-extra", [*TINY, "task=math500", "task.lm_eval_task=minerva_math500"],
+     ["task.lm_eval_task=minerva_math500", "math_verify", "lm_eval[math]", "allowed: aime24"], {}),
+]
+
+
+@pytest.mark.parametrize("case, args, words, env", [pytest.param(*c, id=c[0]) for c in BAD])
+def test_bad_input_one_line_exit_2_nothing_loaded(case, args, words, env, capsys, tmp_path, monkeypatch):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "notjson.jsonl").write_text("not json {\n")
+    refused_before_loading(case, args, words, env, capsys, tmp_path, monkeypatch)
+
+
+def test_minerva_refused_only_without_its_extra(monkeypatch):
+    """The refusal follows the module's presence, not the task's name."""
+    import importlib.util
+
+    from h2o.tasks.reasoning import check_extra
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "math_verify"
+                        else real(name, *a))
+    check_extra("minerva_math500")  # the extra installed: accepted
