@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, check, check_room, positive_or_none
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 from h2o.tasks.data_files import documents
 
@@ -180,9 +180,7 @@ class ReasoningTask(TaskSpec):
 
     def check_model(self, model) -> None:
         max_pos = model.max_positions()
-        if max_pos is not None:
-            check(self.max_gen_toks < max_pos, f"task.max_gen_toks={self.max_gen_toks}: leaves no prompt in model "
-                                               f"{model.name}'s {max_pos} positions; allowed: < {max_pos}")
+        check_room("task.max_gen_toks", self.max_gen_toks, max_pos, model.name)
         if self.chat_template:  # the tokenizer alone, from this machine (unknown here: left to lm-eval)
             from h2o.tasks.long_context import local_tokenizer
 
