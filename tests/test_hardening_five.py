@@ -44,6 +44,18 @@ BAD = [
     # a choice that cannot run here
     ("reasoning-minerva-without-extra", [*TINY, "task=math500", "task.lm_eval_task=minerva_math500"],
      ["task.lm_eval_task=minerva_math500", "math_verify", "lm_eval[math]", "allowed: aime24"], {}),
+    # long generation: the instruction counted in the prompt, the answer's measures, the text, the one-pass rule
+    ("long-generation-instruction-past-positions", [*TINY, "task=long_generation", "task.instruction=" + "x" * 4100],
+     ["task.instruction (4100 characters; 4102 prompt tokens", "tiny-llama's 4096 positions",
+      "allowed: a shorter task.instruction (at most 3456 prompt tokens"], {}),
+    ("long-generation-ngram-past-answer", [*TINY, "task=long_generation", "task.ngram=1000", "task.max_new_tokens=8"],
+     ["task.ngram=1000", "task.max_new_tokens=8", "allowed: ngram in 1-8"], {}),
+    ("long-generation-passages-past-text", [*TINY, "task=long_generation", "task.passage_tokens=4000",
+                                            "task.prompts=600", "task.max_new_tokens=8"],
+     ["task.passage_tokens=4000, task.prompts=600", "passage 599", "the text austen",
+      "allowed: fewer prompts or shorter passages"], {}),
+    ("long-generation-kvzip", [*TINY, "task=long_generation", "policy=kvzip"],
+     ["policy=kvzip", "task long_generation teacher-forces", "no one-pass form", "allowed: a policy with one"], {}),
 ]
 
 
