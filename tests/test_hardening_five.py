@@ -108,3 +108,86 @@ def test_lm_eval_cli_bad_input(case, tasks, model_args, gen_kwargs, words, capsy
                                      "--output_path", str(tmp_path / "out")])
     one_line_exit_2(lm_eval_cli.main(), capsys, words)
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------- study homes and the study analyses
+LG = "title: t\nkind: long_generation\nrecords: records\n"
+QS = "title: t\nkind: questions\nrecords: records\n"
+STUDY_BAD = [  # (id, study.yaml, words)
+    ("sections-texts", "title: t\nkind: streaming\nsections: [a, b]\n",
+     ["sections[0]='a': not a mapping", "allowed: a list of mappings {title: ..., samples:"]),
+    ("sections-without-samples", "title: t\nkind: streaming\nsections: [{title: x}]\n",
+     ["sections[0]: title='x', samples=None", "allowed: a list of mappings"]),
+    ("headline-a-text", LG + "headline: h2o beats r_kv\n",
+     ["headline='h2o beats r_kv': not a mapping", "allowed: a mapping with a, b, budget, schedule"]),
+    ("headline-without-b", LG + "headline: {a: h2o, budget: 64, schedule: every step}\n",
+     ["headline lacks 'b'", "allowed: a mapping with a, b, budget, schedule"]),
+    ("headline-budget-text", QS + "headline: {a: kvzip, b: keydiff, budget: twenty}\n",
+     ["headline.budget='twenty'", "allowed: a number"]),
+    ("placement-without-method", QS + "placement: {budget: 0.2}\n", ["placement lacks 'method'"]),
+    ("second-family-list", LG + "second_family: [gemma3-270m]\n", ["second_family=['gemma3-270m']: not a mapping"]),
+    ("replication-prompts-zero", LG + "replication: {a: h2o, b: r_kv, budget: 64, schedule: every 32, prompts: 0}\n",
+     ["replication.prompts=0", "an int >= 1"]),
+]
+
+
+@pytest.mark.parametrize("case, text, words", STUDY_BAD, ids=[c[0] for c in STUDY_BAD])
+def test_results_pages_bad_study_home(case, text, words, capsys, tmp_path):
+    """A study.yaml whose sections or named comparisons are malformed (each an AttributeError or KeyError while the
+    pages were written): one line naming the file and the key, and nothing copied (``--collect``) or written."""
+    from analysis import results_pages
+
+    (tmp_path / "runs" / "r").mkdir(parents=True)
+    (tmp_path / "runs" / "r" / "metrics.json").write_text(json.dumps({"model": "m", "metrics": {}}))
+    (tmp_path / "studies" / "bad" / "records").mkdir(parents=True)
+    (tmp_path / "studies" / "bad" / "study.yaml").write_text(text)
+    code = results_pages.main(["--collect", str(tmp_path / "runs"), str(tmp_path / "studies" / "bad" / "records"),
+                               "--studies", str(tmp_path / "studies"), "--out", str(tmp_path / "pages")])
+    one_line_exit_2(code, capsys, ["bad/study.yaml", *words])
+    assert not list((tmp_path / "studies" / "bad" / "records").iterdir())  # nothing collected
+    assert not (tmp_path / "pages").exists()
+
+
+def record(folder: Path, rec: dict | str, samples: list[dict]) -> None:
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(rec if isinstance(rec, str) else json.dumps(rec))
+    (folder / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+
+
+def test_many_questions_skips_torn_and_non_finite_records(tmp_path, capsys):
+    """``python -m analysis.many_questions``: a torn metrics.json and a NaN accuracy are each skipped with one
+    warning naming the record; the good records are rendered."""
+    from analysis import many_questions
+
+    def rec(policy, budget, acc):
+        return {"policy": policy, "budget": budget, "protocol": {"questions": 2}, "metrics": {"acc": acc},
+                "task_kind": "niah"}
+    samples = [{"doc_id": d, "question": q, "acc": float((d + q) % 2)} for d in range(4) for q in range(2)]
+    record(tmp_path / "kvzip", rec("kvzip", 0.2, 0.5), samples)
+    record(tmp_path / "keydiff", rec("keydiff", 0.2, 0.5), samples)
+    record(tmp_path / "torn", '{"policy": "h2o", "metr', samples)
+    record(tmp_path / "nan", json.dumps(rec("snapkv", 0.2, float("nan"))), samples)
+    record(tmp_path / "no-acc", rec("tova", 0.2, 0.5), [{"doc_id": 0, "question": 0}])
+    assert many_questions.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr()
+    warnings = [w for w in out.err.splitlines() if w.startswith("warning:")]
+    assert len(warnings) == 3, out.err
+    assert any("torn" in w and "malformed" in w for w in warnings)
+    assert any("nan" in w and "metrics.acc=nan" in w for w in warnings)
+    assert any("no-acc" in w and "sample 0 lacks 'acc'" in w for w in warnings)
+    assert "kvzip" in out.out.lower() and "snapkv" not in out.out.lower()
+
+
+def test_long_generation_analysis_skips_samples_without_its_fields(tmp_path, capsys):
+    """``python -m analysis.long_generation`` on a record whose samples lack ``tf_nll_per_token``: skipped with one
+    warning (was a KeyError); with no record left, one error line and exit 2."""
+    from analysis import long_generation
+
+    rec = {"task_kind": "long_generation", "policy": "h2o", "budget": 64, "model": "m", "n_samples": 2,
+           "metrics": {"tf_nll_per_token": 1.0}, "policy_options": {"compress": "decode"}}
+    record(tmp_path / "h2o", rec, [{"doc_id": i, "gen_tokens": 4, "distinct_4": 1.0, "first_departure": 1}
+                                   for i in range(2)])
+    code = long_generation.main([str(tmp_path), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "sample 0 lacks 'tf_nll_per_token'" in err and str(tmp_path / "h2o") in err, err
+    assert "error: records=" in err
