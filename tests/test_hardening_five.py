@@ -191,3 +191,20 @@ def test_long_generation_analysis_skips_samples_without_its_fields(tmp_path, cap
     err = capsys.readouterr().err
     assert code == 2 and "sample 0 lacks 'tf_nll_per_token'" in err and str(tmp_path / "h2o") in err, err
     assert "error: records=" in err
+
+
+def test_make_sweep_stops_at_a_refused_sweep(tmp_path):
+    """``make sweep EXP=nonexistent``: h2o-run's one line and exit 2, and no tables, figures or report after it
+    (they ran on an empty runs folder and ended in "some jobs failed")."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    out = subprocess.run(["make", "--no-print-directory", "-f", str(repo / "Makefile"), "-o", ".venv/installed",
+                          "sweep", "EXP=nonexistent", f"PY={sys.executable}"], cwd=tmp_path, capture_output=True,
+                         text=True, env={**os.environ, "PYTHONPATH": str(repo)}, timeout=600)
+    assert out.returncode == 2, out.stderr
+    assert "error: experiment=nonexistent: unknown; allowed:" in out.stderr
+    assert "analysis" not in out.stdout and "some jobs failed" not in out.stdout + out.stderr
+    assert not (tmp_path / "analysis").exists() and not (tmp_path / "runs" / ".sweep-failed").exists()
