@@ -142,7 +142,7 @@ BAD = [
      ["task.temperature=-0.1", "allowed: a number >= 0"], {}),
     ("reasoning-top-p-zero", [*TINY, "task=aime24", "task.top_p=0"], ["task.top_p=0", "(0, 1]"], {}),
     ("reasoning-top-p-over-one", [*TINY, "task=aime24", "task.top_p=1.5"], ["task.top_p=1.5", "(0, 1]"], {}),
-    ("reasoning-n-zero", [*TINY, "task=gsm8k", "task.n=0"], ["task.n=0", "an int >= 1"], {}),
+    ("reasoning-n-zero", [*TINY, "task=gsm8k", "task.n=0"], ["task.n=0", "an int in 1-1024"], {}),
     ("reasoning-max-gen-toks-zero", [*TINY, "task=math500", "task.max_gen_toks=0"],
      ["task.max_gen_toks=0", "an int >= 1"], {}),
     ("reasoning-max-gen-toks-over-model", [*TINY, "task=aime25", "task.max_gen_toks=5000"],
