@@ -88,6 +88,9 @@ LM_EVAL_BAD = [  # (id, --tasks, --model_args, --gen_kwargs or None, words)
      ["questions=5", "niah_multikey_1_questions's 4 distinct keys", "allowed: --model_args questions in 1-4"]),
     ("turns-on-loglikelihood-task", "hellaswag", "pretrained=tiny:llama,policy=h2o,turns=2", None,
      ["--model_args turns=2", "niah and RULER's split tasks", "allowed: --model_args turns=1 for task hellaswag"]),
+    ("temperature-inf", "niah", "pretrained=tiny:llama,policy=h2o", "temperature=inf",
+     ["--gen_kwargs temperature=inf", "allowed: a number >= 0"]),
+    ("top-p-nan", "niah", "pretrained=tiny:llama,policy=h2o", "top_p=nan", ["--gen_kwargs top_p=nan", "(0, 1]"]),
     ("questions-on-one-of-two-tasks", "niah,hellaswag", "pretrained=tiny:llama,policy=h2o,questions=2", None,
      ["--model_args questions=2", "allowed: --model_args questions=1 for task hellaswag"]),
 ]

@@ -109,22 +109,10 @@ def validate(args) -> None:
 
 
 def check_sampling(gen_kwargs) -> None:
-    """BadInput for a bad ``--gen_kwargs`` sampling value: temperature < 0, top_p outside (0, 1],
-    max_gen_toks < 1."""
-    from h2o.core.validate import check
+    """BadInput for a bad ``--gen_kwargs`` sampling value: the reasoning tasks' rule (h2o.tasks.reasoning)."""
+    from h2o.tasks.reasoning import check_sampling as check_values
 
-    kw = gen_kwargs if isinstance(gen_kwargs, dict) else {}
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-    if "temperature" in kw:
-        t = kw["temperature"]
-        check(number(t) and t >= 0, f"--gen_kwargs temperature={t!r}: allowed: a number >= 0 (0: greedy)")
-    if "top_p" in kw:
-        p = kw["top_p"]
-        check(number(p) and 0 < p <= 1, f"--gen_kwargs top_p={p!r}: allowed: a number in (0, 1]")
-    if "max_gen_toks" in kw:
-        m = kw["max_gen_toks"]
-        check(isinstance(m, int) and not isinstance(m, bool) and m >= 1,
-              f"--gen_kwargs max_gen_toks={m!r}: allowed: an int >= 1")
+    check_values("--gen_kwargs ", gen_kwargs if isinstance(gen_kwargs, dict) else {})
 
 
 @kept()  # lm-eval's logging set-up and its handlers stay inside the command (tests call it in process)

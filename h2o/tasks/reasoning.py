@@ -140,16 +140,12 @@ class ReasoningTask(TaskSpec):
         check(self.lm_eval_task in TASKS,
               f"task.lm_eval_task={self.lm_eval_task!r}: allowed: {', '.join(TASKS)}")
         positive_or_none("task.limit", self.limit)
-        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
         check(isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= MAX_SAMPLES,
               f"task.n={self.n!r}: samples per problem (lm-eval builds every one's request up front); allowed: an "
               f"int in 1-{MAX_SAMPLES}")
         check_extra(self.lm_eval_task)
-        check(number(self.temperature) and self.temperature >= 0,
-              f"task.temperature={self.temperature!r}: allowed: a number >= 0 (0: greedy)")
-        check(number(self.top_p) and 0 < self.top_p <= 1, f"task.top_p={self.top_p!r}: allowed: a number in (0, 1]")
-        check(isinstance(self.max_gen_toks, int) and not isinstance(self.max_gen_toks, bool) and self.max_gen_toks >= 1,
-              f"task.max_gen_toks={self.max_gen_toks!r}: allowed: an int >= 1")
+        check_sampling("task.", {"temperature": self.temperature, "top_p": self.top_p,
+                                 "max_gen_toks": self.max_gen_toks})
         check(self.thinking in THINKING, f"task.thinking={self.thinking!r}: allowed: null, true, false")
         check(self.think_end_token is None or (isinstance(self.think_end_token, str) and self.think_end_token != ""),
               f"task.think_end_token={self.think_end_token!r}: allowed: null or a text (e.g. </think>)")
@@ -303,6 +299,23 @@ class ReasoningTask(TaskSpec):
                 out.append({"doc_id": s["doc_id"], "sample": k, "target": s["target"], "generation": answer,
                             "score": head, "scores": sc, **{f: row.get(f) for f in FIELDS}})
         return out, per_problem
+
+
+def check_sampling(prefix: str, values: dict) -> None:
+    """ConfigError (one line) for a bad sampling value of ``values`` (those present): ``temperature`` a finite
+    number >= 0, ``top_p`` in (0, 1], ``max_gen_toks`` an int >= 1. One rule for ``task.*`` (prefix ``task.``) and
+    the lm-eval wrapper's ``--gen_kwargs`` (prefix ``--gen_kwargs ``)."""
+    from h2o.core.validate import is_int, is_number
+
+    if "temperature" in values:
+        t = values["temperature"]
+        check(is_number(t) and t >= 0, f"{prefix}temperature={t!r}: allowed: a number >= 0 (0: greedy)")
+    if "top_p" in values:
+        p = values["top_p"]
+        check(is_number(p) and 0 < p <= 1, f"{prefix}top_p={p!r}: allowed: a number in (0, 1]")
+    if "max_gen_toks" in values:
+        m = values["max_gen_toks"]
+        check(is_int(m) and m >= 1, f"{prefix}max_gen_toks={m!r}: allowed: an int >= 1")
 
 
 def check_extra(lm_eval_task: str) -> None:
