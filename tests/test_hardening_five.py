@@ -41,6 +41,9 @@ BAD = [
                                             "task.max_gen_toks=4095"],
      ["task.max_gen_toks=4095", "longest prompt of task.data_files", "4096 positions", "allowed: max_gen_toks <="],
      {}),
+    ("scbench-max-gen-toks-past-positions", [*TINY, "task=scbench", f"task.data_files={DATA}/scbench/scbench_kv.jsonl",
+                                             "task.max_gen_toks=5000"],
+     ["task.max_gen_toks=5000", "after a context of 2048 tokens", "4096 positions", "allowed: < 2048"], {}),
     # a choice that cannot run here
     ("reasoning-minerva-without-extra", [*TINY, "task=math500", "task.lm_eval_task=minerva_math500"],
      ["task.lm_eval_task=minerva_math500", "math_verify", "lm_eval[math]", "allowed: aime24"], {}),

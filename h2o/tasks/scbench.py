@@ -165,13 +165,18 @@ class SCBenchTask(TaskSpec):
         return adds_bos(tokenizer, None)
 
     def check_model(self, model) -> None:
-        """A context cap and :data:`ROOM` tokens for the requests and answers fit the model's positions."""
+        """A context cap and :data:`ROOM` tokens for the requests and answers fit the model's positions, and an
+        answer's ``max_gen_toks`` fits after the longest context kept."""
         max_pos, cap = model.max_positions(), self.max_context_tokens
         if max_pos is not None:
             check(max_pos > ROOM and (cap is None or cap + ROOM <= max_pos),
                   f"task.max_context_tokens={cap}: with {ROOM} tokens for the requests and answers, contexts must fit "
                   f"model {model.name}'s {max_pos} positions; allowed: null (its positions less {ROOM}) or an int "
                   f"<= {max_pos - ROOM}")
+            context = cap or max_pos - ROOM  # a request and its answer follow the longest context kept
+            check(self.gen_tokens < max_pos - context,
+                  f"task.max_gen_toks={self.gen_tokens}: an answer after a context of {context} tokens passes model "
+                  f"{model.name}'s {max_pos} positions; allowed: < {max_pos - context}")
 
     def context_cap(self, model) -> int | None:
         """Tokens a context keeps: ``max_context_tokens``, else the model's positions less :data:`ROOM` (SCBench
