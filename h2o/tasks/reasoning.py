@@ -205,8 +205,8 @@ class ReasoningTask(TaskSpec):
         docs = docs[:self.limit] if self.limit else docs
         longest = max(self.prompt_tokens(tok, apply_template(template, doc)) for doc in docs)
         check(longest + self.max_gen_toks <= max_pos,
-              f"task.max_gen_toks={self.max_gen_toks}: with the longest prompt of task.data_files ({longest} "
-              f"tokens) past model {model.name}'s {max_pos} positions (lm-eval would keep only the prompt's last "
+              f"task.max_gen_toks={self.max_gen_toks} and the longest prompt of task.data_files ({longest} "
+              f"tokens) pass model {model.name}'s {max_pos} positions (lm-eval would keep only the prompt's last "
               f"{max(max_pos - self.max_gen_toks, 0)} tokens); allowed: max_gen_toks <= {max_pos - longest}")
 
     def prompt_tokens(self, tok, text: str) -> int:
