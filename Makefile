@@ -60,14 +60,15 @@ docs-results: install ## docs/results/*.md and their figures, regenerated from t
 
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
-sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report; slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
+sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report, unless the sweep was refused (exit 2); slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
 ifneq ($(DRY),)
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=slurm --dry --list $(ARGS)
 else ifeq ($(LAUNCHER),slurm)
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=slurm $(ARGS)
 else
 	@mkdir -p runs && rm -f runs/.sweep-failed
-	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS) || touch runs/.sweep-failed
+	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS); \
+		rc=$$?; [ $$rc = 2 ] && exit 2; [ $$rc = 0 ] || touch runs/.sweep-failed
 	$(MAKE) --no-print-directory tables figures report
 	@if [ -e runs/.sweep-failed ]; then rm -f runs/.sweep-failed; echo "sweep: some jobs failed (listed above)"; exit 1; fi
 endif

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.records import load_runs, load_samples
+from analysis.records import checked_samples, load_runs
 
 ORDER = ["full", "h2o", "tova", "streaming_llm", "local", "knorm", "keydiff", "snapkv", "r_kv"]
 LABELS = {"h2o": "H2O", "tova": "TOVA", "streaming_llm": "StreamingLLM", "local": "local", "knorm": "K-norm",
@@ -48,11 +48,18 @@ def runs(root: Path) -> pd.DataFrame:
         return df
     options = [json_options(p) for p in df["path"]]
     df["schedule"] = [schedule_of({**r, "policy_options": o}) for (_, r), o in zip(df.iterrows(), options)]
-    df["samples"] = [{s["doc_id"]: s for s in load_samples(p)} for p in df["path"]]
+    samples = [checked_samples(p, SAMPLE_FIELDS, SAMPLE_FIELDS[1:]) for p in df["path"]]  # None: warned, skipped
+    df = df[[s is not None for s in samples]].copy()
+    if df.empty:
+        return df
+    df["samples"] = [{s["doc_id"]: s for s in found} for found in samples if found is not None]
     listed = df["protocol.prompts"] if "protocol.prompts" in df else df["n_samples"]
     df["prompts"] = [int(p) if pd.notna(p) else int(n) for p, n in zip(listed, df["n_samples"])]
     df["order"] = [ORDER.index(p) if p in ORDER else 99 for p in df["policy"]]
     return df.sort_values(["budget", "schedule", "order", "prompts"]).reset_index(drop=True)
+
+
+SAMPLE_FIELDS = ("doc_id", "tf_nll_per_token", "gen_tokens", "distinct_4", "first_departure")  # what the page reads
 
 
 def json_options(path: str) -> dict:

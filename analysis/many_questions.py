@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from analysis.estimate import Z95, mcnemar_exact, wilson
+from analysis.records import checked_samples, finite, warn
 
 BASE = "kvzip"  # the method every other is compared with
 
@@ -27,14 +28,39 @@ def load(root: Path) -> list[dict]:
     question inside its own compressed prompt) or turns."""
     out = []
     for f in sorted(root.rglob("metrics.json")):
-        rec = json.loads(f.read_text())
-        proto = rec.get("protocol") or {}
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError) as err:  # a torn record: skipped, the others rendered
+            warn(f"skipping malformed run record {f}: {' '.join(str(err).split())}")
+            continue
+        proto = rec.get("protocol") if isinstance(rec, dict) else None
+        proto = proto if isinstance(proto, dict) else {}
         if proto.get("questions", 1) == 1 and proto.get("turns", 1) == 1:
             continue
-        samples = [json.loads(line) for line in (f.parent / "samples.jsonl").read_text().splitlines() if line]
         mode = "turns" if proto.get("turns", 1) > 1 else "each" if rec.get("question") == "each" else "questions"
-        out.append({**rec, "samples": samples, "mode": mode})
+        why = unusable(rec, mode)
+        if why:
+            warn(f"skipping run record {f}: {why}")
+            continue
+        samples = checked_samples(f.parent, ("doc_id", "question", "acc"), ("acc",))
+        if samples is not None:
+            out.append({**rec, "samples": samples, "mode": mode})
     return out
+
+
+def unusable(rec: dict, mode: str) -> str | None:
+    """Why a record cannot be shown (what the tables and figure read: policy, a finite budget and accuracy, each
+    turn's accuracy), or None."""
+    metrics = rec.get("metrics") if isinstance(rec.get("metrics"), dict) else {}
+    if not isinstance(rec.get("policy"), str):
+        return f"policy={rec.get('policy')!r}: expected a method's name"
+    for name, value in (("budget", rec.get("budget")), ("metrics.acc", metrics.get("acc"))):
+        if not finite(value):
+            return f"{name}={value!r}: expected a finite number (nonfinite: {rec.get('nonfinite') or 'none noted'})"
+    turns = rec.get("turn_acc")
+    if mode == "turns" and not (isinstance(turns, list) and turns and all(finite(a) for a in turns)):
+        return f"turn_acc={turns!r}: expected a list of finite accuracies"
+    return None
 
 
 def key(s: dict) -> tuple:

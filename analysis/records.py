@@ -112,6 +112,29 @@ def load_runs(root: str | Path = "runs") -> pd.DataFrame:
     return df[BASE_COLUMNS + [c for c in df.columns if c not in BASE_COLUMNS]]
 
 
+def finite(value) -> bool:
+    """A number (not a bool) that is neither NaN nor infinite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def checked_samples(run_path: str | Path, fields: tuple[str, ...], numbers: tuple[str, ...] = ()) -> list[dict] | None:
+    """The run's samples when each is an object holding ``fields``, those of ``numbers`` finite numbers; else None,
+    with one warning line naming the run, the sample and the field (an analysis skips the run, never crashes)."""
+    try:
+        samples = load_samples(run_path)
+    except (OSError, ValueError) as err:  # a torn samples.jsonl
+        warn(f"skipping run record {run_path}: samples.jsonl unreadable ({' '.join(str(err).split())})")
+        return None
+    for i, s in enumerate(samples):
+        bad = next((f for f in fields if not isinstance(s, dict) or f not in s), None)
+        bad = bad or next((f for f in numbers if not finite(s.get(f))), None)
+        if bad:
+            what = "lacks" if not isinstance(s, dict) or bad not in s else f"has a non-number {s[bad]!r} in"
+            warn(f"skipping run record {run_path}: sample {i} {what} {bad!r} (needed: {', '.join(fields)})")
+            return None
+    return samples
+
+
 def load_samples(run_path: str | Path) -> list[dict]:
     """The run's ``samples.jsonl`` as a list of dicts ([] if the file is absent)."""
     f = Path(run_path) / "samples.jsonl"

@@ -99,15 +99,69 @@ def read_study(folder: Path) -> dict:
     runs = spec.get("runs")
     if runs is not None and (isinstance(runs, bool) or not isinstance(runs, int) or runs < 1):
         raise StudyError(f"{f}: runs={runs!r}: allowed: the grid's run count (an int >= 1)")
+    check_sections(f, spec.get("sections"))
+    check_comparisons(f, spec)
     subs = [("records", spec.get("records", "records"))] + [
         (f"sections[{i}].samples", sub) for i, s in enumerate(spec.get("sections") or [])
-        for sub in ([s.get("samples")] if not isinstance(s, dict) or not isinstance(s.get("samples"), list)
-                    else s["samples"])]
+        for sub in ([s["samples"]] if isinstance(s["samples"], str) else s["samples"])]
     for key, sub in subs:
         if not inside(folder, sub):
             raise StudyError(f"{f}: {key}={sub!r}: not a folder in the study's home {folder}; allowed: a folder "
                              f"name relative to it (e.g. records)")
     return spec
+
+
+# a named comparison's keys by study kind: (required, optional); budget a number, prompts an int >= 1
+COMPARISONS = {"headline": {"long_generation": (("a", "b", "budget", "schedule"), ("prompts", "why")),
+                            "questions": (("a", "b", "budget"), ("why",))},
+               "replication": {"long_generation": (("a", "b", "budget", "schedule"), ("prompts", "why"))},
+               "second_family": {"long_generation": (("model", "a", "b", "budget", "schedule"), ("why",))},
+               "placement": {"questions": (("method", "budget"), ("why",))}}
+
+
+def check_comparisons(f: Path, spec: dict) -> None:
+    """Each named comparison of the study's kind (:data:`COMPARISONS`): a mapping with its required keys, a
+    numeric budget and an int prompt count; StudyError (one line) naming the key and what is allowed."""
+    import math
+
+    for key, kinds in COMPARISONS.items():
+        value = spec.get(key)
+        if value is None or spec["kind"] not in kinds:
+            continue
+        need, optional = kinds[spec["kind"]]
+        allowed = (f"allowed: a mapping with {', '.join(need)} (and optionally {', '.join(optional)}), e.g. "
+                   f"{{{', '.join(f'{k}: ...' for k in need)}}}")
+        if not isinstance(value, dict):
+            raise StudyError(f"{f}: {key}={value!r}: not a mapping; {allowed}")
+        lacks = [k for k in need if k not in value]
+        if lacks:
+            raise StudyError(f"{f}: {key} lacks {', '.join(map(repr, lacks))}; {allowed}")
+        budget, prompts = value["budget"], value.get("prompts")
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget):
+            raise StudyError(f"{f}: {key}.budget={budget!r}: allowed: a number (a ratio or a token count)")
+        if prompts is not None and (isinstance(prompts, bool) or not isinstance(prompts, int) or prompts < 1):
+            raise StudyError(f"{f}: {key}.prompts={prompts!r}: allowed: the records' prompt count (an int >= 1)")
+
+
+def check_sections(f: Path, sections) -> None:
+    """A streaming study's sections: a list of mappings, each with a ``title`` (a text) and ``samples`` (a folder
+    name or a list of them), ``budgets`` a list of numbers where given."""
+    if sections is None:
+        return
+    allowed = "allowed: a list of mappings {title: ..., samples: <folder or list of folders>, budgets: [...]}"
+    if not isinstance(sections, list):
+        raise StudyError(f"{f}: sections={sections!r}: not a list; {allowed}")
+    for i, s in enumerate(sections):
+        if not isinstance(s, dict):
+            raise StudyError(f"{f}: sections[{i}]={s!r}: not a mapping; {allowed}")
+        samples = s.get("samples")
+        if not isinstance(s.get("title"), str) or not (isinstance(samples, str) or (
+                isinstance(samples, list) and samples and all(isinstance(x, str) for x in samples))):
+            raise StudyError(f"{f}: sections[{i}]: title={s.get('title')!r}, samples={samples!r}; {allowed}")
+        budgets = s.get("budgets", [])
+        if not isinstance(budgets, list) or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                                                    for b in budgets):
+            raise StudyError(f"{f}: sections[{i}].budgets={budgets!r}: {allowed}")
 
 
 def machine(env: dict) -> str:
@@ -232,12 +286,17 @@ def streaming_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[st
     return lines if found else None
 
 
+def read_all(studies: Path) -> dict[Path, dict]:
+    """Every study under ``studies``, read and checked (:func:`read_study`): {its folder: its description}."""
+    return {folder: read_study(folder) for folder in sorted(p.parent for p in studies.glob("*/study.yaml"))}
+
+
 def build(studies: Path, out: Path) -> list[Path]:
     """Every study's page and figures, then the index; returns the pages written."""
     written, index = [], [HEADER, "", "# Results", "",
                           "Each page is regenerated from the records committed beside its `study.yaml` "
                           "(`make docs-results`).", ""]
-    studies = {folder: read_study(folder) for folder in sorted(p.parent for p in studies.glob("*/study.yaml"))}
+    studies = read_all(studies)
     out.mkdir(parents=True, exist_ok=True)  # every study read first: a bad one stops before anything is written
     for folder, spec in studies.items():
         name = folder.name
@@ -291,10 +350,11 @@ def main(argv: list[str] | None = None) -> int:
     if bad:  # every path checked before anything is copied or written
         print(f"error: {bad}", file=sys.stderr)
         return 2
-    if args.collect:
-        runs, dest = map(Path, args.collect)
-        print(f"{collect(runs, dest)} finished run records copied from {runs} to {dest}")
     try:
+        read_all(Path(args.studies))  # every study.yaml checked before a record is copied or a page written
+        if args.collect:
+            runs, dest = map(Path, args.collect)
+            print(f"{collect(runs, dest)} finished run records copied from {runs} to {dest}")
         paths = build(Path(args.studies), Path(args.out))
     except (StudyError, yaml.YAMLError) as exc:
         print(f"error: {' '.join(str(exc).split())}", file=sys.stderr)

@@ -130,6 +130,14 @@ def positive_or_none(name: str, value) -> None:
           f"{name}={value!r}: expected a positive int or null")
 
 
+def check_room(key: str, gen_tokens: int, max_pos: int | None, model: str) -> None:
+    """ConfigError when ``gen_tokens`` new tokens leave no prompt in the model's ``max_pos`` positions (lm-eval
+    keeps a prompt's last ``max_pos - gen_tokens`` tokens); unknown positions: not checked. h2o-run's tasks and the
+    lm-eval wrapper's ``--gen_kwargs max_gen_toks``."""
+    check(max_pos is None or gen_tokens < max_pos, f"{key}={gen_tokens}: leaves no prompt in model {model}'s "
+                                                   f"{max_pos} positions; allowed: < {max_pos}")
+
+
 _TRUE = ("1", "true", "yes", "on")
 
 

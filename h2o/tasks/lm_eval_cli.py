@@ -23,23 +23,26 @@ OWN_KEYS = ("pretrained", "policy", "semantics", "scoring", "quant", "question",
             "generation_log", "questions", "turns")
 
 
-def check_keys(options: dict, policy) -> None:
+def check_keys(options: dict, policy, tasks=None) -> None:
     """ConfigError (one line) for a ``--model_args`` key that is neither H2OLM's own (:data:`OWN_KEYS`, the
     ``quant_*`` options), an option of a policy (another policy's is refused by lm_policy, naming it), nor an
     argument of lm-eval's HFLM (the rest would reach transformers' from_pretrained and fail there); and for a bad
-    ``question``, ``questions`` or ``turns``. The allowed list names all three."""
+    ``question``, ``questions`` or ``turns`` (above 1: on each of ``--tasks``, h2o-run's rule). The allowed list
+    names all three."""
     import inspect
 
     from h2o.assets.policy_config import option_keys
     from h2o.core.policies import POLICIES
     from h2o.core.validate import check
-    from h2o.tasks.question_after import check_many
+    from h2o.tasks.question_after import check_many, check_many_task
     from h2o.tasks.lm_eval_model import QUANT_PREFIX, HFLM
     from h2o.tasks.question_after import QUESTIONS
 
     question = options.get("question", "prompt")
     check(question in QUESTIONS, f"--model_args question={question!r}: allowed: {', '.join(QUESTIONS)}")
-    check_many(options.get("questions", 1), options.get("turns", 1))
+    many = check_many(options.get("questions", 1), options.get("turns", 1))
+    for task in task_names(tasks) if many else ():
+        check_many_task(*many, task)
     hflm = [k for k, p in inspect.signature(HFLM.__init__).parameters.items()
             if k != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     policy_keys = {k for name in POLICIES for k in option_keys(name)}
@@ -60,6 +63,7 @@ def validate(args) -> None:
     from h2o.cli.paths import abbrev, output_dir, path_error
     from h2o.core.validate import check
     from h2o.assets.model_spec import ModelSpec
+    from h2o.tasks.base import check_room
     from h2o.tasks.batching import check_batch_size, from_text
     from h2o.tasks.lm_eval_model import QUANT_PREFIX, SCORING, lm_policy, make_lm_quant
 
@@ -81,10 +85,13 @@ def validate(args) -> None:
           "thinking; allowed: think_end_token=<its text> (e.g. </think>)")
     check_pretrained(options.get("pretrained", "smollm2-135m"), "--model_args pretrained")
     policy = lm_policy(options.get("policy", "full"), dict(options), options.get("semantics", "simulated"))
-    check_keys(options, policy)
+    check_keys(options, policy, getattr(args, "tasks", None))
     pretrained = str(options.get("pretrained", "smollm2-135m"))
     spec = ModelSpec(pretrained, pretrained)
     longest = spec.max_positions()
+    gen = (args.gen_kwargs if isinstance(getattr(args, "gen_kwargs", None), dict) else {}).get("max_gen_toks")
+    if gen is not None:  # an int >= 1 (check_sampling)
+        check_room("--gen_kwargs max_gen_toks", gen, longest, pretrained)
     if longest:
         policy.check_reach(longest, "the model's longest context")
         policy.check_run_counts(longest, "the model's longest context")
@@ -102,22 +109,10 @@ def validate(args) -> None:
 
 
 def check_sampling(gen_kwargs) -> None:
-    """BadInput for a bad ``--gen_kwargs`` sampling value: temperature < 0, top_p outside (0, 1],
-    max_gen_toks < 1."""
-    from h2o.core.validate import check
+    """BadInput for a bad ``--gen_kwargs`` sampling value: the reasoning tasks' rule (h2o.tasks.reasoning)."""
+    from h2o.tasks.reasoning import check_sampling as check_values
 
-    kw = gen_kwargs if isinstance(gen_kwargs, dict) else {}
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-    if "temperature" in kw:
-        t = kw["temperature"]
-        check(number(t) and t >= 0, f"--gen_kwargs temperature={t!r}: allowed: a number >= 0 (0: greedy)")
-    if "top_p" in kw:
-        p = kw["top_p"]
-        check(number(p) and 0 < p <= 1, f"--gen_kwargs top_p={p!r}: allowed: a number in (0, 1]")
-    if "max_gen_toks" in kw:
-        m = kw["max_gen_toks"]
-        check(isinstance(m, int) and not isinstance(m, bool) and m >= 1,
-              f"--gen_kwargs max_gen_toks={m!r}: allowed: an int >= 1")
+    check_values("--gen_kwargs ", gen_kwargs if isinstance(gen_kwargs, dict) else {})
 
 
 @kept()  # lm-eval's logging set-up and its handlers stay inside the command (tests call it in process)
@@ -151,7 +146,7 @@ def check_qa_data(tasks) -> None:
     from h2o.tasks.long_context_data import qa
     from h2o.tasks.ruler_offline import QA_TASKS
 
-    names = {n.strip() for n in (tasks.split(",") if isinstance(tasks, str) else list(tasks or []))}
+    names = set(task_names(tasks))
     for task in sorted(QA_TASKS):
         asset = qa(task)
         if (task in names or "ruler" in names) and not asset.cached():
@@ -160,13 +155,18 @@ def check_qa_data(tasks) -> None:
                               f"machine with internet")
 
 
+def task_names(tasks) -> list[str]:
+    """lm-eval's ``--tasks`` (a comma-separated text or a list) as names."""
+    names = tasks.split(",") if isinstance(tasks, str) else list(tasks or [])
+    return [str(n).strip() for n in names if str(n).strip()]
+
+
 def uses_ruler(tasks) -> bool:
-    """Whether lm-eval's ``--tasks`` (a comma-separated text or a list) name a RULER task or group."""
+    """Whether lm-eval's ``--tasks`` name a RULER task or group."""
     from h2o.tasks.long_context import ruler_folder
     from h2o.tasks.multiple_choice import yaml_task_names
 
-    names = tasks.split(",") if isinstance(tasks, str) else list(tasks or [])
-    return bool({n.strip() for n in names} & {*yaml_task_names(ruler_folder()), "ruler"})
+    return bool(set(task_names(tasks)) & {*yaml_task_names(ruler_folder()), "ruler"})
 
 
 if __name__ == "__main__":

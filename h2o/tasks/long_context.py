@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from h2o.tasks.base import Result, TaskSpec, adds_bos, cells, check, clamped, positive_or_none, stderr
+from h2o.tasks.base import Result, TaskSpec, adds_bos, cells, check, check_room, clamped, positive_or_none, stderr
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 from h2o.tasks.kv_held import END, batch_fields
-from h2o.tasks.question_after import QUESTIONS, ruler_pattern
+from h2o.tasks.question_after import QUESTIONS, check_many_task, ruler_pattern
 
 NIAH = "niah"
 TEXTS = ("austen", "moby_dick")
@@ -118,17 +118,7 @@ class LongContextTask(TaskSpec):
             value = getattr(self, key)
             check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                   f"task.{key}={value!r}: expected an int >= 1")
-            check(value == 1 or self.is_niah or self.split,
-                  f"task.{key}={value}: several questions per context on task niah and RULER's split tasks "
-                  f"(niah_multikey_1_questions, niah_multiquery_questions) only; allowed: task.{key}=1 for task "
-                  f"{self.lm_eval_task}")
-            from h2o.tasks.niah import ADJECTIVES, NOUNS
-            from h2o.tasks.ruler_offline import NIAH_SHAPES
-
-            # each needle of a context has a key of its own: niah's drawn from its words, RULER's 4
-            keys = NIAH_SHAPES[self.split][3] if self.split else len(ADJECTIVES) * len(NOUNS)
-            check(value <= keys, f"task.{key}={value}: more needles than the task's {keys} distinct keys; allowed: "
-                                 f"task.{key} in 1-{keys}")
+            check_many_task(key, value, self.lm_eval_task, "task.")
         check(min(self.questions, self.turns) == 1, f"task.questions={self.questions}, task.turns={self.turns}: "
                                                     f"allowed: one of them above 1")
 
@@ -179,8 +169,7 @@ class LongContextTask(TaskSpec):
                                            f"{self.lengths}; allowed: < {min(self.lengths)}")
         max_pos = model.max_positions()
         if max_pos is not None:
-            check(gen < max_pos, f"task.max_gen_toks={gen}: leaves no prompt in model {model.name}'s {max_pos} "
-                                 f"positions; allowed: < {max_pos}")
+            check_room("task.max_gen_toks", gen, max_pos, model.name)
             room = max_pos - (gen if self.is_niah else 0)  # the longest length that fits (else lm-eval cuts it)
             plus = f" with {gen} generated tokens" if self.is_niah else ""
             if self.clip_to_model and self.family == "longbench":

@@ -31,6 +31,7 @@ import torch
 
 from h2o.core.engine import keeps_all
 from h2o.tasks.base import Result, TaskSpec, check
+from h2o.core.validate import ConfigError
 from h2o.tasks.batching import Sizing, record
 from h2o.tasks.kv_held import entry_bytes
 
@@ -62,48 +63,87 @@ class LongGenerationTask(TaskSpec):
                   f"task.{key}={v!r}: allowed: an int >= 1")
         check(isinstance(self.instruction, str) and self.instruction.strip() != "",
               f"task.instruction={self.instruction!r}: allowed: a non-empty text")
+        check(self.ngram <= self.max_new_tokens, f"task.ngram={self.ngram}: longer than an answer of "
+                                                 f"task.max_new_tokens={self.max_new_tokens} tokens (its distinct "
+                                                 f"n-gram share would be null); allowed: ngram in 1-{self.max_new_tokens}")
         check(self.shots == 0, f"task.shots={self.shots!r}: long generation is zero-shot; allowed: 0")
 
     def check_model(self, model) -> None:
+        """The prompt (the template's text and ``instruction`` around the passage: counted with the model's
+        tokenizer from this machine, else bounded by 64 tokens and one token a byte of the instruction), the passage
+        and the answer fit the model's positions; each passage has its tokens in the text (:meth:`passage`)."""
+        from h2o.tasks.long_context import local_tokenizer
+
+        tok = local_tokenizer(model)
+        around = sum(map(len, self.around(tok))) if tok is not None else 64 + len(self.instruction.encode())
         max_pos = model.max_positions()
-        need = self.passage_tokens + self.max_new_tokens + 64  # the chat template's own tokens: well under 64
-        if max_pos is not None:
-            check(need <= max_pos, f"task.max_new_tokens={self.max_new_tokens}, passage_tokens="
-                                   f"{self.passage_tokens}: {need} tokens with the template's 64 exceed model "
-                                   f"{model.name}'s {max_pos} positions; allowed: max_new_tokens + passage_tokens "
-                                   f"<= {max_pos - 64}")
+        need = around + self.passage_tokens + self.max_new_tokens
+        if max_pos is not None and need > max_pos:
+            room, ours = max_pos - around, self.passage_tokens + self.max_new_tokens
+            raise ConfigError(
+                f"task.max_new_tokens={self.max_new_tokens}, task.passage_tokens={self.passage_tokens} and "
+                f"task.instruction ({len(self.instruction)} characters; {around} prompt tokens around the passage "
+                f"with the template): {need} tokens exceed model {model.name}'s {max_pos} positions; allowed: "
+                + (f"max_new_tokens + passage_tokens <= {room}" if room >= 2 else
+                   f"a shorter task.instruction (at most {max_pos - ours} prompt tokens around the passage with "
+                   f"max_new_tokens + passage_tokens = {ours})"))
+        if tok is not None:
+            from h2o.tasks.perplexity import book
+
+            text = book(self.text)
+            for i in range(self.prompts):  # only a passage read up to the text's end can run short of it
+                if self.start(text, i) + 12 * self.passage_tokens > len(text):
+                    self.passage(tok, text, i)
 
     def tokens(self) -> int:
         """Tokens of one run for the time estimates: each prompt and its answer, the answer counted 30 times over
         (a decoding step costs ~30 prompt tokens) and once more teacher-forced, the reference beside it."""
         return self.prompts * (self.passage_tokens + 32 * self.max_new_tokens)
 
+    def check_policy(self, policy) -> None:
+        """The full cache's answer is teacher-forced through the policy on the simulated path (one pass): a rule
+        without a simulated form (kvzip) is refused."""
+        check(not policy.real_only, f"policy={policy.name}: task {self.name} teacher-forces the full cache's answer "
+                                    f"through the policy in one pass, and {policy.name} has no one-pass form "
+                                    f"({policy.real_only}); allowed: a policy with one (every other policy)")
+
     # --------------------------------------------------------------------------------------------- prompts
+    def around(self, tokenizer) -> tuple[list[int], list[int]]:
+        """The prompt's token ids before and after the passage: the chat template around the instruction (a base
+        model without one, Gemma-3-270m's: its BOS, the instruction and a blank line before, nothing after)."""
+        if not tokenizer.chat_template:
+            return tokenizer(f"{self.instruction}\n\n", add_special_tokens=True).input_ids, []
+        holder = "\x00PASSAGE\x00"
+        messages = [{"role": "user", "content": f"{self.instruction}\n\n{holder}"}]
+        template = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        before, after = template.split(holder)
+        return (tokenizer(before, add_special_tokens=False).input_ids,
+                tokenizer(after, add_special_tokens=False).input_ids)
+
+    def start(self, text: str, i: int) -> int:
+        """Passage ``i``'s first character: the first paragraph after character ``(i + 1/2) x len / prompts``."""
+        at = (2 * i + 1) * len(text) // (2 * self.prompts)
+        start = text.find("\n\n", at)
+        return start + 2 if start >= 0 else at
+
+    def passage(self, tokenizer, text: str, i: int) -> list[int]:
+        """Passage ``i``'s ``passage_tokens`` token ids; ConfigError when the text runs out before them."""
+        start = self.start(text, i)
+        ids = tokenizer(text[start:start + 12 * self.passage_tokens], add_special_tokens=False).input_ids
+        check(len(ids) >= self.passage_tokens,
+              f"task.passage_tokens={self.passage_tokens}, task.prompts={self.prompts}: passage {i} starts at "
+              f"character {start} of the text {self.text} ({len(text)} characters), which has only {len(ids)} "
+              f"tokens after it; allowed: fewer prompts or shorter passages")
+        return ids[:self.passage_tokens]
+
     def prompt_ids(self, tokenizer) -> tuple[torch.Tensor, list[int]]:
         """(prompts, P) token ids, every row the same length, and each passage's character offset in the text."""
         from h2o.tasks.perplexity import book
 
         text = book(self.text)
-        if tokenizer.chat_template:
-            holder = "\x00PASSAGE\x00"
-            messages = [{"role": "user", "content": f"{self.instruction}\n\n{holder}"}]
-            template = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            before, after = template.split(holder)
-            head = tokenizer(before, add_special_tokens=False).input_ids
-            tail = tokenizer(after, add_special_tokens=False).input_ids
-        else:  # a base model without a template (Gemma-3-270m's): the instruction, a blank line, then the passage
-            head, tail = tokenizer(f"{self.instruction}\n\n", add_special_tokens=True).input_ids, []
-        rows, starts = [], []
-        for i in range(self.prompts):
-            at = (2 * i + 1) * len(text) // (2 * self.prompts)
-            start = text.find("\n\n", at)
-            start = start + 2 if start >= 0 else at
-            ids = tokenizer(text[start:start + 12 * self.passage_tokens], add_special_tokens=False).input_ids
-            check(len(ids) >= self.passage_tokens, f"task.passage_tokens={self.passage_tokens}: the text "
-                                                   f"{self.text} has only {len(ids)} tokens after character {start}")
-            rows.append(head + ids[:self.passage_tokens] + tail)
-            starts.append(start)
-        return torch.tensor(rows), starts
+        head, tail = self.around(tokenizer)
+        rows = [head + self.passage(tokenizer, text, i) + tail for i in range(self.prompts)]
+        return torch.tensor(rows), [self.start(text, i) for i in range(self.prompts)]
 
     # ------------------------------------------------------------------------------------------- generation
     def generate(self, model, tokenizer, policy, ids: torch.Tensor):

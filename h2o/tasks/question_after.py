@@ -46,6 +46,34 @@ def check_many(questions, turns, prefix: str = "--model_args ") -> tuple[str, in
     return ("turns", turns) if turns > 1 else ("questions", questions)
 
 
+def distinct_keys(task: str) -> int | None:
+    """How many needles a context of lm-eval task ``task`` can hold, each with a key of its own (one question per
+    needle): niah's keys drawn from its words, RULER's split tasks' 4; None: a task with one question a context."""
+    from h2o.tasks.niah import ADJECTIVES, NOUNS
+    from h2o.tasks.ruler_many import SOURCES
+    from h2o.tasks.ruler_offline import NIAH_SHAPES
+
+    if task == "niah":
+        return len(ADJECTIVES) * len(NOUNS)
+    return NIAH_SHAPES[SOURCES[task]][3] if task in SOURCES else None
+
+
+def check_many_task(key: str, value: int, task: str, prefix: str = "--model_args ") -> None:
+    """``questions`` / ``turns`` (``key``) above 1 on lm-eval task ``task``: ConfigError (one line) unless the task
+    holds several questions a context (niah, RULER's split tasks) and ``value`` is within its distinct keys. One
+    rule for h2o-run (``task.questions``) and the lm-eval wrapper (``--model_args questions=``)."""
+    from h2o.core.validate import check
+    from h2o.tasks.ruler_many import SOURCES
+
+    if value == 1:
+        return
+    keys = distinct_keys(task)
+    check(keys is not None, f"{prefix}{key}={value}: several questions per context on task niah and RULER's split "
+                            f"tasks ({', '.join(SOURCES)}) only; allowed: {prefix}{key}=1 for task {task}")
+    check(value <= keys, f"{prefix}{key}={value}: more needles than task {task}'s {keys} distinct keys; allowed: "
+                         f"{prefix}{key} in 1-{keys}")
+
+
 # the start of the question in a RULER input, by task family (kvpress's QUESTION_PATTERNS)
 RULER_QUESTION = {
     "niah": re.compile(r"What (?:is|are all) the special magic"),

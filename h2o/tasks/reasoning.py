@@ -25,8 +25,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.tasks.base import Result, TaskSpec, check, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, check, check_room, positive_or_none
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
+from h2o.tasks.data_files import documents
 
 # lm-eval task -> (its folder in lm-eval's tasks, the hub data set, the headline (filter, metric))
 TASKS = {"aime24": ("aime", "Maxwell-Jia/AIME_2024", ("none", "exact_match")),
@@ -44,6 +45,12 @@ EXPECTED_TOKENS = {"aime24": 14000, "aime25": 14000, "gsm8k_cot_zeroshot": 1500,
                    "minerva_math500": 4000}
 PROBLEMS = {"aime24": 30, "aime25": 30, "gsm8k_cot_zeroshot": 1319, "hendrycks_math500": 500, "minerva_math500": 500}
 DECODE_COST = 30
+# the fields lm-eval's prompt, target and scoring read from a document (a local ``data_files`` must hold them)
+FIELDS = {"aime24": ("Problem", "Answer"), "aime25": ("problem", "answer"), "gsm8k_cot_zeroshot": ("question", "answer"),
+          "hendrycks_math500": ("problem", "solution"), "minerva_math500": ("problem", "solution")}
+# modules a task's scoring imports that lm-eval installs only with an extra: (module, the extra)
+EXTRAS = {"minerva_math500": ("math_verify", "lm_eval[math]")}
+MAX_SAMPLES = 1024  # task.n: lm-eval builds every sample's request (and keeps its answer) up front
 
 
 def folder(lm_eval_task: str) -> Path:
@@ -133,14 +140,12 @@ class ReasoningTask(TaskSpec):
         check(self.lm_eval_task in TASKS,
               f"task.lm_eval_task={self.lm_eval_task!r}: allowed: {', '.join(TASKS)}")
         positive_or_none("task.limit", self.limit)
-        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
-        check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
-              f"task.n={self.n!r}: samples per problem; allowed: an int >= 1")
-        check(number(self.temperature) and self.temperature >= 0,
-              f"task.temperature={self.temperature!r}: allowed: a number >= 0 (0: greedy)")
-        check(number(self.top_p) and 0 < self.top_p <= 1, f"task.top_p={self.top_p!r}: allowed: a number in (0, 1]")
-        check(isinstance(self.max_gen_toks, int) and not isinstance(self.max_gen_toks, bool) and self.max_gen_toks >= 1,
-              f"task.max_gen_toks={self.max_gen_toks!r}: allowed: an int >= 1")
+        check(isinstance(self.n, int) and not isinstance(self.n, bool) and 1 <= self.n <= MAX_SAMPLES,
+              f"task.n={self.n!r}: samples per problem (lm-eval builds every one's request up front); allowed: an "
+              f"int in 1-{MAX_SAMPLES}")
+        check_extra(self.lm_eval_task)
+        check_sampling("task.", {"temperature": self.temperature, "top_p": self.top_p,
+                                 "max_gen_toks": self.max_gen_toks})
         check(self.thinking in THINKING, f"task.thinking={self.thinking!r}: allowed: null, true, false")
         check(self.think_end_token is None or (isinstance(self.think_end_token, str) and self.think_end_token != ""),
               f"task.think_end_token={self.think_end_token!r}: allowed: null or a text (e.g. </think>)")
@@ -154,6 +159,9 @@ class ReasoningTask(TaskSpec):
         check(self.shots == 0, f"task.shots={self.shots!r}: reasoning tasks are zero-shot; allowed: 0")
         check(self.data_files is None or Path(str(self.data_files)).expanduser().is_file(),
               f"task.data_files={self.data_files!r}: no such file; allowed: null or a JSON file of documents")
+        if self.data_files:
+            documents("task.data_files", self.data_files, FIELDS[self.lm_eval_task],
+                      f"lm-eval task {self.lm_eval_task}")
         check_batch_size(self.batch_size)
 
     @property
@@ -168,9 +176,7 @@ class ReasoningTask(TaskSpec):
 
     def check_model(self, model) -> None:
         max_pos = model.max_positions()
-        if max_pos is not None:
-            check(self.max_gen_toks < max_pos, f"task.max_gen_toks={self.max_gen_toks}: leaves no prompt in model "
-                                               f"{model.name}'s {max_pos} positions; allowed: < {max_pos}")
+        check_room("task.max_gen_toks", self.max_gen_toks, max_pos, model.name)
         if self.chat_template:  # the tokenizer alone, from this machine (unknown here: left to lm-eval)
             from h2o.tasks.long_context import local_tokenizer
 
@@ -178,6 +184,40 @@ class ReasoningTask(TaskSpec):
             check(tok is None or bool(getattr(tok, "chat_template", None)),
                   f"task.chat_template=true: model {model.name}'s tokenizer has no chat template; allowed: "
                   f"task.chat_template=false (the problem as plain text), or a model whose tokenizer has one")
+        if max_pos is not None and self.data_files:
+            self.check_prompts(model, max_pos)
+
+    def check_prompts(self, model, max_pos: int) -> None:
+        """The longest prompt of a local ``data_files`` (lm-eval's own template, in the chat template where it is
+        used, counted with the model's tokenizer from this machine; not checked when it is not here) and
+        ``max_gen_toks`` fit the model's positions: past them lm-eval keeps only the prompt's last tokens."""
+        from lm_eval.tasks._yaml_loader import load_yaml
+        from lm_eval.utils import apply_template
+
+        from h2o.tasks.long_context import local_tokenizer
+
+        tok = local_tokenizer(model)
+        template = load_yaml(yaml_of(self.lm_eval_task), resolve_func=False).get("doc_to_text")
+        if tok is None or not isinstance(template, str) or "{{" not in template:
+            return
+        docs = documents("task.data_files", self.data_files, FIELDS[self.lm_eval_task],
+                         f"lm-eval task {self.lm_eval_task}")
+        docs = docs[:self.limit] if self.limit else docs
+        longest = max(self.prompt_tokens(tok, apply_template(template, doc)) for doc in docs)
+        check(longest + self.max_gen_toks <= max_pos,
+              f"task.max_gen_toks={self.max_gen_toks} and the longest prompt of task.data_files ({longest} "
+              f"tokens) pass model {model.name}'s {max_pos} positions (lm-eval would keep only the prompt's last "
+              f"{max(max_pos - self.max_gen_toks, 0)} tokens); allowed: max_gen_toks <= {max_pos - longest}")
+
+    def prompt_tokens(self, tok, text: str) -> int:
+        """Tokens of one prompt as lm-eval encodes it: in the chat template (after the system prompt) where used."""
+        if not self.chat_template:
+            return len(tok(text, add_special_tokens=bool(self.add_bos_token)).input_ids)
+        messages = ([{"role": "system", "content": self.system_prompt}] if self.system_prompt else []) + \
+            [{"role": "user", "content": text}]
+        thinking = {} if self.thinking is None else {"enable_thinking": self.thinking}
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **thinking)
+        return len(tok(text, add_special_tokens=False).input_ids)
 
     def check_data(self) -> None:
         """The hub data set a cluster run reads from the prefetched cache (none with a local ``data_files``)."""
@@ -259,6 +299,35 @@ class ReasoningTask(TaskSpec):
                 out.append({"doc_id": s["doc_id"], "sample": k, "target": s["target"], "generation": answer,
                             "score": head, "scores": sc, **{f: row.get(f) for f in FIELDS}})
         return out, per_problem
+
+
+def check_sampling(prefix: str, values: dict) -> None:
+    """ConfigError (one line) for a bad sampling value of ``values`` (those present): ``temperature`` a finite
+    number >= 0, ``top_p`` in (0, 1], ``max_gen_toks`` an int >= 1. One rule for ``task.*`` (prefix ``task.``) and
+    the lm-eval wrapper's ``--gen_kwargs`` (prefix ``--gen_kwargs ``)."""
+    from h2o.core.validate import is_int, is_number
+
+    if "temperature" in values:
+        t = values["temperature"]
+        check(is_number(t) and t >= 0, f"{prefix}temperature={t!r}: allowed: a number >= 0 (0: greedy)")
+    if "top_p" in values:
+        p = values["top_p"]
+        check(is_number(p) and 0 < p <= 1, f"{prefix}top_p={p!r}: allowed: a number in (0, 1]")
+    if "max_gen_toks" in values:
+        m = values["max_gen_toks"]
+        check(is_int(m) and m >= 1, f"{prefix}max_gen_toks={m!r}: allowed: an int >= 1")
+
+
+def check_extra(lm_eval_task: str) -> None:
+    """ConfigError when the task's scoring imports a module lm-eval installs only with an extra (:data:`EXTRAS`)
+    and this environment lacks it (lm-eval would fail on the import after the model loaded)."""
+    from importlib.util import find_spec
+
+    module, extra = EXTRAS.get(lm_eval_task, (None, None))
+    ok = [t for t in TASKS if t not in EXTRAS]
+    check(module is None or find_spec(module) is not None,
+          f"task.lm_eval_task={lm_eval_task}: its scoring needs {module}, from lm-eval's extra `pip install "
+          f"'{extra}'`, which is not installed here; allowed: {', '.join(ok)} (or install the extra)")
 
 
 def mean_of(samples: list[dict], key: str):

@@ -153,6 +153,8 @@ class SCBenchTask(TaskSpec):
         check(self.batch_size == 1, f"task.batch_size={self.batch_size!r}: one context at a time; allowed: 1")
         check(self.data_files is None or Path(str(self.data_files)).expanduser().is_file(),
               f"task.data_files={self.data_files!r}: no such file; allowed: null or a JSONL file of SCBench rows")
+        if self.data_files:
+            check_rows(self.subset, self.data_files)
 
     @property
     def gen_tokens(self) -> int:
@@ -163,13 +165,18 @@ class SCBenchTask(TaskSpec):
         return adds_bos(tokenizer, None)
 
     def check_model(self, model) -> None:
-        """A context cap and :data:`ROOM` tokens for the requests and answers fit the model's positions."""
+        """A context cap and :data:`ROOM` tokens for the requests and answers fit the model's positions, and an
+        answer's ``max_gen_toks`` fits after the longest context kept."""
         max_pos, cap = model.max_positions(), self.max_context_tokens
         if max_pos is not None:
             check(max_pos > ROOM and (cap is None or cap + ROOM <= max_pos),
                   f"task.max_context_tokens={cap}: with {ROOM} tokens for the requests and answers, contexts must fit "
                   f"model {model.name}'s {max_pos} positions; allowed: null (its positions less {ROOM}) or an int "
                   f"<= {max_pos - ROOM}")
+            context = cap or max_pos - ROOM  # a request and its answer follow the longest context kept
+            check(self.gen_tokens < max_pos - context,
+                  f"task.max_gen_toks={self.gen_tokens}: an answer after a context of {context} tokens passes model "
+                  f"{model.name}'s {max_pos} positions; allowed: < {max_pos - context}")
 
     def context_cap(self, model) -> int | None:
         """Tokens a context keeps: ``max_context_tokens``, else the model's positions less :data:`ROOM` (SCBench
@@ -227,6 +234,34 @@ class SCBenchTask(TaskSpec):
                      for k, t in enumerate(turns)]
         return {"context": ids, "questions": questions, "targets": [reference(self.subset, t) for t in turns],
                 "fields": {"truncated": truncated}}
+
+
+def check_rows(subset: str, path) -> None:
+    """ConfigError (one line) unless every row of the JSONL ``path`` is one of ``subset``'s: a ``context`` (or
+    ``input``) and ``multi_turns``, a non-empty list of requests each with ``input`` and ``answer`` (choice_eng's
+    with its four ``options``, the answer among them)."""
+    from h2o.cli.paths import abbrev
+    from h2o.tasks.data_files import documents
+
+    what = f"SCBench rows of task.subset={subset}"
+    rows = documents("task.data_files", path, ("multi_turns",), what)
+    name = f"task.data_files={abbrev(str(path))}"
+    turn_fields = ("input", "answer", "options") if subset == "scbench_choice_eng" else ("input", "answer")
+    allowed = (f"allowed: {what}: context, multi_turns (a list of requests with {', '.join(turn_fields)}"
+               + (", the answer one of the four options)" if subset == "scbench_choice_eng" else ")"))
+    for i, row in enumerate(rows):
+        turns = row["multi_turns"]
+        check("context" in row or "input" in row, f"{name}: row {i} has neither 'context' nor 'input'; {allowed}")
+        check(isinstance(turns, list) and len(turns) > 0, f"{name}: row {i}'s multi_turns is "
+                                                          f"{abbrev(turns, 60)}, not a list of requests; {allowed}")
+        for k, turn in enumerate(turns):
+            lacks = [f for f in turn_fields if not isinstance(turn, dict) or f not in turn]
+            check(not lacks, f"{name}: row {i}'s request {k} lacks {', '.join(map(repr, lacks))}; {allowed}")
+            if subset == "scbench_choice_eng":
+                options = turn["options"]
+                check(isinstance(options, list) and len(options) == 4 and turn["answer"] in options,
+                      f"{name}: row {i}'s request {k}: options {abbrev(options, 80)} are not four texts holding the "
+                      f"answer {abbrev(turn['answer'], 40)}; {allowed}")
 
 
 def local_file(task: SCBenchTask) -> str:
