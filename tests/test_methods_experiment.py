@@ -226,7 +226,7 @@ def test_the_methods_table_figures_and_page_come_from_the_records(tmp_path):
     [table] = methods_tables(df)
     assert table.header == ["method", "20% decode", "20% prefill"]
     rows = {r[0]: r[1:] for r in table.rows}
-    assert rows["SnapKV"][0] == "—" and rows["SnapKV"][1].startswith("21.00 [") and rows["snapkv"][1].endswith(
+    assert rows["SnapKV"][0] == "—" and rows["SnapKV"][1].startswith("21.00 [") and rows["SnapKV"][1].endswith(
         " · 31.0")
     assert rows["H2O"][0].endswith(" · 20.0") and rows["full"][0].startswith("18.00 [")
     names = sorted(p.name for p in methods_figures(df, tmp_path / "fig"))
