@@ -58,6 +58,9 @@ report: install ## analysis/out/REPORT.md: every paper number beside ours, with 
 docs-results: install ## docs/results/*.md and their figures, regenerated from the study records committed under studies/<study>/
 	$(PY) -m analysis.results_pages --studies studies --out docs/results
 
+leaderboard: install ## docs/results/leaderboard.md and its figures: every method against the KV it keeps, per task family, from the committed study records (also part of docs-results)
+	$(PY) -m analysis.leaderboard --studies studies --out docs/results
+
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
 sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report, unless the sweep was refused (exit 2); slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
@@ -154,4 +157,4 @@ parity: install ## kvpress 0.5.5 beside the harness, same prompts (own venv .par
 	tools/parity/setup_venv.sh .parity-venv
 	$(PY) -m h2o.parity.driver $(PARITY_ARGS)
 
-.PHONY: help install test slurm-up slurm-down tables figures report docs-results data sources model bench stream sweep wandb status prefetch gpu-check parity
+.PHONY: help install test slurm-up slurm-down tables figures report docs-results leaderboard data sources model bench stream sweep wandb status prefetch gpu-check parity

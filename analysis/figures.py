@@ -44,7 +44,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.labels import POLICIES, key_str, label, metric_for, policy_order  # noqa: E402
+from analysis.labels import POLICIES, color, key_str, label, marker, metric_for, policy_order  # noqa: E402
 from analysis.layout import eligible  # noqa: E402
 from analysis.protocol import annotate, as_records, choose, select  # noqa: E402
 from analysis.records import load_json, load_samples  # noqa: E402
@@ -70,9 +70,6 @@ def fit_power_law(scores) -> tuple[float, float]:
     return -slope, 10 ** intercept
 
 
-def color(policy: str) -> str:
-    """One colour per policy across every panel."""
-    return f"C{POLICIES.index(policy) % 10}" if policy in POLICIES else "gray"
 
 
 def curve_panel(ax, runs: pd.DataFrame, metric: str, title: str, policies=None) -> int:
@@ -99,7 +96,7 @@ def curve_panel(ax, runs: pd.DataFrame, metric: str, title: str, policies=None) 
         x, y = [b for b, _ in pts], [e.value for _, e in pts]
         err = [[e.value - e.lo if e.has_interval else 0 for _, e in pts],
                [e.hi - e.value if e.has_interval else 0 for _, e in pts]]
-        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label(policy), color=color(policy))
+        ax.errorbar(x, y, yerr=err, marker=marker(policy), capsize=3, label=label(policy), color=color(policy))
         drawn += len(pts)
     ax.set(title=title, xlabel="KV cache budget (fraction)", ylabel=metric, xlim=(0, 1.02))
     ax.legend(fontsize=7)
@@ -166,7 +163,7 @@ def policy_panel(ax, runs: pd.DataFrame, metric: str, title: str) -> int:
     pts = policy_points(runs, metric)
     for i, (policy, e) in enumerate(pts):
         lo, hi = (max(0.0, e.value - e.lo), max(0.0, e.hi - e.value)) if e.has_interval else (0, 0)  # 0/n: float noise
-        ax.errorbar([i], [e.value], yerr=[[lo], [hi]], marker="o", capsize=4, color=color(policy))
+        ax.errorbar([i], [e.value], yerr=[[lo], [hi]], marker=marker(policy), capsize=4, color=color(policy))
         ax.annotate(f"{e.value:.3g}", (i, e.value), xytext=(6, 0), textcoords="offset points",
                     fontsize=7, va="center")
         if policy == "full":

@@ -16,11 +16,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from analysis.labels import color, label
 from analysis.records import checked_samples, load_runs
 
 ORDER = ["full", "h2o", "tova", "streaming_llm", "local", "knorm", "keydiff", "snapkv", "r_kv"]
-LABELS = {"h2o": "H2O", "tova": "TOVA", "streaming_llm": "StreamingLLM", "local": "local", "knorm": "K-norm",
-          "keydiff": "KeyDiff", "full": "full", "r_kv": "R-KV", "snapkv": "SnapKV"}
 MIB = 2 ** 20
 RESAMPLES = 10000
 
@@ -67,10 +66,6 @@ def json_options(path: str) -> dict:
 
     rec = json.loads((Path(path) / "metrics.json").read_text())
     return rec.get("policy_options") or {}
-
-
-def label(policy: str) -> str:
-    return LABELS.get(policy, policy)
 
 
 def paired(a: dict, b: dict, key: str = "tf_nll_per_token", seed: int = 0) -> dict | None:
@@ -217,7 +212,6 @@ def kv_figure(df: pd.DataFrame, out: Path, suffix: str = "") -> list[Path]:
         return []
     full = df[df["policy"] == "full"]
     fig, axes = panels(len(budgets), ncols=len(budgets), size=(5.2, 3.6))
-    colors = {p: f"C{i}" for i, p in enumerate(ORDER)}
     for ax, budget in zip(axes, budgets):
         for _, r in pd.concat([full, df[(df["budget"] == budget) & (df["policy"] != "full")]]).iterrows():
             traces = [s["kv_trace"] for s in r["samples"].values() if s.get("kv_trace")]
@@ -226,7 +220,7 @@ def kv_figure(df: pd.DataFrame, out: Path, suffix: str = "") -> list[Path]:
             n = max(len(t) for t in traces)  # at each step, the mean over the answers still being written
             every = int(r.get("trace_every") or 1)
             mean = np.nanmean([list(t) + [np.nan] * (n - len(t)) for t in traces], axis=0) / MIB
-            ax.plot(np.arange(n) * every, mean, color=colors.get(r["policy"], "k"),
+            ax.plot(np.arange(n) * every, mean, color=color(r["policy"]),
                     linestyle="--" if r["schedule"].startswith("every ") and r["schedule"] != "every step" else "-",
                     label=f"{label(r['policy'])}" + ("" if r["policy"] == "full" else f" ({r['schedule']})"),
                     linewidth=1.2)

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from analysis.estimate import Z95, mcnemar_exact, wilson
+from analysis.labels import color, label, marker
 from analysis.records import checked_samples, finite, warn
 
 BASE = "kvzip"  # the method every other is compared with
@@ -119,8 +120,10 @@ def tables(recs: list[dict], mode: str) -> list[str]:
     if full:
         lines.append(f"| full | {cell(full)} |" + " |" * (len(budgets) - 1))
     for m in methods:
-        lines.append(f"| {m} | " + " | ".join(cell(runs[(m, b)]) if (m, b) in runs else "—" for b in budgets) + " |")
-    lines += ["", f"{BASE} against each method at the same budget, paired by question (`>` {BASE} better, `<` worse at "
+        lines.append(f"| {label(m)} | " + " | ".join(cell(runs[(m, b)]) if (m, b) in runs else "—" for b in budgets)
+                     + " |")
+    base = label(BASE)
+    lines += ["", f"{base} against each method at the same budget, paired by question (`>` {base} better, `<` worse at "
                   "95%, `≈` unresolved; difference in accuracy with its 95% interval):", ""]
     for b in budgets:
         for m in methods[1:]:
@@ -128,7 +131,7 @@ def tables(recs: list[dict], mode: str) -> list[str]:
                 got = paired(runs[(BASE, b)], runs[(m, b)])
                 if got:
                     mean, lo, hi, k = got
-                    lines.append(f"* {b:.0%}: {BASE} {sign(lo, hi)} {m}: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] "
+                    lines.append(f"* {b:.0%}: {base} {sign(lo, hi)} {label(m)}: {mean:+.3f} [{lo:+.3f}, {hi:+.3f}] "
                                  f"({k} questions)")
     if mode == "turns":
         turns = max(len(r["turn_acc"]) for r in runs.values())
@@ -136,7 +139,7 @@ def tables(recs: list[dict], mode: str) -> list[str]:
                   "| method | budget | " + " | ".join(f"turn {k}" for k in range(turns)) + " |",
                   "|---" * (turns + 2) + "|"]
         for (p, b), r in sorted(runs.items()):
-            lines.append(f"| {p} | {b:.0%} | " + " | ".join(f"{a:.2f}" for a in r["turn_acc"]) + " |")
+            lines.append(f"| {label(p)} | {b:.0%} | " + " | ".join(f"{a:.2f}" for a in r["turn_acc"]) + " |")
     return lines + [""]
 
 
@@ -148,12 +151,11 @@ def figure(recs: list[dict], out: Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     runs = [r for r in recs if r["mode"] == "questions"]
-    markers = "osD^v<>ph*X"  # with the 10 colours of the cycle, no two methods share both
-    for i, m in enumerate(sorted({r["policy"] for r in runs if r["policy"] != "full"})):
+    for m in sorted({r["policy"] for r in runs if r["policy"] != "full"}):
         pts = sorted((r["budget"], r["metrics"]["acc"], len(r["samples"])) for r in runs if r["policy"] == m)
         xs, ys = [p[0] for p in pts], [p[1] for p in pts]
         err = [[y - wilson(y, n)[0] for _, y, n in pts], [wilson(y, n)[1] - y for _, y, n in pts]]
-        ax.errorbar(xs, ys, yerr=err, marker=markers[i % len(markers)], color=f"C{i % 10}", capsize=3, label=m,
+        ax.errorbar(xs, ys, yerr=err, marker=marker(m), color=color(m), capsize=3, label=label(m),
                     lw=2.5 if m == BASE else 1)
     full = [r for r in runs if r["policy"] == "full"]
     if full:
@@ -185,8 +187,9 @@ def turn_figure(recs: list[dict], out: Path) -> Path:
         accs = r["turn_acc"]
         n = len(r["samples"]) // len(accs)  # contexts: one question of each per turn
         err = [[max(a - wilson(a, n)[0], 0) for a in accs], [max(wilson(a, n)[1] - a, 0) for a in accs]]
-        label = "full" if r["policy"] == "full" else f"{r['policy']} {r['budget']:.0%}"
-        ax.errorbar(range(len(accs)), accs, yerr=err, marker="o", capsize=3, label=label,
+        name = "full" if r["policy"] == "full" else f"{label(r['policy'])} {r['budget']:.0%}"
+        ax.errorbar(range(len(accs)), accs, yerr=err, marker=marker(r["policy"]), color=color(r["policy"]), capsize=3,
+                    label=name,
                     ls=":" if r["policy"] == "full" else "-")
     turns = max(len(r["turn_acc"]) for r in recs if r["mode"] == "turns")
     ax.set_xticks(range(turns), [str(k) for k in range(turns)])
@@ -220,10 +223,11 @@ def headline(recs: list[dict], spec: dict) -> list[str]:
     after it): a − b accuracy paired by question, its 95% interval and verdict."""
     runs = by_cell(recs, "questions")
     a, b, budget = spec["a"], spec["b"], float(spec["budget"])
-    head = f"**Headline**: {a} against {b} at {budget:.0%}, each context asked its questions (`task.questions`), " \
-           f"paired by question ({a} − {b}, difference in accuracy with its 95% interval)"
+    A, B = label(a), label(b)
+    head = f"**Headline**: {A} against {B} at {budget:.0%}, each context asked its questions (`task.questions`), " \
+           f"paired by question ({A} − {B}, difference in accuracy with its 95% interval)"
     if (a, budget) in runs and (b, budget) in runs:
-        head += ": " + versus(runs[(a, budget)], runs[(b, budget)], a, b)
+        head += ": " + versus(runs[(a, budget)], runs[(b, budget)], A, B)
     else:
         head += ": not yet measured (a record is missing)"
     return [head + (f". {spec['why']}" if spec.get("why") else ""), ""]
@@ -237,7 +241,7 @@ def placement(recs: list[dict], spec: dict | None) -> list[str]:
     lines = []
     if spec:
         m, budget = spec["method"], float(spec["budget"])
-        head = (f"**Placement**: {m} at {budget:.0%} with each question inside its own compressed prompt "
+        head = (f"**Placement**: {label(m)} at {budget:.0%} with each question inside its own compressed prompt "
                 f"(`task.question=each`: the context compressed once per question) against the same questions "
                 f"answered from the context compressed once (`task.questions`), paired by question (each − once)")
         if (m, budget) in each and (m, budget) in once:
@@ -254,7 +258,7 @@ def placement(recs: list[dict], spec: dict | None) -> list[str]:
               "| method | budget | once | each | each − once | CPU-s once / each |", "|---" * 6 + "|"]
     for p, b in both:
         mean, lo, hi, _ = paired(each[(p, b)], once[(p, b)])
-        lines.append(f"| {p} | {b:.0%} | {accuracy(once[(p, b)])} | {accuracy(each[(p, b)])} | {sign(lo, hi)} "
+        lines.append(f"| {label(p)} | {b:.0%} | {accuracy(once[(p, b)])} | {accuracy(each[(p, b)])} | {sign(lo, hi)} "
                      f"{mean:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
                      f"{once[(p, b)]['cpu_s']:.0f} / {each[(p, b)]['cpu_s']:.0f} |")
     return lines + [""]

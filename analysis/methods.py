@@ -32,13 +32,14 @@ import pandas as pd
 from analysis.estimate import Z95, difference, paired_difference
 from analysis.protocol import TIMINGS, annotate, choose, compress_of, question_of
 from analysis.render import Table
-from analysis.labels import label, metric_for, num, pick_text
+from analysis.labels import color, label, marker, metric_for, num, pick_text
 
 EXPERIMENTS = ("methods", "methods_cluster")
 AFTER = ", question after"  # the label's suffix for task.question=after
 LABELS = (*TIMINGS, *(t + AFTER for t in TIMINGS))  # every timing label, the table's column order
-STYLES = {"decode": ("-", "o", 0.985), "prefill": ("--", "s", 1.015), "decode" + AFTER: ((0, (1, 1)), "v", 0.955),
-          "prefill" + AFTER: ("-.", "^", 1.045)}  # line, marker, dodge along the budget axis
+STYLES = {"decode": ("-", True, 0.985), "prefill": ("--", False, 1.015), "decode" + AFTER: ((0, (1, 1)), True, 0.955),
+          "prefill" + AFTER: ("-.", False, 1.045)}  # line, filled marker, dodge along the budget axis (the marker and
+# colour are the method's: analysis.labels.METHODS)
 ORDER = ["full", "local", "streaming_llm", "h2o", "tova", "scissorhands", "random", "snapkv", "pyramidkv",
          "adakv", "knorm", "keydiff", "expected_attention"]
 LOWER_IS_BETTER = ("ppl",)
@@ -178,21 +179,17 @@ def question_comparisons(metric: str, runs: pd.DataFrame) -> list[str]:
 
 
 def figure(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame, out) -> list[Path]:
-    from matplotlib import colormaps
-
     from analysis.plotting import panels, save
 
     chosen = picks(runs, metric)
     fig, axes = panels(2, ncols=2, size=(5.6, 4.2))
     policies = [p for p in method_order({p for p, _, _ in chosen}) if p != "full"]
     full = chosen.get(("full", 1.0, "decode"))
-    palette = colormaps["tab20"]
     for ax, by_kv in zip(axes, (False, True)):
         for policy in policies:
-            i = ORDER.index(policy) - 1 if policy in ORDER else 19  # tab20's strong shades first, then the light
-            colour = palette((2 * i) % 20 + (2 * i) // 20 % 2)
+            colour = color(policy)
             for timing in labels(chosen):
-                style, marker, dodge = STYLES[timing]
+                style, filled, dodge = STYLES[timing]
                 pts = sorted((b, p) for (q, b, t), p in chosen.items() if q == policy and t == timing)
                 if not pts:
                     continue
@@ -200,8 +197,8 @@ def figure(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame, out
                 ys = [p.est.value for _, p in pts]
                 err = [[max(0.0, p.est.value - p.est.lo) if p.est.has_interval else 0 for _, p in pts],
                        [max(0.0, p.est.hi - p.est.value) if p.est.has_interval else 0 for _, p in pts]]
-                ax.errorbar(xs, ys, yerr=err, fmt=style, marker=marker, ms=3, capsize=2, color=colour,
-                            label=f"{label(policy)} {timing}")
+                ax.errorbar(xs, ys, yerr=err, fmt=style, marker=marker(policy), ms=4, capsize=2, color=colour,
+                            mfc=colour if filled else "none", label=f"{label(policy)} {timing}")
         if full is not None:
             ax.axhline(full.est.value, color="black", ls=":", lw=1, label="full")
             if by_kv and not math.isnan(kv_mib(full)):
@@ -220,7 +217,8 @@ def figure(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame, out
             ax.set_yscale("log")
     axes[1].legend(fontsize=6, ncol=2, loc="best")
     after = "; dash-dot prefill, question after" if any(k[2].endswith(AFTER) for k in chosen) else ""
-    fig.suptitle(f"{model} / {task} ({exp}): solid decode, dashed prefill{after}; full: dotted (its KV: the star)")
+    fig.suptitle(f"{model} / {task} ({exp}): solid decode, dashed prefill (hollow){after}; full: dotted (its KV: "
+                 "the star)")
     return save(fig, out, f"{exp}_{task}_methods")
 
 

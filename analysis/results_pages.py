@@ -2,9 +2,11 @@
 
 ``python -m analysis.results_pages [--studies studies] [--out docs/results]`` reads every ``<studies>/<study>/``
 that holds a ``study.yaml`` and writes ``<out>/<study>.md`` with its figures in ``<out>/<study>/`` (PNG), then
-``<out>/index.md`` listing the studies. ``--collect RUNS DEST`` first copies the finished run records under ``RUNS``
-(``runs/default``) into ``DEST`` (``studies/default/records``): their record files only, never a partial log. Nothing on a page is typed by hand but the study's description: every
-number comes from the records beside its ``study.yaml``, so a measured number in the docs always has its record.
+``<out>/index.md`` listing the studies, and the leaderboard across them (:mod:`analysis.leaderboard`:
+``<out>/leaderboard.md``, figures in ``<out>/leaderboard/``). ``--collect RUNS DEST`` first copies the finished
+run records under ``RUNS`` (``runs/default``) into ``DEST`` (``studies/default/records``): their record files only,
+never a partial log. Nothing on a page is typed by hand but the study's description: every number comes from the
+records beside its ``study.yaml``, so a measured number in the docs always has its record.
 
 ``study.yaml``::
 
@@ -293,9 +295,14 @@ def read_all(studies: Path) -> dict[Path, dict]:
 
 def build(studies: Path, out: Path) -> list[Path]:
     """Every study's page and figures, then the index; returns the pages written."""
+    from analysis import leaderboard
+
     written, index = [], [HEADER, "", "# Results", "",
                           "Each page is regenerated from the records committed beside its `study.yaml` "
-                          "(`make docs-results`).", ""]
+                          "(`make docs-results`).", "",
+                          "- [The leaderboard](leaderboard.md): every method against the KV it keeps, one figure per "
+                          "task family, from the studies below (`make leaderboard`)"]
+    root = studies
     studies = read_all(studies)
     out.mkdir(parents=True, exist_ok=True)  # every study read first: a bad one stops before anything is written
     for folder, spec in studies.items():
@@ -315,6 +322,7 @@ def build(studies: Path, out: Path) -> list[Path]:
         path.write_text("\n".join(page).rstrip() + "\n")
         written.append(path)
         index.append(f"- [{spec['title']}]({name}.md) (records: {where})")
+    written += leaderboard.build(root, out)[:1]  # the page (its figures are in out/leaderboard/)
     (out / "index.md").write_text("\n".join(index) + "\n")
     return written + [out / "index.md"]
 

@@ -174,3 +174,57 @@ def test_collect_copies_finished_records_only(tmp_path):
     assert sorted(p.name for p in copied.iterdir()) == ["config.yaml", "metrics.json", "samples.jsonl"]
     assert load_runs(dest)["ppl"].tolist() == load_runs(runs)["ppl"].tolist()
     assert results_pages.main(["--collect", str(tmp_path / "nope"), str(dest)]) == 2
+
+
+# ---- the leaderboard (analysis.leaderboard, `make leaderboard`, a section of `make docs-results`)
+
+def test_the_committed_leaderboard_is_what_the_records_give_byte_for_byte(tmp_path):
+    """docs/results/leaderboard.md and every figure of docs/results/leaderboard/ are rebuilt from the committed study
+    records alone, to the byte (figures: fixed metadata, the pinned matplotlib)."""
+    import shutil
+
+    from analysis import leaderboard
+
+    for spec in (REPO / "studies").glob("*/study.yaml"):
+        shutil.copytree(spec.parent, tmp_path / "studies" / spec.parent.name)
+    out, committed = tmp_path / "docs" / "results", REPO / "docs" / "results"
+    assert leaderboard.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
+    assert (out / "leaderboard.md").read_text() == (committed / "leaderboard.md").read_text(), \
+        "run `make leaderboard`"
+    made = sorted(p.name for p in (out / "leaderboard").iterdir())
+    assert made == sorted(p.name for p in (committed / "leaderboard").iterdir())
+    assert made == sorted(["leaderboard.png", *(f"{f.key}.png" for f in leaderboard.FAMILIES)])
+    for name in made:
+        assert (out / "leaderboard" / name).read_bytes() == (committed / "leaderboard" / name).read_bytes(), name
+
+
+def test_the_leaderboard_says_which_family_has_no_records(tmp_path):
+    from analysis import leaderboard
+
+    root = tmp_path / "studies" / "ruler" / "records"
+    for policy, budget, acc in (("full", 1.0, 0.9), ("h2o", 0.2, 0.4), ("local", 0.2, 0.5)):
+        run(root, samples=[{"doc_id": i, "acc": float(i < acc * 10)} for i in range(10)], experiment="ruler",
+            model="smollm2-135m", task="ruler_niah_single_1", task_kind="retrieval", policy=policy, budget=budget,
+            shots=0, semantics="real", seed=0, n_samples=10, headline="acc", metrics={"acc": acc})
+    out = tmp_path / "docs"
+    assert leaderboard.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
+    page = (out / "leaderboard.md").read_text()
+    assert page.startswith(leaderboard.HEADER)
+    assert "No records committed yet under `studies/methods/`." in page
+    lo, hi = wilson(0.4, 10)
+    assert f"| RULER | H2O | every step | {0.4:.2f} [{lo:.2f}, {hi:.2f}] | — |" in page
+    assert f"| RULER | full | — | — | {0.9:.2f} [{wilson(0.9, 10)[0]:.2f}, {wilson(0.9, 10)[1]:.2f}] |" in page
+    assert sorted(p.name for p in (out / "leaderboard").iterdir()) == ["leaderboard.png", "ruler.png"]
+
+
+def test_one_method_vocabulary():
+    """Every method has one label, one colour and one marker, used by every page and figure of analysis/: no two
+    methods share both colour and marker, and no module keeps a vocabulary of its own."""
+    from analysis import labels, long_generation, many_questions, methods
+
+    pairs = [(c, m) for _, c, m in labels.METHODS.values()]
+    assert len(set(pairs)) == len(pairs)
+    assert labels.label("knorm") == "KNorm" and labels.label("r_kv") == "R-KV" and labels.label("h2o") == "H2O"
+    assert set(labels.POLICIES) <= set(labels.METHODS)
+    for module in (long_generation, many_questions, methods):
+        assert not isinstance(getattr(module, "LABELS", None), dict) and module.label is labels.label

@@ -195,7 +195,7 @@ def test_the_page_tabulates_and_draws_accuracy_against_turn(tmp_path):
                 "samples": samples, "metrics": {"acc": sum(accs) / 3}, "kv_bytes_cut": 2**20}
 
     lines = page_lines([rec("full", 1.0, [1.0, 0.5, 0.5]), rec("h2o", 0.2, [0.5, 0.0, 0.0])], tmp_path, "fig")
-    assert "| h2o | 20% | 0.50 | 0.00 | 0.00 |" in lines and "| full | 100% | 1.00 | 0.50 | 0.50 |" in lines
+    assert "| H2O | 20% | 0.50 | 0.00 | 0.00 |" in lines and "| full | 100% | 1.00 | 0.50 | 0.50 |" in lines
     assert "![accuracy against the turn](fig/many_questions_turns.png)" in lines
     assert (tmp_path / "many_questions_turns.png").stat().st_size > 5_000
 
@@ -215,10 +215,10 @@ def test_the_named_headline_heads_the_page(tmp_path):
     lines = page_lines(recs, tmp_path, "fig", named)
     # 6 of 12 questions differ (+1 each): mean 0.5, variance 3/11, se sqrt(3/11/12) = 0.1508, z 1.96; McNemar:
     # 6 discordant pairs all one way, p = 2 x 0.5^6 = 0.03125
-    assert lines[0] == ("**Headline**: kvzip against keydiff at 20%, each context asked its questions "
-                        "(`task.questions`), paired by question (kvzip − keydiff, difference in accuracy with its 95% "
-                        "interval): +0.500 [+0.205, +0.795] over 12 questions, kvzip better at 95% (right with kvzip alone on 6, "
-                        "with keydiff alone on 0: exact McNemar p = 0.031). Named first.")
+    assert lines[0] == ("**Headline**: KVzip against KeyDiff at 20%, each context asked its questions "
+                        "(`task.questions`), paired by question (KVzip − KeyDiff, difference in accuracy with its 95% "
+                        "interval): +0.500 [+0.205, +0.795] over 12 questions, KVzip better at 95% (right with KVzip "
+                        "alone on 6, with KeyDiff alone on 0: exact McNemar p = 0.031). Named first.")
     assert page_lines(recs[:2], tmp_path, "fig", named)[0].endswith(": not yet measured (a record is missing). "
                                                                      "Named first.")
     assert not page_lines(recs, tmp_path, "fig")[0].startswith("**Headline**")
@@ -241,9 +241,9 @@ def test_the_placement_pairs_each_question_inside_its_prompt_with_compressing_on
     assert lines[0].endswith("paired by question (each − once): +1.000 [+1.000, +1.000] over 6 questions, each better "
                              "at 95% (right with each alone on 6, with once alone on 0: exact McNemar p = 0.031). "
                              "Named first.")
-    assert "| snapkv | 20% | 0.00 [0.00, 0.39] | 1.00 [0.61, 1.00] | > +1.000 [+1.000, +1.000] | 50 / 140 |" in lines
-    assert "| tova | 20% | 0.50 [0.19, 0.81] | 0.50 [0.19, 0.81] | ≈ +0.000 [+0.000, +0.000] | 60 / 170 |" in lines
-    assert not any(line.startswith("| h2o | 20%") for line in lines)
+    assert "| SnapKV | 20% | 0.00 [0.00, 0.39] | 1.00 [0.61, 1.00] | > +1.000 [+1.000, +1.000] | 50 / 140 |" in lines
+    assert "| TOVA | 20% | 0.50 [0.19, 0.81] | 0.50 [0.19, 0.81] | ≈ +0.000 [+0.000, +0.000] | 60 / 170 |" in lines
+    assert not any(line.startswith("| H2O | 20%") for line in lines)
     missing = page_lines(recs[2:], tmp_path, "fig", None, {"method": "snapkv", "budget": 0.2})
     assert missing[0].endswith("(each − once): not yet measured (a record is missing)")
 

@@ -226,7 +226,7 @@ def test_the_methods_table_figures_and_page_come_from_the_records(tmp_path):
     [table] = methods_tables(df)
     assert table.header == ["method", "20% decode", "20% prefill"]
     rows = {r[0]: r[1:] for r in table.rows}
-    assert rows["snapkv"][0] == "—" and rows["snapkv"][1].startswith("21.00 [") and rows["snapkv"][1].endswith(
+    assert rows["SnapKV"][0] == "—" and rows["SnapKV"][1].startswith("21.00 [") and rows["SnapKV"][1].endswith(
         " · 31.0")
     assert rows["H2O"][0].endswith(" · 20.0") and rows["full"][0].startswith("18.00 [")
     names = sorted(p.name for p in methods_figures(df, tmp_path / "fig"))
@@ -236,5 +236,5 @@ def test_the_methods_table_figures_and_page_come_from_the_records(tmp_path):
     assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
     page = (out / "methods.md").read_text()
     assert "![methods_austen_ctx_methods](methods/methods_austen_ctx_methods.png)" in page
-    assert "- 20%: snapkv (prefill) > H2O (decode): ppl 21.000 vs 30.000" in page  # paired by window: resolved
-    assert "| snapkv | — | 21.00 [" in page
+    assert "- 20%: SnapKV (prefill) > H2O (decode): ppl 21.000 vs 30.000" in page  # paired by window: resolved
+    assert "| SnapKV | — | 21.00 [" in page
