@@ -50,6 +50,7 @@ NOT_RUN = {
     "pip install .": "installs the package (what `make install` does; CI runs it)",
     "pip install ./analysis": "installs a package (tests/test_analysis.py builds that wheel and runs it)",
     "pip install '.[workspace]'": "installs from the package registry",
+    "pip install 'lm_eval[math]'": "installs lm-eval's math extra from the package registry (minerva_math500 needs it)",
     "wandb login": "needs a wandb account",
     "wandb sync runs/.wandb/wandb/offline-run-*": "uploads to wandb (needs an account and the network)",
 }
