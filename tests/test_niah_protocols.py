@@ -67,8 +67,8 @@ def test_the_question_after_the_prompt_is_a_heatmap_of_its_own(tmp_path, drawn):
     record(tmp_path, "snapkv", 0.2, lambda n, d: d < 0.2, compress="prefill", question="after", name="after")
     assert niah.figure_niah(annotate(load_runs(tmp_path)), tmp_path / "fig") == \
         ["methods_niah_prefill_heatmap", "methods_niah_prefill_question-after_heatmap"]
-    assert drawn["methods_niah_prefill_heatmap"]["snapkv 20% (n=6)"].to_numpy().sum() == 6
-    assert drawn["methods_niah_prefill_question-after_heatmap"]["snapkv 20% (n=6)"].to_numpy().tolist() == \
+    assert drawn["methods_niah_prefill_heatmap"]["SnapKV 20% (n=6)"].to_numpy().sum() == 6
+    assert drawn["methods_niah_prefill_question-after_heatmap"]["SnapKV 20% (n=6)"].to_numpy().tolist() == \
         [[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]]
 
 
@@ -96,10 +96,10 @@ def test_a_protocol_without_a_full_record_draws_the_full_cache_of_another_and_sa
         "methods_niah_heatmap", "methods_niah_prefill_heatmap", "methods_niah_prefill_question-after_heatmap"]
     full = [[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]]  # rows 512, 1024; columns the depths
     assert {t: v.to_numpy().tolist() for t, v in drawn["methods_niah_prefill_heatmap"].items()} == {
-        "full 100% (n=6)\nrecord of compress=decode\n(same tokens)": full, "snapkv 20% (n=6)": [[0.0] * 3] * 2}
+        "full 100% (n=6)\nrecord of compress=decode\n(same tokens)": full, "SnapKV 20% (n=6)": [[0.0] * 3] * 2}
     after = drawn["methods_niah_prefill_question-after_heatmap"]
     assert list(after) == ["full 100% (n=6)\nrecord of compress=decode,\nquestion=prompt\n(same tokens)",
-                           "snapkv 20% (n=6)"]
+                           "SnapKV 20% (n=6)"]
     assert next(iter(after.values())).to_numpy().tolist() == full
 
 
@@ -111,7 +111,7 @@ def test_the_full_cache_of_other_task_settings_or_a_figure_with_its_own_is_not_b
     record(other, "snapkv", 0.2, lambda n, d: False, compress="prefill", name="inside")
     assert niah.figure_niah(annotate(load_runs(other)), tmp_path / "fig") == [
         "methods_niah_heatmap", "methods_niah_prefill_heatmap"]
-    assert list(drawn["methods_niah_prefill_heatmap"]) == ["snapkv 20% (n=6)"]  # limit=None there, 3 here
+    assert list(drawn["methods_niah_prefill_heatmap"]) == ["SnapKV 20% (n=6)"]  # limit=None there, 3 here
     record(own, "full", 1.0, lambda n, d: d > 0.2, name="full_inside")
     record(own, "full", 1.0, lambda n, d: d < 0.2, question="after", name="full_after")
     record(own, "h2o", 0.2, lambda n, d: False, question="after", name="h2o_after")

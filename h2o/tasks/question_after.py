@@ -50,8 +50,7 @@ def distinct_keys(task: str) -> int | None:
     """How many needles a context of lm-eval task ``task`` can hold, each with a key of its own (one question per
     needle): niah's keys drawn from its words, RULER's split tasks' 4; None: a task with one question a context."""
     from h2o.tasks.niah import ADJECTIVES, NOUNS
-    from h2o.tasks.ruler_many import SOURCES
-    from h2o.tasks.ruler_offline import NIAH_SHAPES
+    from h2o.tasks.ruler_offline import NIAH_SHAPES, SPLIT_SOURCES as SOURCES
 
     if task == "niah":
         return len(ADJECTIVES) * len(NOUNS)
@@ -63,7 +62,7 @@ def check_many_task(key: str, value: int, task: str, prefix: str = "--model_args
     holds several questions a context (niah, RULER's split tasks) and ``value`` is within its distinct keys. One
     rule for h2o-run (``task.questions``) and the lm-eval wrapper (``--model_args questions=``)."""
     from h2o.core.validate import check
-    from h2o.tasks.ruler_many import SOURCES
+    from h2o.tasks.ruler_offline import SPLIT_SOURCES as SOURCES
 
     if value == 1:
         return

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import re
 
+from h2o.tasks.ruler_offline import SPLIT_SOURCES as SOURCES  # split task -> its RULER source
+
 NEEDLE = re.compile(r"One of the special magic (\w+) for (.+?) is: (.+?)\.")
-SOURCES = {"niah_multikey_1_questions": "niah_multikey_1", "niah_multiquery_questions": "niah_multiquery"}
 
 
 def needles(context: str) -> tuple[str, dict[str, list[str]]]:

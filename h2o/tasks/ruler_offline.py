@@ -169,6 +169,8 @@ NIAH_SHAPES = {"niah_single_1": ("repeat", "words", "numbers", 1, 1, 1),
                "niah_multikey_3": ("needle", "uuids", "uuids", 1, 1, 1),
                "niah_multivalue": ("essay", "words", "numbers", 1, 4, 1),
                "niah_multiquery": ("essay", "words", "numbers", 4, 1, 4)}
+#: RULER's split tasks (tasks/niah_*_questions.yaml: one question per needle, h2o.tasks.ruler_many) -> their source
+SPLIT_SOURCES = {"niah_multikey_1_questions": "niah_multikey_1", "niah_multiquery_questions": "niah_multiquery"}
 QA_TASKS = ("ruler_qa_squad", "ruler_qa_hotpot")
 SIZED_WITH = {"niah": 128, "qa": 32}  # the generated tokens lm-eval sizes its samples with (its defaults)
 
