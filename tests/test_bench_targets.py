@@ -49,6 +49,8 @@ def test_make_bench_writes_the_experiments_record(tmp_path, monkeypatch, capsys)
     assert [(r["method"], r["compress"], r["interval"]) for r in rows] == [("full", None, None)] + [
         (m, "decode", None) for m in METHODS] + [(m, "interval", 4) for m in METHODS]
     assert all(r["kv_max_vs_full"] < 1 for r in rows[1:])  # 6 (+ 4 between cuts) held of full's 8 + 11
+    reads = rec["host_reads_per_layer_step"]  # every rule's, each schedule (tests/test_launches.py: the values)
+    assert "== host reads per layer per decoding step" in out and reads["h2o/decode"] == 0 and "r_kv/interval" in reads
     assert set(targets) == set(m) and all(t["met"] == meets("decode_long", t["value"]) for k, t in targets.items()
                                           if k.startswith("decode 40x3 h2o/"))
     samples = [json.loads(x) for x in (path.parent / "samples.jsonl").read_text().splitlines()]

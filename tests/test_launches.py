@@ -6,7 +6,7 @@ import torch
 
 from h2o import make_policy
 from h2o.assets.models import tiny_model
-from h2o.bench.launches import SYNC, aten_ops, decode_counts, simulated_ops
+from h2o.bench.launches import SYNC, aten_ops, decode_counts, every_layer_syncs, host_reads, simulated_ops
 from h2o.core.attach import attach
 from h2o.core import simulate
 
@@ -57,6 +57,49 @@ def test_decode_syncs_do_not_grow_with_layers(name):
     deep = tiny_model("llama", num_hidden_layers=4)
     counts = decode_counts(deep, make_policy(name, budget=0.2), ids(32), steps=2)
     assert counts["syncs_per_step"] == 1, counts
+
+
+# host reads per layer per decoding step that remain (h2o.bench.launches.layer_syncs, tiny LLaMA, interval 2): a
+# pooled layer's storage is as large as its fullest head (one read per step), and a kvpress press's cut under
+# compress=interval runs torch.topk per sequence on rows sized on the host (reads at each cut, none between cuts).
+# Before issue 47: knorm/decode and keydiff/decode 3 (which sequences are full, the budgets), r_kv/decode 1 and
+# r_kv/interval 0.5 (the CPU's gathered similarity in the evicting cache); every other rule and schedule 0.
+LAYER_READS = {"adakv/decode": 1, "adakv/interval": 3, "knorm/interval": 2, "keydiff/interval": 2,
+               "snapkv/interval": 1}
+
+
+def test_no_host_read_per_layer_in_a_decoding_step():
+    """Every rule with an evicting cache, every schedule it runs: host reads per layer per decoding step (reads
+    the CPU profiler shows, aten::nonzero, tolist) equal the table above, 0 for every other."""
+    measured = every_layer_syncs()
+    assert len(measured) > 40, measured
+    wrong = {k: v for k, v in measured.items() if v != LAYER_READS.get(k, 0)}
+    assert not wrong, wrong
+
+
+def test_positions_inside_the_cache_read_nothing_per_layer():
+    """Rerotation (``EvictingCache(rerotate=)``, the streaming task's positions=cache) numbers a global layer's keys
+    from the host count it keeps: no read per layer (2 before issue 47: the heads' counts, max and min)."""
+    from h2o.core.cache import EvictingCache
+    from h2o.core.rerotate import KeyShifter
+
+    x, per_step = ids(40), []
+    for layers in (2, 4):
+        model, policy = tiny_model("llama", num_hidden_layers=layers), make_policy("streaming_llm", budget=12)
+        with torch.no_grad(), attach(model, policy, mode="real") as h:
+            h.cache = cache = EvictingCache(policy, layers, rerotate=KeyShifter(model))
+            model(x, cache=cache)
+            step = lambda: model(x[:, -1:], cache=cache, position_ids=torch.tensor([[cache.next_position()]]))  # noqa
+            step()
+            per_step.append(host_reads(lambda: [step(), step()]) / 2)
+    assert per_step[0] == per_step[1] == 1, per_step  # the forward's non-finite flag alone
+
+
+def test_host_reads_counts_what_the_profiler_does_not_show():
+    x = torch.arange(6)
+    assert host_reads(lambda: x.tolist()) == 1 and aten_ops(lambda: x.tolist())[SYNC] == 0
+    assert host_reads(lambda: x[x > 2]) == 1 and host_reads(lambda: int(x.sum())) == 1
+    assert host_reads(lambda: x + 1) == 0
 
 
 def loop_mask(policy, allowed, valid, prompt_len):

@@ -67,7 +67,8 @@ class TargetsTask(TaskSpec):
     none) with ``methods_gen`` tokens each (:mod:`h2o.bench.every_policy`); ``long_generation``: every method with
     a decoding form at ``long_gen_budget`` tokens, every step and every ``long_gen_interval`` tokens, beside full,
     generating ``long_gen`` ([generated tokens, batch]; null: none) after a ``long_gen_prompt``-token prompt
-    (:mod:`h2o.bench.long_generation`)."""
+    (:mod:`h2o.bench.long_generation`); ``host_reads_per_layer_step``: every rule's host reads per layer per
+    decoding step at each schedule (:func:`host_reads_table`)."""
 
     name: str
     long: list = field(default_factory=lambda: [4096, 8])
@@ -149,6 +150,23 @@ class TargetsTask(TaskSpec):
         res = check_targets(recs, self.long, self.short, policy.name, policy.budget)
         targets = {k: {"value": x, "target": t, "met": ok} for k, (x, t, ok) in res.items()}
         met = [ok for _, _, ok in res.values() if ok is not None]
+        reads = host_reads_table()
         return Result({k: x for k, (x, _, _) in res.items()}, recs,
                       {"targets": targets, "targets_met": f"{sum(met)}/{len(met)}", "methods": rows(recs),
-                       "long_generation": long_generation.rows(recs)})
+                       "long_generation": long_generation.rows(recs), "host_reads_per_layer_step": reads})
+
+
+def host_reads_table(out=None) -> dict[str, float]:
+    """Every rule's host reads per layer per decoding step, each schedule it runs (:func:`h2o.bench.launches.
+    every_layer_syncs`: the tiny LLaMA, the reads a GPU waits on beyond the forward's one), printed and returned."""
+    import sys
+
+    from h2o.bench.launches import every_layer_syncs
+
+    reads = every_layer_syncs()
+    out = out or sys.stdout
+    print("\n== host reads per layer per decoding step (tiny LLaMA; beyond the forward's non-finite flag)", file=out)
+    for k, v in reads.items():
+        print(f"{k:>28}: {v:g}", file=out)
+    out.flush()
+    return reads

@@ -55,10 +55,10 @@ from dataclasses import dataclass
 
 import torch
 
+from h2o.core import engine
 from h2o.core.attach import attach
 from h2o.core.cache import EvictingCache
 from h2o.core.policies import make_policy
-from h2o.core.policies.base import READ_ROWS
 from h2o.bench.measure import (PeakRSS, Timer, gpu_devices, gpu_peak_bytes, held_tokens, kv_bytes, median,
                                reset_gpu_peaks, sync)
 from h2o.bench.report import add_ratios, print_table
@@ -141,8 +141,7 @@ def run_once(model, new_cache, ids, gen_len: int, prefill_chunk: int = 0, fork=N
 def shared_prefill(model, ids1, prefill_chunk: int = 1024):
     """Prefill one prompt (1, T) through the full evicting cache: (snapshot cache, last logits, seconds)."""
     device = ids1.device
-    full = make_policy("full")
-    full.reads = frozenset({READ_ROWS})  # every row's attention kept: the forks' cuts rank by it (full reads none)
+    full = engine.reading_rows(make_policy("full"))  # every row's attention kept: the forks' cuts rank by it
     with attach(model, full, mode="real") as h:
         cache = h.new_cache(ref_len=ids1.shape[1])
         sync(device)

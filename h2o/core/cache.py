@@ -12,16 +12,12 @@ Per-layer state (S = slots, ``budget`` once full; the largest budget of the batc
     n_tok (B,) int64 tokens of each sequence seen (pads excluded)            counts: budget per sequence
 ``get_seq_length`` reports the logical length (tokens seen, pads included), so positions stay right.
 
-Host copies of the counts (tokens seen, slots held, budget per sequence) decide where a decoding token goes, so a
-decoding step makes no host sync (a prefill makes one per layer, to count its tokens). A decoding token is a real
-token (never a pad), as in ``generate``.
+Host copies of the counts (tokens seen, slots held, budget per sequence) decide where a decoding token goes: no host
+sync in a decoding step (a prefill counts its tokens, one per layer). A decoding token is never a pad.
 
-Sliding-window layers (``window``, set by the attention function from what the model passes): a token leaves the
-layer once it is out of the window of the arriving token (positions ``<= now - window``), before the policy
-decides; its slot is then empty and taken by the next token. The policy's budget applies to the tokens inside the
-window, so the layer holds at most ``min(budget, window)`` tokens and never more than ``window`` slots. What the
-window frees differs between KV heads, so such a layer decides on the device (:meth:`EvictingLayer.slide_in`);
-the host keeps an upper bound of the slots held, enough to know when a slot must be added.
+Sliding-window layers (``window``): what leaves the window goes before the policy decides, whose budget applies
+inside it (docs/attention.md); the heads then differ, so such a layer decides on the device
+(:meth:`EvictingLayer.slide_in`), the host keeping an upper bound of the slots held.
 """
 from __future__ import annotations
 
@@ -322,7 +318,8 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         ref = self.host_tok if self.ref_len is None else [self.ref_len] * len(self.host_tok)
         counts = self.policy.layer_counts(self.policy.counts(torch.tensor(ref)), self.layer_idx, self.num_layers)
         self.host_total, self.host_counts, self.decoder = counts.total.tolist(), counts, None
-        self.counts = counts.map(lambda x: x.to(self.n_tok.device))
+        self.counts = counts.map(lambda x: x.to(self.n_tok.device, copy=True))  # a copy: apart on the CPU too
+        self.counts.host = counts  # what a rule reads as numbers: no device read
 
     def end_forward(self, q: int) -> None:
         """After the attention of a forward of ``q`` new tokens: a prefill (chunk) is cut back to the budget; with
@@ -339,7 +336,8 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         if self.rerotation is not None:
             tok = self.tok_before
             first_new = tok[0] if len(set(tok)) == 1 else torch.tensor(tok)
-            self.keys.copy_(self.rerotation.renumber(self.pos, self.keys, first_new))
+            held = self.host_held[0] if self.window is None and len(set(self.host_held)) == 1 else None  # exact
+            self.keys.copy_(self.rerotation.renumber(self.pos, self.keys, first_new, held))
 
     def nbytes(self) -> int:
         """Bytes of the keys and values held (quant: the packed rows: codes, scales, outliers, indices; the sink)."""

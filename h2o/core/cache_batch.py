@@ -7,9 +7,12 @@ the same decisions, by its contract: :class:`h2o.core.policies.base.Decoder`). M
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from .policies import PolicyError
+from .policies import Counts, PolicyError
+from .rerotate import KeyRerotation
 
 
 class BatchHooks:
@@ -61,8 +64,19 @@ class BatchHooks:
             self.host_tok, self.host_held, self.host_total = ([x[b] for b in host] if x else [] for x in lists)
             if self.host_counts is not None:
                 self.host_counts = self.host_counts.map(lambda x: x[torch.tensor(host)])
+        if self.counts is not None:
+            self.counts.host = self.host_counts
         self.room, self.room_list, self.zero, self.decoder = None, [], None, None
         return host
+
+    def copy(self) -> "EvictingLayer":
+        """A copy sharing nothing it changes (:func:`duplicate`); a decoder rebuilt at the next step (the same
+        decisions, by its contract)."""
+        new = copy.copy(self)
+        vars(new).update({k: duplicate(v) for k, v in vars(self).items()}, decoder=None, served=None)
+        if new.counts is not None:
+            new.counts.host = new.host_counts
+        return new
 
     def adopt(self):
         """Re-derive the host counts and the budget from the device state (``n_tok``, ``pos``) after it was
@@ -99,6 +113,17 @@ class BatchHooks:
 class CacheBatchHooks:
     """The cache's: each layer's, with what is read to the host read once for all layers."""
 
+    def copy(self) -> "EvictingCache":
+        """A copy sharing nothing it changes (:meth:`EvictingLayer.copy`): a compressed prompt asked apart."""
+        new = copy.copy(self)
+        new.layers = [layer.copy() for layer in self.layers]
+        return new
+
+    def figures(self) -> dict:
+        """Per sequence, from the host counts: ``budget`` (layer 0's) and ``held`` (summed over layers, per KV head)."""
+        held = [layer.host_held for layer in self.layers if layer.host_held]
+        return {"budget": list(self.layers[0].host_total), "held": [sum(col) for col in zip(*held)]}
+
     def fork(self, src: "EvictingCache", batch: int = 1) -> "EvictingCache":
         """This (new) cache as its policy holds ``src``'s prefill (:meth:`EvictingLayer.fork`), repeated to
         ``batch`` sequences after the cut (a large batch never holds the whole prompt ``batch`` times)."""
@@ -119,3 +144,16 @@ class CacheBatchHooks:
         host = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
         for layer in self.layers:
             layer.batch_select_indices(host)
+
+
+def duplicate(x):
+    """A layer's field as :meth:`BatchHooks.copy` copies it; the policy, the quantizer, numbers as they are."""
+    if isinstance(x, (torch.Tensor, Counts)):
+        return x.clone() if isinstance(x, torch.Tensor) else x.map(torch.clone)
+    if isinstance(x, (list, tuple)):
+        return type(x)(duplicate(v) for v in x)
+    if isinstance(x, KeyRerotation):
+        out = copy.copy(x)
+        vars(out).update(prev=duplicate(x.prev), entered=duplicate(x.entered))
+        return out
+    return x

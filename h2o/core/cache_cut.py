@@ -1,12 +1,11 @@
-"""The evicting layer's cut: at the end of a prompt (or of a prefill chunk) the layer keeps the budget (less the
-policy's ``cut_room``: a slot left for the next token) and frees the rest. What the policy ranks (its accumulated
-scores, a score of the held keys, or the prompt's query statistics against the held keys and values), which slots
-it keeps (each head's top count, or one top-k over the layer's heads for a pooled policy: Ada-KV) and the
-compaction into fewer slots; and a sliding-window layer's decoding step, the window's expiry first
-(:meth:`CutHooks.slide_in`); the sequencing is :mod:`h2o.core.step`'s. Mixed into
-:class:`h2o.core.cache.EvictingLayer` (state shapes: :mod:`h2o.core.cache`).
+"""The evicting layer's cut: at the end of a prompt (or of a prefill chunk, or a schedule's cut) the layer keeps the
+budget (less the policy's ``cut_room``) by what the policy ranks (:meth:`CutHooks.cut_state`) and frees the rest, in
+:mod:`h2o.core.step`'s order; a cut a rule decides itself (:meth:`CutHooks.keep_only`); a sliding-window layer's
+decoding step (:meth:`CutHooks.slide_in`). Mixed into :class:`h2o.core.cache.EvictingLayer` (shapes there).
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -37,6 +36,23 @@ class CutHooks:
             keep = valid
         if self.window is not None:  # an upper bound: the window may have freed more on some heads
             self.host_held = [min(h, self.window) for h in self.host_held]
+        self.compact(keep, max(self.host_held))
+
+    @contextmanager
+    def narrowed(self, c: int):
+        """``acc`` seen as its first ``c`` slots while a block of rows that sees no later slot is added (the hooks
+        add in place: the view writes into the whole state)."""
+        whole = self.acc
+        self.acc = whole[:, :, :c]
+        try:
+            yield
+        finally:
+            self.acc = whole
+
+    def keep_only(self, keep: torch.Tensor) -> None:
+        """Keep the slots ``keep`` (B, H, S) bool, free the rest: a cut a rule decides outside the step (kvzip's
+        replay); one host read (the heads' counts decide the storage)."""
+        self.host_held = keep.sum(-1).amax(-1).tolist()
         self.compact(keep, max(self.host_held))
 
     def cuts(self) -> bool:

@@ -12,12 +12,14 @@ its schedule), so that nothing outside ``h2o.core`` reads a policy's flags.
 * :func:`whole_forward`, :func:`as_paper_rule`: the paper code's H2O rule (a mask over one whole forward,
   :mod:`h2o.core.policies.h2o_reference`), under its name :data:`PAPER_RULE`; this is the one module outside
   ``h2o.core.policies`` that names it.
+* :func:`no_simulated_form` (kvzip: why), :func:`reading_rows` (full for a shared prefill whose forks rank).
 """
 from __future__ import annotations
 
 import torch
 
 from .policies import Policy
+from .policies.base import READ_ROWS
 from .policies.h2o_reference import as_reference
 
 PAPER_RULE = "h2o_reference"  # the paper code's H2O mask rule's policy name (simulated only)
@@ -75,3 +77,14 @@ def as_paper_rule(policy: Policy) -> Policy:
     """The paper code's rule on ``policy``'s heavy/recent split (its second spelling, ``semantics=reference``); a
     policy outside its scope is a one-line PolicyError."""
     return as_reference(policy)
+
+
+def no_simulated_form(policy: Policy) -> str | None:
+    """Why the rule has no simulated (one-pass) form (kvzip replays the context after it), or None."""
+    return policy.real_only
+
+
+def reading_rows(policy: Policy) -> Policy:
+    """``policy`` (full) reading every prompt row's attention in its prefill (``READ_ROWS``); returns it."""
+    policy.reads = frozenset({READ_ROWS})
+    return policy

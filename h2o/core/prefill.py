@@ -4,22 +4,16 @@
 Real path (:func:`real_prefill`, called by :func:`h2o.core.attention.real_attention` for a forward of more than one
 token, after :meth:`EvictingLayer.begin`):
 
-* the output: one fused call with ``is_causal`` where the forward is a first prompt without pads (on a global
-  layer, or a window longer than the prompt): the model's own flash kernel where it was loaded with one
-  (:func:`own_kernel`; in the model's dtype), else torch's sdpa; else fused calls per block of rows under the
-  layer's own mask (:meth:`EvictingLayer.visible`: the held slots, causal by position, the sliding window); a pad
-  row, which sees nothing, gets the uniform average of the values as the eager softmax gives it;
-* ``READ_ROWS`` (h2o, h2_only, scissorhands-like sums): every row's attention, recomputed per block of rows as
-  ``exp(logits - lse)`` with the log-sum-exp the fused kernel returns (CPU; elsewhere each block's own), over the
-  columns up to the block's last row only; the layer's hook (:meth:`EvictingLayer.attended`) adds them up as
-  before. A slot newer than a block's rows holds a zero state then (a new slot), so the columns past it are left
-  out of that block's call (their probabilities are zero);
-* ``READ_WINDOW`` (snapkv, pyramidkv, adakv over them, tova, scissorhands): the softmax of the rows from the first
-  one inside some sequence's last :meth:`Policy.read_window` rows (the rows before add nothing to the state);
-* nothing for the others (the keys and the queries' statistics are read by the cut and by ``begin``).
+* the output: one fused call with ``is_causal`` where the forward is a first prompt without pads (the model's own
+  flash kernel where it was loaded with one, :func:`own_kernel`), else fused calls per block of rows under the
+  layer's own mask (:meth:`EvictingLayer.visible`); a pad row gets the uniform average of the values (eager's);
+* ``READ_ROWS``: every row's attention as ``exp(logits - lse)`` per block of rows (the kernel's log-sum-exp on the
+  CPU; elsewhere each block's softmax), over the columns up to the block's last row, into the layer's hook
+  (:meth:`EvictingLayer.attended`); ``READ_WINDOW``: the softmax of the rows from the first one inside some
+  sequence's last :meth:`Policy.read_window` rows; nothing for the others (docs/architecture-core.md, "The real
+  path").
 
-Memory: the fused calls and the blocks of rows hold at most :data:`CELLS` scores or mask cells at once (beside
-the kernel's own), linear in the prompt for a fixed block.
+Memory: at most :data:`CELLS` scores or mask cells at once beside the kernel's own (linear in the prompt).
 
 Simulated path (:func:`simulated_fused`): a policy whose mask does not depend on the scores (``full``, the
 position-only policies in closed form) hands its mask to the fused kernel instead of materialising the
@@ -31,7 +25,6 @@ GPT-OSS's learned sinks (no fused kernel takes them), and a forward whose attent
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -119,18 +112,6 @@ def uniform_where_empty(mask: torch.Tensor, value: torch.Tensor, G: int):
         return mask, lambda o: o
     mean = value.float().mean(-2).repeat_interleave(G, 1)[:, :, None].to(value.dtype)  # (B, Hq, 1, D)
     return mask | empty, lambda o: torch.where(empty, mean, o)
-
-
-@contextmanager
-def narrowed(layer, c: int):
-    """The layer's state ``acc`` seen as its first ``c`` slots while a block of rows that sees no later slot is
-    added (the hooks add in place: the view writes into the whole state)."""
-    whole = layer.acc
-    layer.acc = whole[:, :, :c]
-    try:
-        yield
-    finally:
-        layer.acc = whole
 
 
 def is_flash(implementation: str) -> bool:
@@ -232,7 +213,7 @@ def row_statistics(layer, query, key, scaling: float, lse: torch.Tensor | None, 
             left = (layer.n_tok - 1)[:, None] - layer.pos[:, 0, at:at + n]  # (B, n) tokens after each row
             layer.policy.accumulate_prompt(layer.acc[:, :, :c], probs, layer.valid[:, r:r + n], left)
         else:
-            with narrowed(layer, c):
+            with layer.narrowed(c):
                 layer.attended(probs, r)
 
 

@@ -54,14 +54,15 @@ class KeyRerotation:
         self.entered: tuple | None = None  # (keys (B, H, n, D) as they entered, their number then), sorted
         self.n = 0  # tokens held per KV head (equal across heads); the next forward starts at number n
 
-    def renumber(self, pos: torch.Tensor, keys: torch.Tensor, first_new) -> torch.Tensor:
+    def renumber(self, pos: torch.Tensor, keys: torch.Tensor, first_new, held: int | None = None) -> torch.Tensor:
         """After a forward whose first token had true position ``first_new`` (an int or (B,)): pos (B, H, S) true
-        positions held (-1 empty), keys (B, H, S, D) as stored -> the keys rotated to their numbers 0..n-1."""
-        valid = pos >= 0
-        counts = valid.sum(-1)
-        n = int(counts.max())
-        if int(counts.min()) != n:
-            raise RuntimeError(f"heads hold different numbers of tokens ({counts.tolist()})")
+        positions held (-1 empty), keys (B, H, S, D) -> the keys at numbers 0..n-1 (``held``: n, None: read)."""
+        valid, n = pos >= 0, held
+        if n is None:
+            counts = valid.sum(-1)
+            n = int(counts.max())
+            if int(counts.min()) != n:
+                raise RuntimeError(f"heads hold different numbers of tokens ({counts.tolist()})")
         first_new = torch.as_tensor(first_new, device=pos.device).view(-1, 1, 1)
         new = pos >= first_new
         entry_keys, entry = keys, torch.where(new, self.n + pos - first_new, 0)  # number at entry

@@ -16,13 +16,8 @@ token's position and a fresh score into its slot) or :func:`place_column` (a col
 :func:`accumulate` of its attention.
 
 The simulated path runs these over column-ordered rows (:mod:`h2o.core.simulate`, :mod:`h2o.core.schedule_rows`),
-the evicting cache over its slots (:mod:`h2o.core.cache`, :mod:`h2o.core.cache_cut`), which stores the keys and
-values and keeps the counts. The accelerators a rule declares (``Policy.accelerators``: its closed form, its
-incremental decoder, the Triton row kernel) replace these steps where declared, each tested equal to them.
-
-State (S = slots or columns): :class:`Slots` (positions, the held ones, ``acc``, the newest token) at a cut;
-:class:`Arrival` at a decoding step; a simulated forward's inputs :class:`Forward`; its row recurrence's
-:class:`Rows`; what transformers passes a layer beside queries, keys and values :class:`LayerCall`.
+the evicting cache over its slots (:mod:`h2o.core.cache`); a rule's accelerators (``Policy.accelerators``) replace
+them where declared, each tested equal. State: :class:`Slots`, :class:`Arrival`, :class:`Forward`, :class:`Rows`.
 """
 from __future__ import annotations
 

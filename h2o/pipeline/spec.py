@@ -335,8 +335,8 @@ def prepare(cfg: DictConfig) -> RunSpec:
         raise ConfigError(f"policy={policy.name}: the paper code's mask rule is for one-pass scoring; task "
                           f"{task.name} ({task.kind}) runs {', '.join(task.semantics)}")
     semantics = task.resolve_semantics(cfg.semantics)
-    check(not getattr(policy, "real_only", None) or semantics == "real",
-          f"policy={policy.name}: semantics={semantics}: {getattr(policy, 'real_only', '')}; allowed: a task that "
+    check(not engine.no_simulated_form(policy) or semantics == "real",
+          f"policy={policy.name}: semantics={semantics}: {engine.no_simulated_form(policy) or ''}; allowed: a task that "
           f"runs the real path (niah, RULER, summarization, reasoning)")
     task.check_model(model)
     task.check_policy(policy)

@@ -37,8 +37,8 @@ class StepWatch(LogitsProcessor):
     def note(self, rows: int = 1) -> None:
         """One step of ``rows`` rows (h2o.tasks.many_questions.greedy calls it with its one row)."""
         self.times.append(time.perf_counter() - self.start)
-        self.held.append([self.kv_heads * sum(layer.host_held[b] for layer in self.cache.layers if layer.host_held)
-                          for b in range(rows)])
+        held = self.cache.figures()["held"]
+        self.held.append([self.kv_heads * (held[b] if held else 0) for b in range(rows)])
 
 
 def ended_at(tokens: list[int], eos: set[int], stop: list[str], decode) -> int | None:

@@ -362,7 +362,7 @@ class H2OLM(AskMany, ResumeLogs, GenerationRows, HFLM):
                 prompt = [n - q for n, q in zip(prompt, asked)]  # the compressed prompt: the context alone
             else:
                 out = super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
-        held = prompt if engine.keeps_all(self.policy) else cache.layers[0].host_total  # full never evicts
+        held = prompt if engine.keeps_all(self.policy) else cache.figures()["budget"]  # full never evicts
         self.budgets.extend(zip(prompt, held))
         self.log_generated(prompt, held, cache.footprint(), context.shape[0])
         self.footprints.append((cache.footprint(), context.shape[0]))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from h2o.core import engine
 from h2o.core.engine import keeps_all
 from h2o.tasks.base import Result, TaskSpec, check
 from h2o.core.validate import ConfigError
@@ -103,9 +104,10 @@ class LongGenerationTask(TaskSpec):
     def check_policy(self, policy) -> None:
         """The full cache's answer is teacher-forced through the policy on the simulated path (one pass): a rule
         without a simulated form (kvzip) is refused."""
-        check(not policy.real_only, f"policy={policy.name}: task {self.name} teacher-forces the full cache's answer "
-                                    f"through the policy in one pass, and {policy.name} has no one-pass form "
-                                    f"({policy.real_only}); allowed: a policy with one (every other policy)")
+        why = engine.no_simulated_form(policy)
+        check(not why, f"policy={policy.name}: task {self.name} teacher-forces the full cache's answer through the "
+                       f"policy in one pass, and {policy.name} has no one-pass form ({why}); allowed: a policy with "
+                       f"one (every other policy)")
 
     # --------------------------------------------------------------------------------------------- prompts
     def around(self, tokenizer) -> tuple[list[int], list[int]]:

@@ -313,8 +313,8 @@ class Policy(BudgetChecks):
         if not self.cut_room:
             return counts
         total = (counts.total - self.cut_room).clamp(min=0)
-        heavy = torch.minimum(counts.heavy, total)
-        return Counts(total=total, heavy=heavy, recent=total - heavy, length=counts.length)
+        heavy, host = torch.minimum(counts.heavy, total), counts.host and self.cut_counts(counts.host)
+        return Counts(total=total, heavy=heavy, recent=total - heavy, length=counts.length, host=host)
 
     def decoder(self, counts: Counts, host: Counts) -> "Decoder":
         """The priority at the decoding steps of one evicting-cache layer (counts on the device and on the host).

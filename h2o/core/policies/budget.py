@@ -2,7 +2,7 @@
 per-sequence token counts every path reads (:class:`Counts`)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,8 @@ class Counts:
     heavy: torch.Tensor
     recent: torch.Tensor
     length: torch.Tensor  # the reference length the ratios were taken of
+    # the same counts as CPU tensors (read without a device sync), kept by the evicting cache (None: none kept)
+    host: "Counts | None" = field(default=None, repr=False, compare=False)
 
     def fields(self) -> tuple[torch.Tensor, ...]:
         return self.total, self.heavy, self.recent, self.length

@@ -9,8 +9,7 @@ in kvpress's row, ``j - n`` for the ``j``-th key ``topk`` returned (``n`` kept),
 (last; several such: by position, as they were appended). The prompt's cut sets it from kvpress's prefill ``topk``
 (:meth:`DecodingOrder.cut_order`, the row by position as :func:`.kvpress_select.kvpress_topk` runs it); each step
 where the head is full (the arriving token must evict) runs ``topk(n - 1)`` on the held keys' scores in that order
-and the one left out goes (:meth:`DecodingOrder.step_score`). Both paths call the same two hooks. One host read per
-layer and step (which sequences are full).
+and the one left out goes (:meth:`DecodingOrder.step_score`). Both paths call the same two hooks (no host read).
 
 The interval timing (``DecodingPress(press, compression_interval=N, target_size=n)``) keeps the same order: each cut
 runs ``topk(n)`` on kvpress's row (the kept keys in ``topk``'s order, then the tokens since by position; at the
@@ -76,14 +75,13 @@ class DecodingOrder(PrefillOnly):
         score = self.cut_score(acc, keys, held)  # (B, H, S)
         if self.compress != "decode":  # prefill, interval: the score as it is
             return score
-        full = held.sum(-1) >= counts.total[:, None]  # (B, H) the arriving token evicts
-        if not bool(full.any()):
-            return score
+        full = held.sum(-1) >= counts.total[:, None]  # (B, H) the arriving token evicts (decided on the device)
         order = kvpress_row(acc, pos, held)  # (B, H, S) kvpress's row: its slots in order
-        out = score.clone()
-        for b, n in enumerate(counts.total.tolist()):
-            if not bool(full[b].any()) or n < 1:
+        out, S = score.clone(), score.shape[-1]
+        for b, n in enumerate((counts.host or counts).total.tolist()):  # the budgets as numbers: no device read
+            if n < 1:
                 continue
+            n = min(n, S)  # fewer slots than the budget: no head is full, the answer unused
             row = order[b, :, :n]  # (H, n) the held slots in kvpress's order
             top = score[b].gather(-1, row).topk(n - 1, dim=-1).indices  # (H, n - 1)
             kept = row.gather(-1, top)  # (H, n - 1) slots, in topk's order

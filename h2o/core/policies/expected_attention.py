@@ -27,17 +27,8 @@ tokens is all sinks (kvpress asserts it is longer); ties there go to the newest.
 The queries before RoPE: :mod:`h2o.core.prerope` (the attention function's queries turned back with the rotation
 the module applied). State: the statistics live in the evicting layer from the prompt's forward to its cut
 (``EvictingLayer.queries``); the simulated path computes them from the prompt's rows in the same call.
-No decoding form: ``compress=decode`` is refused in one line (:meth:`ExpectedAttention.timed`). kvpress 0.5.5 has
-none of its own; its wrapper ``DecodingPress(ExpectedAttentionPress(), compression_interval=1)`` (the budget held
-at every step, the harness's decode timing) is degenerate. Its hook buffers the layer's hidden states and clears the
-buffer after each re-score, so at interval N the statistics come from the N states since the last cut; at N = 1 one
-state, which the ``n_sink = 4`` cut removes: the mean and covariance of 0 queries are NaN, every score is NaN (the
-sinks' ``max + 1`` too) and ``topk`` keeps whatever order it returns for NaNs. Measured on kvpress 0.5.5 with the
-parity tiny Llama (24-token prompt, target 16): at every step all scores NaN, the first cut kept positions
-{3, 4, 5, 12..24} of 25 (sinks 0-2 dropped); the same at N <= n_sink (N = 4); at N = n_sink + 1 one query is left
-and the covariance is exactly 0. At any N the future rotation averages positions ``N .. N + 511`` (kvpress reads the
-buffer's length as the prompt's), not the sequence's ``L .. L + 511``. With ``n_sink = 0`` at N = 1: the newest
-query alone, zero covariance, the same wrong positions. No published rule to follow there, so none is built.
+No decoding form: ``compress=decode`` is refused in one line (:meth:`ExpectedAttention.timed`); kvpress's
+``DecodingPress`` around it is degenerate (NaN scores at interval 1, measured): docs/methods.md, "Expected Attention".
 """
 from __future__ import annotations
 

@@ -85,9 +85,7 @@ class KVzip(PrefillOnly):
                 pos = layer.pos[b]  # (Hkv, S)
                 drop[b] = (pos >= 0) & lost[0].gather(-1, pos.clamp(min=0))
         for layer, drop in zip(cache.layers, drops):
-            keep = (layer.pos >= 0) & ~drop
-            layer.host_held = keep.sum(-1).amax(-1).tolist()
-            layer.compact(keep, max(layer.host_held))
+            layer.keep_only((layer.pos >= 0) & ~drop)
 
     def describe(self):
         return {**super().describe(), "n_sink": self.n_sink, "chunk_size": self.chunk_size,

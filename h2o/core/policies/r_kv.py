@@ -1,18 +1,11 @@
 """r_kv: keep the tokens that are important and not redundant (R-KV, Cai et al., arXiv 2505.24133), as the
 reference code (Zefan-Cai/R-KV, ``R1KV.update_kv`` with ``cal_similarity``) defines it, at decoding time.
 
-At a cut, per (sequence, KV head), over the held tokens in position order (``n`` held, ``w = window``):
-
-* the window: the newest ``w`` held tokens, always kept;
-* importance of each older held token ``j``: for each of the newest ``w`` query rows (the window's own tokens),
-  the logit of ``j`` taken as the maximum over the KV head's ``G`` query heads, a softmax over the older held
-  tokens (the window's keys left out), the mean over the ``w`` rows; then a max-pool along the held tokens
-  (``kernel``, stride 1, padding ``kernel // 2``);
-* redundancy of each held token ``j``: the cosine similarity of the held keys (after RoPE, norms plus 1e-8), the
-  diagonal zeroed; in each row ``i`` the entry of the newest held token more similar than ``threshold`` is zeroed
-  (none: the oldest held token's entry, as the reference's index 0); the mean of column ``j`` over the ``n`` rows;
-  a softmax over the ``n`` held tokens; then the older ones' values;
-* score ``mix_lambda * importance - (1 - mix_lambda) * redundancy``; the ``total - w`` highest are kept.
+At a cut, per (sequence, KV head), over the held tokens in position order: the newest ``window`` kept; the others
+scored ``mix_lambda * importance - (1 - mix_lambda) * redundancy`` (importance: the newest rows' group-maximum
+logits, a softmax over the older held tokens, their mean, max-pooled by ``kernel``; redundancy: the held keys'
+cosine similarity, each row's newest entry above ``threshold`` zeroed, column means, a softmax), the
+``total - window`` highest kept. Step by step, with the reference's lines: docs/r_kv.md.
 
 Defaults are the reference code's: ``window`` 8, ``kernel`` 7, ``mix_lambda`` 0.07, ``threshold`` 0.5 (its
 ``cal_similarity``), budget 128 tokens; its schedule, a cut every 128 generated tokens, is ``compress=interval``
@@ -96,7 +89,7 @@ class RKV(Policy):
         window = held & (newest_rank(pos) < w)  # (B, H, S) the newest w held
         older = held & ~window
         score = self.mix_lambda * self.importance(acc[..., :w], pos, older) \
-            - (1 - self.mix_lambda) * redundancy(acc[..., w:], pos, held, self.threshold)
+            - (1 - self.mix_lambda) * redundancy(acc[..., w:], pos, held, self.threshold, counts.host is not None)
         return torch.where(window, 2 * TIER + pos.double(), torch.where(older, score.double(), 0.0))
 
     def importance(self, logits: torch.Tensor, pos: torch.Tensor, older: torch.Tensor) -> torch.Tensor:
@@ -114,7 +107,8 @@ class RKV(Policy):
                 "threshold": self.threshold}
 
 
-def redundancy(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, threshold: float) -> torch.Tensor:
+def redundancy(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, threshold: float,
+               compact: bool = False) -> torch.Tensor:
     """keys (B, H, S, D), pos (B, H, S), held (B, H, S) bool -> (B, H, S): each held key's mean cosine similarity
     to the held keys (each row's newest similar entry zeroed), a softmax over the held keys; 0 where not held.
 
@@ -122,9 +116,10 @@ def redundancy(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, thresh
     the budget held), the similarity is taken over the held keys only, gathered in slot order (n^2 instead of S^2
     entries per head): the same figures up to float rounding (the non-held enter neither the means nor the softmax;
     the sums run in another order, so an exact near-tie may be decided the other way). It needs n on the host, a
-    read that costs nothing on the CPU and a sync on a GPU, so a GPU takes the S x S form."""
+    read that costs nothing on the CPU and a sync on a GPU, so a GPU takes the S x S form, and so does the evicting
+    cache (``compact``: its counts keep a host mirror, ``Counts.host``), whose slots are what it holds."""
     S = held.shape[-1]
-    n = int(held.sum(-1).amax()) if held.device.type == "cpu" and S > 1 else S
+    n = int(held.sum(-1).amax()) if held.device.type == "cpu" and S > 1 and not compact else S
     if n > S // 2:
         return redundancy_of(keys, pos, held, threshold)
     idx = held.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :max(n, 1)]  # (B, H, n) held first

@@ -1,38 +1,11 @@
 """scissorhands: persistence of importance over a history window (Scissorhands, Liu et al., arXiv 2305.17118).
 
-The paper's rule (its Algorithm 1, a budget KV cache per attention head, and Algorithm 2, "compress KV cache"):
-a cached token is *unimportant* at a step when the step's query gives it less attention than the average over the
-tokens it attends, ``alpha_{i,j} < 1/t_i`` (``t_i`` tokens attended at step i); over the history window of the
-last ``w`` queries each token counts the steps at which it was unimportant,
-``I_j = sum_{i in the window} 1[alpha_{i,j} < 1/t_i]``; when the cache is over its budget, the tokens of highest
-count are dropped, except the ``r`` most recent ones (the recent window, whose counts Algorithm 2 sets to zero:
-they are never dropped).
+The paper's rule (its Algorithms 1 and 2; docs/methods.md, "Scissorhands"): a token is unimportant at a step where
+the query gives it less than ``1/t_i`` (``t_i`` tokens attended); over the last ``w`` queries it counts those steps,
+``I_j``; over budget, the highest counts go, except the ``r`` most recent tokens.
 
-The defaults, ``history`` ``w = 400`` queries and ``window`` ``r = 10`` tokens, are not checked against the paper's
-own text: the paper's Section 4 and appendix were not reachable from this project's reading corpora (they hold its
-abstract and summaries of it). What was found: the public implementation AnswerDotAI/cold-compress (``cache.py`` at
-commit 15bb300, Aug 2024), which cites the paper, gives ``recent_window`` 10 as "default specified in ScissorHands
-paper ("r" in Algorithm 2)" and ``history_window_size`` 400 as "default specified in paper" (it calls that one "m"
-in Algorithm 2; here ``m`` is the number of tokens dropped at once); its ``cache_configs/scissorhands.yaml``
-(commit 8c71521) runs ``history_window_size: 400``, ``recent_window: 10``, ``attn_thresholding: True`` (with 4
-always-kept first tokens, its own addition). Its rule is not this one: it marks the steps at or above ``1/t``,
-averages the marks over the steps recorded (at most ``w``) and evicts the lowest average (closest to
-``count="important"`` here, normalised by the steps seen). One other implementation found by code search sets
-``w``, ``r`` and ``m`` as shares of the budget (``B/2``, ``B/4``, ``B/2``) and cites no source for them. So 400 and
-10 agree with the one implementation that names the paper as their source; no source found gives the paper's ``m``.
-
-The authors' own code, github.com/lzcemma/Scissorhands (commit d0bf444, Mar 2024; its README links the NeurIPS 2023
-paper), has one experiment script, OPT-66B perplexity on C4 (``Decentralized_FM_alpha/run_infer_opt_66b_sparse_c4.sh``):
-``LRU_WINDOW=100`` (the history window) and ``POSITION_WINDOW=10`` (the recent window). Its rule
-(``modules/hf_opt_dropkv.py``) is a masked teacher-forced forward, not an evicting cache: in layers 5-35 only, from
-position 100 on, a token counts as important at a step where its weight is above the value at the 90% rank of that
-row's sorted weights (all columns, the causally masked zeros included; a ``1/t``-type threshold is there,
-commented out); at row i the tokens important at none of the last ``LRU_WINDOW`` rows are masked, except the last
-``POSITION_WINDOW``; no fixed budget (the share kept is logged, not imposed). So ``r = 10`` agrees with the authors' script, and ``w`` is 100 there, 400 in cold-compress; the defaults
-stay 400 and 10 until the paper's text is read (the searches of this project's corpora, pages, docs and code, found
-its abstract, reviews and the NeurIPS abstract page only). KVCache-Factory's "Scissorhands-style" selector
-(Zefan-Cai/KVCache-Factory ``pyramidkv/scissorhands.py``, 2026) sums the last ``history_window`` rows' attention with
-an optional decay and takes a top-k under a budget; it sets no window defaults.
+The defaults, ``history`` ``w = 400`` queries and ``window`` ``r = 10`` tokens, and where they come from (the
+implementations that cite the paper, the authors' script; its text was not reachable): docs/methods.md, "Scissorhands".
 
 Here, in both paths (the simulated row loop and the evicting cache, one eviction per arriving token):
 
