@@ -214,3 +214,21 @@ def test_make_sweep_stops_at_a_refused_sweep(tmp_path):
     assert "error: experiment=nonexistent: unknown; allowed:" in out.stderr
     assert "analysis" not in out.stdout and "some jobs failed" not in out.stdout + out.stderr
     assert not (tmp_path / "analysis").exists() and not (tmp_path / "runs" / ".sweep-failed").exists()
+
+
+def test_streaming_study_skips_torn_and_incomplete_records(tmp_path, capsys):
+    """``python -m analysis.streaming_study``: a torn metrics.json, a record without a numeric budget and one whose
+    windows lack ``chunk_ppl`` are each skipped with one warning; the good record is read."""
+    from analysis import streaming_study as ss
+
+    windows = [{"tokens": 1000 * (i + 1), "nll": 3.0, "chunk_ppl": 20.1, "ppl": 20.1} for i in range(2)]
+    rec = {"task_kind": "streaming", "policy": "h2o", "budget": 96, "model": "m", "protocol": {"chunk": 1}}
+    record(tmp_path / "good", rec, windows)
+    record(tmp_path / "torn", '{"task_kind": "streaming", "pol', windows)
+    record(tmp_path / "no-budget", {**rec, "budget": None}, windows)
+    record(tmp_path / "no-chunk-ppl", rec, [{"tokens": 1000, "nll": 3.0}])
+    found = ss.records(tmp_path)
+    warnings = [w for w in capsys.readouterr().err.splitlines() if w.startswith("warning:")]
+    assert [(chunk, budget) for chunk, budget, _, _ in found] == [(1, 96)] and len(warnings) == 3, warnings
+    assert any("torn" in w for w in warnings) and any("budget=None" in w for w in warnings)
+    assert any("no-chunk-ppl" in w and "lacks 'chunk_ppl'" in w for w in warnings)
