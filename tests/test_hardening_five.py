@@ -44,6 +44,11 @@ BAD = [
     ("scbench-max-gen-toks-past-positions", [*TINY, "task=scbench", f"task.data_files={DATA}/scbench/scbench_kv.jsonl",
                                              "task.max_gen_toks=5000"],
      ["task.max_gen_toks=5000", "after a context of 2048 tokens", "4096 positions", "allowed: < 2048"], {}),
+    ("niah-samples-huge", [*TINY, "task=niah", "task.lengths=[1024]", "task.depths=[0.5]", "task.samples=1000000000"],
+     ["task.samples=1000000000", "allowed: task.samples in 1-1000"], {}),
+    ("ruler-split-limit-huge", [*TINY, "task=ruler_niah_multikey_1", "task.lm_eval_task=niah_multikey_1_questions",
+                                "task.questions=2", "task.limit=1000000000"],
+     ["task.limit=1000000000", "allowed: task.limit in 1-1000"], {}),
     # a choice that cannot run here
     ("reasoning-minerva-without-extra", [*TINY, "task=math500", "task.lm_eval_task=minerva_math500"],
      ["task.lm_eval_task=minerva_math500", "math_verify", "lm_eval[math]", "allowed: aime24"], {}),

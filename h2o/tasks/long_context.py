@@ -46,6 +46,9 @@ def ruler_folder():
     return Path(lm_eval.tasks.__file__).parent / "ruler"
 
 
+MAX_DRAWN = 1000  # niah's samples per (length, depth) cell, RULER's split tasks' contexts per length (RULER: 500)
+
+
 @dataclass
 class LongContextTask(TaskSpec):
     name: str
@@ -86,6 +89,10 @@ class LongContextTask(TaskSpec):
               and bool(self.depths), f"task.depths={self.depths!r}: expected a list of fractions in [0, 1]")
         positive_or_none("task.samples", self.samples)
         positive_or_none("task.limit", self.limit)
+        drawn = [("samples", self.samples)] + ([("limit", self.limit)] if self.split else [])
+        for key, value in drawn:  # docs drawn and measured before the model loads (check_lengths), then held
+            check(value is None or value <= MAX_DRAWN, f"task.{key}={value}: docs drawn per cell, each built before "
+                                                       f"the model loads; allowed: task.{key} in 1-{MAX_DRAWN}")
         positive_or_none("task.max_gen_toks", self.max_gen_toks)
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
               f"task.seed={self.seed!r}: expected an int >= 0")
