@@ -87,35 +87,39 @@ def test_minerva_refused_only_without_its_extra(monkeypatch):
 
 
 # ------------------------------------------------------------------ the lm-eval wrapper checks what h2o-run checks
-LM_EVAL_BAD = [  # (id, --tasks, --model_args, --gen_kwargs or None, words)
-    ("max-gen-toks-over-positions", "niah", "pretrained=tiny:llama,policy=h2o", "max_gen_toks=1000000",
+LM_EVAL_BAD = [  # (id, --tasks, --model_args, more arguments, words)
+    ("max-gen-toks-over-positions", "niah", "pretrained=tiny:llama,policy=h2o",
+     ["--gen_kwargs", "max_gen_toks=1000000"],
      ["--gen_kwargs max_gen_toks=1000000", "tiny:llama's 4096 positions", "allowed: < 4096"]),
-    ("questions-over-niah-keys", "niah", "pretrained=tiny:llama,policy=h2o,questions=729", None,
+    ("questions-over-niah-keys", "niah", "pretrained=tiny:llama,policy=h2o,questions=729", [],
      ["--model_args questions=729", "task niah's 728 distinct keys", "allowed: --model_args questions in 1-728"]),
-    ("questions-over-ruler-keys", "niah_multikey_1_questions", "pretrained=tiny:llama,policy=h2o,questions=5", None,
+    ("questions-over-ruler-keys", "niah_multikey_1_questions", "pretrained=tiny:llama,policy=h2o,questions=5", [],
      ["questions=5", "niah_multikey_1_questions's 4 distinct keys", "allowed: --model_args questions in 1-4"]),
-    ("turns-on-loglikelihood-task", "hellaswag", "pretrained=tiny:llama,policy=h2o,turns=2", None,
+    ("turns-on-loglikelihood-task", "hellaswag", "pretrained=tiny:llama,policy=h2o,turns=2", [],
      ["--model_args turns=2", "niah and RULER's split tasks", "allowed: --model_args turns=1 for task hellaswag"]),
-    ("temperature-inf", "niah", "pretrained=tiny:llama,policy=h2o", "temperature=inf",
+    ("temperature-inf", "niah", "pretrained=tiny:llama,policy=h2o", ["--gen_kwargs", "temperature=inf"],
      ["--gen_kwargs temperature=inf", "allowed: a number >= 0"]),
-    ("top-p-nan", "niah", "pretrained=tiny:llama,policy=h2o", "top_p=nan", ["--gen_kwargs top_p=nan", "(0, 1]"]),
-    ("questions-on-one-of-two-tasks", "niah,hellaswag", "pretrained=tiny:llama,policy=h2o,questions=2", None,
+    ("top-p-nan", "niah", "pretrained=tiny:llama,policy=h2o", ["--gen_kwargs", "top_p=nan"],
+     ["--gen_kwargs top_p=nan", "(0, 1]"]),
+    ("niah-samples-huge", "niah", "pretrained=tiny:llama,policy=h2o", ["--metadata", '{"samples": 1000000000}'],
+     ["--metadata samples=1000000000", "allowed: --metadata samples in 1-1000"]),
+    ("questions-on-one-of-two-tasks", "niah,hellaswag", "pretrained=tiny:llama,policy=h2o,questions=2", [],
      ["--model_args questions=2", "allowed: --model_args questions=1 for task hellaswag"]),
 ]
 
 
-@pytest.mark.parametrize("case, tasks, model_args, gen_kwargs, words", LM_EVAL_BAD, ids=[c[0] for c in LM_EVAL_BAD])
-def test_lm_eval_cli_bad_input(case, tasks, model_args, gen_kwargs, words, capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case, tasks, model_args, more, words", LM_EVAL_BAD, ids=[c[0] for c in LM_EVAL_BAD])
+def test_lm_eval_cli_bad_input(case, tasks, model_args, more, words, capsys, tmp_path, monkeypatch):
     """``python -m h2o.tasks.lm_eval_cli --model h2o``: h2o-run's rules (h2o.tasks.base.check_room,
-    h2o.tasks.question_after.check_many_task), one line before lm-eval loads a model or a task."""
+    h2o.tasks.question_after.check_many_task, h2o.tasks.reasoning.check_sampling,
+    h2o.tasks.long_context.check_drawn), one line before lm-eval loads a model or a task."""
     from lm_eval.models.huggingface import HFLM
 
     from h2o.tasks import lm_eval_cli
 
     monkeypatch.setattr(HFLM, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
-    gen = ["--gen_kwargs", gen_kwargs] if gen_kwargs else []
     monkeypatch.setattr("sys.argv", ["lm_eval_cli", "--model", "h2o", "--model_args", model_args, "--tasks", tasks,
-                                     "--include_path", "tasks", "--limit", "1", *gen,
+                                     "--include_path", "tasks", "--limit", "1", *more,
                                      "--output_path", str(tmp_path / "out")])
     one_line_exit_2(lm_eval_cli.main(), capsys, words)
     assert not (tmp_path / "out").exists()

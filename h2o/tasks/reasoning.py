@@ -46,8 +46,9 @@ EXPECTED_TOKENS = {"aime24": 14000, "aime25": 14000, "gsm8k_cot_zeroshot": 1500,
 PROBLEMS = {"aime24": 30, "aime25": 30, "gsm8k_cot_zeroshot": 1319, "hendrycks_math500": 500, "minerva_math500": 500}
 DECODE_COST = 30
 # the fields lm-eval's prompt, target and scoring read from a document (a local ``data_files`` must hold them)
-FIELDS = {"aime24": ("Problem", "Answer"), "aime25": ("problem", "answer"), "gsm8k_cot_zeroshot": ("question", "answer"),
-          "hendrycks_math500": ("problem", "solution"), "minerva_math500": ("problem", "solution")}
+FIELDS = {"aime24": ("Problem", "Answer"), "aime25": ("problem", "answer"),
+          "gsm8k_cot_zeroshot": ("question", "answer"), "hendrycks_math500": ("problem", "solution"),
+          "minerva_math500": ("problem", "solution")}
 # modules a task's scoring imports that lm-eval installs only with an extra: (module, the extra)
 EXTRAS = {"minerva_math500": ("math_verify", "lm_eval[math]")}
 MAX_SAMPLES = 1024  # task.n: lm-eval builds every sample's request (and keeps its answer) up front
