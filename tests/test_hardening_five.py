@@ -241,3 +241,21 @@ def test_streaming_study_skips_torn_and_incomplete_records(tmp_path, capsys):
     assert [(chunk, budget) for chunk, budget, _, _ in found] == [(1, 96)] and len(warnings) == 3, warnings
     assert any("torn" in w for w in warnings) and any("budget=None" in w for w in warnings)
     assert any("no-chunk-ppl" in w and "lacks 'chunk_ppl'" in w for w in warnings)
+
+
+def test_reasoning_prompt_past_positions_refused_before_generating():
+    """The hub's problems are known only once lm-eval has loaded them: ``run`` measures them there, before any
+    generation, by the rule the local file is checked with before loading (lm-eval would keep only the last tokens
+    of a prompt that does not fit beside ``max_gen_toks``, while the record showed the whole problem)."""
+    from h2o import make_policy
+    from h2o.assets.models import load_model
+    from h2o.assets.tiny import tiny_checkpoint
+    from h2o.core.validate import ConfigError
+    from h2o.tasks.reasoning import ReasoningTask
+
+    model, tok = load_model(str(tiny_checkpoint("llama")))
+    task = ReasoningTask("aime24", "aime24", limit=1, max_gen_toks=4095, chat_template=False,
+                         data_files=str(DATA / "reasoning" / "aime24.jsonl"))
+    with pytest.raises(ConfigError, match=r"^task.max_gen_toks=4095 and the longest prompt of task.data_files "
+                                          r"\(\d+ tokens\) pass model .*'s 4096 positions"):
+        task.run(model, tok, make_policy("full"), "real", seed=0)
