@@ -112,7 +112,7 @@ def validate(args) -> None:
 def check_metadata(metadata, tasks) -> None:
     """``--metadata samples`` on niah or RULER's split tasks: h2o-run's bound (h2o.tasks.long_context.check_drawn)."""
     from h2o.tasks.long_context import check_drawn
-    from h2o.tasks.ruler_many import SOURCES
+    from h2o.tasks.ruler_offline import SPLIT_SOURCES as SOURCES
 
     if isinstance(metadata, dict) and "samples" in metadata and {"niah", *SOURCES} & set(task_names(tasks)):
         check_drawn("--metadata samples", metadata["samples"])
