@@ -25,7 +25,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from analysis.records import read_jsonl  # noqa: E402
+from analysis.records import checked_samples, finite, read_jsonl, warn  # noqa: E402
 
 NAME = re.compile(r"(?P<label>.+)_(?P<budget>\d+)_c(?P<chunk>\d+)$")
 BASELINE = "streaming_llm"
@@ -44,6 +44,7 @@ def load(root: Path) -> dict[tuple[int, int], dict[str, list[dict]]]:
     return out
 
 
+WINDOW_FIELDS = ("tokens", "nll", "chunk_ppl")  # what the tables and figure read from a window sample
 SETTINGS_SKIP = {"_target_", "name", "budget", "heavy", "recent", "chunk", "shots", "scoring", "add_bos_token"}
 
 
@@ -51,16 +52,27 @@ def records(root: Path) -> list[tuple[int, int, str, list[dict]]]:
     """(chunk, budget, label, samples) of every finished streaming run record under ``root``."""
     found = []
     for f in sorted(root.rglob("metrics.json")):
-        rec = json.loads(f.read_text())
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError) as err:  # a torn record: skipped, the others shown
+            warn(f"skipping malformed run record {f}: {' '.join(str(err).split())}")
+            continue
         samples_file = f.parent / "samples.jsonl"
         if not isinstance(rec, dict) or rec.get("task_kind") != "streaming" or not samples_file.exists():
             continue
-        proto = rec.get("protocol") or {}
+        if not finite(rec.get("budget")) or not isinstance(rec.get("policy"), str):
+            warn(f"skipping run record {f}: budget={rec.get('budget')!r}, policy={rec.get('policy')!r}: expected a "
+                 f"token count and a method's name")
+            continue
+        samples = checked_samples(f.parent, WINDOW_FIELDS, WINDOW_FIELDS)
+        if samples is None:  # warned
+            continue
+        proto = rec.get("protocol") if isinstance(rec.get("protocol"), dict) else {}
         settings = {"model": rec.get("model"), "text": proto.get("text", rec.get("task")),
                     **{k: v for k, v in {**proto, **(rec.get("policy_options") or {})}.items()
                        if k not in SETTINGS_SKIP}}
         found.append((int(proto.get("chunk", rec.get("chunk", 1))), int(rec["budget"]),
-                      rec.get("label") or rec["policy"], settings, read_jsonl(samples_file)))
+                      rec.get("label") or rec["policy"], settings, samples))
     out = []
     for chunk, budget, base, settings, samples in found:
         same = [s for _, _, b, s, _ in found if b == base]

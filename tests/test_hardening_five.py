@@ -44,6 +44,11 @@ BAD = [
     ("scbench-max-gen-toks-past-positions", [*TINY, "task=scbench", f"task.data_files={DATA}/scbench/scbench_kv.jsonl",
                                              "task.max_gen_toks=5000"],
      ["task.max_gen_toks=5000", "after a context of 2048 tokens", "4096 positions", "allowed: < 2048"], {}),
+    ("niah-samples-huge", [*TINY, "task=niah", "task.lengths=[1024]", "task.depths=[0.5]", "task.samples=1000000000"],
+     ["task.samples=1000000000", "allowed: task.samples in 1-1000"], {}),
+    ("ruler-split-limit-huge", [*TINY, "task=ruler_niah_multikey_1", "task.lm_eval_task=niah_multikey_1_questions",
+                                "task.questions=2", "task.limit=1000000000"],
+     ["task.limit=1000000000", "allowed: task.limit in 1-1000"], {}),
     # a choice that cannot run here
     ("reasoning-minerva-without-extra", [*TINY, "task=math500", "task.lm_eval_task=minerva_math500"],
      ["task.lm_eval_task=minerva_math500", "math_verify", "lm_eval[math]", "allowed: aime24"], {}),
@@ -82,35 +87,39 @@ def test_minerva_refused_only_without_its_extra(monkeypatch):
 
 
 # ------------------------------------------------------------------ the lm-eval wrapper checks what h2o-run checks
-LM_EVAL_BAD = [  # (id, --tasks, --model_args, --gen_kwargs or None, words)
-    ("max-gen-toks-over-positions", "niah", "pretrained=tiny:llama,policy=h2o", "max_gen_toks=1000000",
+LM_EVAL_BAD = [  # (id, --tasks, --model_args, more arguments, words)
+    ("max-gen-toks-over-positions", "niah", "pretrained=tiny:llama,policy=h2o",
+     ["--gen_kwargs", "max_gen_toks=1000000"],
      ["--gen_kwargs max_gen_toks=1000000", "tiny:llama's 4096 positions", "allowed: < 4096"]),
-    ("questions-over-niah-keys", "niah", "pretrained=tiny:llama,policy=h2o,questions=729", None,
+    ("questions-over-niah-keys", "niah", "pretrained=tiny:llama,policy=h2o,questions=729", [],
      ["--model_args questions=729", "task niah's 728 distinct keys", "allowed: --model_args questions in 1-728"]),
-    ("questions-over-ruler-keys", "niah_multikey_1_questions", "pretrained=tiny:llama,policy=h2o,questions=5", None,
+    ("questions-over-ruler-keys", "niah_multikey_1_questions", "pretrained=tiny:llama,policy=h2o,questions=5", [],
      ["questions=5", "niah_multikey_1_questions's 4 distinct keys", "allowed: --model_args questions in 1-4"]),
-    ("turns-on-loglikelihood-task", "hellaswag", "pretrained=tiny:llama,policy=h2o,turns=2", None,
+    ("turns-on-loglikelihood-task", "hellaswag", "pretrained=tiny:llama,policy=h2o,turns=2", [],
      ["--model_args turns=2", "niah and RULER's split tasks", "allowed: --model_args turns=1 for task hellaswag"]),
-    ("temperature-inf", "niah", "pretrained=tiny:llama,policy=h2o", "temperature=inf",
+    ("temperature-inf", "niah", "pretrained=tiny:llama,policy=h2o", ["--gen_kwargs", "temperature=inf"],
      ["--gen_kwargs temperature=inf", "allowed: a number >= 0"]),
-    ("top-p-nan", "niah", "pretrained=tiny:llama,policy=h2o", "top_p=nan", ["--gen_kwargs top_p=nan", "(0, 1]"]),
-    ("questions-on-one-of-two-tasks", "niah,hellaswag", "pretrained=tiny:llama,policy=h2o,questions=2", None,
+    ("top-p-nan", "niah", "pretrained=tiny:llama,policy=h2o", ["--gen_kwargs", "top_p=nan"],
+     ["--gen_kwargs top_p=nan", "(0, 1]"]),
+    ("niah-samples-huge", "niah", "pretrained=tiny:llama,policy=h2o", ["--metadata", '{"samples": 1000000000}'],
+     ["--metadata samples=1000000000", "allowed: --metadata samples in 1-1000"]),
+    ("questions-on-one-of-two-tasks", "niah,hellaswag", "pretrained=tiny:llama,policy=h2o,questions=2", [],
      ["--model_args questions=2", "allowed: --model_args questions=1 for task hellaswag"]),
 ]
 
 
-@pytest.mark.parametrize("case, tasks, model_args, gen_kwargs, words", LM_EVAL_BAD, ids=[c[0] for c in LM_EVAL_BAD])
-def test_lm_eval_cli_bad_input(case, tasks, model_args, gen_kwargs, words, capsys, tmp_path, monkeypatch):
+@pytest.mark.parametrize("case, tasks, model_args, more, words", LM_EVAL_BAD, ids=[c[0] for c in LM_EVAL_BAD])
+def test_lm_eval_cli_bad_input(case, tasks, model_args, more, words, capsys, tmp_path, monkeypatch):
     """``python -m h2o.tasks.lm_eval_cli --model h2o``: h2o-run's rules (h2o.tasks.base.check_room,
-    h2o.tasks.question_after.check_many_task), one line before lm-eval loads a model or a task."""
+    h2o.tasks.question_after.check_many_task, h2o.tasks.reasoning.check_sampling,
+    h2o.tasks.long_context.check_drawn), one line before lm-eval loads a model or a task."""
     from lm_eval.models.huggingface import HFLM
 
     from h2o.tasks import lm_eval_cli
 
     monkeypatch.setattr(HFLM, "__init__", lambda *a, **k: (_ for _ in ()).throw(AssertionError("model loaded")))
-    gen = ["--gen_kwargs", gen_kwargs] if gen_kwargs else []
     monkeypatch.setattr("sys.argv", ["lm_eval_cli", "--model", "h2o", "--model_args", model_args, "--tasks", tasks,
-                                     "--include_path", "tasks", "--limit", "1", *gen,
+                                     "--include_path", "tasks", "--limit", "1", *more,
                                      "--output_path", str(tmp_path / "out")])
     one_line_exit_2(lm_eval_cli.main(), capsys, words)
     assert not (tmp_path / "out").exists()
@@ -214,3 +223,39 @@ def test_make_sweep_stops_at_a_refused_sweep(tmp_path):
     assert "error: experiment=nonexistent: unknown; allowed:" in out.stderr
     assert "analysis" not in out.stdout and "some jobs failed" not in out.stdout + out.stderr
     assert not (tmp_path / "analysis").exists() and not (tmp_path / "runs" / ".sweep-failed").exists()
+
+
+def test_streaming_study_skips_torn_and_incomplete_records(tmp_path, capsys):
+    """``python -m analysis.streaming_study``: a torn metrics.json, a record without a numeric budget and one whose
+    windows lack ``chunk_ppl`` are each skipped with one warning; the good record is read."""
+    from analysis import streaming_study as ss
+
+    windows = [{"tokens": 1000 * (i + 1), "nll": 3.0, "chunk_ppl": 20.1, "ppl": 20.1} for i in range(2)]
+    rec = {"task_kind": "streaming", "policy": "h2o", "budget": 96, "model": "m", "protocol": {"chunk": 1}}
+    record(tmp_path / "good", rec, windows)
+    record(tmp_path / "torn", '{"task_kind": "streaming", "pol', windows)
+    record(tmp_path / "no-budget", {**rec, "budget": None}, windows)
+    record(tmp_path / "no-chunk-ppl", rec, [{"tokens": 1000, "nll": 3.0}])
+    found = ss.records(tmp_path)
+    warnings = [w for w in capsys.readouterr().err.splitlines() if w.startswith("warning:")]
+    assert [(chunk, budget) for chunk, budget, _, _ in found] == [(1, 96)] and len(warnings) == 3, warnings
+    assert any("torn" in w for w in warnings) and any("budget=None" in w for w in warnings)
+    assert any("no-chunk-ppl" in w and "lacks 'chunk_ppl'" in w for w in warnings)
+
+
+def test_reasoning_prompt_past_positions_refused_before_generating():
+    """The hub's problems are known only once lm-eval has loaded them: ``run`` measures them there, before any
+    generation, by the rule the local file is checked with before loading (lm-eval would keep only the last tokens
+    of a prompt that does not fit beside ``max_gen_toks``, while the record showed the whole problem)."""
+    from h2o import make_policy
+    from h2o.assets.models import load_model
+    from h2o.assets.tiny import tiny_checkpoint
+    from h2o.core.validate import ConfigError
+    from h2o.tasks.reasoning import ReasoningTask
+
+    model, tok = load_model(str(tiny_checkpoint("llama")))
+    task = ReasoningTask("aime24", "aime24", limit=1, max_gen_toks=4095, chat_template=False,
+                         data_files=str(DATA / "reasoning" / "aime24.jsonl"))
+    with pytest.raises(ConfigError, match=r"^task.max_gen_toks=4095 and the longest prompt of task.data_files "
+                                          r"\(\d+ tokens\) pass model .*'s 4096 positions"):
+        task.run(model, tok, make_policy("full"), "real", seed=0)

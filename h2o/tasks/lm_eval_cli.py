@@ -74,6 +74,7 @@ def validate(args) -> None:
     if getattr(args, "output_path", None):
         output_dir("--output_path", Path(args.output_path).parent)
     check_sampling(getattr(args, "gen_kwargs", None))
+    check_metadata(getattr(args, "metadata", None), getattr(args, "tasks", None))
     if getattr(args, "model", None) != "h2o":
         return
     options = dict(args.model_args or {}) if isinstance(args.model_args or {}, dict) else {}
@@ -106,6 +107,15 @@ def validate(args) -> None:
                                                          if k.startswith(QUANT_PREFIX)}, pretrained)
     if quant is not None:
         quant.check_geometry(*ModelSpec(str(pretrained), str(pretrained)).geometry())
+
+
+def check_metadata(metadata, tasks) -> None:
+    """``--metadata samples`` on niah or RULER's split tasks: h2o-run's bound (h2o.tasks.long_context.check_drawn)."""
+    from h2o.tasks.long_context import check_drawn
+    from h2o.tasks.ruler_offline import SPLIT_SOURCES as SOURCES
+
+    if isinstance(metadata, dict) and "samples" in metadata and {"niah", *SOURCES} & set(task_names(tasks)):
+        check_drawn("--metadata samples", metadata["samples"])
 
 
 def check_sampling(gen_kwargs) -> None:

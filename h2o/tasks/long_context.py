@@ -46,6 +46,17 @@ def ruler_folder():
     return Path(lm_eval.tasks.__file__).parent / "ruler"
 
 
+MAX_DRAWN = 1000  # niah's samples per (length, depth) cell, RULER's split tasks' contexts per length (RULER: 500)
+
+
+def check_drawn(key: str, value) -> None:
+    """ConfigError unless ``value`` (niah's samples per cell, RULER's split tasks' contexts per length) is null or
+    1-:data:`MAX_DRAWN`: every doc is drawn, and measured, before the model loads. h2o-run and the lm-eval wrapper's
+    ``--metadata samples``."""
+    check(value is None or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_DRAWN),
+          f"{key}={value!r}: docs drawn per cell, each built before the model loads; allowed: {key} in 1-{MAX_DRAWN}")
+
+
 @dataclass
 class LongContextTask(TaskSpec):
     name: str
@@ -86,6 +97,9 @@ class LongContextTask(TaskSpec):
               and bool(self.depths), f"task.depths={self.depths!r}: expected a list of fractions in [0, 1]")
         positive_or_none("task.samples", self.samples)
         positive_or_none("task.limit", self.limit)
+        drawn = [("samples", self.samples)] + ([("limit", self.limit)] if self.split else [])
+        for key, value in drawn:
+            check_drawn(f"task.{key}", value)
         positive_or_none("task.max_gen_toks", self.max_gen_toks)
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
               f"task.seed={self.seed!r}: expected an int >= 0")

@@ -64,9 +64,9 @@ class LongGenerationTask(TaskSpec):
                   f"task.{key}={v!r}: allowed: an int >= 1")
         check(isinstance(self.instruction, str) and self.instruction.strip() != "",
               f"task.instruction={self.instruction!r}: allowed: a non-empty text")
-        check(self.ngram <= self.max_new_tokens, f"task.ngram={self.ngram}: longer than an answer of "
-                                                 f"task.max_new_tokens={self.max_new_tokens} tokens (its distinct "
-                                                 f"n-gram share would be null); allowed: ngram in 1-{self.max_new_tokens}")
+        check(self.ngram <= self.max_new_tokens,
+              f"task.ngram={self.ngram}: longer than an answer of task.max_new_tokens={self.max_new_tokens} tokens "
+              f"(its distinct n-gram share would be null); allowed: ngram in 1-{self.max_new_tokens}")
         check(self.shots == 0, f"task.shots={self.shots!r}: long generation is zero-shot; allowed: 0")
 
     def check_model(self, model) -> None:

@@ -46,8 +46,9 @@ EXPECTED_TOKENS = {"aime24": 14000, "aime25": 14000, "gsm8k_cot_zeroshot": 1500,
 PROBLEMS = {"aime24": 30, "aime25": 30, "gsm8k_cot_zeroshot": 1319, "hendrycks_math500": 500, "minerva_math500": 500}
 DECODE_COST = 30
 # the fields lm-eval's prompt, target and scoring read from a document (a local ``data_files`` must hold them)
-FIELDS = {"aime24": ("Problem", "Answer"), "aime25": ("problem", "answer"), "gsm8k_cot_zeroshot": ("question", "answer"),
-          "hendrycks_math500": ("problem", "solution"), "minerva_math500": ("problem", "solution")}
+FIELDS = {"aime24": ("Problem", "Answer"), "aime25": ("problem", "answer"),
+          "gsm8k_cot_zeroshot": ("question", "answer"), "hendrycks_math500": ("problem", "solution"),
+          "minerva_math500": ("problem", "solution")}
 # modules a task's scoring imports that lm-eval installs only with an extra: (module, the extra)
 EXTRAS = {"minerva_math500": ("math_verify", "lm_eval[math]")}
 MAX_SAMPLES = 1024  # task.n: lm-eval builds every sample's request (and keeps its answer) up front
@@ -203,10 +204,15 @@ class ReasoningTask(TaskSpec):
         docs = documents("task.data_files", self.data_files, FIELDS[self.lm_eval_task],
                          f"lm-eval task {self.lm_eval_task}")
         docs = docs[:self.limit] if self.limit else docs
-        longest = max(self.prompt_tokens(tok, apply_template(template, doc)) for doc in docs)
+        self.check_fit(tok, [apply_template(template, doc) for doc in docs], max_pos, model.name, "task.data_files")
+
+    def check_fit(self, tok, prompts: list[str], max_pos: int, model: str, where: str) -> None:
+        """ConfigError when the longest of ``prompts`` (as lm-eval encodes them) and ``max_gen_toks`` pass the
+        ``max_pos`` positions lm-eval gives a request (past them it keeps only the prompt's last tokens)."""
+        longest = max((self.prompt_tokens(tok, text) for text in prompts), default=0)
         check(longest + self.max_gen_toks <= max_pos,
-              f"task.max_gen_toks={self.max_gen_toks} and the longest prompt of task.data_files ({longest} "
-              f"tokens) pass model {model.name}'s {max_pos} positions (lm-eval would keep only the prompt's last "
+              f"task.max_gen_toks={self.max_gen_toks} and the longest prompt of {where} ({longest} tokens) pass "
+              f"model {model}'s {max_pos} positions (lm-eval would keep only the prompt's last "
               f"{max(max_pos - self.max_gen_toks, 0)} tokens); allowed: max_gen_toks <= {max_pos - longest}")
 
     def prompt_tokens(self, tok, text: str) -> int:
@@ -255,6 +261,10 @@ class ReasoningTask(TaskSpec):
             tm = TaskManager(include_path=str(where), include_defaults=False)
             task = tm.load([self.lm_eval_task])["tasks"][self.lm_eval_task]
             task.set_config(key="repeats", value=self.n)
+            docs = list(task.eval_docs)[:self.limit] if self.limit else list(task.eval_docs)
+            self.check_fit(tokenizer, [task.doc_to_text(d) for d in docs], lm.max_length,  # the hub's data: known now
+                           getattr(model, "name_or_path", None) or "loaded",
+                           "task.data_files" if self.data_files else f"the data set {self.hub_dataset()}")
             with lm_eval_cache() as cache:
                 out = simple_evaluate(model=lm, tasks=[task], limit=self.limit, log_samples=True,
                                       gen_kwargs=self.gen_kwargs(), apply_chat_template=self.chat_template,
