@@ -39,9 +39,14 @@ def schedule_of(row) -> str:
 
 def runs(root: Path) -> pd.DataFrame:
     """The long-generation records under ``root``, with ``schedule`` and their ``samples`` (by doc_id)."""
-    df = load_runs(root)
-    if df.empty:
-        return df
+    return frame(load_runs(root))
+
+
+def frame(df: pd.DataFrame) -> pd.DataFrame:
+    """The long-generation records of a frame of run records (:func:`analysis.records.load_runs`'), with
+    ``schedule``, ``prompts`` and their ``samples`` (by doc_id); the others left out."""
+    if df.empty or "task_kind" not in df:
+        return df.iloc[0:0]
     df = df[df["task_kind"] == "long_generation"].copy()
     if df.empty:
         return df
