@@ -199,9 +199,11 @@ def long_generation_findings(runs: pd.DataFrame) -> list[str]:
 
     long = lg.frame(runs)
     found = lg.versus_h2o(long) if len(long) else []
+    if not found:
+        return []
     head = (f"- long_generation ({', '.join(sorted(set(long['model'])))}, NLL per token of the full cache's answer, "
             f"over {lg.grid_prompts(long)} prompts; `<`: H2O closer to the full cache at 95%):")
-    return [head, *("  " + f for f in found)] if found else []
+    return [head, *("  " + f for f in found)]
 
 
 def report(df: pd.DataFrame) -> str:
