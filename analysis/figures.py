@@ -288,5 +288,21 @@ def all_figures(df: pd.DataFrame, out: str | Path) -> list[Path]:
     from analysis.methods import methods_figures  # every method at both timings (analysis/methods.py)
     from analysis.niah import figure_niah  # needle-in-a-haystack heatmaps (analysis/niah.py)
 
-    return (budget_figures(df, out) + figure_streaming(df, out) + figure2(df, out) + figure_niah(df, out)
-            + methods_figures(df, out))
+    long = df["task_kind"] == "long_generation"  # drawn by analysis.long_generation, not as budget curves
+    return (budget_figures(df[~long], out) + figure_streaming(df, out) + figure2(df, out) + figure_niah(df, out)
+            + methods_figures(df, out) + long_generation_figures(df[long], out))
+
+
+def long_generation_figures(df: pd.DataFrame, out) -> list[Path]:
+    """Per experiment with long-generation records, :mod:`analysis.long_generation`'s two figures (KV bytes held
+    over the answer, fidelity to the full cache's answer) on its grid's prompts; named ``long_generation_kv`` and
+    ``long_generation_fidelity``, then ``_<experiment>`` for any experiment but long_generation."""
+    from analysis import long_generation as lg
+
+    paths = []
+    for exp, sub in df.groupby("experiment"):
+        runs = lg.frame(sub)
+        on_grid = runs[runs["prompts"] == lg.grid_prompts(runs)]
+        suffix = "" if exp == "long_generation" else f"_{exp}"
+        paths += lg.kv_figure(on_grid, Path(out), suffix) + lg.fidelity_figure(on_grid, Path(out), suffix)
+    return paths

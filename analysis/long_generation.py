@@ -39,9 +39,14 @@ def schedule_of(row) -> str:
 
 def runs(root: Path) -> pd.DataFrame:
     """The long-generation records under ``root``, with ``schedule`` and their ``samples`` (by doc_id)."""
-    df = load_runs(root)
-    if df.empty:
-        return df
+    return frame(load_runs(root))
+
+
+def frame(df: pd.DataFrame) -> pd.DataFrame:
+    """The long-generation records of a frame of run records (:func:`analysis.records.load_runs`'), with
+    ``schedule``, ``prompts`` and their ``samples`` (by doc_id); the others left out."""
+    if df.empty or "task_kind" not in df:
+        return df.iloc[0:0]
     df = df[df["task_kind"] == "long_generation"].copy()
     if df.empty:
         return df
@@ -230,6 +235,9 @@ def kv_figure(df: pd.DataFrame, out: Path, suffix: str = "") -> list[Path]:
     return save(fig, out, "long_generation_kv" + suffix)
 
 
+HATCHES = ("", "//", "..", "xx")  # one per budget and schedule in the fidelity figure (the colour is the method's)
+
+
 def fidelity_figure(df: pd.DataFrame, out: Path, suffix: str = "") -> list[Path]:
     """NLL per token of full's answer per method (with its 95% interval), at each budget and schedule."""
     from analysis.plotting import panels, save
@@ -251,13 +259,20 @@ def fidelity_figure(df: pd.DataFrame, out: Path, suffix: str = "") -> list[Path]
             los.append(v - (r.get("tf_nll_per_token_ci95_low", v) if r is not None else v))
             his.append((r.get("tf_nll_per_token_ci95_high", v) if r is not None else v) - v)
         ax.bar(np.arange(len(methods)) + (k - (len(keys) - 1) / 2) * width, ys, width, yerr=[los, his],
-               label=f"{budget:g} tokens, {schedule}", capsize=2)
+               label=f"{budget:g} tokens, {schedule}", capsize=2, color=[color(m) for m in methods],
+               hatch=HATCHES[k % len(HATCHES)], edgecolor="white")  # the method's colour; the cell's hatch
     base = cell_of(df, "full", 1.0, "-")
     if base is not None:
         ax.axhline(base["tf_nll_per_token"], color="k", linewidth=0.8, label="full")
     ax.set_xticks(np.arange(len(methods)), [label(m) for m in methods])
     ax.set(ylabel="NLL per token of full's answer")
-    ax.legend(fontsize=7)
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = ([Line2D([], [], color="k", linewidth=0.8, label="full")] if base is not None else []) + [
+        Patch(facecolor="white", edgecolor="dimgray", hatch=HATCHES[k % len(HATCHES)],
+              label=f"{budget:g} tokens, {schedule}") for k, (budget, schedule) in enumerate(keys)]
+    ax.legend(handles=handles, fontsize=7)
     return save(fig, out, "long_generation_fidelity" + suffix)
 
 

@@ -185,10 +185,25 @@ def other_experiments(df: pd.DataFrame) -> list[str]:
                   "95%, `≈` unresolved; the difference H2O − other with its 95% interval; "
                   "perplexity: lower is better):", ""]
         lines += findings(runs) or ["- no budget with H2O and another policy of one protocol"]
+        lines += long_generation_findings(runs)
         for t in experiment_tables(runs):
             lines += ["", t.to_markdown().rstrip()]
         lines.append("")
     return lines
+
+
+def long_generation_findings(runs: pd.DataFrame) -> list[str]:
+    """The experiment's long-generation records: H2O against each other method, paired over prompts (the NLL per
+    token of the full cache's answer teacher-forced through each cache; lower is closer to it)."""
+    from analysis import long_generation as lg
+
+    long = lg.frame(runs)
+    found = lg.versus_h2o(long) if len(long) else []
+    if not found:
+        return []
+    head = (f"- long_generation ({', '.join(sorted(set(long['model'])))}, NLL per token of the full cache's answer, "
+            f"over {lg.grid_prompts(long)} prompts; `<`: H2O closer to the full cache at 95%):")
+    return [head, *("  " + f for f in found)]
 
 
 def report(df: pd.DataFrame) -> str:

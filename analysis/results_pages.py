@@ -20,6 +20,7 @@ records beside its ``study.yaml``, so a measured number in the docs always has i
     runs: 28                     # long_generation: the committed grid's runs (the page says how many finished)
     headline: {a: h2o, b: streaming_llm, budget: 64, schedule: every step, prompts: 16}   # long_generation: the
                                  # named comparison, on the records of that prompt count (the grid's by default);
+                                 # records: the same for the study's long-generation records (their section);
                                  # questions: {a: kvzip, b: keydiff, budget: 0.2, why: "..."}
     replication: {a: h2o, b: r_kv, budget: 64, schedule: every 32, prompts: 32, why: "..."}   # long_generation: a
                                  # comparison named after the headline (before its runs), shown after it
@@ -209,13 +210,16 @@ def records_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str]
     from analysis.quant_tables import quant_tables
     from analysis.tables import experiment_tables, table_benchmark
 
+    from analysis import long_generation as lg
+
     root = folder / spec.get("records", "records")
     df = load_runs(root)
     if df.empty:
         return None
     measured = "; ".join(x for x in (spec.get("measured"), provenance(root)) if x)
     lines = head(spec, measured)
-    df = annotate(df)
+    long = lg.frame(df)  # long-generation records: their own section (the named comparison first), at the end
+    df = annotate(df[df["task_kind"] != "long_generation"])
     for p in sorted(all_figures(df, figures)):
         if p.suffix == ".png":
             lines += [f"![{p.stem}]({rel}/{p.name})", ""]
@@ -230,7 +234,11 @@ def records_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str]
         lines += [t.to_markdown() for t in experiment_tables(runs)]
     lines += [t.to_markdown() for t in quant_tables(df)]  # quantized records: rows by quantizer and bits
     bench = table_benchmark(df)
-    return lines + ([bench.to_markdown()] if bench else [])
+    lines += [bench.to_markdown()] if bench else []
+    if len(long):
+        named = [(spec["headline"], "Named comparison")] if spec.get("headline") else []
+        lines += ["", "## Long generation", "", *lg.section(long, figures, rel, named, "")]
+    return lines
 
 
 def methods_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str] | None:

@@ -302,3 +302,42 @@ def test_a_replication_named_after_the_headline_follows_it(tmp_path):
     assert ("- secondary, over the 4 prompts of task.prompts=4 (other passages), NLL per token of the full cache's "
             "answer teacher-forced through each cache: -0.500") in rest
     assert "pooled over every prompt set (6 + 4 distinct passages): -0.500 [-0.500, -0.500] over 10 prompts" in rest
+
+
+def test_a_records_study_with_long_generation_gets_its_section_report_line_and_figures(tmp_path):
+    """The default's third finding: long-generation records inside a records study (experiment=default) get their
+    own section on its page (the study's headline named first, then H2O against each method, the two figures and
+    the table), a line in REPORT.md's section of that experiment, and their figures from `make figures`, while the
+    other records render as before."""
+    from analysis import results_pages
+    from analysis.figures import all_figures
+    from analysis.records import load_runs
+    from analysis.report import report
+    from test_analysis import perplexity
+
+    root = tmp_path / "studies" / "default" / "records"
+    record(root, "full", 1.0, "decode", [0.5, 0.6, 0.4, 0.5], 900)
+    record(root, "h2o", 64, "interval", [1.0, 1.1, 0.9, 1.0], 100)
+    record(root, "r_kv", 64, "interval", [1.2, 1.4, 1.1, 1.3], 100)
+    for f in root.rglob("metrics.json"):  # the default's experiment name
+        f.write_text(f.read_text().replace('"experiment": "long_generation"', '"experiment": "default"'))
+    for policy in ("full", "h2o"):
+        perplexity(root, policy, 1.0 if policy == "full" else 0.2)
+    spec = {"title": "The default", "kind": "records",
+            "headline": {"a": "h2o", "b": "r_kv", "budget": 64, "schedule": "every 32", "why": "Named first."}}
+    (root.parent / "study.yaml").write_text(json.dumps(spec))
+    out = tmp_path / "docs"
+    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
+    page = (out / "default.md").read_text()
+    section = page[page.index("## Long generation"):]
+    assert section.index("**Named comparison**: H2O against R-KV at 64 tokens, every 32") < \
+        section.index("- 64 tokens, every 32: H2O < R-KV: -0.250") < section.index("| R-KV | 64 | every 32 | 4 |")
+    assert "Named first." in section and "![long_generation_kv](default/long_generation_kv.png)" in section
+    assert "![default_policies](default/default_policies.png)" in page[:page.index("## Long generation")]
+    df = load_runs(root)
+    lines = report(df).splitlines()
+    at = lines.index("## Experiment `default` (not a paper table)")
+    assert any(line.startswith("- long_generation (smollm2-135m, NLL per token") for line in lines[at:])
+    assert "  - 64 tokens, every 32: H2O < R-KV: -0.250 [-0.300, -0.200] nats per token (1.250 for R-KV)" in lines
+    names = {p.name for p in all_figures(df, tmp_path / "fig")}
+    assert {"default_policies.png", "long_generation_kv_default.png", "long_generation_fidelity_default.png"} <= names

@@ -7,11 +7,14 @@ cells a cartesian sweep must add (Table 1's local/H2O at 0 and 1 shots). Full is
 from __future__ import annotations
 
 from itertools import product
+from pathlib import Path
 
 import pytest
 
 from h2o.pipeline.sweep import expand, status
 from run_folders import check_folders  # tests/run_folders.py
+
+REPO = Path(__file__).resolve().parents[1]
 
 LM_EVAL6 = ["copa", "mathqa", "openbookqa", "piqa", "rte", "winogrande"]
 PAPER4 = ["copa", "openbookqa", "piqa", "winogrande"]  # Tables 1, 2, 8
@@ -59,6 +62,24 @@ def test_experiment_lists_the_papers_grid(exp):
         assert len(paper) == n_paper and paper <= set(listed)
     elif n_paper is not None:
         assert len(expected) == n_paper
+
+
+def test_the_defaults_third_finding_is_three_long_generation_runs():
+    """`make sweep`'s default then runs long generation (conf/experiment/default_long_generation.yaml): full's one
+    run, then h2o and r_kv at a 64-token cache cut every 32 tokens, 4 passages of 256 new tokens, all recorded under
+    the default's folder; the paper-era jobs of experiment=default are untouched (test below)."""
+    sweep = expand(["experiment=default_long_generation"], multirun=True)
+    assert {p.policy.name for p in sweep.specs} == {"h2o", "r_kv"} and not sweep.refused
+    assert {(p.cfg.policy.budget, p.cfg.policy.compress, p.cfg.policy.interval) for p in sweep.specs} == {
+        (64, "interval", 32)}
+    [full] = expand(["experiment=default_long_generation", "policy=full"], multirun=False).specs
+    for p in [*sweep.specs, full]:
+        assert (p.task.name, p.task.prompts, p.task.max_new_tokens, p.task.passage_tokens) == (
+            "long_generation", 4, 256, 128)
+        assert p.cfg.experiment_name == "default" and "/default/smollm2-135m/long_generation/" in str(p.path)
+    assert full.cfg.policy.get("compress") is None
+    make = (REPO / "Makefile").read_text()
+    assert "THEN_default = $(PY) -m h2o.pipeline.run experiment=default_long_generation policy=full" in make
 
 
 def test_default_spends_its_time_on_one_budget():
