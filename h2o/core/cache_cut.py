@@ -28,7 +28,7 @@ class CutHooks:
         if self.limited():
             counts, room = self.policy.cut_counts(self.counts), self.policy.cut_room  # room: left for the next
             held = self.host_held if self.window is None and not self.policy.pooled else None  # each head's
-            counts = replace(counts, host=replace(counts.host, seen=self.host_tok, held=held))  # no device read
+            counts = replace(counts, host=counts.host and replace(counts.host, seen=self.host_tok, held=held))
             slots = step.Slots(self.pos, valid, self.acc, self.n_tok - 1, ranked=self.pos)  # pos: -1 not held
             keep = step.kept(self.policy, slots, self.cut_state(valid), counts)  # (B, H, S) (h2o.core.step)
             if self.policy.pooled:  # heads hold uneven counts: the largest
