@@ -37,6 +37,8 @@ class Held(StoppingCriteria):
         self.state, self.steps = state, []
 
     def __call__(self, input_ids, scores, **kw):
+        for layer in self.state.cache.layers:  # a pooled layer's slots shrunk to its count, as footprint reads them
+            layer.fullest()
         self.steps.append([((layer.pos >= 0).sum(-1), layer.keys.shape[-2]) for layer in self.state.cache.layers])
         return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 

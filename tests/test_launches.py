@@ -59,13 +59,13 @@ def test_decode_syncs_do_not_grow_with_layers(name):
     assert counts["syncs_per_step"] == 1, counts
 
 
-# host reads per layer per decoding step that remain (h2o.bench.launches.layer_syncs, tiny LLaMA, interval 2): a
-# pooled layer's storage is as large as its fullest head (one read per step), and a kvpress press's cut under
-# compress=interval runs torch.topk per sequence on rows sized on the host (reads at each cut, none between cuts).
-# Before issue 47: knorm/decode and keydiff/decode 3 (which sequences are full, the budgets), r_kv/decode 1 and
-# r_kv/interval 0.5 (the CPU's gathered similarity in the evicting cache); every other rule and schedule 0.
-LAYER_READS = {"adakv/decode": 1, "adakv/interval": 3, "knorm/interval": 2, "keydiff/interval": 2,
-               "snapkv/interval": 1}
+# host reads per layer per decoding step (h2o.bench.launches.layer_syncs, tiny LLaMA, interval 2): none. Before issue
+# 47: knorm/decode and keydiff/decode 3 (which sequences are full, the budgets), r_kv/decode 1 and r_kv/interval 0.5
+# (the CPU's gathered similarity in the evicting cache), adakv/decode 1 (a pooled layer's storage follows its fullest
+# head: now its count is copied without a wait and read at the next step), and kvpress's topk per sequence at a
+# compress=interval cut on rows sized by reads (adakv 3, knorm/keydiff 2, snapkv 1: now the host's lengths and
+# budgets); every other rule and schedule 0.
+LAYER_READS: dict[str, float] = {}
 
 
 def test_no_host_read_per_layer_in_a_decoding_step():

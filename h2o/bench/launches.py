@@ -44,7 +44,7 @@ class ListReads(TorchFunctionMode):
 def host_side(cache) -> frozenset[int]:
     """The addresses of the tensors an evicting cache keeps on the host on every device (its host counts)."""
     return frozenset(x.data_ptr() for layer in cache.layers if layer.host_counts is not None
-                     for x in layer.host_counts.fields())
+                     for x in (*layer.host_counts.fields(), layer.fullest_buf) if x is not None)
 
 
 def host_reads(fn, host: frozenset[int] = frozenset()) -> int:

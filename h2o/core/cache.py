@@ -69,12 +69,14 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         self.compressed = False  # Policy.compress "prefill": the first forward's cut is done
         self.generated = 0  # decoding tokens since the last prompt (chunk): the schedule's cuts (compress=interval)
         self.queries = None  # Policy.reads_queries: the prompt's query statistics, from its forward to its cut
+        self.sent = self.fullest_buf = None  # pooled: the largest head's count on its way to the host (fullest)
 
     # ----------------------------------------------------------------- transformers API
     def update(self, key_states, value_states, *args, **kwargs):
         """key/value_states (B, Hkv, q, D). Returns the stored (B, Hkv, S, D) tensors."""
         q = key_states.shape[-2]
         self.tok_before = self.host_tok or [0] * key_states.shape[0]
+        self.fullest()  # a pooled layer's last decoding step: its count in, its slots shrunk
         if self.quant is not None:  # quant: store packed rows (B, Hkv, q, P) uint8 instead of the tensors
             self.kv_dtype = key_states.dtype
             if self.quant.sink and self.seen == 0:
@@ -233,7 +235,7 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         if self.window is not None:  # what left the window is gone before the policy decides
             step.expire_slots(self.pos, self.n_tok, self.window)
         S = self.keys.shape[-2]
-        if any(h >= S for h in self.host_held):  # host_held: the largest head's count, an upper bound
+        if any(h >= S for h in self.host_held):  # the largest head's count (settled in update)
             self.append(key_states, value_states)  # an empty slot (pos -1), filled below
         slot = (self.pos < 0).byte().argmax(-1, keepdim=True)  # (B, H, 1) the first empty slot of each head
         self.place(slot, key_states, value_states)
@@ -241,9 +243,8 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             arriving = self.pos == bcast(self.n_tok)
             a = self.arrival(self.pos >= 0, None, None if not self.policy.reads_keys else ~arriving)
             keep = step.pool_keep(self.policy, a, self.counts, arriving)  # (B, H, S)
-        self.pos = torch.where(keep, self.pos, -1)
-        self.host_held = keep.sum(-1).amax(-1).tolist()  # the one host read
-        self.compact(keep, max(self.host_held))
+        self.host_held = [h + 1 for h in self.host_held]  # an upper bound: one token in
+        self.pool_compact(keep, True)
 
     def place(self, slot, key_states, value_states):
         """The arriving token (keys/values (B, H, 1, D or row bytes)) into ``slot`` (B, H, 1): stored here, its
@@ -341,6 +342,7 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
 
     def nbytes(self) -> int:
         """Bytes of the keys and values held (quant: the packed rows: codes, scales, outliers, indices; the sink)."""
+        self.fullest()
         sink = 0 if self.sink is None else self.sink[0].nbytes + self.sink[1].nbytes
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes + sink
 
@@ -382,6 +384,7 @@ class EvictingCache(CacheBatchHooks, Cache):
         for layer in self.layers:
             if layer.keys is None:
                 continue
+            layer.fullest()
             n, stored = int((layer.pos >= 0).sum()), layer.pos.numel()
             rows = layer.keys.nbytes + layer.values.nbytes  # every slot takes the same bytes
             held, slots = held + n, slots + stored

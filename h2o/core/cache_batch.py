@@ -43,6 +43,7 @@ class BatchHooks:
         Returns ``host`` (as read, if it was), so that the next layer does not read it again."""
         if self.keys is None:
             return host
+        self.fullest()
         if getattr(self.policy, "per_sequence", False):
             raise PolicyError(f"policy={self.policy.name}: one policy per sequence; its batch cannot be reordered")
         pick = lambda t: t.index_select(0, idx.to(t.device))  # noqa: E731
@@ -72,6 +73,7 @@ class BatchHooks:
     def copy(self) -> "EvictingLayer":
         """A copy sharing nothing it changes (:func:`duplicate`); a decoder rebuilt at the next step (the same
         decisions, by its contract)."""
+        self.fullest()
         new = copy.copy(self)
         vars(new).update({k: duplicate(v) for k, v in vars(self).items()}, decoder=None, served=None)
         if new.counts is not None:
@@ -121,7 +123,7 @@ class CacheBatchHooks:
 
     def figures(self) -> dict:
         """Per sequence, from the host counts: ``budget`` (layer 0's) and ``held`` (summed over layers, per KV head)."""
-        held = [layer.host_held for layer in self.layers if layer.host_held]
+        held = [layer.fullest() for layer in self.layers if layer.host_held]
         return {"budget": list(self.layers[0].host_total), "held": [sum(col) for col in zip(*held)]}
 
     def fork(self, src: "EvictingCache", batch: int = 1) -> "EvictingCache":

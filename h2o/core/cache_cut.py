@@ -6,6 +6,7 @@ decoding step (:meth:`CutHooks.slide_in`). Mixed into :class:`h2o.core.cache.Evi
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 
@@ -26,10 +27,12 @@ class CutHooks:
         valid = self.pos >= 0
         if self.limited():
             counts, room = self.policy.cut_counts(self.counts), self.policy.cut_room  # room: left for the next
+            held = self.host_held if self.window is None and not self.policy.pooled else None  # each head's
+            counts = replace(counts, host=counts.host and replace(counts.host, seen=self.host_tok, held=held))
             slots = step.Slots(self.pos, valid, self.acc, self.n_tok - 1, ranked=self.pos)  # pos: -1 not held
             keep = step.kept(self.policy, slots, self.cut_state(valid), counts)  # (B, H, S) (h2o.core.step)
-            if self.policy.pooled:  # heads hold uneven counts: the largest, read once
-                self.host_held = keep.sum(-1).amax(-1).tolist()
+            if self.policy.pooled:  # heads hold uneven counts: the largest
+                return self.pool_compact(keep, bool(self.generated))
             else:
                 self.host_held = [min(h, max(t - room, 0)) for h, t in zip(self.host_held, self.host_total)]
         else:
@@ -37,6 +40,30 @@ class CutHooks:
         if self.window is not None:  # an upper bound: the window may have freed more on some heads
             self.host_held = [min(h, self.window) for h in self.host_held]
         self.compact(keep, max(self.host_held))
+
+    def pool_compact(self, keep: torch.Tensor, decoding: bool) -> None:
+        """A pooled layer keeps ``keep`` (B, H, S) bool in ``max(host_held)`` slots: its largest head's count, read
+        at a prompt's cut; in a decoding step an upper bound, the count sent to the host without a wait."""
+        count = keep.sum(-1).amax(-1)  # (B,)
+        if decoding:
+            if self.fullest_buf is None or self.fullest_buf.shape != count.shape:
+                self.fullest_buf = torch.empty(count.shape, dtype=count.dtype, pin_memory=count.is_cuda)
+            self.fullest_buf.copy_(count, non_blocking=True)
+            self.sent = [torch.cuda.current_stream(count.device).record_event()] if count.is_cuda else []
+        else:
+            self.host_held, self.sent = count.tolist(), None
+        self.pos = torch.where(keep, self.pos, -1)
+        self.compact(keep, max(self.host_held))
+
+    def fullest(self) -> list[int]:
+        """``host_held``; a pooled layer's sent count read (no wait: each forward ends with a host read) and its
+        slots shrunk to it, at the next forward or where a record reads the storage."""
+        if self.sent is not None:
+            for event in self.sent:
+                event.synchronize()
+            self.host_held, self.sent = self.fullest_buf.tolist(), None
+            self.compact(self.pos >= 0, max(self.host_held))
+        return self.host_held
 
     @contextmanager
     def narrowed(self, c: int):

@@ -146,11 +146,14 @@ class AdaKV(Policy):
         bool the kept ones: each head's top ``n_safe``, then the layer's top ``H * total`` (B,). ``arriving``
         (B, H, S) bool (a decoding step's token): kept first. Slots may be in any order."""
         if arriving is None:  # a cut: kvpress's own ops where it has a rule, so that exact ties go its way
-            kept, own = kvpress_adakv(prio, pos, valid, counts.total, self.safe(counts.total),
-                                      getattr(self.inner, "newest_upto", 0))
-            if bool(own.all()):
+            host, a = counts.host or counts, self.alpha_safeguard  # the host's numbers: no device read
+            total = host.total.tolist()
+            safe = [max(int(n * a), 1) if a > 0 else int(n * a) for n in total]  # safe(), as Python's floats
+            kept, own = kvpress_adakv(prio, pos, valid, total, safe, getattr(self.inner, "newest_upto", 0), host.seen)
+            if all(own):
                 return kept
-            return torch.where(own.view(-1, 1, 1), kept, self.keep(prio, pos, valid, counts, torch.zeros_like(valid)))
+            own = torch.tensor(own, device=prio.device).view(-1, 1, 1)
+            return torch.where(own, kept, self.keep(prio, pos, valid, counts, torch.zeros_like(valid)))
         B, H, S = prio.shape
         first = valid & arriving if arriving is not None else torch.zeros_like(valid)
         prio = torch.where(valid, prio, -torch.inf)

@@ -46,8 +46,11 @@ class Counts:
     heavy: torch.Tensor
     recent: torch.Tensor
     length: torch.Tensor  # the reference length the ratios were taken of
-    # the same counts as CPU tensors (read without a device sync), kept by the evicting cache (None: none kept)
+    # the same counts as CPU tensors (read without a device sync), kept by the evicting cache (None: none kept); at
+    # its cut, the host counts' tokens seen and the most any head holds per sequence (None: read from the slots)
     host: "Counts | None" = field(default=None, repr=False, compare=False)
+    seen: list | None = field(default=None, repr=False, compare=False)
+    held: list | None = field(default=None, repr=False, compare=False)
 
     def fields(self) -> tuple[torch.Tensor, ...]:
         return self.total, self.heavy, self.recent, self.length

@@ -46,8 +46,9 @@ class DecodingOrder(PrefillOnly):
             return
         if self.compress == "interval":
             return self.interval_cut(acc, prio, pos, valid, counts)
-        rows, index, lengths = rows_by_position(prio, pos, valid)  # (B, H, L + 1) the scores by position
-        for b, (length, n) in enumerate(zip(lengths, counts.total.tolist())):
+        host = counts.host or counts  # the cache's numbers on the host: no device read
+        rows, index, lengths = rows_by_position(prio, pos, valid, host.seen)  # (B, H, L + 1) the scores by position
+        for b, (length, n) in enumerate(zip(lengths, host.total.tolist())):
             if n < length:
                 top = rows[b, :, :length].topk(n, dim=-1).indices  # (H, n) columns in topk's order
                 place = torch.zeros_like(rows[b])  # (H, L + 1)
@@ -57,8 +58,9 @@ class DecodingOrder(PrefillOnly):
     def interval_cut(self, acc, prio, pos, valid, counts: Counts) -> None:
         """acc (B, H, S) places, prio (B, H, S) the cut's scores, valid (B, H, S) held -> acc and prio in place."""
         order = kvpress_row(acc, pos, valid)  # (B, H, S) the held slots in kvpress's order first
-        held = valid.sum(-1).amax(-1).tolist()  # (B,) the most any head holds (one host read)
-        for b, (m, n) in enumerate(zip(held, counts.total.tolist())):
+        host = counts.host or counts
+        held = host.held or valid.sum(-1).amax(-1).tolist()  # (B,) the most any head holds (else one host read)
+        for b, (m, n) in enumerate(zip(held, host.total.tolist())):
             if m <= n:  # nothing to drop: kvpress's cache is left as it is
                 continue
             row = order[b, :, :m]  # (H, m)

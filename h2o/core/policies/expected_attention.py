@@ -1,22 +1,10 @@
 """expected_attention: keep the keys that future queries are expected to attend to (Expected Attention, Devoto et
 al., arXiv 2510.00636), as kvpress 0.5.5's ExpectedAttentionPress defines it, at the end of a prompt only.
 
-Per sequence with L prompt tokens and per query head h (docs/methods.md, "Expected Attention"):
-
-1. statistics of the prompt's queries **before RoPE** at positions ``>= n_sink`` (kvpress drops the first
-   ``n_sink`` hidden states, "likely outliers"): mean ``mu`` (D,) and covariance
-   ``S = (1/N) sum_t (q_t - mu)(q_t - mu)^T`` (N = L - n_sink, population form as kvpress);
-2. the rotation averaged over the next ``n_future_positions`` positions ``L .. L + n - 1``:
-   ``R = mean_p (diag(cos_p) + P diag(sin_p))`` (P: rotate-half; the model's rotary, its attention scaling
-   included; on a partial rotary the channels it leaves are the identity), then ``mu' = R mu``, ``S' = R S R^T``;
-3. for each held key ``k_j`` (after RoPE) at a position ``>= n_sink``:
-   ``z[h, j] = mu'.k_j / sqrt(D) + k_j^T S' k_j / (2 D)`` (the log of the expected ``exp(q.k / sqrt(D))`` of a
-   Gaussian query), ``E[h, :] = softmax_j z[h, :]`` over those keys;
-4. per KV head k: ``s[k, j] = (mean_{h of k} E[h, j] + epsilon) * |V[k, j]|_2`` (``use_vnorm``; without it the mean
-   alone); the ``n_sink`` first tokens get the sequence's largest score + 1, so they are kept (inside the budget).
-
-Defaults are kvpress's: n_future_positions = 512, n_sink = 4, use_covariance = True, use_vnorm = True,
-epsilon = 0. ``D`` is the head dimension (kvpress's ``sqrt(d)``, not the model's attention scaling).
+The rule per sequence and query head (the prompt's queries' mean and covariance before RoPE at positions
+``>= n_sink``, rotated over the next ``n_future_positions``; each held key's log expected weight, softmaxed, averaged
+over a KV head's query heads, times ``|V|`` with ``use_vnorm``; the sinks kept) and kvpress's defaults:
+docs/methods.md, "Expected Attention". ``D`` is the head dimension (kvpress's ``sqrt(d)``).
 
 Where kvpress reads the prompt's length as its columns (it never pads), L here is the sequence's prompt tokens,
 pads excluded (the next token's position when positions skip pads, as ``generate`` numbers them). Per-sequence

@@ -9,16 +9,16 @@ queries' dtype). Slots may be in any order; pads and empty slots (``valid`` Fals
 """
 import torch
 
-from .base import keep_top
+from .base import Counts, keep_top
 
 
-def rows_by_position(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor):
+def rows_by_position(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, seen: list | None = None):
     """prio, pos (B, H, S), valid (B, H, S) bool -> (rows (B, H, L + 1) the priorities by position, -inf where not
     held (column L: a sink for the rest), index (B, H, S) each slot's column, lengths (B,) list: positions
-    0..length-1). One host read."""
+    0..length-1: ``seen``, the cache's tokens seen, or one host read)."""
     B, H, _ = pos.shape
     p = torch.where(valid, pos, -1)
-    lengths = (p.amax((1, 2)) + 1).tolist() if p.numel() else [0] * B
+    lengths = seen or ((p.amax((1, 2)) + 1).tolist() if p.numel() else [0] * B)
     L = max(lengths, default=0)
     index = torch.where(p >= 0, p, L)  # (B, H, S)
     rows = prio.new_full((B, H, L + 1), -torch.inf)
@@ -26,15 +26,16 @@ def rows_by_position(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor)
     return rows, index, lengths
 
 
-def kvpress_topk(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, total: torch.Tensor,
+def kvpress_topk(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, counts: Counts,
                  newest_upto: int = 0) -> torch.Tensor:
-    """ScorerPress: per sequence and head, ``topk(n)`` (n = ``total`` (B,)) of its row -> (B, H, S) bool kept. A
-    sequence of at most ``newest_upto`` tokens, or one that keeps everything, gets :func:`keep_top` instead (newer
-    first on ties)."""
-    rows, index, lengths = rows_by_position(prio, pos, valid)
+    """ScorerPress: per sequence and head, ``topk(n)`` (n = ``counts.total`` (B,), its host numbers where kept) of
+    its row -> (B, H, S) bool kept. A sequence of at most ``newest_upto`` tokens, or one that keeps everything, gets
+    :func:`keep_top` instead (newer first on ties)."""
+    host, total = counts.host or counts, counts.total
+    rows, index, lengths = rows_by_position(prio, pos, valid, host.seen)
     chosen = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)  # (B, H, L + 1)
     own = torch.zeros(len(lengths), dtype=torch.bool)  # (B,) decided by topk
-    for b, (length, n) in enumerate(zip(lengths, total.tolist())):
+    for b, (length, n) in enumerate(zip(lengths, host.total.tolist())):
         if newest_upto < length and n < length:
             chosen[b].scatter_(-1, rows[b, :, :length].topk(n, dim=-1).indices, True)
             own[b] = True
@@ -42,18 +43,17 @@ def kvpress_topk(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, tot
     return torch.where(own.to(prio.device).view(-1, 1, 1), picked, keep_top(prio, valid, total))
 
 
-def kvpress_adakv(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, total: torch.Tensor,
-                  safe: torch.Tensor, newest_upto: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def kvpress_adakv(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, total: list[int], safe: list[int],
+                  newest_upto: int = 0, seen: list | None = None) -> tuple[torch.Tensor, list[bool]]:
     """AdaKVPress: per sequence, each head's ``topk(n_safe)`` (``safe`` (B,)) raised to the dtype's maximum, then the
     ``H * (length - n)`` lowest of the layer's ``H * length`` scores (``topk`` of their negation over the flattened
-    heads) removed -> ((B, H, S) bool kept, (B,) bool decided: False for a sequence of at most ``newest_upto``
-    tokens, where kvpress has no rule and the caller decides). A sequence that keeps everything keeps every valid
-    slot."""
-    rows, index, lengths = rows_by_position(prio, pos, valid)
+    heads) removed -> ((B, H, S) bool kept, (B,) decided: False for a sequence of at most ``newest_upto`` tokens,
+    where kvpress has no rule and the caller decides). A sequence that keeps everything keeps every valid slot."""
+    rows, index, lengths = rows_by_position(prio, pos, valid, seen)
     kept = torch.zeros(rows.shape, dtype=torch.bool, device=rows.device)  # (B, H, L + 1)
-    own = torch.tensor([length > newest_upto for length in lengths], dtype=torch.bool)  # (B,)
+    own = [length > newest_upto for length in lengths]
     H = rows.shape[1]
-    for b, (length, n, n_safe) in enumerate(zip(lengths, total.tolist(), safe.tolist())):
+    for b, (length, n, n_safe) in enumerate(zip(lengths, total, safe)):
         if not own[b]:
             continue
         if n >= length:
@@ -66,4 +66,4 @@ def kvpress_adakv(prio: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor, to
         mask = torch.ones(H * length, dtype=torch.bool, device=s.device)
         mask[pruned] = False
         kept[b, :, :length] = mask.view(H, length)
-    return kept.gather(-1, index) & valid, own.to(prio.device)
+    return kept.gather(-1, index) & valid, own

@@ -47,4 +47,4 @@ class PrefillOnly(Policy):
 
     def keep(self, prio, pos, valid, counts: Counts, arriving=None) -> torch.Tensor:
         """kvpress's selection at the cut (:func:`kvpress_topk`): (B, H, S) bool."""
-        return kvpress_topk(prio, pos, valid, counts.total, self.newest_upto)
+        return kvpress_topk(prio, pos, valid, counts, self.newest_upto)

@@ -1,41 +1,10 @@
 """scissorhands: persistence of importance over a history window (Scissorhands, Liu et al., arXiv 2305.17118).
 
-The paper's rule (its Algorithms 1 and 2; docs/methods.md, "Scissorhands"): a token is unimportant at a step where
-the query gives it less than ``1/t_i`` (``t_i`` tokens attended); over the last ``w`` queries it counts those steps,
-``I_j``; over budget, the highest counts go, except the ``r`` most recent tokens.
-
-The defaults, ``history`` ``w = 400`` queries and ``window`` ``r = 10`` tokens, and where they come from (the
-implementations that cite the paper, the authors' script; its text was not reachable): docs/methods.md, "Scissorhands".
-
-Here, in both paths (the simulated row loop and the evicting cache, one eviction per arriving token):
-
-* ``priority`` = ``-I_j`` (the most often unimportant token goes; the oldest on ties, :func:`.base.select_slot`);
-  ``+inf`` for the arriving token and the ``window`` (= r) tokens before it.
-* ``t_i`` = the tokens query i attends with a nonzero weight (the held ones and itself; a held token whose weight
-  underflows to exactly 0 in fp32 counts neither in ``t_i`` nor as unimportant).
-* Grouped-query attention: each of a KV head's ``G`` query heads is one observation per step, so ``I_j`` sums over
-  the ``G`` heads and the window (``0 <= I_j <= G w``); with one query head per KV head (the paper's OPT) it is
-  the paper's count.
-* State (:meth:`new_state`): per slot the last ``w`` steps' counts, (B, Hkv, S, w) uint8, newest last, shifted by
-  one at each step (pad rows are not steps); a new token's slot starts at zero. It is part of the per-slot state
-  the cache reports beside keys and values (the benchmark's ``kv_meta_bytes``): ``w`` bytes per slot and KV head.
-
-Deliberate differences from the paper, and the options:
-
-* The paper compresses ``m`` tokens at once when the cache is full (then refills ``m`` slots); here one token is
-  dropped per arriving token (``m = 1``), the finest form of its Algorithm 1: the cache always holds its budget,
-  as every policy of this harness does. With this harness's budget ``n`` (the query itself included) the cache
-  is the paper's of ``B = n - 1`` tokens: query i sees ``n``, the decision uses every step up to i, the r tokens
-  before the arriving one are kept.
-* ``count="important"`` (off by default): count the steps where ``alpha >= 1/t`` and drop the *lowest* count
-  instead. The two differ for tokens younger than the history window (fewer steps seen): the paper's count spares
-  them, this one drops them first.
-* A budget of at most ``window + 1`` tokens leaves only the oldest held token outside the window: it goes
-  (``local``'s rule); the window is ``min(window, total - 1)`` tokens.
-
-Timings: ``compress=decode`` (the paper's; default) and ``compress=prefill``: the prompt cut once to the budget by
-the counts of its last ``w`` queries, every later token kept (kvpress's protocol; kvpress has no Scissorhands).
-No Triton row kernel: on CUDA the simulated path runs the torch row loop (one-line notice).
+The rule, its defaults (``history`` w = 400 queries, ``window`` r = 10 tokens) and where they come from, what is
+built here in both paths (one eviction per arriving token, ``m = 1``; priority ``-I_j``, ``+inf`` for the arriving
+token and the ``min(window, total - 1)`` before it; ``t_i`` the tokens of nonzero weight; under GQA each query head
+one observation; the state (B, Hkv, S, w) uint8, the last ``w`` steps' counts), the variant ``count="important"``
+and the timings (``decode``, the paper's; ``prefill``; no Triton row kernel): docs/methods.md, "Scissorhands".
 """
 import torch
 
