@@ -14,7 +14,7 @@ ATOL = 1e-4
 ATOLS = {torch.float32: ATOL, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 VOCAB = 128
 # policies with a decoding form (the others are defined at a prompt's end only: without a prompt nothing is cut)
-DECODING = [p for p in BOTH_PATHS if p != "full" and Policy.registry[p].compress == "decode"]
+DECODING = [p for p in BOTH_PATHS if p != "full" and Policy.registry[p].schedule.evicts_each_step]
 
 
 @pytest.fixture(scope="module", params=TINY_ARCHS)

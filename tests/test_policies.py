@@ -36,7 +36,7 @@ def static_rows(T, K, tier):
     return rows
 
 
-@pytest.mark.parametrize("name", [p for p in POLICIES if p != "full" and Policy.registry[p].compress == "decode"])
+@pytest.mark.parametrize("name", [p for p in POLICIES if p != "full" and Policy.registry[p].schedule.evicts_each_step])
 @pytest.mark.parametrize("budget", [0.1, 0.25, 7])
 def test_budget_respected_and_no_future_visible(name, budget):
     T = 40

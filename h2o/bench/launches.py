@@ -24,6 +24,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
+from h2o.core.schedule import Schedule
+
 SYNC = "aten::_local_scalar_dense"
 HIDDEN = (torch.Tensor.tolist, torch.Tensor.numpy)  # reads the CPU profiler shows as no aten op
 
@@ -134,7 +136,7 @@ def layer_syncs(name: str, compress: str, interval: int = 2, budget=0.3, prompt:
     on the tiny LLaMA: :func:`step_reads` at 4 layers less at 2, halved (the forward's own reads cancel)."""
     from h2o.core.policies import make_policy
 
-    extra = {"interval": interval} if compress == "interval" else {}
+    extra = {"interval": interval} if Schedule.registry[compress].takes_interval else {}
     ids = torch.randint(3, 128, (1, prompt), generator=torch.Generator().manual_seed(0))
     at = [step_reads(llama(n), make_policy(name, budget=budget, compress=compress, **extra), ids, 2 * interval)
           for n in (2, 4)]
@@ -154,8 +156,8 @@ def every_layer_syncs(interval: int = 2) -> dict[str, float]:
             continue
         for compress in compress_names():
             try:
-                make_policy(name, budget=0.3, compress=compress, **({"interval": interval}
-                                                                    if compress == "interval" else {}))
+                make_policy(name, budget=0.3, compress=compress, **({"interval": interval} if Schedule.registry[
+                    compress].takes_interval else {}))
             except Unsupported:
                 continue
             out[f"{name}/{compress}"] = layer_syncs(name, compress, interval)

@@ -10,6 +10,7 @@ from typing import Iterable
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from h2o.core import engine
 from h2o.core.attach import attach
 from h2o.assets.policy_config import at_budget
 from h2o.core.policies import Policy, make_policy
@@ -29,15 +30,15 @@ class Variant:
     obj: Policy | None = field(default=None, compare=False)  # a built policy (else at_budget(policy, budget))
     quant: str = "none"  # KV quantization of a policy variant: none, uniform4, kvquant3, ... (h2o.core.quant.quant_of)
     calibration: str | None = field(default=None, compare=False)  # kvquant's calibration file
-    schedule: str = ""  # a built policy's schedule other than decode (``interval=32``, ``prefill``): two schedules
+    timing: str = ""  # a built policy's schedule other than decode (``interval=32``, ``prefill``): two schedules
     # of one method at one budget are two variants
 
     @staticmethod
     def of(policy: Policy) -> "Variant":
-        described = policy.schedule.describe()
+        described = engine.schedule_options(policy)
         schedule = ",".join(f"{k}={v}" for k, v in described.items() if k != "compress") \
             or described.get("compress", "")
-        return Variant("policy", policy.name, policy.budget, obj=policy, schedule=schedule)
+        return Variant("policy", policy.name, policy.budget, obj=policy, timing=schedule)
 
     def build_quant(self):
         from h2o.core.quant import quant_of
@@ -51,7 +52,7 @@ class Variant:
 
     @property
     def label(self) -> str:
-        return variant_label(self.policy, self.budget, self.quant) + (f" {self.schedule}" if self.schedule else "")
+        return variant_label(self.policy, self.budget, self.quant) + (f" {self.timing}" if self.timing else "")
 
 
 def make_variants(policies: Iterable[str], budgets: Iterable[float | int],

@@ -78,7 +78,8 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
             out = simulated_fused(query, key, value, fused_mask, scaling)  # (B, Hq, T, D)
             state.flag(module.layer_idx, out)
             return out.transpose(1, 2), None
-        out, probs = simulated_attention(state.policy, query, key, value, valid, scaling, LayerCall(
+        rule = state.policy.for_layer(module.layer_idx, state.num_layers)  # the layer's rule (Policy.for_layer)
+        out, probs = simulated_attention(rule, query, key, value, valid, scaling, LayerCall(
             prompt_len=state.prompt_len, plan=plan, window=window, softcap=softcap, sinks=sinks,
             layer=(module.layer_idx, state.num_layers), queries=state.queries(module, query)))
         state.flag(module.layer_idx, out)

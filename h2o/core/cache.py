@@ -68,6 +68,7 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         self.q, self.valid, self.held = 0, None, None
         self.compressed = False  # Policy.compress "prefill": the first forward's cut is done
         self.generated = 0  # decoding tokens since the last prompt (chunk): the schedule's cuts (compress=interval)
+        self.below: list[int] = []  # per sequence: the room the prompt's cut left below the budget (cuts_after)
         self.queries = None  # Policy.reads_queries: the prompt's query statistics, from its forward to its cut
         self.sent = self.fullest_buf = None  # pooled: the largest head's count on its way to the host (fullest)
 
@@ -322,17 +323,25 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         self.counts = counts.map(lambda x: x.to(self.n_tok.device, copy=True))  # a copy: apart on the CPU too
         self.counts.host = counts  # what a rule reads as numbers: no device read
 
+    def prompt_ends(self) -> None:
+        """The schedule counts from here: no token generated; per sequence, the room the prompt's cut leaves below
+        the budget (:meth:`Schedule.cuts_after`)."""
+        self.generated = 0
+        self.below = [max(t - n, 0) for t, n in zip(self.host_total, self.host_tok)]
+
     def end_forward(self, q: int) -> None:
         """After the attention of a forward of ``q`` new tokens: a prefill (chunk) is cut back to the budget; with
         positions inside the cache, the held keys are renumbered (:class:`h2o.core.rerotate.KeyRerotation`)."""
         if q > 1 or self.seen == q:  # a prompt (chunk), or the first forward: the schedule counts from its end
-            self.generated = 0
+            self.prompt_ends()
             if q > 1 and self.cuts():
                 self.cut()
         else:
             self.generated += 1
-            if self.limited() and self.policy.schedule.cuts_after(self.generated):  # compress=interval
-                self.cut()
+            if self.limited() and self.policy.schedule.cuts_later:  # compress=interval, buffer: a cut now?
+                due = [bool(self.policy.schedule.cuts_after(self.generated, r)) for r in self.below]
+                if any(due):
+                    self.cut(spare=None if all(due) else [not d for d in due])
         self.compressed = self.policy.schedule.once  # compressed once: every later token is kept
         if self.rerotation is not None:
             tok = self.tok_before
@@ -359,8 +368,8 @@ class EvictingCache(CacheBatchHooks, Cache):
         if rerotate is not None and policy.pooled:
             raise PolicyError(f"rerotate: positions inside the cache number every head's tokens alike; policy="
                               f"{policy.name} gives heads uneven counts; allowed: a policy with per-head budgets")
-        super().__init__(layers=[EvictingLayer(policy, ref_len, quant, i, rerotate, num_layers)
-                                 for i in range(num_layers)])
+        super().__init__(layers=[EvictingLayer(policy.for_layer(i, num_layers), ref_len, quant, i, rerotate,
+                                               num_layers) for i in range(num_layers)])
         self.policy, self.quant = policy, quant
 
     def next_position(self) -> int:

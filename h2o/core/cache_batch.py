@@ -53,16 +53,17 @@ class BatchHooks:
             self.sink, self.sink_real = (pick(self.sink[0]), pick(self.sink[1])), pick(self.sink_real)
         if self.counts is not None:
             self.counts = self.counts.map(pick)
-        lists, n = (self.host_tok, self.host_held, self.host_total), idx.shape[0]
+        lists, n = (self.host_tok, self.host_held, self.host_total, self.below), idx.shape[0]
         alike = all(len(set(x)) <= 1 for x in lists) and (self.host_counts is None or all(
             bool((x == x[0]).all()) for x in self.host_counts.fields()))  # CPU tensors: no device read
         if alike:  # every sequence the same on the host: nothing to read
-            self.host_tok, self.host_held, self.host_total = ([x[0]] * n if x else [] for x in lists)
+            self.host_tok, self.host_held, self.host_total, self.below = ([x[0]] * n if x else [] for x in lists)
             if self.host_counts is not None:
                 self.host_counts = self.host_counts.map(lambda x: x[:1].expand(n).clone())
         else:
             host = idx.tolist() if host is None else host  # one host sync
-            self.host_tok, self.host_held, self.host_total = ([x[b] for b in host] if x else [] for x in lists)
+            self.host_tok, self.host_held, self.host_total, self.below = ([x[b] for b in host] if x else []
+                                                                          for x in lists)
             if self.host_counts is not None:
                 self.host_counts = self.host_counts.map(lambda x: x[torch.tensor(host)])
         if self.counts is not None:
@@ -107,9 +108,10 @@ class BatchHooks:
                 self.sink = (src.keys[..., :1, :].clone(), src.values[..., :1, :].clone())
                 self.sink_real = src.pos[:, 0, 0] == 0
         self.adopt()
+        self.prompt_ends()
         if self.cuts():
             self.cut()
-        self.compressed, self.generated = self.policy.schedule.once, 0
+        self.compressed = self.policy.schedule.once
 
 
 class CacheBatchHooks:

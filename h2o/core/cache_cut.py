@@ -19,14 +19,17 @@ from .policies.base import along_slots, bcast
 class CutHooks:
     """The layer's cut (state shapes: :mod:`h2o.core.cache`)."""
 
-    def cut(self):
+    def cut(self, spare: list[bool] | None = None):
         """After a prefill (chunk): keep the budget, free the rest. Slots are in position order here. A sliding
-        layer first drops what is out of the last token's window, then the budget applies to what is left."""
+        layer first drops what is out of the last token's window, then the budget applies to what is left.
+        ``spare``: per sequence, True where the schedule's cut is not due (it keeps what it holds)."""
         if self.window is not None:
             step.expire_slots(self.pos, self.n_tok - 1, self.window)
         valid = self.pos >= 0
         if self.limited():
             counts, room = self.policy.cut_counts(self.counts), self.policy.cut_room  # room: left for the next
+            if spare is not None:
+                counts = step.spared(counts, spare, self.pos.shape[-1])
             held = self.host_held if self.window is None and not self.policy.pooled else None  # each head's
             counts = replace(counts, host=counts.host and replace(counts.host, seen=self.host_tok, held=held))
             slots = step.Slots(self.pos, valid, self.acc, self.n_tok - 1, ranked=self.pos)  # pos: -1 not held
@@ -34,7 +37,8 @@ class CutHooks:
             if self.policy.pooled:  # heads hold uneven counts: the largest
                 return self.pool_compact(keep, bool(self.generated))
             else:
-                self.host_held = [min(h, max(t - room, 0)) for h, t in zip(self.host_held, self.host_total)]
+                totals = counts.host.total.tolist() if spare is not None else self.host_total
+                self.host_held = [min(h, max(t - room, 0)) for h, t in zip(self.host_held, totals)]
         else:
             keep = valid
         if self.window is not None:  # an upper bound: the window may have freed more on some heads

@@ -13,6 +13,9 @@ its schedule), so that nothing outside ``h2o.core`` reads a policy's flags.
   :mod:`h2o.core.policies.h2o_reference`), under its name :data:`PAPER_RULE`; this is the one module outside
   ``h2o.core.policies`` that names it.
 * :func:`no_simulated_form` (kvzip: why), :func:`reading_rows` (full for a shared prefill whose forks rank).
+* the schedule's answers: :func:`appends_after_prompt` (every later token kept after the prompt's cut),
+  :func:`held_after` (the tokens a global layer holds after ``fed`` tokens), :func:`schedule_options` (what the
+  schedule adds to the run's options).
 """
 from __future__ import annotations
 
@@ -88,3 +91,20 @@ def reading_rows(policy: Policy) -> Policy:
     """``policy`` (full) reading every prompt row's attention in its prefill (``READ_ROWS``); returns it."""
     policy.reads = frozenset({READ_ROWS})
     return policy
+
+
+def appends_after_prompt(policy: Policy) -> bool:
+    """Whether every token after the prompt's cut is kept (``compress=prefill``): the continuation may go in one
+    forward."""
+    return policy.schedule.once
+
+
+def held_after(policy: Policy, budget: int, context: int | None, fed: int) -> int:
+    """Tokens per KV head a global layer holds after ``fed`` tokens (a prompt of ``context`` among them, None: none)
+    under a budget of ``budget`` per head, by the schedule (:meth:`h2o.core.schedule.Schedule.held`)."""
+    return policy.schedule.held(budget, context, fed)
+
+
+def schedule_options(policy: Policy) -> dict:
+    """What the schedule adds to the run's options (``compress``, ``interval``; none for ``decode``)."""
+    return policy.schedule.describe()

@@ -11,6 +11,9 @@ interval=4``, ``make_policy("h2o", compress="interval", interval=4)``):
   same shape): cut to the budget at the end of the prompt, then every ``N`` generated tokens, after the ``N``-th
   one attended: between cuts nothing is evicted, so the cache breathes between ``budget`` and ``budget + N``.
   Without a prompt the first token is the prompt (the evicting cache counts from its first forward).
+* ``buffer`` (TriAttention's slack trigger, ``use_slack_trigger``): cut back to the budget once the cache holds
+  ``budget + N`` tokens. Where the prompt fills the budget it is ``interval``; a prompt of ``p < budget`` tokens
+  leaves ``room = budget - p``, and the first cut comes ``room + N`` tokens after the prompt, then every ``N``.
 
 Every schedule cuts at the end of the prompt (:mod:`h2o.core.step`: the evicting cache's ``cut``, the simulated
 path's rows); ``decode`` alone evicts at decoding steps (:attr:`Schedule.evicts_each_step`); ``prefill`` alone
@@ -45,9 +48,12 @@ class Schedule:
         """Whether it cuts again after decoding steps (neither ``decode`` nor ``prefill``)."""
         return not self.evicts_each_step and not self.once
 
-    def cuts_after(self, generated):
+    def cuts_after(self, generated, room=0):
         """Whether the cache is cut back to the budget after the ``generated``-th token since the prompt attended
-        (1-based; an int, or an int64 tensor of them: a bool tensor). Default: never."""
+        (1-based), the prompt's cut having left ``room`` tokens below the budget (``budget - min(budget, p)`` for a
+        prompt of ``p`` tokens, counted as on a layer without a sliding window). Each an int, or int64 tensors of
+        them (broadcast): a bool tensor. Default: never. The one place that says when a later cut happens: the
+        evicting cache asks it per sequence after each decoding step, the simulated rows per row."""
         return generated < 0
 
     def held(self, budget: int, context: int | None, fed: int) -> int:
@@ -61,9 +67,10 @@ class Schedule:
         held = min(budget, first)
         if self.once:
             return held + fed - first
+        room = budget - held
         for generated in range(1, fed - first + 1):
             held += 1
-            if self.cuts_after(generated):
+            if self.cuts_after(generated, room):
                 held = min(budget, held)
         return held
 
@@ -97,8 +104,17 @@ class Interval(Schedule):
     name = "interval"
     takes_interval = True
 
-    def cuts_after(self, generated):
+    def cuts_after(self, generated, room=0):
         return (generated > 0) & (generated % self.every == 0)
+
+
+class Buffer(Schedule):
+    name = "buffer"
+    takes_interval = True
+
+    def cuts_after(self, generated, room=0):
+        since = generated - room  # tokens since the cache first held the budget
+        return (since > 0) & (since % self.every == 0)
 
 
 def compress_names() -> tuple[str, ...]:
@@ -106,7 +122,7 @@ def compress_names() -> tuple[str, ...]:
     return tuple(Schedule.registry)
 
 
-COMPRESS = ("decode", "prefill", "interval")  # the built-in spellings (compress_names: every registered one)
+COMPRESS = ("decode", "prefill", "interval", "buffer")  # the built-in spellings (compress_names: every registered one)
 
 
 def make_schedule(compress: str, interval=None) -> Schedule:

@@ -9,7 +9,7 @@ import torch
 from . import step
 from .masks import causal_valid, masked_softmax, positions, serial, with_sinks
 from .policies import Policy
-from .policies.base import bcast, const
+from .policies.base import const
 from .step import Forward
 
 
@@ -48,12 +48,15 @@ def compressed_once(policy: Policy, f: Forward) -> torch.Tensor:
 
 
 def cut_rows(policy: Policy, keep: torch.Tensor, posH: torch.Tensor, acc: torch.Tensor, now: torch.Tensor,
-             f: Forward) -> torch.Tensor:
+             f: Forward, spare: torch.Tensor | None = None) -> torch.Tensor:
     """A cut over the columns held ``keep`` (B, Hkv, T) bool, judged with the token at position ``now`` (B,) in, as
-    the evicting cache's cut (:meth:`h2o.core.cache_cut.CutHooks.cut`): the steps of :mod:`h2o.core.step`."""
+    the evicting cache's cut (:meth:`h2o.core.cache_cut.CutHooks.cut`): the steps of :mod:`h2o.core.step`.
+    ``spare`` (B,) bool: the sequences whose cut is not due (they keep what they hold)."""
     keep = step.expire(keep, posH, now, f.window)
-    return step.kept(policy, step.Slots(posH, keep, acc, now), step.score(policy, acc, f.key, keep),
-                     policy.cut_counts(f.counts))
+    counts = policy.cut_counts(f.counts)
+    if spare is not None:
+        counts = step.spared(counts, spare, keep.shape[-1])
+    return step.kept(policy, step.Slots(posH, keep, acc, now), step.score(policy, acc, f.key, keep), counts)
 
 
 def interval_rows(policy: Policy, f: Forward) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -84,9 +87,11 @@ def interval_rows(policy: Policy, f: Forward) -> tuple[torch.Tensor, torch.Tenso
             rows = f.logits[..., :P, :] if policy.reads_logits else first * valid[:, None, None, :P, None]
             policy.accumulate_prompt(acc, rows, valid[:, :P], now[:, None] - pos[:, :P])
         keep = cut_rows(policy, keep, posH, acc, now, f)
-    generated = pos - valid[:, :P].sum(-1, keepdim=True).clamp(min=1) + 1  # (B, T) tokens since the prompt
-    due = valid & (col >= P) & (generated > 0) & policy.schedule.cuts_after(generated)  # (B, T) a cut after the row
-    cuts = due.any(0).tolist()  # the one host read
+    first = valid[:, :P].sum(-1, keepdim=True).clamp(min=1)  # (B, 1) the prompt's tokens (none: the first token)
+    generated = pos - first + 1  # (B, T) tokens since the prompt
+    below = (f.counts.total[:, None] - first).clamp(min=0)  # (B, 1) the room the prompt's cut leaves below budget
+    due = valid & (col >= P) & (generated > 0) & policy.schedule.cuts_after(generated, below)  # (B, T) a cut after
+    cuts, uneven = due.any(0).tolist(), (due.any(0) & ~due.all(0)).tolist()  # the one host read
     low = const(torch.finfo(torch.float32).min, torch.float32, valid.device)
     sink_row = None if f.sinks is None else f.sinks.view(1, *f.sinks.shape[1:3], 1)  # (1, Hkv, G, 1)
     with serial(valid.device):
@@ -104,5 +109,5 @@ def interval_rows(policy: Policy, f: Forward) -> tuple[torch.Tensor, torch.Tenso
                 p = p.unsqueeze(-2) * tok.to(p.dtype).view(B, 1, 1, 1, 1)  # (B, Hkv, G, 1, T): pad rows add nothing
                 step.accumulate(policy, acc, f.logits[..., i:i + 1, :] if policy.reads_logits else p, tok.view(B, 1))
             if cuts[i]:
-                keep = torch.where(bcast(due[:, i]), cut_rows(policy, keep, posH, acc, pos[:, i], f), keep)
+                keep = cut_rows(policy, keep, posH, acc, pos[:, i], f, ~due[:, i] if uneven[i] else None)
     return out, seen

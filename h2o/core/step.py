@@ -75,6 +75,18 @@ def kept(policy: Policy, s: Slots, state: torch.Tensor, counts: Counts, order: b
     return policy.keep(prio, s.pos, s.held, counts)
 
 
+def spared(counts: Counts, spare, slots: int) -> Counts:
+    """``counts`` where the sequences ``spare`` (B,) (bool list or tensor: a schedule's cut not due for them, its
+    ``cuts_after`` differing across the batch) keep all ``slots``: their total raised to it."""
+    def lift(c: Counts) -> Counts:
+        mask = torch.as_tensor(spare, dtype=torch.bool, device=c.total.device)
+        total = torch.where(mask, torch.full_like(c.total, slots), c.total)
+        return Counts(total=total, heavy=c.heavy, recent=total - c.heavy, length=c.length)
+    out = lift(counts)
+    out.host = counts.host and lift(counts.host)
+    return out
+
+
 @dataclass
 class Arrival:
     """One arriving token's decision over S slots (the cache's, in any order) or columns (a simulated row's, in

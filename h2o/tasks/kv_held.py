@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from h2o.core import engine
 from h2o.core.engine import held_by_formula, layer_budget
 
 KEYS = ("tokens_held", "slots_stored", "bytes_held", "bytes_stored")
@@ -55,14 +56,13 @@ def held_per_layer(model, policy, window: int, context: int | None) -> tuple[lis
     """(tokens per KV head of each layer right after the cut (None without a prompt), the same at the end)."""
     layers, _, _, windows = geometry(model)
     budget = per_layer(policy, context or window, layers, window)
-    schedule = policy.schedule
 
     def capped(n: int, win: int | None) -> int:
         return n if win is None else min(n, win)
 
     fed = window - 1  # the inputs up to the last scored prediction
     cut = [capped(min(n, context), w) for n, w in zip(budget, windows)] if context else None
-    end = [capped(schedule.held(n, context, fed), w) for n, w in zip(budget, windows)]
+    end = [capped(engine.held_after(policy, n, context, fed), w) for n, w in zip(budget, windows)]
     return cut, end
 
 
@@ -104,7 +104,7 @@ def measured(model, policy, wins: torch.Tensor, context: int | None, batch: int 
                 model(ids[:, :context], cache=cache)
                 cuts.append((cache.footprint(), len(ids)))
             rest = ids[:, context or 0:W - 1]  # (b, W - 1 - C) the continuation fed
-            for step in [rest] if policy.schedule.once else rest.split(1, dim=1):
+            for step in [rest] if engine.appends_after_prompt(policy) else rest.split(1, dim=1):
                 model(step, cache=cache)
             ends.append((cache.footprint(), len(ids)))
     return (per_sequence(cuts) if context else None), per_sequence(ends)

@@ -22,10 +22,12 @@ the bytes stored, padding included.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
 
+from ..schedule import Prefill
 from .base import READ_WINDOW, Counts, Policy, PolicyError
 from .kvpress_select import kvpress_adakv
 
@@ -61,7 +63,7 @@ class AdaKV(Policy):
     name = "adakv"
     pooled = True
     reads = frozenset({READ_WINDOW})  # the default inner's (snapkv); an instance takes its inner's
-    compress = "prefill"  # the default inner's (snapkv); an instance takes its inner's
+    schedule = Prefill()  # the default inner's (snapkv); an instance takes its inner's
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, inner: str = "snapkv",
                  alpha_safeguard: float = 0.2, **options):
@@ -91,13 +93,22 @@ class AdaKV(Policy):
         self.heavy, self.recent, self.budget = p.heavy, p.recent, p.budget
         self.splits, self.needs_scores, self.reads_keys = p.splits, p.needs_scores, p.reads_keys
         self.reads, self.reads_queries = p.reads, p.reads_queries
-        self.compress = p.compress
+        self.schedule = p.schedule
 
     def timed(self, compress: str, interval: int | None = None) -> Policy:
         """The inner policy's timings (a prefill-only inner refuses decode in its own words)."""
         self.inner.timed(compress, interval)
-        self.compress, self.interval = compress, self.inner.interval
+        self.schedule = self.inner.schedule
         return self
+
+    def for_layer(self, layer: int, layers: int) -> Policy:
+        """This wrapper around its inner's rule of that layer (itself where the inner has no per-layer data)."""
+        inner = self.inner.for_layer(layer, layers)
+        if inner is self.inner:
+            return self
+        bound = copy.copy(self)
+        bound.inner = inner
+        return bound
 
     # the inner's rule: budget, scores, priorities
     def counts(self, length: torch.Tensor) -> Counts:

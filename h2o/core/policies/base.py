@@ -30,7 +30,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from ..schedule import COMPRESS, Schedule, make_schedule  # noqa: F401 (COMPRESS re-exported)
+from ..schedule import COMPRESS, Decode, Schedule, make_schedule  # noqa: F401 (COMPRESS re-exported)
 from .budget import BudgetPart, Counts, PolicyError, Unsupported, check_part, to_count  # noqa: F401 (re-exported)
 from .checks import BudgetChecks
 from .slots import (TIER, TIER_INT, along_slots, bcast, const, keep_top, recent_window,  # noqa: F401 (re-exported)
@@ -128,10 +128,10 @@ class Policy(BudgetChecks):
     # the simulated path only, one unpadded sequence at a time, no sliding window; the forward's plan is built once
     # (:meth:`mask_plan`) and each layer's mask from its logits (:meth:`forward_mask`)
     whole_forward: ClassVar[bool] = False
-    # when an evicting policy compresses (h2o.core.schedule): "decode" (the budget kept at every step), "prefill"
-    # (kvpress's: cut once to the budget at the prompt's end) or "interval" (cut back every ``interval`` tokens)
-    compress: str = "decode"
-    interval: int | None = None  # compress="interval": the generated tokens between two cuts
+    # when an evicting policy compresses (h2o.core.schedule, set by :meth:`timed`; read as ``compress`` and
+    # ``interval``): Decode (the budget kept at every step), Prefill (kvpress's: cut once to the budget at the
+    # prompt's end), Interval (cut back every ``interval`` tokens), Buffer (cut back once budget + N are held)
+    schedule: Schedule = Decode()
     real_only: ClassVar[str | None] = None  # why the rule has no simulated form (None: it has one): attach's refusal
     registry: ClassVar[dict[str, type["Policy"]]] = {}
 
@@ -147,6 +147,13 @@ class Policy(BudgetChecks):
                 cls.needs_scores = True
         if vars(cls).get("name"):  # its own name: a subclass inheriting one does not replace its parent
             Policy.registry[cls.name] = cls
+
+    def for_layer(self, layer: int, layers: int) -> "Policy":
+        """The rule of layer ``layer`` of ``layers``: both paths ask once per layer (the evicting cache when it makes
+        the layer, the simulated path at each layer's attention) and run every hook of that layer on what this
+        returns. Default: this policy; a rule with per-layer data (calibrated statistics) returns a copy bound to
+        its layer."""
+        return self
 
     def attach_hooks(self, model, state) -> list:
         """Hooks the real path adds to ``model`` for this rule (removed on leaving ``attach``; ``state``: the
@@ -204,13 +211,18 @@ class Policy(BudgetChecks):
         if not schedule.evicts_each_step and not self.evicts:
             raise Unsupported(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
                               f"allowed: decode")
-        self.compress, self.interval = compress, schedule.every
+        self.schedule = schedule
         return self
 
     @property
-    def schedule(self) -> Schedule:
-        """When this rule runs (:class:`h2o.core.schedule.Schedule`): ``compress`` with its ``interval``."""
-        return make_schedule(self.compress, self.interval)
+    def compress(self) -> str:
+        """The schedule's name (:data:`COMPRESS`), the spelling of the command line and of the records."""
+        return self.schedule.name
+
+    @property
+    def interval(self) -> int | None:
+        """The schedule's option ``interval`` (None where it takes none)."""
+        return self.schedule.every
 
     # ----------------------------------------------------------------- budget
     def counts(self, length: torch.Tensor) -> Counts:

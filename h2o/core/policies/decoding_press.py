@@ -31,20 +31,20 @@ class DecodingOrder(PrefillOnly):
     decode_form = True
 
     def accumulate(self, acc, probs, valid=None) -> None:
-        if self.compress == "prefill":  # attention, as any rule (decode, interval: acc is kvpress's slot order)
+        if self.schedule.once:  # attention, as any rule (cut again later: acc is kvpress's slot order)
             super().accumulate(acc, probs, valid)
 
     def accumulate_prompt(self, acc, probs, valid, left) -> None:
-        if self.compress == "prefill":
+        if self.schedule.once:
             super().accumulate_prompt(acc, probs, valid, left)
 
     def cut_order(self, acc, prio, pos, valid, counts: Counts) -> None:
         """kvpress's prefill press: a sequence that drops keys gets its kept slots' places in ``topk``'s order.
         The interval timing: each cut is ``topk(n)`` on kvpress's row; the slots it leaves out get the priority
         -inf in ``prio`` (in place), so the selection keeps what it returned."""
-        if self.compress == "prefill":  # no slot order to keep (slots stay in position order)
+        if self.schedule.once:  # no slot order to keep (slots stay in position order)
             return
-        if self.compress == "interval":
+        if self.schedule.cuts_later:  # interval, buffer
             return self.interval_cut(acc, prio, pos, valid, counts)
         host = counts.host or counts  # the cache's numbers on the host: no device read
         rows, index, lengths = rows_by_position(prio, pos, valid, host.seen)  # (B, H, L + 1) the scores by position
@@ -75,7 +75,7 @@ class DecodingOrder(PrefillOnly):
         """(B, H, S) the priority of a decoding step: where a head is full, 0 for the key ``topk(n - 1)`` leaves out
         of kvpress's row and 1 for the others (whose places ``acc`` takes, in place); elsewhere the score."""
         score = self.cut_score(acc, keys, held)  # (B, H, S)
-        if self.compress != "decode":  # prefill, interval: the score as it is
+        if not self.schedule.evicts_each_step:  # prefill, interval, buffer: the score as it is
             return score
         full = held.sum(-1) >= counts.total[:, None]  # (B, H) the arriving token evicts (decided on the device)
         order = kvpress_row(acc, pos, held)  # (B, H, S) kvpress's row: its slots in order

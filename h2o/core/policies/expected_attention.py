@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..schedule import make_schedule
 from .base import READ_QUERIES, PolicyError, Unsupported
 from .prefill import PrefillOnly
 
@@ -72,7 +73,7 @@ class ExpectedAttention(PrefillOnly):
         self.use_covariance, self.use_vnorm, self.epsilon = use_covariance, use_vnorm, float(epsilon)
 
     def timed(self, compress: str, interval: int | None = None):
-        if compress == "decode":
+        if make_schedule(compress, interval).evicts_each_step:
             raise Unsupported(f"compress=decode: expected_attention has no faithful decoding form (kvpress's "
                               f"DecodingPress(ExpectedAttentionPress, compression_interval=1) scores from the one "
                               f"hidden state buffered since its last cut, {self.degenerate()}); allowed: prefill")

@@ -14,14 +14,14 @@ from typing import ClassVar
 
 import torch
 
-from ..schedule import make_schedule
+from ..schedule import Prefill, make_schedule
 from .base import Counts, Policy
 from .budget import Unsupported
 from .kvpress_select import kvpress_topk
 
 
 class PrefillOnly(Policy):
-    compress = "prefill"
+    schedule = Prefill()
     newest_upto = 0  # a prompt of at most this many tokens keeps its newest (kvpress has no rule there)
     decode_form: ClassVar[bool] = False  # True: DecodingPress's form at interval 1 (compress=decode)
 
@@ -40,7 +40,7 @@ class PrefillOnly(Policy):
     def cut_room(self) -> int:
         """1 in the decoding timing: kvpress's prefilling press keeps ``target = total - 1`` tokens, each step
         sees them and itself (:class:`Policy`'s)."""
-        return int(self.compress == "decode")
+        return int(self.schedule.evicts_each_step)
 
     def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
         return acc  # (B, H, S) fp32: the score at the cut or the step (Policy.cut_score, step_score, or acc)

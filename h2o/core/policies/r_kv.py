@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..schedule import Schedule
 from .base import READ_KEYS, READ_WINDOW, Counts, Policy, PolicyError, TIER
 from .snapkv import newest_rank, push_rows
 
@@ -59,8 +60,10 @@ class RKV(Policy):
         self.threshold = check_number("threshold", threshold, -1.0, 1.0)
 
     def timed(self, compress: str, interval: int | None = None) -> Policy:
-        """The reference's buffer of :data:`BUFFER` tokens where ``compress=interval`` names none."""
-        return super().timed(compress, BUFFER if compress == "interval" and interval is None else interval)
+        """The reference's buffer of :data:`BUFFER` tokens where a schedule that takes one (``compress=interval``)
+        is given none."""
+        takes = getattr(Schedule.registry.get(compress), "takes_interval", False)
+        return super().timed(compress, BUFFER if takes and interval is None else interval)
 
     def read_window(self) -> int:
         return self.window

@@ -52,7 +52,7 @@ class SnapKV(PrefillOnly):
 
     def rings(self) -> bool:
         """Whether ``acc`` is the ring of the newest rows (a decoding form) rather than the prompt's window sum."""
-        return self.compress != "prefill"
+        return not self.schedule.once
 
     def new_state(self, B: int, H: int, S: int, device: torch.device) -> torch.Tensor:
         if not self.rings():
