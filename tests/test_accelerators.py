@@ -14,7 +14,7 @@ from tests.held_steps import held_after_each_step
 def declaring(accelerator: str) -> list[str]:
     """The registered rules (default options, a 20% budget) that declare ``accelerator``."""
     return [name for name, cls in sorted(Policy.registry.items())
-            if not cls.whole_forward and accelerator in cls(budget=0.2).accelerators()]
+            if not cls(budget=0.2).whole_forward and accelerator in cls(budget=0.2).accelerators()]
 
 
 def plain(monkeypatch, policy) -> None:

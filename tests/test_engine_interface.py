@@ -21,15 +21,36 @@ from h2o.tasks.kv_held import measured, simulated_held
 ROOT = Path(__file__).resolve().parents[1] / "h2o"
 
 
+def declared_flags(classes) -> set[str]:
+    """The flags ``classes`` declare: class attributes that are no method (``schedule`` among them)."""
+    return {k for cls in classes for k, v in vars(cls).items() if not k.startswith("_") and not callable(v)
+            and not isinstance(v, (property, staticmethod, classmethod))} - {"name", "registry"}
+
+
 def policy_flags() -> set[str]:
-    """Every flag a policy class declares (a class attribute that is no method: ``schedule`` among them) and
-    ``is_full``; not its name, nor its schedule's spelling (``compress``, ``interval``: the run's config, in every
-    record)."""
-    out = {"is_full"}
-    for cls in [Policy, *Policy.registry.values()]:
-        out |= {k for k, v in vars(cls).items() if not k.startswith("_") and not callable(v)
-                and not isinstance(v, (property, staticmethod, classmethod))}
-    return out - {"name", "registry", "compress", "interval"}
+    """Every flag a policy class declares (:func:`declared_flags`) and what follows from them (the Policy's
+    properties: ``is_full``, ``needs_scores``, ``reads_keys``...); not its schedule's spelling (``compress``,
+    ``interval``: the run's config, in every record) nor ``quant`` (a notice of its second spelling)."""
+    derived = {k for k, v in vars(Policy).items() if isinstance(v, property)}
+    return (declared_flags([Policy, *Policy.registry.values()]) | derived) - {"compress", "interval", "quant"}
+
+
+def test_the_policy_interface_declares_at_most_8_flags_the_rest_follows():
+    """Issue 47: what a rule declares is at most 8 flags; ``needs_scores``, ``reads_keys``, ``reads_queries``,
+    ``reads_logits`` follow from ``reads``, ``position_only`` and ``window_closed_form`` from ``closed_form``,
+    ``whole_forward`` from the rule defining ``forward_mask``."""
+    own = declared_flags([Policy])
+    assert own == {"evicts", "reads", "closed_form", "splits", "pooled", "schedule", "real_only", "cut_room"}
+    derived = {"needs_scores", "reads_keys", "reads_queries", "reads_logits", "position_only", "window_closed_form",
+               "whole_forward"}
+    assert derived <= policy_flags() and not derived & declared_flags([Policy])
+    rules = {name: make_policy(name) for name in ("r_kv", "h2o", "knorm", "expected_attention", "local", "fixed")}
+    assert [n for n, p in rules.items() if p.reads_logits] == ["r_kv"]
+    assert [n for n, p in rules.items() if p.reads_keys] == ["r_kv", "knorm"]
+    assert [n for n, p in rules.items() if p.reads_queries] == ["expected_attention"]
+    assert [n for n, p in rules.items() if p.window_closed_form] == ["local"]
+    assert [n for n, p in rules.items() if p.position_only] == ["local", "fixed"]
+    assert make_policy("h2o_reference").whole_forward and not make_policy("h2o").whole_forward
 
 
 FLAGS = re.compile(r"(?<!engine)\.(" + "|".join(sorted(policy_flags())) + r")\b")  # engine.<flag>(...): its answer
@@ -41,7 +62,8 @@ def sources(under: Path, outside: Path | None = None) -> list[Path]:
 
 def test_nothing_outside_the_core_reads_a_policys_flags():
     """Every flag of every registered policy class (:func:`policy_flags`: 18 names; three before issue 47)."""
-    assert {"evicts", "pooled", "reads", "real_only", "reads_logits", "whole_forward", "schedule"} <= policy_flags()
+    assert {"evicts", "pooled", "reads", "real_only", "reads_logits", "whole_forward", "schedule",
+            "needs_scores"} <= policy_flags()
     found = [f"{f.relative_to(ROOT)}:{n}" for f in sources(ROOT, ROOT / "core")
              for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
              if FLAGS.search(line) and not line.lstrip().startswith(("from ", "import "))]

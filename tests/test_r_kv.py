@@ -14,6 +14,7 @@ from h2o import attach, make_policy
 from h2o.assets.models import TINY_ARCHS, tiny_model
 from h2o.core.policies import PolicyError
 from h2o.core.policies.r_kv import RKV
+from h2o.core.policies.base import READ_LOGITS
 from tests.test_interval import cut_by_hand, layer_masks, rows_of
 from tests.two_paths import padded_paths, quantized_paths_agree, without_a_prompt
 
@@ -53,7 +54,7 @@ class ProbsRKV(RKV):
     """A broken r_kv: given the attention probabilities (as every other rule) where R-KV pools logits."""
 
     name = ""
-    reads_logits = False
+    reads = RKV.reads - {READ_LOGITS}
 
 
 def naive_decode(model, policy, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[int]]:

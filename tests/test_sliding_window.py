@@ -305,7 +305,7 @@ def test_row_kernel_honours_the_window(monkeypatch, name, score, budget, prompt_
 @pytest.mark.parametrize("name,budget", [("local", 5), ("local", 0.2), ("streaming_llm", 9), ("streaming_llm", 0.2),
                                          ("strided", 8), ("strided", 0.3)])
 def test_closed_forms_stay_exact_with_the_window(monkeypatch, name, budget):
-    """local, streaming_llm and strided keep their closed form on sliding layers (Policy.window_closed_form):
+    """local, streaming_llm and strided keep their closed form on sliding layers (``Policy.closed_form = "sliding"``):
     equal to the row loop, which makes the decisions step by step, with and without a prompt, left padding."""
     from h2o.core import simulate
 
@@ -317,7 +317,7 @@ def test_closed_forms_stay_exact_with_the_window(monkeypatch, name, budget):
     for prompt_len in (0, 20):
         allowed = simulate.causal_valid(valid, window)
         closed = simulate.policy_allowed(policy, logits, allowed, valid, prompt_len, window=window)
-        monkeypatch.setattr(type(policy), "window_closed_form", False)
+        monkeypatch.setattr(type(policy), "closed_form", "global")
         loop = simulate.policy_allowed(policy, logits, allowed, valid, prompt_len, window=window)
         monkeypatch.undo()
         assert torch.equal(closed.expand_as(loop), loop), prompt_len

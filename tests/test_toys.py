@@ -3,7 +3,7 @@
 included, GQA among them), on a left-padded batch, and under a quantized cache:
 
 * a rule that reads the held keys at every decoding step (``toy_held_keys``) and one that reads the rows' logits
-  (``toy_newest_logit``: R-KV's input, ``reads_logits``);
+  (``toy_newest_logit``: R-KV's input, ``READ_LOGITS``);
 * a schedule that cuts every 4 generated tokens (``toy_every4``: ``interval=4`` under another name, the same logits)
   and one that cuts on a condition of the cache, once it holds the budget + 3 (``toy_past_budget``: the harness's
   ``compress=buffer interval=3``, TriAttention's slack trigger), which on a batch whose prompts fill the budget
@@ -14,7 +14,7 @@ import torch
 from h2o import make_policy
 from h2o.assets.models import TINY_ARCHS, tiny_model
 from h2o.core.policies import Policy
-from h2o.core.policies.base import READ_KEYS, READ_WINDOW, TIER, recent_window
+from h2o.core.policies.base import READ_KEYS, READ_LOGITS, READ_WINDOW, TIER, recent_window
 from h2o.core.policies.snapkv import push_rows
 from h2o.core.schedule import Schedule
 from tests.test_interval import P, both_paths
@@ -42,12 +42,11 @@ def toys():
 
     class NewestLogit(Policy):
         """A recent window, and of the older held tokens those the newest query row gave the largest logit (the
-        maximum over a KV head's query heads): the rule reads the rows' logits (``reads_logits``), its state a ring
+        maximum over a KV head's query heads): the rule reads the rows' logits (``READ_LOGITS``), its state a ring
         of one row per slot."""
 
         name = "toy_newest_logit"
-        reads = frozenset({READ_WINDOW})
-        reads_logits = True
+        reads = frozenset({READ_WINDOW, READ_LOGITS})
 
         def read_window(self):
             return 1

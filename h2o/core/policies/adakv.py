@@ -91,8 +91,7 @@ class AdaKV(Policy):
         self.alpha_safeguard = float(a)
         p = self.inner
         self.heavy, self.recent, self.budget = p.heavy, p.recent, p.budget
-        self.splits, self.needs_scores, self.reads_keys = p.splits, p.needs_scores, p.reads_keys
-        self.reads, self.reads_queries = p.reads, p.reads_queries
+        self.splits, self.reads = p.splits, p.reads
         self.schedule = p.schedule
 
     def timed(self, compress: str, interval: int | None = None) -> Policy:

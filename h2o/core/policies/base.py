@@ -61,7 +61,10 @@ READ_KEYS = "keys"  # the held keys after RoPE, at a cut and at decoding steps (
 READ_WINDOW = "window"  # the attention of a prompt's last Policy.read_window() query rows (snapkv, tova)
 READ_ROWS = "rows"  # the attention of every query row, accumulated (h2o's heavy hitters)
 READ_QUERIES = "queries"  # the prompt's queries' statistics before RoPE (Policy.query_stats, expected_attention)
-READS = (READ_KEYS, READ_WINDOW, READ_ROWS, READ_QUERIES)
+# with READ_ROWS or READ_WINDOW: accumulate/accumulate_prompt get the rows' logits (B, H, G, r, S) as computed (scaled,
+# soft-capped, unmasked, pad rows not zeroed: ``valid`` given) in place of probabilities (r_kv pools heads' logits)
+READ_LOGITS = "logits"
+READS = (READ_KEYS, READ_WINDOW, READ_ROWS, READ_QUERIES, READ_LOGITS)
 NOTHING: frozenset[str] = frozenset()  # a rule of positions alone (and of the budget): full, local, strided...
 # the methods whose answers are the policy's decisions
 RULE = ("priority", "restrict", "score", "accumulate", "accumulate_prompt", "cut_score")
@@ -100,34 +103,22 @@ class Policy(BudgetChecks):
     name: ClassVar[str] = ""
     evicts: ClassVar[bool] = True  # False: keeps the whole cache and restricts each query (top-k)
     # What the rule reads from a forward (a subset of :data:`READS`), declared on every policy's class: a prefill
-    # computes the attention output and only these statistics. The flags below follow from it where a class sets
-    # it (``__init_subclass__``); an instance that wraps others (adakv, PerSequence) sets all of them itself.
+    # computes the attention output and only these statistics. ``needs_scores``, ``reads_keys``, ``reads_queries``
+    # and ``reads_logits`` follow from it (properties below); a wrapper (adakv, PerSequence) takes its inners'.
     reads: ClassVar[frozenset[str]] = NOTHING
-    needs_scores: ClassVar[bool] = False  # True: uses accumulated attention ``acc`` (READ_ROWS or READ_WINDOW)
-    reads_keys: ClassVar[bool] = False  # True: at a cut, :meth:`cut_score` is given the held keys (READ_KEYS)
-    # True: the prompt's queries before RoPE go to the policy's ``query_stats`` (h2o.core.prerope.Queries), and at
-    # the cut ``query_score(stats, keys, values, pos, held)`` replaces ``acc`` (expected_attention; READ_QUERIES)
-    reads_queries: ClassVar[bool] = False
-    # True: accumulate/accumulate_prompt get the rows' logits (B, H, G, r, S) as computed (scaled, soft-capped,
-    # unmasked, pad rows not zeroed: ``valid`` given) in place of probabilities: a rule pooling heads' logits (r_kv)
-    reads_logits: ClassVar[bool] = False
-    # True: the priority ignores ``acc`` and a token the cache dropped would never be among the ``total - 1`` older
-    # tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
-    # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop)
-    position_only: ClassVar[bool] = False
-    # True: on a sliding-window layer too, the cache at row i is the top ``total - 1`` of the older tokens *inside
-    # the window* (:meth:`held_rows` with ``window``). Holds where, for a dropped token, either every newer token
-    # outranks it from then on or no older one does (local, streaming_llm, strided; docs/attention.md): the window
-    # takes one older token per row as one arrives. Else the simulated path runs the row loop on sliding layers
-    window_closed_form: ClassVar[bool] = False
+    # The closed form of a rule of positions alone (:meth:`held_rows`, the accelerator ``closed_form``): None (none),
+    # "global": the priority ignores ``acc`` and a token the cache dropped would never be among the ``total - 1``
+    # older tokens of highest priority again; the cache at row i is then the top ``total - 1`` of all older tokens by
+    # priority at i, plus token i (the simulated path builds every row at once; tests check it against the loop);
+    # "sliding": on a sliding-window layer too, the cache at row i is the top ``total - 1`` of the older tokens
+    # *inside the window* (:meth:`held_rows` with ``window``). Holds where, for a dropped token, either every newer
+    # token outranks it from then on or no older one does (local, streaming_llm, strided; docs/attention.md): the
+    # window takes one older token per row as one arrives. Else the simulated path runs the row loop on sliding layers
+    closed_form: ClassVar[str | None] = None
     splits: ClassVar[bool] = True  # the rule reads the heavy and recent parts apart (False: only their sum)
     # True: a layer's budget is shared by its KV heads (Ada-KV): every eviction is a cut of the whole layer by
     # :meth:`keep` (a decoding step too), heads hold uneven counts, the evicting cache stores them padded
     pooled: ClassVar[bool] = False
-    # True: the rule is a mask over one whole forward (the paper code's H2O, :mod:`.h2o_reference`), not a cache:
-    # the simulated path only, one unpadded sequence at a time, no sliding window; the forward's plan is built once
-    # (:meth:`mask_plan`) and each layer's mask from its logits (:meth:`forward_mask`)
-    whole_forward: ClassVar[bool] = False
     # when an evicting policy compresses (h2o.core.schedule, set by :meth:`timed`; read as ``compress`` and
     # ``interval``): Decode (the budget kept at every step), Prefill (kvpress's: cut once to the budget at the
     # prompt's end), Interval (cut back every ``interval`` tokens), Buffer (cut back once budget + N are held)
@@ -142,11 +133,52 @@ class Policy(BudgetChecks):
             odd = sorted(cls.reads - set(READS))
             if odd:
                 raise TypeError(f"{cls.__name__}.reads: {odd} not in {READS}")
-            cls.reads_keys, cls.reads_queries = READ_KEYS in cls.reads, READ_QUERIES in cls.reads
-            if cls.reads & {READ_ROWS, READ_WINDOW}:
-                cls.needs_scores = True
+            if READ_LOGITS in cls.reads and not cls.reads & {READ_ROWS, READ_WINDOW}:
+                raise TypeError(f"{cls.__name__}.reads: {READ_LOGITS!r} names how rows are read; add "
+                                f"{READ_ROWS!r} or {READ_WINDOW!r}")
+        if vars(cls).get("closed_form") not in (None, "global", "sliding"):
+            raise TypeError(f"{cls.__name__}.closed_form={cls.closed_form!r}: allowed: None, 'global', 'sliding'")
         if vars(cls).get("name"):  # its own name: a subclass inheriting one does not replace its parent
             Policy.registry[cls.name] = cls
+
+    # ------------------------------------------------- what follows from ``reads``, ``closed_form`` and the rule
+    @property
+    def needs_scores(self) -> bool:
+        """Whether the rule reads the rows' attention into ``acc`` (:data:`READ_ROWS` or :data:`READ_WINDOW`)."""
+        return bool(self.reads & {READ_ROWS, READ_WINDOW})
+
+    @property
+    def reads_keys(self) -> bool:
+        """Whether a cut's and a decoding step's :meth:`cut_score` / :meth:`step_score` get the held keys."""
+        return READ_KEYS in self.reads
+
+    @property
+    def reads_queries(self) -> bool:
+        """Whether the prompt's queries before RoPE go to ``query_stats`` (h2o.core.prerope.Queries), and at the
+        cut ``query_score(stats, keys, values, pos, held)`` replaces ``acc`` (expected_attention)."""
+        return READ_QUERIES in self.reads
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether the rows are given as logits in place of probabilities (:data:`READ_LOGITS`)."""
+        return READ_LOGITS in self.reads
+
+    @property
+    def position_only(self) -> bool:
+        """Whether the rule has a closed form of positions alone (:attr:`closed_form`)."""
+        return self.closed_form is not None
+
+    @property
+    def window_closed_form(self) -> bool:
+        """Whether that closed form holds inside a sliding window too (``closed_form = "sliding"``)."""
+        return self.closed_form == "sliding"
+
+    @property
+    def whole_forward(self) -> bool:
+        """Whether the rule is a mask over one whole forward (the paper code's H2O, :mod:`.h2o_reference`), not a
+        cache: it defines :meth:`forward_mask`. The simulated path only, one unpadded sequence at a time, no sliding
+        window; the forward's plan is built once (:meth:`mask_plan`) and each layer's mask from its logits."""
+        return type(self).forward_mask is not Policy.forward_mask
 
     def for_layer(self, layer: int, layers: int) -> "Policy":
         """The rule of layer ``layer`` of ``layers``: both paths ask once per layer (the evicting cache when it makes

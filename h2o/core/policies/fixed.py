@@ -21,7 +21,7 @@ def pattern(counts: Counts) -> tuple[torch.Tensor, torch.Tensor]:
 class Fixed(Policy):
     name = "fixed"
     reads = NOTHING  # positions alone
-    position_only = True
+    closed_form = "global"  # positions alone (on a sliding-window layer the row loop serves)
 
     def priority(self, pos, acc, now, counts: Counts):
         return tiered(*self.tiers(pos, now, self.consts(counts)), pos)  # (B, H, S)

@@ -18,7 +18,6 @@ from .h2o import H2O, reference_mask
 class H2OReference(H2O):
     name = "h2o_reference"
     reads = frozenset({READ_ROWS})  # simulated only: the unmasked rows of every query
-    whole_forward = True  # the simulated path's mask over one forward (Policy.mask_plan, forward_mask)
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
         super().__init__(budget, heavy, recent, heavy_share)

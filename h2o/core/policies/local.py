@@ -7,9 +7,8 @@ class Local(Policy):
 
     name = "local"
     reads = NOTHING  # positions alone
-    position_only = True
     splits = False
-    window_closed_form = True  # the budget's window within the layer's window
+    closed_form = "sliding"  # positions alone; the budget's window within the layer's window
 
     def priority(self, pos, acc, now, counts: Counts):
         return pos.double()  # (B, H, S)

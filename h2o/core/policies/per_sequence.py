@@ -29,9 +29,12 @@ class PerSequence(Policy):
             raise PolicyError(f"PerSequence: budgets {[p.budget for p in policies]} differ; give one budget")
         self.policies = list(policies)
         self.heavy, self.recent, self.budget = policies[0].heavy, policies[0].recent, policies[0].budget
-        self.needs_scores = any(p.needs_scores for p in policies)
         self.reads = frozenset().union(*(p.reads for p in policies))
         self.name = "+".join(p.name for p in policies)
+
+    @property
+    def needs_scores(self) -> bool:
+        return any(p.needs_scores for p in self.policies)  # random's rows too (random_order's docstring)
 
     def counts(self, length: torch.Tensor) -> Counts:
         parts = [p.counts(length[b:b + 1]) for b, p in enumerate(self.policies)]

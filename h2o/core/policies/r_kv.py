@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..schedule import Schedule
-from .base import READ_KEYS, READ_WINDOW, Counts, Policy, PolicyError, TIER
+from .base import READ_KEYS, READ_LOGITS, READ_WINDOW, Counts, Policy, PolicyError, TIER
 from .snapkv import newest_rank, push_rows
 
 BUFFER = 128  # the reference's divide_length: generated tokens between two cuts (compress=interval)
@@ -41,8 +41,7 @@ def check_number(name: str, value, low: float, high: float) -> float:
 class RKV(Policy):
     name = "r_kv"
     splits = False  # the whole budget is scored, the window inside it
-    reads = frozenset({READ_WINDOW, READ_KEYS})  # the newest rows' logits, the held keys
-    reads_logits = True
+    reads = frozenset({READ_WINDOW, READ_LOGITS, READ_KEYS})  # the newest rows' logits, the held keys
     token_options = ("window",)  # the observation window: at most the model's positions
     # the default timing is every rule's (decode); the reference's is compress=interval (BUFFER when none is given)
 

@@ -32,7 +32,7 @@ class Random(Policy):
     name = "random"
     splits = False  # the whole budget is drawn
     reads = NOTHING  # a hash of (head, position)
-    needs_scores = True  # see the module docstring: the row loop's probabilities, not a score
+    needs_scores = True  # (Policy's property, answered here) see the module docstring: the row loop's rows
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, seed: int = 0):
         super().__init__(budget, heavy, recent, heavy_share)

@@ -9,9 +9,8 @@ from .base import NOTHING, TIER, Counts, Policy, PolicyError, bcast
 class StreamingLLM(Policy):
     name = "streaming_llm"
     reads = NOTHING  # positions alone
-    position_only = True
     splits = False
-    window_closed_form = True  # the sinks are the oldest tokens: the first to leave a window
+    closed_form = "sliding"  # positions alone; the sinks are the oldest tokens: the first to leave a window
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, sinks: int = 4):
         super().__init__(budget, heavy, recent, heavy_share)

@@ -20,8 +20,8 @@ def stride_of(counts: Counts) -> torch.Tensor:
 class Strided(Policy):
     name = "strided"
     reads = NOTHING  # positions alone
-    position_only = True
-    window_closed_form = True  # newer tokens outrank a dropped non-grid token; no older one outranks a grid token
+    # positions alone, inside a window too: newer tokens outrank a dropped non-grid token; no older one a grid token
+    closed_form = "sliding"
 
     def priority(self, pos, acc, now, counts: Counts):
         return tiered(*self.tiers(pos, now, self.consts(counts)), pos)  # (B, H, S)
