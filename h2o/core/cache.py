@@ -323,12 +323,6 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         self.counts = counts.map(lambda x: x.to(self.n_tok.device, copy=True))  # a copy: apart on the CPU too
         self.counts.host = counts  # what a rule reads as numbers: no device read
 
-    def prompt_ends(self) -> None:
-        """The schedule counts from here: no token generated; per sequence, the room the prompt's cut leaves below
-        the budget (:meth:`Schedule.cuts_after`)."""
-        self.generated = 0
-        self.below = [max(t - n, 0) for t, n in zip(self.host_total, self.host_tok)]
-
     def end_forward(self, q: int) -> None:
         """After the attention of a forward of ``q`` new tokens: a prefill (chunk) is cut back to the budget; with
         positions inside the cache, the held keys are renumbered (:class:`h2o.core.rerotate.KeyRerotation`)."""
@@ -337,11 +331,7 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             if q > 1 and self.cuts():
                 self.cut()
         else:
-            self.generated += 1
-            if self.limited() and self.policy.schedule.cuts_later:  # compress=interval, buffer: a cut now?
-                due = [bool(self.policy.schedule.cuts_after(self.generated, r)) for r in self.below]
-                if any(due):
-                    self.cut(spare=None if all(due) else [not d for d in due])
+            self.scheduled_cut()
         self.compressed = self.policy.schedule.once  # compressed once: every later token is kept
         if self.rerotation is not None:
             tok = self.tok_before

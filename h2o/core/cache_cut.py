@@ -45,6 +45,21 @@ class CutHooks:
             self.host_held = [min(h, self.window) for h in self.host_held]
         self.compact(keep, max(self.host_held))
 
+    def prompt_ends(self) -> None:
+        """The schedule counts from here: no token generated; per sequence, the room the prompt's cut leaves below
+        the budget (:meth:`h2o.core.schedule.Schedule.cuts_after`)."""
+        self.generated = 0
+        self.below = [max(t - n, 0) for t, n in zip(self.host_total, self.host_tok)]
+
+    def scheduled_cut(self) -> None:
+        """After a decoding step: a schedule that cuts later (interval, buffer) cuts each sequence it names now
+        (the others keep what they hold); the host's numbers alone decide."""
+        self.generated += 1
+        if self.limited() and self.policy.schedule.cuts_later:
+            due = [bool(self.policy.schedule.cuts_after(self.generated, r)) for r in self.below]
+            if any(due):
+                self.cut(spare=None if all(due) else [not d for d in due])
+
     def pool_compact(self, keep: torch.Tensor, decoding: bool) -> None:
         """A pooled layer keeps ``keep`` (B, H, S) bool in ``max(host_held)`` slots: its largest head's count, read
         at a prompt's cut; in a decoding step an upper bound, the count sent to the host without a wait."""

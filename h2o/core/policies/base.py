@@ -25,35 +25,19 @@ in generation; ``n = floor(r * L)`` as in the paper) or an absolute token count 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, ClassVar
+from typing import ClassVar
 
 import torch
 
 from ..schedule import COMPRESS, Decode, Schedule, make_schedule  # noqa: F401 (COMPRESS re-exported)
 from .budget import BudgetPart, Counts, PolicyError, Unsupported, check_part, to_count  # noqa: F401 (re-exported)
 from .checks import BudgetChecks
+from .forms import (ACCELERATORS, CLOSED_FORM, DECODER, ROW_KERNEL, RULE, Decoder, KernelForm,  # noqa: F401
+                    declared)  # (re-exported)
 from .slots import (TIER, TIER_INT, along_slots, bcast, const, keep_top, recent_window,  # noqa: F401 (re-exported)
                     select_slot, tier_key, tiered)
 
 CELLS = 2**24  # held_rows: (rows x slots) priorities judged at once per sequence, bounds the memory
-
-
-@dataclass(frozen=True)
-class KernelForm:
-    """What the simulated path's Triton row kernel runs for a policy (:mod:`h2o.core.row_kernel`).
-
-    ``kind``: "evict" (the held token of lowest score among those the protected set leaves is dropped) or
-    "restrict" (the whole cache kept; heavy hitters, then each query's top logits). ``params(counts)``: per
-    sequence int64 (B, 4) for "evict" (window or block, stride or summaries, grid on, protected count) or (B, 2)
-    for "restrict" (total, heavy). "evict" only: ``pattern`` the protected set (0: a recent window of
-    ``params[:, 0]`` tokens, 1: strided, 2: fixed), ``score`` an index of :data:`.score.SCORES`, ``decay``."""
-
-    kind: str
-    params: Callable[[Counts], torch.Tensor]
-    pattern: int = 0
-    score: int = 0
-    decay: float = 0.0
 
 
 # What a rule reads from a forward beyond keys' positions (Policy.reads; both paths compute only that):
@@ -66,29 +50,6 @@ READ_QUERIES = "queries"  # the prompt's queries' statistics before RoPE (Policy
 READ_LOGITS = "logits"
 READS = (READ_KEYS, READ_WINDOW, READ_ROWS, READ_QUERIES, READ_LOGITS)
 NOTHING: frozenset[str] = frozenset()  # a rule of positions alone (and of the budget): full, local, strided...
-# the methods whose answers are the policy's decisions
-RULE = ("priority", "restrict", "score", "accumulate", "accumulate_prompt", "cut_score")
-# The accelerators a rule may declare: faster forms of the step (h2o.core.step), each tested equal to it on random
-# states (tests/test_accelerators.py): every simulated row at once (``position_only``, :meth:`Policy.held_rows`), a
-# decoder that keeps state between decoding steps (:meth:`Policy.decoder`), the simulated path's Triton row kernel
-# (:meth:`Policy.kernel_form`). Where a rule declares none, the step runs.
-CLOSED_FORM, DECODER, ROW_KERNEL = "closed_form", "decoder", "row_kernel"
-ACCELERATORS = (CLOSED_FORM, DECODER, ROW_KERNEL)
-
-
-def declared(policy: "Policy", form: str):
-    """``policy``'s bound method ``form`` (a faster form of its rule: ``kernel_form``, ``decoder``,
-    ``held_rows``), or None if a class below the one that declares it redefines the rule (a subclass that
-    changes ``priority`` does not inherit a kernel or a closed form made for its parent's)."""
-    mro = type(policy).__mro__
-    at = next((c for c in mro if form in vars(c)), None)
-    if at is None:
-        return None
-    for name in RULE:
-        rule = next((c for c in mro if name in vars(c)), None)
-        if rule is not None and not issubclass(at, rule):
-            return None
-    return getattr(policy, form)
 
 
 class Policy(BudgetChecks):
@@ -416,29 +377,3 @@ class Policy(BudgetChecks):
 
     def __repr__(self):
         return f"{type(self).__name__}(heavy={self.heavy}, recent={self.recent})"
-
-
-class Decoder:
-    """Priorities of one cache layer's decoding steps. ``priority`` gets the state (pos, acc (B, H, S), now (B,))
-    and the host's view of the step, per sequence: ``tok`` the arriving token's position, ``held`` the older tokens
-    held, ``room`` below budget (an empty slot is taken, nothing dropped);
-    ``placed(slot)`` is told where the arriving token went; ``reset()`` that the slots were rebuilt (a prefill
-    chunk, a cut, a new slot)."""
-
-    def __init__(self, policy: Policy, counts: Counts):
-        self.policy, self.counts = policy, counts
-
-    def priority(self, pos, acc, now, tok: list[int], held: list[int], room: list[bool]) -> torch.Tensor:
-        return self.policy.priority(pos, acc, now, self.counts)
-
-    def placed(self, slot: torch.Tensor) -> None:
-        pass
-
-    def restrict(self, logits, acc, allowed: torch.Tensor | None) -> torch.Tensor:
-        """A restricting policy's :meth:`Policy.restrict` at a decoding step (``allowed`` None: every slot)."""
-        if allowed is None:
-            allowed = const(True, torch.bool, logits.device)
-        return self.policy.restrict(logits, acc, allowed, self.counts)
-
-    def reset(self) -> None:
-        pass
