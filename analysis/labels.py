@@ -37,6 +37,9 @@ METHODS = {
     "expected_attention": ("Expected Attention", "#aec7e8", "X"),
     "kvzip": ("KVzip", "#ffbb78", "d"),
     "r_kv": ("R-KV", "#c5b0d5", "H"),
+    "triattention": ("TriAttention", "#9edae5", "8"),
+    "snapkv_d": ("SnapKV-D", "#2ca02c", "v"),
+    "g_kv": ("G-KV", "#c49c94", "d"),
 }
 LABELS = {name: lab for name, (lab, _, _) in METHODS.items()}
 KIND_METRICS = {"multiple_choice": ["acc_mean", "acc"], "summarization": ["rouge2"],

@@ -293,7 +293,8 @@ def page_body(df: pd.DataFrame, figures: Path, rel: str, spec: dict) -> list[str
     lines = [f"Runs finished: {len(main)}" + (f" of the committed grid's {grid}" if grid else "") +
              f" ({cpu_of(main):,.0f} CPU-s in all, one thread each)" + (f", {models[0]}" if len(models) > 1 else "")
              + ".", ""]
-    named = [(spec[key], word) for key, word in (("headline", "Headline"), ("replication", "Confirmatory replication"))
+    named = [(spec[key], word) for key, word in (("headline", "Headline"), ("replication", "Confirmatory replication"),
+                                                 ("baselines_2026", "The 2026 decode-time baselines"))
              if spec.get(key)]
     lines += section(main, figures, rel, named, "")
     for model in models[1:]:

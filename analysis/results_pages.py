@@ -26,6 +26,8 @@ records beside its ``study.yaml``, so a measured number in the docs always has i
                                  # comparison named after the headline (before its runs), shown after it
     second_family: {model: gemma3-270m, a: h2o, b: r_kv, budget: 64, schedule: every 32, why: "..."}
                                  # long_generation: a comparison on another model's records, in that model's section
+    baselines_2026: {a: triattention, b: h2o, budget: 64, schedule: every 32, why: "..."}   # long_generation:
+                                 # the 2026 decode-time baselines' comparison, named before their runs
     placement: {method: snapkv, budget: 0.2, why: "..."}   # questions: a comparison named before its runs, each
                                  # question inside its own compressed prompt (task.question=each) - compressed once
     sections:                    # streaming: window samples (analysis.streaming_study), one section per folder
@@ -63,7 +65,7 @@ class StudyError(ValueError):
 
 
 KEYS = ("title", "about", "measured", "commands", "kind", "records", "runs", "headline", "replication", "placement",
-        "second_family", "sections")
+        "second_family", "baselines_2026", "sections")
 
 
 def inside(folder: Path, sub) -> bool:
@@ -119,6 +121,7 @@ COMPARISONS = {"headline": {"long_generation": (("a", "b", "budget", "schedule")
                             "questions": (("a", "b", "budget"), ("why",))},
                "replication": {"long_generation": (("a", "b", "budget", "schedule"), ("prompts", "why"))},
                "second_family": {"long_generation": (("model", "a", "b", "budget", "schedule"), ("why",))},
+               "baselines_2026": {"long_generation": (("a", "b", "budget", "schedule"), ("prompts", "why"))},
                "placement": {"questions": (("method", "budget"), ("why",))}}
 
 
