@@ -31,7 +31,7 @@ def forwards(model, policy, context, parts, ref_len: int, stepwise: bool = False
     with attach(model, policy, mode="real") as h, torch.no_grad():
         cache = h.new_cache(ref_len=ref_len)
         first = model(context, cache=cache, use_cache=True).logits[0, -1:]
-        held = [int((layer.pos[0, 0] >= 0).sum()) if layer.pos is not None else 0 for layer in cache.layers]
+        held = cache.held_tokens()[:, 0, 0].tolist()  # (L,) sequence 0, KV head 0
         rest = []
         for part in parts:
             chunks = part.split(1, dim=1) if stepwise else [part]
