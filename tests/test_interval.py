@@ -23,12 +23,12 @@ from tests.two_paths import L, P, PADS, left_padded, padded_paths, quantized_pat
 
 ARCHS = (*TINY_ARCHS, "mistral")  # mistral: every layer a sliding window of 16 tokens
 # every evicting rule with a decoding form (the others refuse: test_rules_without_a_decoding_form_refuse)
-RULES = ("adakv", "fixed", "fixed_h2", "h2_only", "h2o", "keydiff", "knorm", "local", "r_kv", "random",
+RULES = ("adakv", "fixed", "fixed_h2", "g_kv", "h2_only", "h2o", "keydiff", "knorm", "local", "r_kv", "random",
          "scissorhands", "snapkv", "streaming_llm", "strided", "strided_h2", "tova")
 # adakv: with its default inner, snapkv (kvpress's registry runs SnapKV under Ada-KV at decoding); over any inner with
 # a decoding form it takes it (test_a_pooled_rule_agrees...)
 # options that make a rule's scores decide at these tiny budgets (r_kv's window of 8 would hold the whole budget)
-SMALL = {"r_kv": {"window": 2, "kernel": 3}, "snapkv": {"window": 3, "kernel": 3}, "adakv": {"window": 3, "kernel": 3}}
+SMALL = {"g_kv": {"window": 2}, "r_kv": {"window": 2, "kernel": 3}, "snapkv": {"window": 3, "kernel": 3}, "adakv": {"window": 3, "kernel": 3}}
 REFUSED = ("expected_attention", "full", "h2o_reference", "kvzip", "pyramidkv", "topk", "topk_h2")
 
 
@@ -231,7 +231,7 @@ def both_paths_greedy(model, policy, x, mask, Pn: int, steps: int):
     return sim, torch.cat(real, 1)
 
 
-@pytest.mark.parametrize("name", ["h2o", "tova", "streaming_llm", "knorm", "scissorhands", "r_kv", "snapkv"])
+@pytest.mark.parametrize("name", ["h2o", "tova", "streaming_llm", "knorm", "scissorhands", "r_kv", "snapkv", "g_kv"])
 def test_both_paths_equal_a_naive_reference_token_for_token(model, name):
     """Greedy decoding under the naive loop; the generated sequence through both paths (each sequence of a
     left-padded batch; alone for a rule whose ties the last bit decides) gives the same logits, and the same greedy

@@ -110,9 +110,11 @@ class RKV(Policy):
 
 
 def redundancy(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, threshold: float,
-               compact: bool = False) -> torch.Tensor:
+               compact: bool = False, fallback: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """keys (B, H, S, D), pos (B, H, S), held (B, H, S) bool -> (B, H, S): each held key's mean cosine similarity
     to the held keys (each row's newest similar entry zeroed), a softmax over the held keys; 0 where not held.
+    ``fallback``: a row with no similar key has its oldest held entry zeroed (R-KV's ``cal_similarity``; False:
+    nothing, G-KV's ``cal_similarity_triton``); ``eps`` is added to the norms (1e-8 R-KV's, 1e-6 that kernel's).
 
     On the CPU, where at most half the S slots are held (the simulated path's rows: S is every position, at most
     the budget held), the similarity is taken over the held keys only, gathered in slot order (n^2 instead of S^2
@@ -123,23 +125,24 @@ def redundancy(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, thresh
     S = held.shape[-1]
     n = int(held.sum(-1).amax()) if held.device.type == "cpu" and S > 1 and not compact else S
     if n > S // 2:
-        return redundancy_of(keys, pos, held, threshold)
+        return redundancy_of(keys, pos, held, threshold, fallback, eps)
     idx = held.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :max(n, 1)]  # (B, H, n) held first
     sub = redundancy_of(keys.gather(2, idx[..., None].expand(*idx.shape, keys.shape[-1])), pos.gather(-1, idx),
-                        held.gather(-1, idx), threshold)  # (B, H, n)
+                        held.gather(-1, idx), threshold, fallback, eps)  # (B, H, n)
     return torch.zeros(held.shape, dtype=sub.dtype, device=sub.device).scatter_(-1, idx, sub)
 
 
-def redundancy_of(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, threshold: float) -> torch.Tensor:
+def redundancy_of(keys: torch.Tensor, pos: torch.Tensor, held: torch.Tensor, threshold: float,
+                  fallback: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """:func:`redundancy` over all S slots: the (B, H, S, S) similarity."""
-    unit = keys / (keys.norm(dim=-1, keepdim=True) + 1e-8)
+    unit = keys / (keys.norm(dim=-1, keepdim=True) + eps)
     sim = unit @ unit.transpose(-1, -2)  # (B, H, S, S) rows i, columns j
     sim.diagonal(dim1=-2, dim2=-1).zero_()
     cols = held[..., None, :]  # (B, H, 1, S)
     similar = (sim > threshold) & cols
     newest = torch.where(similar, pos[..., None, :], -1).amax(-1)  # (B, H, S) per row, -1: none
     oldest = torch.where(held, pos, torch.iinfo(torch.int64).max).amin(-1, keepdim=True)  # (B, H, 1)
-    target = torch.where(newest >= 0, newest, oldest)  # (B, H, S) the entry zeroed in each row
+    target = torch.where(newest >= 0, newest, oldest if fallback else -1)  # (B, H, S) the entry zeroed per row
     sim = sim.masked_fill((pos[..., None, :] == target[..., None]) & cols, 0.0)
     rows = held.sum(-1, keepdim=True).clamp(min=1)  # (B, H, 1)
     mean = (sim * held[..., None].to(sim.dtype)).sum(-2) / rows  # (B, H, S) per column
