@@ -83,8 +83,8 @@ def test_prefill_then_decode_equals_mask_with_prompt_rows_unmasked(model, name, 
     real, cache = real_prefill_decode(model, policy, ids, prompt=P)
     assert torch.allclose(real, sim, atol=ATOL)
     held = {int((layer.pos >= 0).sum(-1).max()) for layer in cache.layers}
-    expected = L if not policy.evicts else int(policy.counts(torch.tensor([P])).total)
-    expected += L - P if policy.compress == "prefill" else 0  # compressed once: every later token kept
+    # decode: the budget; prefill: every later token kept; interval (g_kv's default): its last cut and those since
+    expected = L if not policy.evicts else policy.schedule.held(int(policy.counts(torch.tensor([P])).total), P, L)
     assert held == {expected}
 
 
