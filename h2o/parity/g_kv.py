@@ -43,6 +43,7 @@ from h2o.parity.r_kv import CatchTopk, golden_ids, record_states
 
 BUDGETS = (24, 40, 64)
 PROMPT, EVERY, LATER_BUDGET = 40, 16, 32  # the later cuts: the prompt's, then every EVERY tokens, at LATER_BUDGET
+STEPS = 256  # the greedy generation after the first PROMPT ids: 16 cuts
 OPTIONS = {"window": 16, "alpha": 0.8, "mix_lambda": 0.5, "threshold": 0.5}  # G-KV's recipe (scripts/inference.sh)
 # the recipes of G-KV's scripts/inference.sh for ScoreBasedKV (window_size 16 for all, its --window_size there)
 RECIPES = {
@@ -223,6 +224,76 @@ def later_cuts(states: list[dict], ScoreBasedKV=None, options: dict | None = Non
     return out
 
 
+# ----------------------------------------------------------------------------------------------- generation
+def generate_reference(model, ScoreBasedKV, prompt: torch.Tensor, steps: int) -> tuple[list[int], list[float]]:
+    """Greedy decoding of ``steps`` tokens after ``prompt`` (1, P) as G-KV's patched model and ``generate`` run it
+    (gkv/model/modeling_llama.py, gen_patch.py), on the model's eager attention over a DynamicCache: each layer
+    keeps its newest ``window_size`` queries (``query_cache``); at forward ``k`` (0: the prompt's) with
+    ``k % divide_length == 0`` each layer's cache, the token just in, is cut by ``update_kv`` after its attention
+    (the reference attends with the uncut keys and stores the cut), its ``score_cache`` carried
+    -> (the tokens, each one's NLL under the logits that chose it)."""
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    recipe, w = RECIPES["g_kv"], RECIPES["g_kv"]["window_size"]
+    queries: dict[int, torch.Tensor] = {}
+
+    def recording(module, query, key, value, attention_mask, scaling, **kwargs):
+        eager = sys.modules[type(module).__module__].eager_attention_forward
+        before = queries.get(module.layer_idx)
+        both = query if before is None else torch.cat([before, query], 2)
+        queries[module.layer_idx] = both[:, :, -w:]  # (1, Hq, <= w, D) the query cache
+        mask = None if query.shape[2] == 1 else attention_mask  # one token sees every held key (a cut cache's
+        # length is not the one transformers sizes its mask by)
+        return eager(module, query, key, value, mask, scaling=scaling, **kwargs)
+
+    AttentionInterface.register("gkv_reference", recording)
+    AttentionMaskInterface.register("gkv_reference", eager_mask)
+    before = model.config._attn_implementation
+    model.set_attn_implementation("gkv_reference")
+    cache, history, tokens, nll = DynamicCache(), {}, [], []
+    P = prompt.shape[1]
+    try:
+        with torch.no_grad():
+            ids = prompt
+            for k in range(steps):
+                at = (torch.arange(P) if k == 0 else torch.tensor([P + k - 1]))[None]  # this forward's positions
+                logits = model(ids, cache=cache, use_cache=True, position_ids=at).logits[0, -1]
+                if k % EVERY == 0:
+                    for i, layer in enumerate(cache.layers):
+                        S = layer.keys.shape[2]
+                        cut = ScoreBasedKV(budget=LATER_BUDGET, **recipe)
+                        layer.keys, layer.values, _, history[i] = cut.update_kv(
+                            layer.keys, queries[i], layer.values, attention_mask=torch.ones(1, S, dtype=torch.long),
+                            score_cache=history.get(i))
+                token = int(logits.argmax())
+                tokens.append(token)
+                nll.append(float(-logits.log_softmax(-1)[token]))
+                ids = torch.tensor([[token]])
+    finally:
+        model.set_attn_implementation(before)
+    return tokens, nll
+
+
+def generate_ours(model, prompt: torch.Tensor, steps: int, options: dict | None = None) -> tuple[list[int], list[float]]:
+    """Greedy decoding of ``steps`` tokens after ``prompt`` (1, P) through the evicting cache under ``g_kv`` at
+    ``compress=interval`` :data:`EVERY` -> (the tokens, each one's NLL under the logits that chose it)."""
+    from h2o import attach, make_policy
+
+    policy = make_policy("g_kv", budget=LATER_BUDGET, interval=EVERY, **(OPTIONS if options is None else options))
+    tokens, nll = [], []
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        cache = h.new_cache()
+        ids = prompt
+        for _ in range(steps):
+            logits = model(ids, cache=cache).logits[0, -1]
+            token = int(logits.argmax())
+            tokens.append(token)
+            nll.append(float(-logits.log_softmax(-1)[token]))
+            ids = torch.tensor([[token]])
+    return tokens, nll
+
+
 # ----------------------------------------------------------------------------------------------- the field
 def field_cuts(states: list[dict], ScoreBasedKV) -> dict:
     """At the first cut (the whole sequence), per layer and budget: G-KV's repository's H2O and R-KV recipes
@@ -239,6 +310,7 @@ def field_cuts(states: list[dict], ScoreBasedKV) -> dict:
                 row[f"gkv_repo_{recipe}"], _, _ = reference_cut(
                     ScoreBasedKV, r, state["keys"], state["queries"][:, :, -r["window_size"]:], held[None], budget)
             row["h2o"], _, _ = ours_cut("h2o", {}, state, held, T - 1, budget)
+            row["h2o_recent1"], _, _ = ours_cut("h2o", {"heavy": budget - 1, "recent": 1}, state, held, T - 1, budget)
             rk = RECIPES["r_kv"]
             row["r_kv"], _, _ = ours_cut("r_kv", {"window": rk["window_size"], "kernel": rk["kernel_size"],
                                                   "mix_lambda": rk["mix_lambda"]}, state, held, T - 1, budget,
@@ -254,7 +326,9 @@ def overlap(a: list[list[int]], b: list[list[int]]) -> float:
 
 def field_summary(field: dict) -> dict:
     """Per pair and budget: the kept-set overlap per layer, and the heads kept identically."""
-    pairs = {"h2o vs gkv_repo_h2o": ("h2o", "gkv_repo_h2o"), "r_kv vs gkv_repo_r_kv": ("r_kv", "gkv_repo_r_kv")}
+    pairs = {"h2o vs gkv_repo_h2o": ("h2o", "gkv_repo_h2o"),
+             "h2o (recent 1) vs gkv_repo_h2o": ("h2o_recent1", "gkv_repo_h2o"),
+             "r_kv vs gkv_repo_r_kv": ("r_kv", "gkv_repo_r_kv")}
     out = {}
     for label, (a, b) in pairs.items():
         for budget in BUDGETS:
@@ -311,7 +385,13 @@ def main(argv=None) -> int:
     first = first_cuts(states, ScoreBasedKV)
     later = later_cuts(states, ScoreBasedKV)
     field = field_cuts(states, ScoreBasedKV)
-    summary = {**compare(first, later), "field": field_summary(field)}
+    prompt = golden_ids()[:, :PROMPT]
+    ref_tokens, ref_nll = generate_reference(load_model(), ScoreBasedKV, prompt, STEPS)
+    tokens, nll = generate_ours(load_model(), prompt, STEPS)
+    generation = {"steps": STEPS, "tokens_equal": sum(a == b for a, b in zip(tokens, ref_tokens)),
+                  "first_apart": next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None),
+                  "largest_nll_gap": float(f"{max(abs(a - b) for a, b in zip(nll, ref_nll)):.2e}")}
+    summary = {**compare(first, later), "generation": generation, "field": field_summary(field)}
     print(json.dumps(summary, indent=1))
     if a.golden:
         out = {"made_by": "python -m h2o.parity.g_kv --reference DIR --golden",
@@ -321,6 +401,7 @@ def main(argv=None) -> int:
                "prompt": PROMPT, "every": EVERY, "later_budget": LATER_BUDGET, "summary": summary,
                "first_cut": golden_first(first),
                "later_cuts": [{"layer": r["layer"], "now": r["now"], "kept": r["reference"]} for r in later],
+               "steps": STEPS, "generation": {"tokens": ref_tokens, "nll": [float(f"{x:.7g}") for x in ref_nll]},
                "field": field}
         RECORD.write_text(json.dumps(out, separators=(",", ":")) + "\n")
         print(f"golden numbers: {RECORD}", file=sys.stderr)
