@@ -122,6 +122,15 @@ def test_bad_options_fail_in_one_line(bad, error, match):
     assert "\n" not in str(e.value)
 
 
+def test_wrappers_refuse_it():
+    from h2o.core.policies.per_sequence import PerSequence
+
+    with pytest.raises(PolicyError, match="^inner='g_kv': adakv wraps an evicting policy; allowed: "):
+        make_policy("adakv", inner="g_kv")
+    with pytest.raises(PolicyError, match="^PerSequence: g_kv keeps its own state per slot"):
+        PerSequence([make_policy("g_kv", budget=8), make_policy("h2o", budget=8)])
+
+
 # ------------------------------------------------------------------ parity through the golden numbers
 @pytest.fixture(scope="module")
 def golden():

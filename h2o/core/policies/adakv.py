@@ -35,8 +35,9 @@ from .kvpress_select import kvpress_adakv
 INNER_OPTIONS = ("window", "kernel", "beta", "score", "decay", "seed", "sinks", "n_future_positions", "n_sink",
                  "use_covariance", "use_vnorm", "epsilon", "history", "count")
 # keeps everything; the paper code's rule (simulated only, no cut); a rule of the rows' logits with a state of rows
-# per slot (r_kv: its scores are not pooled across heads by its reference either)
-NOT_INNER = ("full", "h2o_reference", "r_kv")
+# per slot (r_kv: its scores are not pooled across heads by its reference either); a rule whose state carries a
+# history from cut to cut through its order hook, its scores normalised per head (g_kv)
+NOT_INNER = ("full", "h2o_reference", "r_kv", "g_kv")
 
 
 def inner_names() -> list[str]:
