@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from h2o.parity.pairs import DECODE_ONLY, EXTRA, OURS, RECORD, RKV_RECORD, TOLERANCE, kept
+from h2o.parity.pairs import DECODE_ONLY, EXTRA, GKV_RECORD, OURS, RECORD, RKV_RECORD, TOLERANCE, kept
 
 
 def load(path: Path) -> list[dict]:
@@ -123,7 +123,7 @@ def write_table(out: Path, table: Path, prompts: dict, golden: Path | None = REC
         total[side] += s["seconds"]
     lines += ["Time: " + ", ".join(f"{side} side {sec:.0f} s" for side, sec in sorted(total.items()))
               + " (1 thread each).", ""]
-    lines += NOTES + golden_section(golden) + r_kv_section(RKV_RECORD)
+    lines += NOTES + golden_section(golden) + r_kv_section(RKV_RECORD) + g_kv_section(GKV_RECORD)
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text("\n".join(lines))
 
@@ -229,3 +229,53 @@ def r_kv_section(record: Path | None) -> list[str]:
             "\"newest similar key\" then read neighbours in that order; `r_kv` reads them by position (docs/r_kv.md). "
             "tests/test_r_kv_parity.py checks ours against these numbers (and the evicting cache's cut of the whole "
             "sequence against the reference's kept positions).", ""]
+
+
+def g_kv_section(record: Path | None) -> list[str]:
+    """G-KV's reference scoring beside ``g_kv``, and its repository's H2O and R-KV beside ``h2o`` and ``r_kv``
+    (tests/data/parity_golden/g_kv.json, :mod:`h2o.parity.g_kv`)."""
+    if record is None or not record.is_file():
+        return []
+    g = json.loads(record.read_text())
+    s, ref = g["summary"], g["reference"]
+    first, later, gen = s["first_cut"], s["later_cuts"], s["generation"]
+    T = len(g["ids"])
+    lines = ["## G-KV", "",
+             f"`python -m h2o.parity.g_kv --reference DIR --golden` ran G-KV's reference scoring ({ref['repo']} at "
+             f"`{(ref['commit'] or '?')[:12]}`, `ScoreBasedKV.update_kv` of {', '.join(ref['files'])}, its Triton "
+             "similarity in Triton's interpreter; imported from a checkout given on its command line, never copied) "
+             "side by side with `g_kv` on the recorded states of the R-KV section (the same model and token ids). "
+             "The reference's score is the tensor its `topk` is called on, caught, not recomputed. Options: its G-KV "
+             "recipe, " + ", ".join(f"{k} {v}" for k, v in g["options"].items()) + ".", "",
+             "| comparison | compared | kept differently | largest gap |", "| --- | --- | --- | --- |",
+             f"| first cut (whole sequence, budgets {', '.join(map(str, g['budgets']))}) | {first['heads']} heads | "
+             f"{first['heads_kept_differently']} | score {first['largest_score_gap']:.1e} |",
+             f"| later cuts (prompt {g['prompt']}, then every {g['every']} tokens, budget {g['later_budget']}), each "
+             f"side carrying its history | {later['heads']} heads | {later['kept_differently']} | score "
+             f"{later['largest_score_gap']:.1e}, history {later['largest_history_gap']:.1e} |",
+             f"| greedy generation after the first {g['prompt']} ids, the reference's patched `generate` beside the "
+             f"evicting cache (`compress=interval`, budget {g['later_budget']}, interval {g['every']}) | "
+             f"{gen['steps']} tokens | {gen['steps'] - gen['tokens_equal']} | NLL per token "
+             f"{gen['largest_nll_gap']:.1e} |", "",
+             "The rule, the schedule and every difference: docs/g_kv.md. tests/test_g_kv.py checks ours against these "
+             "numbers (and that no decay, no history, a history not carried and R-KV's similarity fallback miss "
+             "them).", "",
+             "### The field's own implementations of the same method", "",
+             "G-KV's repository runs H2O and R-KV as recipes of the same `ScoreBasedKV` (its scripts/inference.sh). "
+             f"At the first cut (the whole {T}-token sequence, the same states), the share of kept tokens each pair "
+             "has in common per layer, and the heads keeping the same set:", "",
+             "| pair | " + " | ".join(f"budget {b} (random sets: {b / T:.0%})" for b in g["budgets"])
+             + " |", "|" + " --- |" * (1 + len(g["budgets"]))]
+    for pair, by_budget in s["field"].items():
+        cells = [f"{', '.join(f'{x:.0%}' for x in v['overlap_per_layer'])}; {v['heads_equal']}/{v['heads']} heads "
+                 "equal" for v in by_budget.values()]
+        lines.append(f"| {pair} | " + " | ".join(cells) + " |")
+    return lines + ["",
+                    "Its H2O scores each token by the attention of the newest query alone at each cut (a query cache "
+                    "of one row), normalised and added to 0.8 of the carried score, one recent token kept; H2O (the "
+                    "paper's code, `h2o`) sums every query's attention and keeps a recent half: near chance overlap, "
+                    "a recent window of one on our side too. Its R-KV takes the query heads' maximum of probabilities "
+                    "after a softmax over every key, where R-KV's code (`r_kv` equals it at a first cut, section "
+                    "\"R-KV\") maxes the logits before a softmax over the older tokens, and its similarity has no "
+                    "fallback: the same tokens but for a few per head. `r_kv` here runs at that recipe's window 16, "
+                    "kernel 5, mix 0.1. docs/g_kv.md, \"The G-KV repository's own H2O and R-KV\".", ""]
