@@ -10,6 +10,7 @@ from h2o.assets.models import tiny_model
 from h2o.core.cache import EvictingCache
 from h2o.core.policies import Policy, PolicyError
 from h2o.core.rerotate import CachePositions, KeyShifter
+from h2o.core.schedule import Schedule
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,8 @@ def model():
 @pytest.mark.parametrize("chunk", [1, 8])
 def test_a_layer_renumbering_itself_equals_the_cache_renumbered_from_outside(model, name, chunk):
     ids = torch.randint(3, 200, (1, 64), generator=torch.Generator().manual_seed(4))
-    policy = make_policy(name, budget=1.0 if name == "full" else 12)
+    every = {"interval": 5} if Schedule.registry[Policy.registry[name].compress].takes_interval else {}  # g_kv's
+    policy = make_policy(name, budget=1.0 if name == "full" else 12, **every)  # default: cuts inside 64 tokens
     n_layers = model.config.num_hidden_layers
     outs, caches = [], []
     for inside in (True, False):
@@ -42,7 +44,9 @@ def test_a_layer_renumbering_itself_equals_the_cache_renumbered_from_outside(mod
         assert torch.equal(a.pos, b.pos) and torch.equal(a.keys, b.keys)
     held = int((caches[0].layers[0].pos[0, 0] >= 0).sum())
     keeps_all = name in ("full", "topk", "topk_h2") or policy.compress == "prefill"  # cut once, at the first chunk
-    assert caches[0].next_position() == held == (64 if keeps_all else 12)
+    # token by token the first token is the prompt, then the schedule's cuts (decode: the budget); a chunk of 8 cuts
+    expected = 64 if keeps_all else policy.schedule.held(12, 1, 64) if chunk == 1 else 12
+    assert caches[0].next_position() == held == expected
 
 
 def test_rerotation_refuses_a_quantized_cache(model):

@@ -12,6 +12,8 @@ from h2o import PolicyError, attach, make_policy
 from h2o.core.policies import BOTH_PATHS as REAL_POLICIES  # the policies with an evicting cache and a mask
 from h2o.assets.models import SLIDING_ARCHS, SLIDING_WINDOW as W, tiny_model
 from h2o.core import attention
+from h2o.core.policies import Policy
+from h2o.core.schedule import Schedule
 
 ATOL = 1e-4
 PAD = 8  # the second sequence of each batch is left-padded by this many columns
@@ -155,13 +157,16 @@ def test_every_policy_is_the_same_in_both_paths(model, name):
 def one_policy_in_both_paths(model, name):
     T, P = 56, 24
     ids, mask = batch(T, 3)
-    policy = make_policy(name, budget=0.3)  # 7 and 4 tokens of the prompts, 12 of 40: less than the window
+    every = {"interval": 4} if Schedule.registry[Policy.registry[name].compress].takes_interval else {}  # g_kv's
+    policy = make_policy(name, budget=0.3, **every)  # 7 and 4 tokens of the prompts, 12 of 40: less than the window
     sim = simulated(model, policy, ids, mask, prompt_len=P)
     out, cache, slots = real(model, policy, ids, mask, prompt=P)
     assert close(out, sim)
     budget = policy.counts(torch.tensor([P, P - PAD])).total  # (B,) of each prompt's tokens
     once = policy.compress == "prefill"  # cut once at the prompt's end: what follows is kept (within the window)
-    limit = budget.clamp(max=W) if policy.evicts and not policy.is_full and not once else torch.full((2,), W)
+    # decode: the budget; interval: the last cut's budget and the tokens since
+    held = torch.tensor([policy.schedule.held(int(b), P - pad, T - pad) for b, pad in zip(budget, (0, PAD))])
+    limit = held.clamp(max=W) if policy.evicts and not policy.is_full and not once else torch.full((2,), W)
     for w, s, layer in zip(windows(model), slots, cache.layers):
         if w:
             assert s <= W
