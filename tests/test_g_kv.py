@@ -217,15 +217,23 @@ def test_the_evicting_caches_cut_of_a_prompt_keeps_the_references_positions(gold
 def test_the_fields_h2o_and_r_kv_recipes_are_recorded_beside_ours(states, golden):
     """G-KV's repository's H2O and R-KV recipes (its ScoreBasedKV) beside ``h2o`` and ``r_kv``: ours recomputed
     here keep what the record says they kept (the reference's side is recorded, CI has no checkout)."""
-    T = states[0]["keys"].shape[2]
+    T, recipe = states[0]["keys"].shape[2], golden["recipes"]["r_kv"]
+    same = {"window": recipe["window_size"], "kernel": recipe["kernel_size"], "mix_lambda": recipe["mix_lambda"]}
     for key, row in golden["field"].items():
         layer, budget = map(int, key.split("/"))
         held = torch.arange(T).expand(states[layer]["keys"].shape[1], T)
         kept, _, _ = parity.ours_cut("h2o", {}, states[layer], held, T - 1, budget)
         assert kept == row["h2o"]
+        kept, _, _ = parity.ours_cut("r_kv", same, states[layer], held, T - 1, budget, rows=same["window"])
+        assert kept == row["r_kv"]
+        # the whole difference: r_kv with the repository's importance keeps the repository's R-KV's tokens
+        kept, _, _ = parity.ours_cut(parity.probs_importance(), same, states[layer], held, T - 1, budget,
+                                     rows=same["window"])
+        assert kept == row["gkv_repo_r_kv"]
     summary = golden["summary"]["field"]
     assert all(x["heads_equal"] == 0 for x in summary["h2o vs gkv_repo_h2o"].values())  # two definitions
     assert all(min(x["overlap_per_layer"]) > 0.9 for x in summary["r_kv vs gkv_repo_r_kv"].values())  # near
+    assert sum(x["heads_equal"] for x in summary["r_kv vs gkv_repo_r_kv"].values()) < 18
 
 
 def test_a_reference_path_without_the_code_is_one_line(tmp_path):

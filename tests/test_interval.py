@@ -28,7 +28,8 @@ RULES = ("adakv", "fixed", "fixed_h2", "g_kv", "h2_only", "h2o", "keydiff", "kno
 # adakv: with its default inner, snapkv (kvpress's registry runs SnapKV under Ada-KV at decoding); over any inner with
 # a decoding form it takes it (test_a_pooled_rule_agrees...)
 # options that make a rule's scores decide at these tiny budgets (r_kv's window of 8 would hold the whole budget)
-SMALL = {"g_kv": {"window": 2}, "r_kv": {"window": 2, "kernel": 3}, "snapkv": {"window": 3, "kernel": 3}, "adakv": {"window": 3, "kernel": 3}}
+SMALL = {"g_kv": {"window": 2}, "r_kv": {"window": 2, "kernel": 3}, "snapkv": {"window": 3, "kernel": 3},
+         "adakv": {"window": 3, "kernel": 3}}
 REFUSED = ("expected_attention", "full", "h2o_reference", "kvzip", "pyramidkv", "topk", "topk_h2")
 
 

@@ -64,7 +64,10 @@ def load_reference(root: Path):
     missing = [str(root / f) for f in FILES if not (root / f).is_file()]
     if missing:
         raise SystemExit(f"--reference={root}: no {', '.join(missing)}; allowed: a checkout of microsoft/G-KV")
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        if "triton" in sys.modules:  # its language's own helpers were made for a GPU at their import
+            raise SystemExit("triton was imported before this command could set TRITON_INTERPRET=1 (no GPU here); "
+                             "allowed: load the reference first, in a fresh process, or TRITON_INTERPRET=1 set")
         os.environ["TRITON_INTERPRET"] = "1"
     import triton
     import triton.language as tl
@@ -145,14 +148,16 @@ def window_rows(state: dict, held_pos: torch.Tensor, rows: torch.Tensor) -> tupl
     return logits[None], logits.masked_fill(~seen, -torch.inf).softmax(-1)[None]
 
 
-def ours_cut(name: str, options: dict, state: dict, held_pos: torch.Tensor, now: int, budget: int,
+def ours_cut(name, options: dict, state: dict, held_pos: torch.Tensor, now: int, budget: int,
              history: torch.Tensor | None = None, rows: int | None = None):
-    """Rule ``name``'s cut over the held positions ``held_pos`` (Hkv, n) ascending of the recorded ``state``, the
-    newest ``rows`` rows (all: None) those up to ``now``; ``history`` (Hkv, n) g_kv's carried state (None: 0)
-    -> (each KV head's kept positions, ascending; the priority (Hkv, n); g_kv's history of the kept (Hkv, m))."""
+    """Rule ``name``'s (or a policy class's) cut over the held positions ``held_pos`` (Hkv, n) ascending of the
+    recorded ``state``, the newest ``rows`` rows (all: None) those up to ``now``; ``history`` (Hkv, n) g_kv's
+    carried state (None: 0) -> (each KV head's kept positions, ascending; the priority (Hkv, n); g_kv's history of
+    the kept (Hkv, m))."""
     from h2o.core.policies import make_policy
 
-    policy = make_policy(name, budget=budget, compress="prefill", **options)
+    policy = make_policy(name, budget=budget, compress="prefill", **options) if isinstance(name, str) \
+        else name(budget=budget, **options).timed("prefill")
     keys_all = state["keys"][0]
     Hkv, n = held_pos.shape
     keys = keys_all.gather(1, held_pos[..., None].expand(Hkv, n, keys_all.shape[-1]))[None]  # (1, Hkv, n, D)
@@ -275,7 +280,8 @@ def generate_reference(model, ScoreBasedKV, prompt: torch.Tensor, steps: int) ->
     return tokens, nll
 
 
-def generate_ours(model, prompt: torch.Tensor, steps: int, options: dict | None = None) -> tuple[list[int], list[float]]:
+def generate_ours(model, prompt: torch.Tensor, steps: int,
+                  options: dict | None = None) -> tuple[list[int], list[float]]:
     """Greedy decoding of ``steps`` tokens after ``prompt`` (1, P) through the evicting cache under ``g_kv`` at
     ``compress=interval`` :data:`EVERY` -> (the tokens, each one's NLL under the logits that chose it)."""
     from h2o import attach, make_policy
@@ -312,11 +318,43 @@ def field_cuts(states: list[dict], ScoreBasedKV) -> dict:
             row["h2o"], _, _ = ours_cut("h2o", {}, state, held, T - 1, budget)
             row["h2o_recent1"], _, _ = ours_cut("h2o", {"heavy": budget - 1, "recent": 1}, state, held, T - 1, budget)
             rk = RECIPES["r_kv"]
-            row["r_kv"], _, _ = ours_cut("r_kv", {"window": rk["window_size"], "kernel": rk["kernel_size"],
-                                                  "mix_lambda": rk["mix_lambda"]}, state, held, T - 1, budget,
-                                         rows=rk["window_size"])
+            same = {"window": rk["window_size"], "kernel": rk["kernel_size"], "mix_lambda": rk["mix_lambda"]}
+            row["r_kv"], _, _ = ours_cut("r_kv", same, state, held, T - 1, budget, rows=rk["window_size"])
+            row["r_kv_probs"], _, _ = ours_cut(probs_importance(), same, state, held, T - 1, budget,
+                                               rows=rk["window_size"])
             out[f"{layer}/{budget}"] = row
     return out
+
+
+def probs_importance():
+    """A diagnostic, not a method: ``r_kv`` with its importance as G-KV's repository computes it (each row's
+    probabilities over every held key it sees, the maximum over the query heads, their mean; R-KV's code: the
+    heads' maximum logit, a softmax over the older tokens), to show that this is where the two implementations
+    part. It is handed the rows' logits (``reads_logits``) of the newest rows, in position order (a first cut).
+    Made here, not at import: the policies' package imports Triton, which must come after TRITON_INTERPRET."""
+    import torch.nn.functional as F
+
+    from h2o.core.policies.r_kv import RKV
+    from h2o.core.policies.snapkv import push_rows
+
+    class ProbsImportance(RKV):
+        name = ""
+
+        def accumulate(self, acc, probs, valid=None) -> None:
+            """acc (B, H, S, w) <- each newest row's softmax (causal among the newest) maxed over the heads."""
+            S, r = probs.shape[-1], probs.shape[-2]
+            seen = torch.arange(S)[None, :] <= torch.arange(S - r, S)[:, None]  # (r, S) the rows are the newest
+            push_rows(acc, probs.float().masked_fill(~seen, -torch.inf).softmax(-1).amax(2).transpose(-1, -2), valid)
+
+        def importance(self, rows, pos, older):
+            """The rows' mean over the older tokens (no second softmax), max-pooled as R-KV's."""
+            B, H, S, _ = rows.shape
+            order = torch.where(older, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
+            line = rows.mean(-1).gather(-1, order).masked_fill(~older.gather(-1, order), -torch.inf)
+            pooled = F.max_pool1d(line.view(B * H, 1, S), self.kernel, 1, self.kernel // 2).view(B, H, S)
+            return torch.empty_like(pooled).scatter_(-1, order, pooled)
+
+    return ProbsImportance
 
 
 def overlap(a: list[list[int]], b: list[list[int]]) -> float:
@@ -328,7 +366,8 @@ def field_summary(field: dict) -> dict:
     """Per pair and budget: the kept-set overlap per layer, and the heads kept identically."""
     pairs = {"h2o vs gkv_repo_h2o": ("h2o", "gkv_repo_h2o"),
              "h2o (recent 1) vs gkv_repo_h2o": ("h2o_recent1", "gkv_repo_h2o"),
-             "r_kv vs gkv_repo_r_kv": ("r_kv", "gkv_repo_r_kv")}
+             "r_kv vs gkv_repo_r_kv": ("r_kv", "gkv_repo_r_kv"),
+             "r_kv with the repository's importance vs gkv_repo_r_kv": ("r_kv_probs", "gkv_repo_r_kv")}
     out = {}
     for label, (a, b) in pairs.items():
         for budget in BUDGETS:

@@ -277,5 +277,7 @@ def g_kv_section(record: Path | None) -> list[str]:
                     "a recent window of one on our side too. Its R-KV takes the query heads' maximum of probabilities "
                     "after a softmax over every key, where R-KV's code (`r_kv` equals it at a first cut, section "
                     "\"R-KV\") maxes the logits before a softmax over the older tokens, and its similarity has no "
-                    "fallback: the same tokens but for a few per head. `r_kv` here runs at that recipe's window 16, "
+                    "fallback: the same tokens but for a few per head, and with its importance computed as the "
+                    "repository's (a diagnostic, `probs_importance` in h2o/parity/g_kv.py) `r_kv` keeps exactly its "
+                    "tokens: the importance is the whole difference. `r_kv` here runs at that recipe's window 16, "
                     "kernel 5, mix 0.1. docs/g_kv.md, \"The G-KV repository's own H2O and R-KV\".", ""]
