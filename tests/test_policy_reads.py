@@ -7,7 +7,7 @@ import torch
 from h2o import attach, make_policy
 from h2o.assets.models import tiny_model
 from h2o.core.policies import POLICIES, REAL_POLICIES, Policy
-from h2o.core.policies.base import NOTHING, READ_KEYS, READ_QUERIES, READ_ROWS, READ_WINDOW, READS
+from h2o.core.policies.base import NOTHING, READ_KEYS, READ_LOGITS, READ_QUERIES, READ_ROWS, READ_WINDOW, READS
 from h2o.core.policies.per_sequence import PerSequence
 
 WINDOW = 6  # small observation windows, so that a 40-token prompt has rows before them
@@ -19,7 +19,7 @@ EXPECTED = {  # the declaration of every registered policy, as its rule is writt
     "expected_attention": {READ_QUERIES}, "snapkv": {READ_WINDOW}, "pyramidkv": {READ_WINDOW},
     "adakv": {READ_WINDOW}, "tova": {READ_WINDOW}, "scissorhands": {READ_WINDOW}, "h2o": {READ_ROWS},
     "h2_only": {READ_ROWS}, "h2o_reference": {READ_ROWS}, "strided_h2": {READ_ROWS}, "fixed_h2": {READ_ROWS},
-    "topk_h2": {READ_ROWS}, "r_kv": {READ_WINDOW, READ_KEYS}, "g_kv": {READ_WINDOW, READ_KEYS},
+    "topk_h2": {READ_ROWS}, "r_kv": {READ_WINDOW, READ_LOGITS, READ_KEYS}, "g_kv": {READ_WINDOW, READ_KEYS},
 }
 
 
@@ -49,7 +49,7 @@ def test_wrappers_take_their_policies_declarations():
     both = PerSequence([make_policy("h2o", budget=8), make_policy("tova", budget=8)])
     assert both.reads == {READ_ROWS, READ_WINDOW} and both.read_window() == 1
     with pytest.raises(TypeError, match="not in"):
-        type("Odd", (Policy,), {"reads": frozenset({"logits"})})
+        type("Odd", (Policy,), {"reads": frozenset({"gradients"})})
 
 
 @pytest.fixture(scope="module")

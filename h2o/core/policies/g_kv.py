@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ..schedule import Schedule, make_schedule
+from ..schedule import Interval, Schedule, make_schedule
 from .base import READ_KEYS, READ_WINDOW, TIER, Counts, Policy, PolicyError
 from .budget import Unsupported
 from .r_kv import check_number, redundancy
@@ -51,7 +51,7 @@ class GKV(Policy):
     splits = False  # the whole budget is scored, the window inside it
     reads = frozenset({READ_WINDOW, READ_KEYS})  # the newest rows' attention, the held keys
     token_options = ("window",)  # the observation window: at most the model's positions
-    compress = "interval"  # the reference's timing (DIVIDE where no interval is given)
+    schedule = Interval(DIVIDE)  # the reference's timing (compress=interval; DIVIDE where no interval is given)
 
     def __init__(self, budget=128, heavy=None, recent=None, heavy_share=0.5, window: int = 16,
                  alpha: float = 0.8, mix_lambda: float = 0.5, threshold: float = 0.5):
