@@ -82,8 +82,10 @@ def test_both_paths_agree_on_a_padded_batch(arch, every):
     assert not torch.allclose(sim[:, -8:], full[:, -8:], atol=1e-3)
 
 
-def test_one_cut_at_the_prompts_end_agrees_in_both_paths():
-    policy = make_policy("g_kv", budget=0.4, compress="prefill", window=3)
+@pytest.mark.parametrize("compress, every", [("prefill", None), ("buffer", 3)])
+def test_its_other_schedules_agree_in_both_paths(compress, every):
+    """One cut at the prompt's end; the slack trigger (a cut once budget + 3 are held)."""
+    policy = make_policy("g_kv", budget=0.4, compress=compress, interval=every, window=3)
     sim, full, cache = padded_paths(tiny_model("llama_gqa", seed=2), policy)
     assert not torch.allclose(sim[:, -8:], full[:, -8:], atol=1e-3)
 
