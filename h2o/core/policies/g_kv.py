@@ -22,7 +22,7 @@ Defaults are the reference's G-KV recipe (its scripts/inference.sh): ``window`` 
 0.8, ``threshold`` 0.5 (``cal_similarity_triton``'s); budget 128 tokens (its ``--budget`` default; the recipe runs
 2048). Its schedule, a cut at the prompt's end and after every 128th generated token (``divide_length``), is this
 rule's default timing, ``compress=interval`` (``interval`` 128 where none is given); ``prefill`` is one cut. The
-history is carried from cut to cut, so ``decode`` (an eviction at every step, no cut) is refused in one line.
+history is carried from cut to cut, so ``decode`` (an eviction at every step, no cut) is refused in one line; ``buffer`` is accepted.
 
 State: ``acc`` (B, H, S, w + 1): per slot the group-maximum attention probability of each of the newest ``w`` rows
 (oldest first, as the paths computed them over the cache each row saw), then its history. Under ``interval`` N >=
@@ -72,8 +72,9 @@ class GKV(Policy):
         if interval is None and cls is not None and cls.takes_interval:
             interval = DIVIDE
         if make_schedule(compress, interval).evicts_each_step:
+            cuts = ", ".join(n for n, c in Schedule.registry.items() if not c.evicts_each_step)
             raise Unsupported(f"compress={compress}: g_kv carries its history from cut to cut (G-KV cuts every "
-                              f"divide_length tokens); allowed: interval, prefill")
+                              f"divide_length tokens); allowed: {cuts}")
         return super().timed(compress, interval)
 
     def read_window(self) -> int:
