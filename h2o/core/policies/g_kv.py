@@ -21,8 +21,9 @@ step, with the reference's lines and every difference: docs/g_kv.md.
 Defaults are the reference's G-KV recipe (its scripts/inference.sh): ``window`` 16, ``mix_lambda`` 0.5, ``alpha``
 0.8, ``threshold`` 0.5 (``cal_similarity_triton``'s); budget 128 tokens (its ``--budget`` default; the recipe runs
 2048). Its schedule, a cut at the prompt's end and after every 128th generated token (``divide_length``), is this
-rule's default timing, ``compress=interval`` (``interval`` 128 where none is given); ``prefill`` is one cut. The
-history is carried from cut to cut, so ``decode`` (an eviction at every step, no cut) is refused in one line; ``buffer`` is accepted.
+rule's default timing, ``compress=interval`` (``interval`` 128 where none is given); ``prefill`` is one cut;
+``buffer`` (TriAttention's trigger) is accepted. The history is carried from cut to cut, so ``decode`` (an eviction
+at every step, no cut) is refused in one line.
 
 State: ``acc`` (B, H, S, w + 1): per slot the group-maximum attention probability of each of the newest ``w`` rows
 (oldest first, as the paths computed them over the cache each row saw), then its history. Under ``interval`` N >=
