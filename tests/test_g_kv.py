@@ -226,6 +226,8 @@ def test_the_fields_h2o_and_r_kv_recipes_are_recorded_beside_ours(states, golden
         held = torch.arange(T).expand(states[layer]["keys"].shape[1], T)
         kept, _, _ = parity.ours_cut("h2o", {}, states[layer], held, T - 1, budget)
         assert kept == row["h2o"]
+        kept, _, _ = parity.ours_cut("tova", {}, states[layer], held, T - 1, budget, rows=1)
+        assert kept == row["tova"]
         kept, _, _ = parity.ours_cut("r_kv", same, states[layer], held, T - 1, budget, rows=same["window"])
         assert kept == row["r_kv"]
         # the whole difference: r_kv with the repository's importance keeps the repository's R-KV's tokens

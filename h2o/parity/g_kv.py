@@ -18,7 +18,8 @@ three files the scoring needs are imported from there, never copied into this re
    scores, and the history the kept tokens carry.
 4. **The field's other implementations** (:func:`field_cuts`): G-KV's repository runs H2O, R-KV and SnapKV as
    recipes of the same ``ScoreBasedKV`` (its scripts/inference.sh); at the first cut the kept sets of its H2O beside
-   ``h2o`` and of its R-KV beside ``r_kv`` (and R-KV's own code's, recorded in r_kv.json), overlap per layer.
+   ``h2o`` (and ``tova``: the newest query's attention) and of its R-KV beside ``r_kv`` (which equals R-KV's own
+   code there: r_kv.json), overlap per layer; ``r_kv`` with the repository's importance (:func:`probs_importance`).
 
 The reference's similarity is a Triton kernel (``cal_similarity_triton``, its default). Without a GPU it runs in
 Triton's interpreter (``TRITON_INTERPRET=1``, set here), which needs a Triton that still has block pointers (3.6;
@@ -317,6 +318,7 @@ def field_cuts(states: list[dict], ScoreBasedKV) -> dict:
                     ScoreBasedKV, r, state["keys"], state["queries"][:, :, -r["window_size"]:], held[None], budget)
             row["h2o"], _, _ = ours_cut("h2o", {}, state, held, T - 1, budget)
             row["h2o_recent1"], _, _ = ours_cut("h2o", {"heavy": budget - 1, "recent": 1}, state, held, T - 1, budget)
+            row["tova"], _, _ = ours_cut("tova", {}, state, held, T - 1, budget, rows=1)  # the newest query's
             rk = RECIPES["r_kv"]
             same = {"window": rk["window_size"], "kernel": rk["kernel_size"], "mix_lambda": rk["mix_lambda"]}
             row["r_kv"], _, _ = ours_cut("r_kv", same, state, held, T - 1, budget, rows=rk["window_size"])
@@ -366,6 +368,7 @@ def field_summary(field: dict) -> dict:
     """Per pair and budget: the kept-set overlap per layer, and the heads kept identically."""
     pairs = {"h2o vs gkv_repo_h2o": ("h2o", "gkv_repo_h2o"),
              "h2o (recent 1) vs gkv_repo_h2o": ("h2o_recent1", "gkv_repo_h2o"),
+             "tova vs gkv_repo_h2o": ("tova", "gkv_repo_h2o"),
              "r_kv vs gkv_repo_r_kv": ("r_kv", "gkv_repo_r_kv"),
              "r_kv with the repository's importance vs gkv_repo_r_kv": ("r_kv_probs", "gkv_repo_r_kv")}
     out = {}
