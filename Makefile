@@ -63,12 +63,6 @@ leaderboard: install ## docs/results/leaderboard.md and its figures: every metho
 
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
-# The default (EXP=default, no ARGS) then runs its third finding, long generation (conf/experiment/
-# default_long_generation.yaml; records under runs/default/ too): full's run first (the reference answer), then
-# h2o and r_kv. A finished run is not run again.
-THEN_default = $(PY) -m h2o.pipeline.run experiment=default_long_generation policy=full $(if $(WANDB),logger=wandb) \
-	|| touch runs/.sweep-failed; $(PY) -m h2o.pipeline.run -m experiment=default_long_generation \
-	hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) || touch runs/.sweep-failed
 sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report, unless the sweep was refused (exit 2); slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
 ifneq ($(DRY),)
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=slurm --dry --list $(ARGS)
@@ -78,7 +72,6 @@ else
 	@mkdir -p runs && rm -f runs/.sweep-failed
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS); \
 		rc=$$?; [ $$rc = 2 ] && exit 2; [ $$rc = 0 ] || touch runs/.sweep-failed
-	$(if $(ARGS),,$(THEN_$(EXP)))
 	$(MAKE) --no-print-directory tables figures report
 	@if [ -e runs/.sweep-failed ]; then rm -f runs/.sweep-failed; echo "sweep: some jobs failed (listed above)"; exit 1; fi
 endif

@@ -8,6 +8,7 @@ existed) where those sweeps are expanded anyway: tests/test_experiments.py and t
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 import subprocess
@@ -23,7 +24,7 @@ from h2o.core.validate import ConfigError
 from h2o.pipeline import launch, run, spec
 from h2o.pipeline.jobs import classify
 from h2o.store.folders import runs_root
-from h2o.store.identity import identity, record_identity
+from h2o.store.identity import check_reusable, identity, record_identity
 from h2o.pipeline.spec import RunSpec, Settings, build, prepare
 from h2o.pipeline.sweep import _compose
 from run_folders import recorded  # tests/run_folders.py
@@ -128,7 +129,7 @@ def test_committed_records_are_found_and_reused_where_they_are(hydra_ctx, tmp_pa
     the spec names their folder, their identity reads back equal, and the job classifier calls them done."""
     shutil.copytree(REPO / "studies" / "default" / "records", tmp_path / "default")  # 232 KB
     folders = sorted(p.parent for p in (tmp_path / "default").rglob("metrics.json"))
-    assert len(folders) == 8 + 3  # the default's 8 runs and its long generation's 3 (default_long_generation)
+    assert len(folders) == 8 + 3  # the default's 8 paper-era runs and its long generation's 3
     run_specs = []
     for folder in folders:
         cfg = OmegaConf.load(folder / "config.yaml")
@@ -138,6 +139,33 @@ def test_committed_records_are_found_and_reused_where_they_are(hydra_ctx, tmp_pa
         assert record_identity(s.path) == s.identity
         run_specs.append(s)
     assert [w.state for w in classify([[]] * len(run_specs), run_specs)] == ["done"] * len(folders)
+
+
+def test_the_defaults_sweep_finds_its_committed_records_done(hydra_ctx, tmp_path):
+    """experiment=default crosses ``++policy.compress=null,interval``: the paper-era records (no compress key, made
+    before the schedule option existed) are the null cells' identity, so the sweep calls all 11 done."""
+    from h2o.pipeline.sweep import expand
+
+    shutil.copytree(REPO / "studies" / "default" / "records", tmp_path / "default")
+    sweep = expand(["experiment=default", f"runs_dir={tmp_path}"], multirun=True)
+    assert [w.state for w in classify(sweep.jobs, sweep.specs)] == ["done"] * 11
+
+
+def test_a_null_schedule_option_is_the_policys_own_default_in_the_identity(hydra_ctx, tmp_path):
+    """``++policy.compress=null`` is the folder's and the identity's no option at all; a set value is neither, and
+    the refusal names the key the record lacks as absent (not as None)."""
+    runs = f"runs_dir={tmp_path}"
+    bare = prepare(_compose([*TINY, runs, "policy=h2o"]))
+    null = prepare(_compose([*TINY, runs, "policy=h2o", "++policy.compress=null", "++policy.interval=null"]))
+    assert (null.path, null.identity) == (bare.path, bare.identity) and null.cfg.policy.compress is None
+    decode = prepare(_compose([*TINY, runs, "policy=h2o", "++policy.compress=decode"]))
+    assert decode.path != bare.path and decode.identity["policy"]["compress"] == "decode"
+    bare.path.mkdir(parents=True)
+    (bare.path / "config.yaml").write_text(OmegaConf.to_yaml(bare.cfg, resolve=True))
+    (bare.path / "metrics.json").write_text(json.dumps({**bare.head(), "metrics": {}, "n_samples": 0, "wall_s": 0}))
+    assert record_identity(bare.path) == null.identity
+    with pytest.raises(ConfigError, match=r"policy.compress: absent there, 'decode' here"):
+        check_reusable(bare.path, decode.identity)
 
 
 def test_every_recorded_experiment_still_exists():

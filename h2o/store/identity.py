@@ -6,18 +6,24 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from h2o.assets.paths import group_defaults
 from h2o.core.validate import ConfigError
-from h2o.store.folders import IGNORED, finished
+from h2o.store.folders import IGNORED, UNSET_IS_DEFAULT, finished
 
 
 def identity(cfg, policy, semantics: str) -> dict:
     """Everything that changes a run's result, normalised: the model, task and policy options (less IGNORED;
-    the policy as its built heavy/recent split, so a full policy's unused budget does not count), seed and the
-    resolved semantics. Two configs with one identity share a record; a record is reused only for its own."""
+    the policy as its built heavy/recent split, so a full policy's unused budget does not count; a schedule option
+    its group file lacks, added as null, left out as the folder leaves it out: the policy's own default), seed and
+    the resolved semantics. Two configs with one identity share a record; a record is reused only for its own."""
     from omegaconf import OmegaConf
 
     nodes = {g: {k: v for k, v in OmegaConf.to_container(cfg[g], resolve=True).items() if k not in IGNORED}
              for g in ("model", "task", "policy")}
+    base = group_defaults("policy", cfg.policy.name)
+    for key in UNSET_IS_DEFAULT:  # ``++policy.compress=null``: a sweep's cell without it (h2o.store.folders.extras)
+        if key in nodes["policy"] and nodes["policy"][key] is None and key not in base:
+            del nodes["policy"][key]
     for key in ("budget", "heavy", "recent", "heavy_share"):
         nodes["policy"].pop(key, None)
     nodes["policy"].update(name=policy.name, heavy=policy.heavy, recent=policy.recent)
@@ -58,7 +64,9 @@ def check_reusable(path: Path, wanted: dict) -> None:
         diff = "its config.yaml or metrics.json is unreadable"
     else:
         h, w = flat(have), flat(wanted)
-        diff = "; ".join(f"{k}: {h.get(k)!r} there, {w.get(k)!r} here" for k in sorted(set(h) | set(w))
-                         if h.get(k) != w.get(k))
+        absent = object()  # a key one side lacks is named as absent, not as None
+        spell = lambda d, k: repr(d[k]) if k in d else "absent"  # noqa: E731
+        diff = "; ".join(f"{k}: {spell(h, k)} there, {spell(w, k)} here" for k in sorted(set(h) | set(w))
+                         if h.get(k, absent) != w.get(k, absent))
     raise ConfigError(f"{path}: a finished record with a different config is there ({diff}); it is not reused: "
                       f"set another experiment_name or runs_dir, or move that folder away")
