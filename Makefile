@@ -43,16 +43,16 @@ sources: install ## one line per external artifact: pinned version and digest, c
 model: install ## fetch SmolLM2-135M into the cache
 	$(PY) -m h2o.assets.models fetch
 
-tables: install ## regenerate the paper's tables from runs/
-	@mkdir -p runs
+runs:  # the records' folder the sweeps write and the analysis reads (made once, empty until a sweep)
+	@mkdir -p $@
+
+tables: install | runs ## regenerate the paper's tables from runs/
 	$(PY) -m analysis tables --runs runs --out analysis/out
 
-figures: install ## regenerate the figures from runs/
-	@mkdir -p runs
+figures: install | runs ## regenerate the figures from runs/
 	$(PY) -m analysis figures --runs runs --out analysis/out
 
-report: install ## analysis/out/REPORT.md: every paper number beside ours, with a verdict (any runs/, even empty)
-	@mkdir -p runs
+report: install | runs ## analysis/out/REPORT.md: every paper number beside ours, with a verdict (any runs/, even empty)
 	$(PY) -m analysis report --runs runs --out analysis/out
 
 docs-results: install ## docs/results/*.md and their figures, regenerated from the study records committed under studies/<study>/
@@ -63,13 +63,13 @@ leaderboard: install ## docs/results/leaderboard.md and its figures: every metho
 
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
-sweep: install ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report, unless the sweep was refused (exit 2); slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
+sweep: install | runs ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report, unless the sweep was refused (exit 2); slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
 ifneq ($(DRY),)
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=slurm --dry --list $(ARGS)
 else ifeq ($(LAUNCHER),slurm)
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=slurm $(ARGS)
 else
-	@mkdir -p runs && rm -f runs/.sweep-failed
+	@rm -f runs/.sweep-failed
 	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS); \
 		rc=$$?; [ $$rc = 2 ] && exit 2; [ $$rc = 0 ] || touch runs/.sweep-failed
 	$(MAKE) --no-print-directory tables figures report

@@ -72,14 +72,13 @@ import shutil  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from h2o.assets.fetch import BIGBENCH_ENV, bigbench_missing  # noqa: E402
-from h2o.assets.paths import cache_dir  # noqa: E402
+from h2o.assets.fetch import BIGBENCH_ENV, bigbench_here  # noqa: E402
 from tests import bigbench_standins  # noqa: E402
 
 # the user's own H2O_BIGBENCH, kept for the xdist workers (which inherit the stand-ins' value from the controller)
 os.environ.setdefault("H2O_TEST_REAL_BIGBENCH", os.environ.get(BIGBENCH_ENV, ""))
-_REAL_BIGBENCH = [Path(p).expanduser() for p in (os.environ["H2O_TEST_REAL_BIGBENCH"], cache_dir() / "bigbench") if p]
-_REAL_BIGBENCH = next((p for p in _REAL_BIGBENCH if not bigbench_missing(p)), None)
+_REAL_BIGBENCH, _REAL_MISSING = bigbench_here(os.environ["H2O_TEST_REAL_BIGBENCH"])  # as h2o.assets.fetch reads them
+_REAL_BIGBENCH = None if _REAL_MISSING else _REAL_BIGBENCH
 _STANDINS = bigbench_standins.write(Path(tempfile.mkdtemp(prefix="h2o-bigbench-standins-")))
 atexit.register(shutil.rmtree, _STANDINS, True)
 os.environ[BIGBENCH_ENV] = str(_STANDINS)

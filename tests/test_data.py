@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -146,13 +147,45 @@ def test_conversions_of_other_files_never_stand_in_for_each_other(tmp_path, monk
     monkeypatch.setenv(fetch.BIGBENCH_ENV, str(first))
     rows = data.task_rows("bb_piqa", "train") + data.task_rows("bb_piqa", "test")
     assert fetch.bigbench_digest(first) == fetch.bigbench_digest(second)  # same bytes, one conversion
-    task = json.loads((second / "physical_intuition" / "task.json").read_text())
-    task["examples"] = task["examples"][:-1]
-    (second / "physical_intuition" / "task.json").write_text(json.dumps(task))
     monkeypatch.setenv(fetch.BIGBENCH_ENV, str(second))
+    assert data.task_rows("bb_piqa", "train") + data.task_rows("bb_piqa", "test") == rows
+    third = standins.write(tmp_path / "c")
+    task = json.loads((third / "physical_intuition" / "task.json").read_text())
+    task["examples"] = task["examples"][:-1]
+    (third / "physical_intuition" / "task.json").write_text(json.dumps(task))
+    monkeypatch.setenv(fetch.BIGBENCH_ENV, str(third))
     assert len(data.task_rows("bb_piqa", "train") + data.task_rows("bb_piqa", "test")) == len(rows) - 1
     assert len(list((tmp_path / "cache" / "lm_eval" / data.LM_EVAL_FORMAT).iterdir())) == 2
 
+
+def test_the_bigbench_digest_reads_a_folder_once_and_bigbench_here_is_the_one_lookup(tmp_path, monkeypatch):
+    """The digest a conversion's folder is named by is computed once per folder (no stat nor read per task_rows
+    call); the folder is found by one rule, ``bigbench_here``, that bigbench_dir, ``make sources`` and the tests'
+    real_bigbench fixture share."""
+    from h2o.assets import sources
+
+    root = standins.write(tmp_path / "bb")
+    touched = []
+    with monkeypatch.context() as m:
+        m.setattr(Path, "read_bytes", lambda self, real=Path.read_bytes: touched.append(self.parent.name) or real(self))
+        first = fetch.bigbench_digest(root)
+        assert sorted(touched) == sorted(t.split("/")[-1] for t in fetch.BIGBENCH_TASKS)  # each file read once
+        m.setattr(Path, "stat", lambda self, **kw: touched.append(self) or os.stat(self, **kw))
+        assert [fetch.bigbench_digest(root) for _ in range(3)] == [first] * 3 and len(touched) == 8
+    monkeypatch.setenv("H2O_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(fetch.BIGBENCH_ENV)
+    assert fetch.bigbench_here() == (tmp_path / "cache" / "bigbench", list(fetch.BIGBENCH_TASKS))
+    assert sources._bigbench_here() == "no"
+    standins.write(tmp_path / "cache" / "bigbench")
+    assert fetch.bigbench_here() == (tmp_path / "cache" / "bigbench", []) and fetch.bigbench_dir() == tmp_path / \
+        "cache" / "bigbench"
+    assert sources._bigbench_here() == str(tmp_path / "cache" / "bigbench")
+    monkeypatch.setenv(fetch.BIGBENCH_ENV, str(root))
+    assert fetch.bigbench_here() == (root, []) and sources._bigbench_here() == f"H2O_BIGBENCH={root}"
+    (root / "winowhy" / "task.json").unlink()
+    assert fetch.bigbench_here() == (root, ["winowhy"]) == fetch.bigbench_here(str(root))
+    assert sources._bigbench_here() == "no (H2O_BIGBENCH lacks winowhy)"
+    assert fetch.bigbench_here("")[0] == tmp_path / "cache" / "bigbench"  # conftest: no user folder named
 
 def test_missing_apt_get_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("H2O_CACHE", str(tmp_path))

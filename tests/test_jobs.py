@@ -122,3 +122,15 @@ def test_hydra_slurm_launcher_is_the_launch_path(tmp_path, capfd):
     assert capfd.readouterr().out == direct
     assert run.main(["-m", "hydra/launcher=slurm", *args[:-2], "cluster.chunk=0", "--dry"]) == 2
     assert capfd.readouterr().err.strip() == "error: cluster.chunk=0: expected a positive int"
+
+
+def test_make_sweep_dry_and_slurm_list_the_defaults_long_generation(tmp_path, capfd):
+    """``make sweep DRY=1`` (and LAUNCHER=slurm, the same launch path) on the default lists its 11 runs, the long
+    generation's full run before h2o and r_kv in one array task of the three (nothing runs after the sweep)."""
+    args = ["experiment=default", f"runs_dir={tmp_path}/runs", f"hydra.sweep.dir={tmp_path}/multirun/s", "--dry",
+            "--list"]
+    assert run.main(["-m", "hydra/launcher=slurm", *args]) == 0
+    out = capfd.readouterr().out
+    assert "11 jobs: 11 to run, 0 finished already" in out and "2 tasks, 11 runs (chunk <= 8)" in out
+    listed = [line.split()[5] for line in out.splitlines() if line.split()[3:4] == ["long_generation"]]
+    assert listed == ["full", "h2o", "r_kv"]

@@ -26,6 +26,7 @@ Every fetch is idempotent (a second call only checks that the files exist) and g
 """
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -122,36 +123,40 @@ def bigbench_missing(root: Path) -> list[str]:
     return [t for t in BIGBENCH_TASKS if not (root / t / "task.json").is_file()]
 
 
+def bigbench_here(named: str | None = None) -> tuple[Path, list[str]]:
+    """Where the BIG-bench task files are read from, and the tasks of ``BIGBENCH_TASKS`` missing there (nothing is
+    fetched): the folder ``named`` (default: ``$H2O_BIGBENCH``) when set, as it is, else ``<cache>/bigbench``."""
+    named = os.environ.get(BIGBENCH_ENV) if named is None else named
+    root = Path(named).expanduser() if named else cache_dir() / "bigbench"
+    return root, bigbench_missing(root)
+
+
 def bigbench_dir() -> Path:
-    """The folder holding the BIG-bench task files: ``$H2O_BIGBENCH`` when set (read as it is; a missing file is one
-    line naming it), else ``<cache>/bigbench``, fetched on first use from the sdist while an index offers it."""
+    """The folder holding the BIG-bench task files (:func:`bigbench_here`): ``$H2O_BIGBENCH`` when set (a missing
+    file is one line naming it), else ``<cache>/bigbench``, fetched on first use from the sdist while an index
+    offers it."""
+    root, missing = bigbench_here()
     named = os.environ.get(BIGBENCH_ENV)
-    if named:
-        root = Path(named).expanduser()
-        missing = bigbench_missing(root)
-        if missing:
-            raise FetchError(f"{BIGBENCH_ENV}={named}: no {missing[0]}/task.json there ({len(missing)} of "
-                             f"{len(BIGBENCH_TASKS)} task files missing); {BIGBENCH_DOOR}")
-        return root
-    return fetch_bigbench()
+    if named and missing:
+        raise FetchError(f"{BIGBENCH_ENV}={named}: no {missing[0]}/task.json there ({len(missing)} of "
+                         f"{len(BIGBENCH_TASKS)} task files missing); {BIGBENCH_DOOR}")
+    return root if named or not missing else fetch_bigbench()
 
 
 def bigbench_digest(root: Path | None = None) -> str:
     """sha256 over the task files (in ``BIGBENCH_TASKS`` order) of ``root`` (default: :func:`bigbench_dir`):
-    which BIG-bench files a conversion and a run read. Memoized per file size and time stamp."""
-    root = bigbench_dir() if root is None else root
-    files = [root / t / "task.json" for t in BIGBENCH_TASKS]
-    key = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
-    if key not in _DIGESTS:
-        digest = hashlib.sha256()
-        for task, f in zip(BIGBENCH_TASKS, files):
-            digest.update(f"{task}\0".encode())
-            digest.update(hashlib.sha256(f.read_bytes()).digest())
-        _DIGESTS[key] = digest.hexdigest()
-    return _DIGESTS[key]
+    which BIG-bench files a conversion and a run read. Computed once per folder in a process (the files of a
+    folder are not replaced under a running process; another folder is another digest)."""
+    return _digest(str(Path(bigbench_dir() if root is None else root).absolute()))
 
 
-_DIGESTS: dict[tuple, str] = {}
+@functools.lru_cache(maxsize=None)
+def _digest(root: str) -> str:
+    digest = hashlib.sha256()
+    for task in BIGBENCH_TASKS:
+        digest.update(f"{task}\0".encode())
+        digest.update(hashlib.sha256((Path(root) / task / "task.json").read_bytes()).digest())
+    return digest.hexdigest()
 
 
 def pip_refusal(spec: str, stderr: str) -> str:

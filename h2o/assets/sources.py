@@ -70,11 +70,11 @@ def _file(path: Path) -> str:
 
 
 def _bigbench_here() -> str:
+    root, missing = fetch.bigbench_here()
     named = os.environ.get(fetch.BIGBENCH_ENV)
-    if named:
-        missing = fetch.bigbench_missing(Path(named))
-        return f"{fetch.BIGBENCH_ENV}={named}" if not missing else f"no ({fetch.BIGBENCH_ENV} lacks {missing[0]})"
-    return _file(cache_dir() / "bigbench") if not fetch.bigbench_missing(cache_dir() / "bigbench") else "no"
+    if missing:
+        return f"no ({fetch.BIGBENCH_ENV} lacks {missing[0]})" if named else "no"
+    return f"{fetch.BIGBENCH_ENV}={named}" if named else str(root)
 
 
 def _parity_venv() -> str:
