@@ -46,7 +46,7 @@ def test_search_lets_other_errors_through():
 
 
 def test_cpu_estimate_formula():
-    est = cpu_estimate(limit=10_000, start=1_000, growth={1: 600, 3: 1_400}, kv_per_seq=100)
+    est = cpu_estimate(limit=10_000, base=1_000, growth={1: 600, 3: 1_400}, kv_per_seq=100)
     assert est["bytes_per_seq"] == 400 and est["fixed_bytes"] == 200
     assert est["largest_batch"] == (10_000 - 1_000 - 200) // 400  # 22
     # a slope below the KV bytes of one sequence (noise) is raised to them
@@ -63,9 +63,28 @@ def test_largest_batch_on_cpu_is_an_estimate():
     assert h2o["kv_bytes_per_seq"] < full["kv_bytes_per_seq"]
     for m in (full, h2o):
         assert m["kv_only_batch"] == m["limit_bytes"] // m["kv_bytes_per_seq"]
-        assert m["largest_batch"] == max(0, (m["limit_bytes"] - m["rss_start_bytes"] - m["fixed_bytes"])
+        assert m["largest_batch"] == max(0, (m["limit_bytes"] - m["base_bytes"] - m["fixed_bytes"])
                                          // m["bytes_per_seq"])
         assert m["bytes_per_seq"] >= m["kv_bytes_per_seq"]
+        assert m["base_bytes"] == m["runtime_bytes"] + m["weight_bytes"] and m["runtime_bytes"] > 2**20
+
+
+def test_the_cpu_estimate_does_not_read_what_ran_before_in_the_process():
+    """The base is a fresh interpreter's resident memory (a subprocess) plus the weights, not this process's: with
+    a ballast held here that puts the process above the limit, the estimate is unchanged and at least 1 (the
+    flaky test_gpu_check_quick_on_cpu: a test worker's earlier tests made it 0)."""
+    from h2o.assets.models import tiny_model
+    from h2o.assets.resources import rss_bytes
+    from h2o.bench.max_batch import machine_bytes, runtime_bytes
+
+    model = tiny_model("llama")
+    fraction = (runtime_bytes() + 64 * 2**20) / machine_bytes()  # room for 64 MiB of scratch and cache
+    before = largest_batch_under_cap(model, [Variant("policy", "full")], 16, 2, fraction=fraction)[0]["metrics"]
+    ballast = torch.ones(max(before["limit_bytes"] - rss_bytes(), 0) // 4 + 2**22)  # touched: resident
+    after = largest_batch_under_cap(model, [Variant("policy", "full")], 16, 2, fraction=fraction)[0]["metrics"]
+    assert after["rss_start_bytes"] > after["limit_bytes"] > after["base_bytes"]  # the old formula gave 0 here
+    assert after["base_bytes"] == before["base_bytes"] and after["largest_batch"] >= 1 and before["largest_batch"] >= 1
+    del ballast
 
 
 def test_cuda_path_with_a_fake_gpu(monkeypatch):

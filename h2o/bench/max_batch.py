@@ -10,17 +10,25 @@ count, which the KV-only figure (limit // KV bytes of one sequence) ignores. Bot
   doubles the batch from 1 until a run raises ``OutOfMemoryError`` (or reaches ``cap``), then bisects between the
   last batch that ran and the first that did not. The fraction is set back to 1.0 afterwards, also on error.
 * CPU (``method: "estimate"``): no allocator can be capped. The peak resident-memory growth of a run
-  (:class:`h2o.bench.measure.PeakRSS`, above the resident memory at its start, which holds the weights) is measured
-  at two batch sizes ``b1 < b2``, memory freed by earlier runs handed back to the system before each (glibc
-  ``malloc_trim``): its slope is the bytes one more sequence costs (never taken below the KV bytes of one
-  sequence, measured from the cache), its intercept the scratch that does not grow with the batch, so
-  ``largest = floor((limit - resident at start - intercept) / slope)``. An estimate, labelled so in the record.
+  (:class:`h2o.bench.measure.PeakRSS`, above the resident memory at its start) is measured at two batch sizes
+  ``b1 < b2``, memory freed by earlier runs handed back to the system before each (glibc ``malloc_trim``): its
+  slope is the bytes one more sequence costs (never taken below the KV bytes of one sequence, measured from the
+  cache), its intercept the scratch that does not grow with the batch, so
+  ``largest = floor((limit - base - intercept) / slope)``. ``base`` is what a process of its own running this
+  model holds before the run: a fresh interpreter that imported the engine (:func:`runtime_bytes`, measured once in
+  a subprocess) plus the model's weights, not this process's resident memory, which holds whatever ran before it
+  (a test worker's earlier tests: the estimate then came out 0). An estimate, labelled so in the record.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
+import os
+import subprocess
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -105,13 +113,31 @@ def run_batch(model, v: Variant, prompt_len: int, gen_len: int, batch: int, seed
         return run_once(model, new_cache, ids, gen_len, prefill_chunk)
 
 
-def cpu_estimate(limit: int, start: int, growth: dict[int, int], kv_per_seq: int) -> dict:
-    """The CPU estimate (module doc) from the peak resident growth at two batch sizes {b: bytes}."""
+RUNTIME = "import h2o.bench.throughput; from h2o.assets.resources import rss_bytes; print(rss_bytes())"
+
+
+@functools.cache
+def runtime_bytes() -> int:
+    """Resident memory of a fresh interpreter that imported the engine (torch, transformers, h2o.bench): measured
+    once per process, in a subprocess of the same interpreter, so that it does not depend on what this one ran."""
+    root = str(Path(__file__).resolve().parents[2])  # the package's root, for a checkout that is not installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    out = subprocess.run([sys.executable, "-c", RUNTIME], capture_output=True, text=True, env=env, timeout=600)
+    last = out.stdout.split()[-1:]
+    if out.returncode != 0 or not last or not last[0].isdigit():
+        why = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"the resident memory of a fresh interpreter could not be measured: {why}")
+    return int(last[0])
+
+
+def cpu_estimate(limit: int, base: int, growth: dict[int, int], kv_per_seq: int) -> dict:
+    """The CPU estimate (module doc) from the peak resident growth at two batch sizes {b: bytes} above ``base``,
+    the resident memory of a process of its own before the run (runtime and weights)."""
     (b1, g1), (b2, g2) = sorted(growth.items())
     slope = max((g2 - g1) / (b2 - b1), kv_per_seq, 1)
     fixed = max(g1 - slope * b1, 0)
-    return {"largest_batch": max(int(math.floor((limit - start - fixed) / slope)), 0),
-            "bytes_per_seq": slope, "fixed_bytes": fixed, "rss_start_bytes": start,
+    return {"largest_batch": max(int(math.floor((limit - base - fixed) / slope)), 0),
+            "bytes_per_seq": slope, "fixed_bytes": fixed, "base_bytes": base,
             "rss_growth_bytes": {str(b): g for b, g in growth.items()}}
 
 
@@ -143,14 +169,14 @@ def largest_batch_under_cap(model, variants: list[Variant], prompt_len: int, gen
             metrics.update(largest_batch=best, capped=best >= cap, trials=[list(t) for t in trials])
             method = "measured"
         else:
-            growth, start = {}, None
+            growth = {}
             for b in batches:
                 release_freed()  # else memory the allocator kept from the last run hides part of this one's growth
                 r = run_batch(model, v, prompt_len, gen_len, b, seed, prefill_chunk)
                 growth[b] = r.peak_rss - r.rss_start
-                start = r.rss_start if start is None else min(start, r.rss_start)
-            metrics.update(cpu_estimate(limit, start, growth, kv))
-            metrics["capped"] = False
+            runtime = runtime_bytes()
+            metrics.update(cpu_estimate(limit, runtime + metrics["weight_bytes"], growth, kv))
+            metrics.update(runtime_bytes=runtime, rss_start_bytes=r.rss_start, capped=False)  # this process: not used
             method = "estimate"
         recs.append({"task_kind": "benchmark", "task": "synthetic", "semantics": "real", "policy": v.policy,
                      "budget": float(v.budget) if isinstance(v.budget, float) else v.budget,
