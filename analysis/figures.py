@@ -81,9 +81,9 @@ def curve_panel(ax, runs: pd.DataFrame, metric: str, title: str, policies=None) 
             pick = choose(select(recs, {"policy": "full"}), metric)
             if pick is not None:
                 e = pick.est
-                ax.axhline(e.value, ls="--", color="k", label="full")
+                ax.axhline(e.value, ls="--", color=color("full"), label="full")
                 if e.has_interval:
-                    ax.axhspan(e.lo, e.hi, color="k", alpha=0.08)
+                    ax.axhspan(e.lo, e.hi, color=color("full"), alpha=0.08)
                 drawn += 1
             continue
         budgets = sorted(pd.to_numeric(runs.loc[runs["policy"] == policy, "budget"],
@@ -167,9 +167,9 @@ def policy_panel(ax, runs: pd.DataFrame, metric: str, title: str) -> int:
         ax.annotate(f"{e.value:.3g}", (i, e.value), xytext=(6, 0), textcoords="offset points",
                     fontsize=7, va="center")
         if policy == "full":
-            ax.axhline(e.value, ls="--", color="k", lw=0.8)
+            ax.axhline(e.value, ls="--", color=color("full"), lw=0.8)
             if e.has_interval:
-                ax.axhspan(e.lo, e.hi, color="k", alpha=0.08)
+                ax.axhspan(e.lo, e.hi, color=color("full"), alpha=0.08)
     budget = pd.to_numeric(runs.loc[runs["policy"] != "full", "budget"], errors="coerce").dropna()
     ax.set_xticks(range(len(pts)), [label(p) for p, _ in pts], fontsize=8)
     ax.set(title=title + (f", budget {key_str(budget.iloc[0])}" if len(budget) else ""),

@@ -205,9 +205,9 @@ def panel(ax, family: Family, pts: list[Point]) -> None:
     """One family's panel: each method x timing a line over its budgets (95% error bars), full a black line."""
     full = [p for p in pts if p.method == "full"]
     for p in full[:1]:
-        ax.axhline(p.value, color="black", lw=1, label=FULL)
+        ax.axhline(p.value, color=color("full"), lw=1, label=FULL)
         if p.hi > p.lo:
-            ax.axhspan(p.lo, p.hi, color="black", alpha=0.08)
+            ax.axhspan(p.lo, p.hi, color=color("full"), alpha=0.08)
     series: dict[tuple, list[Point]] = {}
     for p in sorted((p for p in pts if p.method != "full"), key=sort_key):
         series.setdefault((p.method, p.timing), []).append(p)
@@ -236,7 +236,7 @@ def panel(ax, family: Family, pts: list[Point]) -> None:
 def legend_handles(methods: list[str], timings: list[str]):
     from matplotlib.lines import Line2D
 
-    handles = [Line2D([], [], color="black", lw=1, label=FULL)]
+    handles = [Line2D([], [], color=color("full"), lw=1, label=FULL)]
     handles += [Line2D([], [], color=color(m), marker=marker(m), ls="", ms=6, label=label(m)) for m in methods]
     for t in timings:
         ls, filled, _ = style(t)

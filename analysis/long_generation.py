@@ -263,13 +263,13 @@ def fidelity_figure(df: pd.DataFrame, out: Path, suffix: str = "") -> list[Path]
                hatch=HATCHES[k % len(HATCHES)], edgecolor="white")  # the method's colour; the cell's hatch
     base = cell_of(df, "full", 1.0, "-")
     if base is not None:
-        ax.axhline(base["tf_nll_per_token"], color="k", linewidth=0.8, label="full")
+        ax.axhline(base["tf_nll_per_token"], color=color("full"), linewidth=0.8, label="full")
     ax.set_xticks(np.arange(len(methods)), [label(m) for m in methods])
     ax.set(ylabel="NLL per token of full's answer")
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = ([Line2D([], [], color="k", linewidth=0.8, label="full")] if base is not None else []) + [
+    handles = ([Line2D([], [], color=color("full"), linewidth=0.8, label="full")] if base is not None else []) + [
         Patch(facecolor="white", edgecolor="dimgray", hatch=HATCHES[k % len(HATCHES)],
               label=f"{budget:g} tokens, {schedule}") for k, (budget, schedule) in enumerate(keys)]
     ax.legend(handles=handles, fontsize=7)

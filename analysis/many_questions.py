@@ -159,7 +159,7 @@ def figure(recs: list[dict], out: Path) -> Path:
                     lw=2.5 if m == BASE else 1)
     full = [r for r in runs if r["policy"] == "full"]
     if full:
-        ax.axhline(full[0]["metrics"]["acc"], ls=":", color="k", label="full")
+        ax.axhline(full[0]["metrics"]["acc"], ls=":", color=color("full"), label="full")
     ax.set_xlabel("budget (share of the context kept)")
     ax.set_ylabel("accuracy (exact match)")
     ax.set_xscale("log")

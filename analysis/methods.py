@@ -200,9 +200,9 @@ def figure(exp: str, model: str, task: str, metric: str, runs: pd.DataFrame, out
                 ax.errorbar(xs, ys, yerr=err, fmt=style, marker=marker(policy), ms=4, capsize=2, color=colour,
                             mfc=colour if filled else "none", label=f"{label(policy)} {timing}")
         if full is not None:
-            ax.axhline(full.est.value, color="black", ls=":", lw=1, label="full")
+            ax.axhline(full.est.value, color=color("full"), ls=":", lw=1, label="full")
             if by_kv and not math.isnan(kv_mib(full)):
-                ax.plot([kv_mib(full)], [full.est.value], "k*", ms=8)
+                ax.plot([kv_mib(full)], [full.est.value], marker=marker("full"), color=color("full"), ms=8, ls="")
         if by_kv:
             ax.set_xlabel("KV cache held at the end (MiB per sequence)")
         else:

@@ -25,6 +25,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from analysis.labels import METHODS, color, label as method_label, marker  # noqa: E402
+from analysis.plotting import png  # noqa: E402
 from analysis.records import checked_samples, finite, read_jsonl, warn  # noqa: E402
 
 NAME = re.compile(r"(?P<label>.+)_(?P<budget>\d+)_c(?P<chunk>\d+)$")
@@ -176,36 +178,61 @@ def chunk_comparison(data) -> str:
     return "\n".join(["", "**Chunks vs token by token**", "", *lines, ""]) if lines else ""
 
 
+def method_of(run: str) -> str:
+    """The method a run's label names: the longest :data:`analysis.labels.METHODS` name it is or starts with
+    (``h2o_heavy_share1-2``, ``h2o:heavy_share=1/2``: h2o), else the label itself."""
+    names = [m for m in METHODS if run == m or run.startswith((f"{m}_", f"{m}:"))]
+    return max(names, key=len, default=run)
+
+
+VARIANTS = ("-", "--", ":", "-.")  # a method's own run solid, its variants (other settings) in these line styles
+
+
+def styles(runs) -> dict[str, dict]:
+    """Each run's line: its method's colour and marker (the one vocabulary of analysis.labels), the method's
+    label with the run's settings, solid for the method's own run and another line style per variant."""
+    out, seen = {}, {}
+    for run in sorted(runs, key=lambda r: (method_of(r) != r, r)):
+        m = method_of(run)
+        k = seen[m] = seen.get(m, -1) + 1
+        rest = run[len(m):].lstrip("_:")
+        out[run] = {"color": color(m), "marker": marker(m), "ls": VARIANTS[k % len(VARIANTS)],
+                    "label": method_label(m) + (f" ({rest})" if rest else "")}
+    return out
+
+
 def figure(data, out: Path) -> Path:
     """One panel per feeding x budget: each policy's window perplexity relative to StreamingLLM's, in percent
-    (below 0: better than StreamingLLM); local, far above, is left to the table."""
+    (below 0: better than StreamingLLM); local, far above, is left to the table. Each method in its colour and
+    marker of analysis.labels.METHODS, as in every figure."""
     panels = sorted(data)
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False, dpi=80)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
     for ax, key in zip(axes[0], panels):
         runs, (chunk, budget) = data[key], key
         n = common(runs)
         base = runs.get(BASELINE)
-        for label, s in sorted(runs.items()):
-            if base is None or label in (BASELINE, "local"):
+        look = styles(runs)
+        for run, s in sorted(runs.items()):
+            if base is None or run in (BASELINE, "local"):
                 continue
             x, rel = [w["tokens"] / 1000 for w in s[:n]], relative(s[:n], base[:n])
+            st = look[run]
+            lw = 1.8 if run == "h2o" else 1.0
             if n <= 12:
-                ax.plot(x, rel, marker="o", ms=3, label=label, lw=1.8 if label == "h2o" else 1.0)
-            else:  # long streams: the windows faint, a 5-window running mean on top
-                line, = ax.plot(x, rel, lw=0.5, alpha=0.35)
+                ax.plot(x, rel, marker=st["marker"], ms=4, ls=st["ls"], color=st["color"], lw=lw, label=st["label"])
+            else:  # long streams: the windows faint, a 5-window running mean on top (a marker every ~n/8 windows)
+                ax.plot(x, rel, lw=0.5, alpha=0.35, ls=st["ls"], color=st["color"])
                 ax.plot(x, [sum(rel[max(0, i - 4):i + 1]) / len(rel[max(0, i - 4):i + 1]) for i in range(n)],
-                        color=line.get_color(), lw=1.8 if label == "h2o" else 1.0, label=f"{label} (5-window mean)")
-        ax.axhline(0, color="k", lw=0.8, label=f"{BASELINE} (0)")
+                        color=st["color"], ls=st["ls"], marker=st["marker"], ms=4, markevery=max(n // 8, 1), lw=lw,
+                        label=f"{st['label']} (5-window mean)")
+        ax.axhline(0, color=color(BASELINE), lw=0.8, label=f"{method_label(BASELINE)} (0)")
         ax.set(title=f"{budget}-token cache, " + ("token by token" if chunk == 1 else f"chunks of {chunk}"),
                xlabel="tokens streamed (k)", ylabel="window perplexity vs StreamingLLM (%)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle("SmolLM2-135M streaming Austen: perplexity of each 1k-token window", fontsize=10)
     fig.tight_layout()
-    path = out / "study.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return png(fig, out / "study.png", dpi=80)  # fixed metadata: the same records give the same bytes
 
 
 def main(argv: list[str] | None = None) -> int:

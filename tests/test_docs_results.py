@@ -228,3 +228,29 @@ def test_one_method_vocabulary():
     assert set(labels.POLICIES) <= set(labels.METHODS)
     for module in (long_generation, many_questions, methods):
         assert not isinstance(getattr(module, "LABELS", None), dict) and module.label is labels.label
+
+
+def test_every_figure_takes_its_colours_from_the_one_vocabulary():
+    """No module of analysis/ but labels.py spells a colour: a method's is labels.color, full's line too (no "k" or
+    "black"); the streaming study's lines are their methods' (colour, marker), a variant of a method (other
+    settings) the same colour and marker in another line style, labelled by the method's label."""
+    import re
+
+    from analysis import labels, streaming_study as ss
+
+    for path in sorted((REPO / "analysis").glob("*.py")):
+        if path.name == "labels.py":
+            continue
+        text = path.read_text()
+        assert not re.findall(r"['\"]#[0-9a-fA-F]{6}['\"]", text), f"{path.name}: a colour outside analysis.labels"
+        black = len(re.findall(r"color=['\"](?:k|black)['\"]", text))
+        assert black == (1 if path.name == "figures.py" else 0), path.name  # figures.py: Fig. 2's 95% line
+    look = ss.styles(["streaming_llm", "h2o_heavy_share1-2", "h2o", "h2o:heavy_share=1/12", "local"])
+    for run, method in (("h2o", "h2o"), ("h2o_heavy_share1-2", "h2o"), ("h2o:heavy_share=1/12", "h2o"),
+                        ("streaming_llm", "streaming_llm"), ("local", "local")):
+        assert ss.method_of(run) == method
+        assert (look[run]["color"], look[run]["marker"]) == (labels.color(method), labels.marker(method)), run
+    assert look["h2o"]["ls"] == "-" and {look["h2o_heavy_share1-2"]["ls"], look["h2o:heavy_share=1/12"]["ls"]} == {
+        "--", ":"}
+    assert look["h2o"]["label"] == "H2O" and look["h2o_heavy_share1-2"]["label"] == "H2O (heavy_share1-2)"
+    assert ss.method_of("h2o_reference") == "h2o_reference" and ss.method_of("nope_1") == "nope_1"
