@@ -63,24 +63,36 @@ leaderboard: install ## docs/results/leaderboard.md and its figures: every metho
 
 # Sweeps: h2o-run -m experiment=$(EXP) (conf/experiment/*.yaml). ARGS: extra Hydra overrides.
 ARGS ?=
-sweep: install | runs ## run experiment EXP on LAUNCHER (basic|submitit_local: then tables, figures and the report, unless the sweep was refused (exit 2); slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
+# An experiment's companions, ALSO_<exp>: experiments that sweep (and DRY=1, LAUNCHER=slurm, status, prefetch) take
+# after it, each its own sweep, unless ARGS is given. The default's: its third finding, long generation
+# (conf/experiment/default_long_generation.yaml, records under runs/default/ too; full's run first, in its sweep).
+ALSO_default = default_long_generation
+ALSO = $(if $(ARGS),,$(ALSO_$(EXP)))
+# $(call EACH,<X>_ONE): the command X_ONE for EXP, then for each companion (&&: the first failure stops)
+EACH = $(call $(1),$(EXP))$(foreach e,$(ALSO), && $(call $(1),$(e)))
+DRY_ONE = $(PY) -m h2o.pipeline.run -m experiment=$(1) hydra/launcher=slurm --dry --list $(ARGS)
+SLURM_ONE = $(PY) -m h2o.pipeline.run -m experiment=$(1) hydra/launcher=slurm $(ARGS)
+RUN_ONE = $(PY) -m h2o.pipeline.run -m experiment=$(1) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS); \
+	rc=$$?; [ $$rc = 2 ] && exit 2; [ $$rc = 0 ] || touch runs/.sweep-failed;
+sweep: install | runs ## run experiment EXP (and its companions, ALSO_<exp>) on LAUNCHER (basic|submitit_local: then tables, figures and the report, unless the sweep was refused (exit 2); slurm: submit only the work left and return); DRY=1 lists the jobs and the Slurm arrays with resources and GPU-hours
 ifneq ($(DRY),)
-	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=slurm --dry --list $(ARGS)
+	$(call EACH,DRY_ONE)
 else ifeq ($(LAUNCHER),slurm)
-	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=slurm $(ARGS)
+	$(call EACH,SLURM_ONE)
 else
 	@rm -f runs/.sweep-failed
-	$(PY) -m h2o.pipeline.run -m experiment=$(EXP) hydra/launcher=$(LAUNCHER) $(if $(WANDB),logger=wandb) $(ARGS); \
-		rc=$$?; [ $$rc = 2 ] && exit 2; [ $$rc = 0 ] || touch runs/.sweep-failed
+	$(foreach e,$(EXP) $(ALSO),$(call RUN_ONE,$(e)))
 	$(MAKE) --no-print-directory tables figures report
 	@if [ -e runs/.sweep-failed ]; then rm -f runs/.sweep-failed; echo "sweep: some jobs failed (listed above)"; exit 1; fi
 endif
 
-status: install ## done / running / queued / failed / left of experiment EXP (runs/ and the Slurm scheduler)
-	$(PY) -m h2o.pipeline.status experiment=$(EXP) $(ARGS)
+STATUS_ONE = $(PY) -m h2o.pipeline.status experiment=$(1) $(ARGS)
+status: install ## done / running / queued / failed / left of experiment EXP and its companions (runs/ and the Slurm scheduler)
+	$(call EACH,STATUS_ONE)
 
-prefetch: install ## download every model and data set of experiment EXP into the caches (login node, before a Slurm sweep)
-	$(PY) -m h2o.pipeline.prefetch experiment=$(EXP) $(ARGS)
+PREFETCH_ONE = $(PY) -m h2o.pipeline.prefetch experiment=$(1) $(ARGS)
+prefetch: install ## download every model and data set of experiment EXP and its companions into the caches (login node, before a Slurm sweep)
+	$(call EACH,PREFETCH_ONE)
 
 # Benchmarks: the decode, memory and simulated-forward targets as one run of experiment=bench (h2o/bench/targets.py), recorded under
 # runs/bench/ like every run (a finished record is not measured again: move it away or set ARGS=experiment_name=...).

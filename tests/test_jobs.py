@@ -124,13 +124,28 @@ def test_hydra_slurm_launcher_is_the_launch_path(tmp_path, capfd):
     assert capfd.readouterr().err.strip() == "error: cluster.chunk=0: expected a positive int"
 
 
-def test_make_sweep_dry_and_slurm_list_the_defaults_long_generation(tmp_path, capfd):
-    """``make sweep DRY=1`` (and LAUNCHER=slurm, the same launch path) on the default lists its 11 runs, the long
-    generation's full run before h2o and r_kv in one array task of the three (nothing runs after the sweep)."""
-    args = ["experiment=default", f"runs_dir={tmp_path}/runs", f"hydra.sweep.dir={tmp_path}/multirun/s", "--dry",
-            "--list"]
-    assert run.main(["-m", "hydra/launcher=slurm", *args]) == 0
-    out = capfd.readouterr().out
-    assert "11 jobs: 11 to run, 0 finished already" in out and "2 tasks, 11 runs (chunk <= 8)" in out
-    listed = [line.split()[5] for line in out.splitlines() if line.split()[3:4] == ["long_generation"]]
+
+def test_make_sweep_dry_lists_the_defaults_companion_and_slurm_status_prefetch_take_it(tmp_path):
+    """``make sweep DRY=1`` lists the default's 8 runs, then its companion's (ALSO_default: the long generation, full's
+    run first); LAUNCHER=slurm, status and prefetch take both; ARGS (another grid) or another EXP: the one."""
+    import subprocess
+    import sys
+
+    from h2o.assets.paths import REPO
+
+    def make(*args, printed=False):  # printed: the commands only (make -n)
+        return subprocess.run(["make", "--no-print-directory", "-o", ".venv/installed", *(["-n"] if printed else []),
+                               f"PY={sys.executable}", *args], cwd=REPO, capture_output=True, text=True, timeout=300)
+
+    out = make("sweep", "DRY=1", f"ARGS=runs_dir={tmp_path}/runs")  # ARGS: one experiment
+    assert out.returncode == 0 and out.stdout.count("total: ") == 1 and "long_generation" not in out.stdout
+    out = make("sweep", "DRY=1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "8 jobs: " in out.stdout and "3 jobs: " in out.stdout and out.stdout.count("total: ") == 2
+    listed = [line.split()[5] for line in out.stdout.splitlines() if line.split()[3:4] == ["long_generation"]]
     assert listed == ["full", "h2o", "r_kv"]
+    for target, module in (("sweep LAUNCHER=slurm", "run"), ("status", "status"), ("prefetch", "prefetch")):
+        lines = [ln for ln in make(*target.split(), printed=True).stdout.splitlines() if "h2o.pipeline" in ln]
+        assert [f"experiment={e}" in lines[0] for e in ("default", "default_long_generation")] == [True, True]
+        assert lines[0].count(f"-m h2o.pipeline.{module} ") == 2, lines
+        assert make(*target.split(), "EXP=table1", printed=True).stdout.count("h2o.pipeline.") == 1

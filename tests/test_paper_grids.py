@@ -64,35 +64,29 @@ def test_experiment_lists_the_papers_grid(exp):
         assert len(expected) == n_paper
 
 
-def test_the_default_is_its_three_findings_with_long_generation_last_and_full_first():
-    """`make sweep` is one experiment: the paper-era 8 runs (test below), then its third finding, long generation:
-    full's one run first (it writes the reference answer the others read), then h2o and r_kv at a 64-token cache cut
-    every 32 tokens, 4 passages of 256 new tokens, under the default's folder; no Makefile step runs after it, so
-    DRY=1 and LAUNCHER=slurm list all 11. ARGS naming another task or budget: the paper-era grid only."""
-    sweep = expand(["experiment=default"], multirun=True)
-    assert len({p.path for p in sweep.specs}) == len(sweep.specs) == 11 and not sweep.refused
-    cells = [(p.task.name, p.policy.name, p.cfg.policy.budget, p.cfg.policy.get("compress"),
-              p.cfg.policy.get("interval")) for p in sweep.specs]
-    assert cells == [(t, m, 0.2, None, None) for t in ("niah", "austen_ppl")
-                     for m in ("full", "local", "streaming_llm", "h2o")] + [
-        ("long_generation", "full", 64, None, None), ("long_generation", "h2o", 64, "interval", 32),
-        ("long_generation", "r_kv", 64, "interval", 32)]
-    for p in sweep.specs[8:]:
-        assert (p.task.prompts, p.task.max_new_tokens, p.task.passage_tokens) == (4, 256, 128)
+def test_the_defaults_third_finding_is_three_long_generation_runs_full_first():
+    """`make sweep`'s default then runs long generation (conf/experiment/default_long_generation.yaml, the
+    default's companion in the Makefile): one sweep, full's run first (the reference answer), then h2o and r_kv at a
+    64-token cache cut every 32 tokens, 4 passages of 256 new tokens, all recorded under the default's folder; full
+    takes no schedule (null: its record's folder). The paper-era jobs of experiment=default are untouched (below)."""
+    sweep = expand(["experiment=default_long_generation"], multirun=True)
+    assert [(p.policy.name, p.cfg.policy.budget, p.cfg.policy.compress, p.cfg.policy.interval)
+            for p in sweep.specs] == [("full", 64, None, None), ("h2o", 64, "interval", 32),
+                                      ("r_kv", 64, "interval", 32)]
+    assert not sweep.refused and len(sweep.outside) == 9
+    for p in sweep.specs:
+        assert (p.task.name, p.task.prompts, p.task.max_new_tokens, p.task.passage_tokens) == (
+            "long_generation", 4, 256, 128)
         assert p.cfg.experiment_name == "default" and "/default/smollm2-135m/long_generation/" in str(p.path)
-    assert [p.policy.schedule.evicts_each_step for p in sweep.specs[9:]] == [False, False]
+    assert not str(sweep.specs[0].path).endswith(("compress=decode", "interval=32"))
     make = (REPO / "Makefile").read_text()
-    assert "THEN_" not in make and "default_long_generation" not in make
-    other = expand(["experiment=default", "task=austen_ppl", "policy.budget=0.1"], multirun=True)
-    assert [(p.policy.name, p.cfg.policy.budget, p.cfg.policy.get("compress")) for p in other.specs] == [
-        (m, 0.1, None) for m in ("full", "local", "streaming_llm", "h2o")]
-    check_folders("default", sweep)
+    assert "\nALSO_default = default_long_generation\n" in make and "THEN_" not in make
 
 
 def test_default_spends_its_time_on_one_budget():
-    """The CPU default's paper-era runs: 4 policies at 20% on the needle task (1,024 tokens x 5 depths x 4 samples)
-    and 16 Austen windows, 8 runs; the Austen runs keep their folders (records of earlier defaults stay readable)."""
-    sweep = expand(["experiment=default", "task=niah,austen_ppl"], multirun=True)
+    """The CPU default: 4 policies at 20% on the needle task (1,024 tokens x 5 depths x 4 samples) and 16 Austen
+    windows, 8 runs; the Austen runs keep their folders (records of earlier defaults stay readable)."""
+    sweep = expand(["experiment=default"], multirun=True)
     assert len({p.path for p in sweep.specs}) == len(sweep.specs) == 8
     assert {p.policy.name for p in sweep.specs} == {"full", "local", "streaming_llm", "h2o"}
     assert {p.policy.budget for p in sweep.specs if p.policy.name != "full"} == {0.2}

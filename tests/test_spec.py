@@ -141,14 +141,15 @@ def test_committed_records_are_found_and_reused_where_they_are(hydra_ctx, tmp_pa
     assert [w.state for w in classify([[]] * len(run_specs), run_specs)] == ["done"] * len(folders)
 
 
-def test_the_defaults_sweep_finds_its_committed_records_done(hydra_ctx, tmp_path):
-    """experiment=default crosses ``++policy.compress=null,interval``: the paper-era records (no compress key, made
-    before the schedule option existed) are the null cells' identity, so the sweep calls all 11 done."""
+def test_the_defaults_sweeps_find_their_committed_records_done(hydra_ctx, tmp_path):
+    """experiment=default_long_generation crosses ``++policy.compress=null,interval``: full's record (no compress
+    key) is its null cell's identity, so the default and its companion call all 8 + 3 records done."""
     from h2o.pipeline.sweep import expand
 
     shutil.copytree(REPO / "studies" / "default" / "records", tmp_path / "default")
-    sweep = expand(["experiment=default", f"runs_dir={tmp_path}"], multirun=True)
-    assert [w.state for w in classify(sweep.jobs, sweep.specs)] == ["done"] * 11
+    for exp, n in (("default", 8), ("default_long_generation", 3)):
+        sweep = expand([f"experiment={exp}", f"runs_dir={tmp_path}"], multirun=True)
+        assert [w.state for w in classify(sweep.jobs, sweep.specs)] == ["done"] * n
 
 
 def test_a_null_schedule_option_is_the_policys_own_default_in_the_identity(hydra_ctx, tmp_path):
