@@ -97,13 +97,17 @@ def timing_name(compress: str) -> str:
     return {"decode": "every step", "prefill": "prompt's end"}.get(compress, compress)
 
 
-def methods_points(studies: Path, task: str) -> list[Point]:
-    """A task of the methods study: each method x budget x timing (the question inside the prompt only)."""
+def methods_points(studies: Path, task: str, loaded: dict | None = None) -> list[Point]:
+    """A task of the methods study: each method x budget x timing (the question inside the prompt only). ``loaded``:
+    the study's records read once for every family that draws from it (a torn record warned about once)."""
     from analysis.labels import metric_for
     from analysis.methods import methods_runs, picks
     from analysis.records import load_runs
 
-    df = load_runs(studies / "methods" / "records")
+    loaded = {} if loaded is None else loaded
+    if "methods" not in loaded:
+        loaded["methods"] = load_runs(studies / "methods" / "records")
+    df = loaded["methods"]
     if df.empty:
         return []
     runs = methods_runs(df)
@@ -184,9 +188,9 @@ def long_generation_points(studies: Path) -> list[Point]:
     return out
 
 
-def points(studies: Path, family: Family) -> list[Point]:
+def points(studies: Path, family: Family, loaded: dict | None = None) -> list[Point]:
     if family.study == "methods":
-        return methods_points(studies, {"needle": "niah"}.get(family.key, family.key))
+        return methods_points(studies, {"needle": "niah"}.get(family.key, family.key), loaded)
     return {"ruler": ruler_points, "many_questions": questions_points,
             "long_generation": long_generation_points}[family.key](studies)
 
@@ -305,9 +309,9 @@ def build(studies: Path, out: Path) -> list[Path]:
     figures.mkdir(parents=True, exist_ok=True)
     for f in sorted(figures.glob("*.png")):  # a family whose records went away leaves no figure behind
         f.unlink()
-    found, missing = [], []
+    found, missing, loaded = [], [], {}
     for family in FAMILIES:
-        pts = points(studies, family)
+        pts = points(studies, family, loaded)
         (found if pts else missing).append((family, pts))
     page = [HEADER, "", "# Leaderboard: every method against the KV it keeps", "",
             "Each method's score against the KV cache it keeps, per task family, with 95% intervals; SmolLM2-135M "

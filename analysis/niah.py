@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.protocol import choose, compress_of, question_of
-from analysis.records import load_samples
+from analysis.records import checked_samples, load_samples
 from analysis.labels import key_str, label, policy_order
 
 
@@ -51,12 +51,15 @@ def heatmap_panel(ax, table: pd.DataFrame, title: str) -> object:
 
 KEYS = ["experiment", "model", "task", "compress", "question"]  # one figure each
 PANEL = ["policy", "budget"]  # one panel each
+CELL = ("length", "depth", "acc")  # what a heatmap cell reads from each sample (all numbers)
 
 
 def niah_runs(df: pd.DataFrame) -> pd.DataFrame:
     """The records with depth-tagged samples, with ``compress`` and ``question`` filled in (their defaults where a
-    record does not name them)."""
+    record does not name them). A record whose samples lack a cell's fields is skipped with one warning naming it
+    (:func:`analysis.records.checked_samples`), before any panel counts it."""
     runs = df[(df["task_kind"] == "retrieval") & (df.get("lm_eval_task", pd.Series(index=df.index)) == "niah")]
+    runs = runs[[checked_samples(p, CELL, CELL) is not None for p in runs["path"]]]
     if runs.empty:
         return runs
     return runs.assign(compress=[compress_of(r) for _, r in runs.iterrows()],

@@ -90,7 +90,8 @@ def warn(message: str) -> None:
 def load_runs(root: str | Path = "runs") -> pd.DataFrame:
     """One row per finished run under ``root`` (any depth); empty frame if there is none.
 
-    A malformed record is skipped with one warning line naming it; a record with a NaN or infinite metric is
+    A malformed record (its metrics.json, or its samples.jsonl: half-written or unreadable, :func:`torn_samples`)
+    is skipped with one warning line naming the file, never counted; a record with a NaN or infinite metric is
     kept, its metric set to NaN (so no mean includes it) and named in ``nonfinite_metrics``, with one warning."""
     rows = []
     for f in sorted(Path(root).rglob("metrics.json")) if Path(root).is_dir() else []:
@@ -98,6 +99,10 @@ def load_runs(root: str | Path = "runs") -> pd.DataFrame:
             row = record_row(f)
         except (OSError, ValueError) as err:  # a corrupt record should not hide the others
             warn(f"skipping malformed run record {f}: {' '.join(str(err).split())}")
+            continue
+        why = torn_samples(f.parent)
+        if why:  # its intervals, pairings and heatmaps read the samples: the record is not counted either
+            warn(f"skipping malformed run record {f.parent / 'samples.jsonl'}: {why}")
             continue
         if row["nonfinite_metrics"]:
             warn(f"non-finite metric(s) {row['nonfinite_metrics']} in {f}: shown as NaN, left out of every mean")
@@ -133,6 +138,26 @@ def checked_samples(run_path: str | Path, fields: tuple[str, ...], numbers: tupl
             warn(f"skipping run record {run_path}: sample {i} {what} {bad!r} (needed: {', '.join(fields)})")
             return None
     return samples
+
+
+def torn_samples(run_path: str | Path) -> str | None:
+    """Why the run's ``samples.jsonl`` cannot be read (a line that is not a JSON object: a file cut mid-write or
+    mid-copy), or None (readable, or absent)."""
+    f = Path(run_path) / "samples.jsonl"
+    if not f.exists():
+        return None
+    try:
+        lines = f.read_text().splitlines()
+    except (OSError, ValueError) as err:  # unreadable, or not UTF-8
+        return " ".join(str(err).split())
+    for i, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line) if line.strip() else {}
+        except ValueError as err:
+            return f"line {i}: {' '.join(str(err).split())}"
+        if not isinstance(row, dict):
+            return f"line {i} is not a JSON object"
+    return None
 
 
 def load_samples(run_path: str | Path) -> list[dict]:

@@ -259,3 +259,50 @@ def test_reasoning_prompt_past_positions_refused_before_generating():
     with pytest.raises(ConfigError, match=r"^task.max_gen_toks=4095 and the longest prompt of task.data_files "
                                           r"\(\d+ tokens\) pass model .*'s 4096 positions"):
         task.run(model, tok, make_policy("full"), "real", seed=0)
+
+
+def test_niah_methods_and_leaderboard_skip_torn_records(tmp_path, capsys):
+    """A half-written record (metrics.json or samples.jsonl cut mid-write or mid-copy) or one whose samples lack a
+    heatmap cell's fields: skipped with one warning naming the file by the needle heatmaps, the methods table and
+    figure and the leaderboard, never counted, and the good records drawn (each crashed on a torn samples.jsonl)."""
+    from analysis import leaderboard
+    from analysis.methods import methods_tables
+    from analysis.niah import figure_niah, niah_runs
+    from analysis.records import load_runs
+    from test_methods_experiment import record as methods_record  # tests/test_methods_experiment.py
+
+    root = tmp_path / "studies" / "niah" / "records"
+    cells = [{"doc_id": i, "length": 512, "depth": d, "acc": float(i % 2)} for i, d in enumerate((0.1, 0.5) * 2)]
+    for name, policy, budget in (("full", "full", 1.0), ("h2o", "h2o", 0.2), ("torn-samples", "local", 0.2),
+                                 ("no-depth", "tova", 0.2), ("torn-metrics", "knorm", 0.2)):
+        rec = {"experiment": "niah", "model": "m", "task": "niah", "task_kind": "retrieval", "lm_eval_task": "niah",
+               "policy": policy, "budget": budget, "shots": 0, "semantics": "real", "seed": 0, "n_samples": 4,
+               "metrics": {"acc": 0.5}}
+        record(root / name, '{"experiment": "niah", "pol' if name == "torn-metrics" else rec,
+               [{k: v for k, v in c.items() if name != "no-depth" or k != "depth"} for c in cells])
+    (root / "torn-samples" / "samples.jsonl").write_text(json.dumps(cells[0]) + '\n{"doc_id": 1, "len')
+    df = load_runs(root)
+    assert sorted(df["policy"]) == ["full", "h2o", "tova"]  # the torn metrics.json and samples.jsonl: not counted
+    assert [p.name for p in figure_niah(df, tmp_path / "fig")] == ["niah_niah_heatmap.png", "niah_niah_heatmap.pdf"]
+    warnings = [w for w in capsys.readouterr().err.splitlines() if w.startswith("warning:")]
+    assert list(niah_runs(df)["policy"]) == ["full", "h2o"]  # its two panels
+    assert len(warnings) == 3, warnings
+    assert any(f"{root / 'torn-metrics' / 'metrics.json'}:" in w for w in warnings)
+    assert any(f"{root / 'torn-samples' / 'samples.jsonl'}: line 2:" in w for w in warnings)
+    assert any("no-depth" in w and "lacks 'depth'" in w for w in warnings)
+
+    methods = tmp_path / "studies" / "methods" / "records"
+    mib = 2 ** 20
+    for policy, budget, timing, ppl in (("full", 1.0, "decode", 18.0), ("h2o", 0.2, "decode", 30.0),
+                                        ("snapkv", 0.2, "prefill", 21.0), ("knorm", 0.2, "decode", 25.0)):
+        methods_record(methods, policy, budget, timing, ppl, 20 * mib)
+    torn = methods / "austen_ctx-knorm-0.2-decode" / "samples.jsonl"
+    torn.write_text(torn.read_text()[:-20])  # cut mid-line, as a copy interrupted leaves it
+    [table] = methods_tables(load_runs(methods))
+    assert [r[0] for r in table.rows] == ["full", "H2O", "SnapKV"]
+    capsys.readouterr()
+    assert leaderboard.main(["--studies", str(tmp_path / "studies"), "--out", str(tmp_path / "docs")]) == 0
+    err = capsys.readouterr().err
+    assert err.count(f"warning: skipping malformed run record {torn}: line 4:") == 1, err  # read once, warned once
+    page = (tmp_path / "docs" / "leaderboard.md").read_text()
+    assert "| H2O | every step |" in page and "KNorm" not in page
