@@ -111,6 +111,15 @@ def test_every_relative_link_resolves():
     assert not bad, "links that do not resolve:\n" + "\n".join(bad)
 
 
+def test_the_readme_is_a_front_page():
+    """README.md is read in five minutes (issue 49): at most 1,200 words, no line over 300 characters (a table cell
+    that grew into a paragraph); what moves out goes to the docs page that owns it."""
+    text = (REPO / "README.md").read_text()
+    assert len(text.split()) <= 1200, f"README.md: {len(text.split())} words; at most 1,200"
+    long = [i for i, line in enumerate(text.splitlines(), 1) if len(line) > 300]
+    assert not long, f"README.md: lines over 300 characters: {long}"
+
+
 def test_the_link_check_can_fail(tmp_path):
     (tmp_path / "docs").mkdir()
     page = tmp_path / "docs" / "p.md"
