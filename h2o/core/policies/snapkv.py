@@ -83,9 +83,7 @@ class SnapKV(PrefillOnly):
             score, scored = self.held_score(pos, acc.sum(-1))
         else:
             score, scored = self.prompt_score(pos, acc, now)
-        top = torch.where(scored, score, -torch.inf).amax((1, 2), keepdim=True)  # (B, 1, 1)
-        top = torch.where(torch.isfinite(top), top, 0.0) + 1  # a prompt of at most w tokens: all window
-        return torch.where(scored, score, top)
+        return window_on_top(score, scored)
 
     def prompt_score(self, pos, acc, now):
         """At a prompt's end: the keys before the window pooled along positions -> (score, scored) (B, H, S)."""
@@ -112,6 +110,14 @@ class SnapKV(PrefillOnly):
 
     def describe(self):
         return {**super().describe(), "window": self.window, "kernel": self.kernel}
+
+
+def window_on_top(score: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """score (B, H, S) of the ``scored`` (B, H, S) bool keys -> (B, H, S): the others (the window) at one more than
+    the sequence's largest score (all its KV heads; kvpress's ``max``, + 1), so they are kept while the budget is."""
+    top = torch.where(scored, score, -torch.inf).amax((1, 2), keepdim=True)  # (B, 1, 1)
+    top = torch.where(torch.isfinite(top), top, 0.0) + 1  # a prompt of at most w tokens: all window
+    return torch.where(scored, score, top)
 
 
 def newest_rank(pos: torch.Tensor) -> torch.Tensor:
