@@ -24,12 +24,12 @@ from tests.two_paths import L, P, PADS, left_padded, padded_paths, quantized_pat
 ARCHS = (*TINY_ARCHS, "mistral")  # mistral: every layer a sliding window of 16 tokens
 # every evicting rule with a decoding form (the others refuse: test_rules_without_a_decoding_form_refuse)
 RULES = ("adakv", "fixed", "fixed_h2", "g_kv", "h2_only", "h2o", "keydiff", "knorm", "local", "r_kv", "random",
-         "scissorhands", "snapkv", "streaming_llm", "strided", "strided_h2", "tova")
+         "scissorhands", "snapkv", "snapkv_d", "streaming_llm", "strided", "strided_h2", "tova")
 # adakv: with its default inner, snapkv (kvpress's registry runs SnapKV under Ada-KV at decoding); over any inner with
 # a decoding form it takes it (test_a_pooled_rule_agrees...)
 # options that make a rule's scores decide at these tiny budgets (r_kv's window of 8 would hold the whole budget)
 SMALL = {"g_kv": {"window": 2}, "r_kv": {"window": 2, "kernel": 3}, "snapkv": {"window": 3, "kernel": 3},
-         "adakv": {"window": 3, "kernel": 3}}
+         "snapkv_d": {"window": 3, "kernel": 3}, "adakv": {"window": 3, "kernel": 3}}
 REFUSED = ("expected_attention", "full", "h2o_reference", "kvzip", "pyramidkv", "topk", "topk_h2")
 
 

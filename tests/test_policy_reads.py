@@ -11,12 +11,14 @@ from h2o.core.policies.base import NOTHING, READ_KEYS, READ_LOGITS, READ_QUERIES
 from h2o.core.policies.per_sequence import PerSequence
 
 WINDOW = 6  # small observation windows, so that a 40-token prompt has rows before them
-OPTIONS = {"snapkv": {"window": WINDOW}, "pyramidkv": {"window": WINDOW}, "scissorhands": {"history": WINDOW},
-           "adakv": {"window": WINDOW}, "r_kv": {"window": WINDOW}, "g_kv": {"window": WINDOW}}
+OPTIONS = {"snapkv": {"window": WINDOW}, "snapkv_d": {"window": WINDOW}, "pyramidkv": {"window": WINDOW},
+           "scissorhands": {"history": WINDOW}, "adakv": {"window": WINDOW}, "r_kv": {"window": WINDOW},
+           "g_kv": {"window": WINDOW}}
 EXPECTED = {  # the declaration of every registered policy, as its rule is written
     "full": NOTHING, "local": NOTHING, "streaming_llm": NOTHING, "strided": NOTHING, "fixed": NOTHING,
     "random": NOTHING, "topk": NOTHING, "kvzip": NOTHING, "knorm": {READ_KEYS}, "keydiff": {READ_KEYS},
-    "expected_attention": {READ_QUERIES}, "snapkv": {READ_WINDOW}, "pyramidkv": {READ_WINDOW},
+    "expected_attention": {READ_QUERIES}, "snapkv": {READ_WINDOW}, "snapkv_d": {READ_WINDOW},
+    "pyramidkv": {READ_WINDOW},
     "adakv": {READ_WINDOW}, "tova": {READ_WINDOW}, "scissorhands": {READ_WINDOW}, "h2o": {READ_ROWS},
     "h2_only": {READ_ROWS}, "h2o_reference": {READ_ROWS}, "strided_h2": {READ_ROWS}, "fixed_h2": {READ_ROWS},
     "topk_h2": {READ_ROWS}, "r_kv": {READ_WINDOW, READ_LOGITS, READ_KEYS}, "g_kv": {READ_WINDOW, READ_KEYS},

@@ -27,11 +27,11 @@ descending), so at the next step its "newest ``w``" are the last ``w`` slots of 
 order (the fork with its kept slots re-sorted by position keeps the same tokens: h2o/parity/snapkv_d.py). The window
 is padded with the largest score + 1 (the fork: the batch's largest score itself, a tie that its ``topk`` breaks
 only when ``n <= w``). The fork asserts more than ``w`` held tokens at each cut (``n >= w``); here a sequence of at
-most ``w`` held tokens is all window and keeps its newest.
+most ``w`` held tokens is all window and keeps its newest (the window's scores rise with position).
 """
 import torch
 
-from .base import bcast
+from .base import READ_WINDOW, bcast
 from .snapkv import SnapKV, window_on_top
 
 INTERVAL = 1  # the fork's: a cut after every decoding token (compress=interval where none is given)
@@ -39,6 +39,7 @@ INTERVAL = 1  # the fork's: a cut after every decoding token (compress=interval 
 
 class SnapKVD(SnapKV):
     name = "snapkv_d"
+    reads = frozenset({READ_WINDOW})  # the prompt's last ``window`` rows, then each decoding row
     compress = "interval"  # the fork's schedule: after each decoding token attended, back to the budget
     interval = INTERVAL
 
@@ -65,5 +66,8 @@ class SnapKVD(SnapKV):
 
     def priority(self, pos, acc, now, counts):
         """pos (B, H, S) (-1: not held), acc (B, H, S) -> (B, H, S) fp32: the held tokens older than the newest
-        ``w`` pooled along the held tokens, the newest ``w`` above them."""
-        return window_on_top(*self.held_score(pos, acc))
+        ``w`` pooled along the held tokens, the newest ``w`` above them, newer higher (a budget below the window,
+        where the fork asserts, keeps the newest: in any slot order, a sliding layer's too)."""
+        score, scored = self.held_score(pos, acc)
+        prio = window_on_top(score, scored)  # (B, H, S)
+        return torch.where(scored, prio, prio + pos.clamp(min=0).to(prio.dtype))
