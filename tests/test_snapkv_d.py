@@ -1,0 +1,159 @@
+"""snapkv_d (SnapKV-D as the minghui-liu/kvpress fork runs it) against the fork itself, through the golden numbers
+``python -m h2o.parity.snapkv_d --reference DIR --golden`` recorded (tests/data/parity_golden/snapkv_d.json): on the
+committed tiny model, a prompt of 160 ids and 320 greedy tokens, ours keeps the fork's positions (its kept slots in
+position order) at the prompt's cut and drops the fork's position at every decoding cut, in every layer and KV head,
+generates its greedy tokens and gives its NLL per token (fp32 noise); kvpress 0.5.5's SnapKV at interval 1 (the
+newest ``window`` rows, not the newest one) and other kernels miss them. Both paths agree on every tiny
+architecture with a padded batch; the spellings build the same rule; bad input is one line."""
+import json
+
+import pytest
+import torch
+
+from h2o import attach, make_policy
+from h2o.assets.models import tiny_model
+from h2o.core.policies import PolicyError
+from h2o.core.policies.snapkv_d import SnapKVD
+from h2o.parity import snapkv_d as parity
+from h2o.parity.golden import load_model, weights_sha256
+from tests.two_paths import P, PADS, padded_paths
+
+TOLERANCE = 2e-5  # |NLL ours - fork| per token; measured 1.3e-6 when recorded (two attention implementations)
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return json.loads(parity.RECORD.read_text())
+
+
+@pytest.fixture(scope="module")
+def model(golden):
+    assert weights_sha256() == golden["model"]["sha256"]
+    assert parity.prompt_ids()[0].tolist() == golden["prompt"] and golden["new"] == parity.NEW
+    return load_model()
+
+
+def misses(run: dict, fork: dict) -> tuple[int, int, float]:
+    """(cut entries (layer, head) kept differently, greedy tokens differing, largest |NLL gap|) of ``run`` (ours,
+    greedy) against the fork's golden record."""
+    held = run["held"]
+    kept = sum(a != b for a, b in zip(sum(held[0], []), sum(fork["prompt_cut"], [])))
+    kept += sum(a != b for s, f in zip(parity.dropped(held), fork["dropped"]) for la, lf in zip(s, f)
+                for a, b in zip(la, lf))
+    tokens = sum(a != b for a, b in zip(run["tokens"], fork["greedy_in_position_order"]))
+    gap = max(abs(a - b) for a, b in zip(run["nll"], fork["nll"]))
+    return kept, tokens, gap
+
+
+@pytest.mark.parametrize("case", list(parity.CASES))
+def test_every_cut_and_token_equals_the_fork(model, golden, case):
+    assert golden["cases"][case] == {"options": parity.CASES[case][0], "budget": parity.CASES[case][1]}
+    fork = golden["fork"][case]
+    run = parity.ours_run(model, case, parity.prompt_ids())
+    assert misses(run, fork)[:2] == (0, 0)
+    assert misses(run, fork)[2] < TOLERANCE
+    budget = parity.CASES[case][1]
+    assert all(len(h) == budget for step in run["held"] for layer in step for h in layer)  # back to n at each cut
+    assert all(p >= 0 for step in fork["dropped"] for layer in step for p in layer)  # each cut dropped one
+    # the prompt's last window is kept at its cut; later cuts drop prompt tokens and generated ones alike
+    w = parity.CASES[case][0]["window"]
+    assert all(set(range(parity.PROMPT - w, parity.PROMPT)) <= set(h) for h in sum(fork["prompt_cut"], []))
+    drops = [p for step in fork["dropped"] for layer in step for p in layer]
+    assert min(drops) < parity.PROMPT <= max(drops)
+
+
+def test_the_fork_as_it_runs_differs_by_its_slot_order(golden):
+    """Recorded with the reference: its cache in topk's order reads other tokens as the newest and as neighbours."""
+    for case, row in golden["summary"].items():
+        cuts = row["decoding_cuts_kept_differently"]
+        assert cuts["in_position_order"] == 0 < cuts["as_it_runs"]
+        assert row["largest_nll_gap"]["in_position_order"] < TOLERANCE < row["largest_nll_gap"]["as_it_runs"]
+        assert row["greedy_tokens_equal_before_a_difference"]["in_position_order"] == parity.NEW
+        assert golden["fork"][case]["greedy_as_it_runs"] != golden["fork"][case]["greedy_in_position_order"]
+
+
+@pytest.mark.parametrize("broken", ["snapkv_window_rows", "kernel", "summed_rows"])
+def test_a_broken_rule_misses_the_golden_numbers(model, golden, broken, monkeypatch):
+    case = "w16_k3"
+    options, budget = parity.CASES[case]
+    if broken == "snapkv_window_rows":  # kvpress 0.5.5's SnapKV at interval 1: the newest w rows, not the newest one
+        policy = make_policy("snapkv", budget=budget, compress="interval", interval=1, **options)
+    elif broken == "kernel":
+        policy = make_policy("snapkv_d", budget=budget, **{**options, "kernel": 5})
+    else:  # each row's attention added to the state (H2O's accumulation) instead of the newest row's
+        monkeypatch.setattr(SnapKVD, "accumulate", lambda self, acc, probs, valid=None:
+                            acc.add_(probs.sum((2, 3)) / probs.shape[2]))
+        policy = make_policy("snapkv_d", budget=budget, **options)
+    kept, tokens, gap = misses(parity.ours_run(model, case, parity.prompt_ids(), policy=policy), golden["fork"][case])
+    assert kept > 0 and (tokens > 0 or gap > 100 * TOLERANCE)
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "opt", "gpt_neox", "gemma3"])
+def test_both_paths_agree_on_a_padded_batch(arch):
+    """A left-padded batch of two prompts of P columns, then token by token: the simulated mask equals the evicting
+    cache (tests/two_paths.py); every decoding cut brings each head back to its budget."""
+    model = tiny_model(arch, seed=2)
+    policy = make_policy("snapkv_d", budget=0.4, window=3, kernel=3)
+    sim, full, cache = padded_paths(model, policy)
+    assert not torch.allclose(sim[:, P:], full[:, P:], atol=1e-3)  # the cuts change what follows
+    totals = [int(policy.counts(torch.tensor([P - n])).total) for n in PADS]
+    if arch != "gemma3":  # a sliding layer holds its window at most
+        assert cache.held_tokens()[:, :, 0].tolist() == [totals] * len(cache.layers)
+
+
+def test_greedy_generation_through_the_cache_equals_the_simulated_mask():
+    """The tokens ``generate`` picks through the evicting cache, scored in one pass by the simulated mask: the same
+    argmax at every generated position (grouped-query attention)."""
+    model = tiny_model("llama_gqa", seed=4)
+    ids = torch.randint(3, 128, (1, 20), generator=torch.Generator().manual_seed(3))
+    policy = make_policy("snapkv_d", budget=12, window=4, kernel=3)
+    with torch.no_grad():
+        with attach(model, policy, mode="real") as h:
+            out = model.generate(ids, cache=h.new_cache(), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                                 pad_token_id=0)
+        with attach(model, policy, prompt_len=20):
+            sim = model(out).logits
+    assert torch.equal(sim[0, 19:-1].argmax(-1), out[0, 20:])
+
+
+def test_the_spellings_build_the_same_rule():
+    from hydra import initialize_config_dir
+    from lm_eval.utils import simple_parse_args_string
+
+    from h2o.assets.paths import CONF
+    from h2o.pipeline.spec import build
+    from h2o.pipeline.sweep import _compose
+    from h2o.tasks.lm_eval_model import lm_policy
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        default = build("policy", _compose(["policy=snapkv_d"]).policy)
+        hydra = build("policy", _compose(["policy=snapkv_d", "policy.window=16", "policy.budget=128",
+                                          "+policy.interval=4"]).policy)
+        decode = build("policy", _compose(["policy=snapkv_d", "policy.compress=decode"]).policy)
+    args = simple_parse_args_string("pretrained=tiny:llama,policy=snapkv_d,window=16,budget=128,interval=4")
+    lm = lm_policy(args.pop("policy"), args)
+    api = make_policy("snapkv_d", window=16, budget=128, interval=4)
+    assert hydra.describe() == lm.describe() == api.describe() == {
+        "policy": "snapkv_d", "budget": 128, "heavy": 128, "recent": 0, "compress": "interval", "interval": 4,
+        "window": 16, "kernel": 5}
+    assert default.describe() == make_policy("snapkv_d").describe() == {
+        "policy": "snapkv_d", "budget": 512, "heavy": 512, "recent": 0, "compress": "interval", "interval": 1,
+        "window": 64, "kernel": 5}  # the fork's: cache_budget 512, a cut after every token, SnapKVPress's defaults
+    assert decode.schedule.evicts_each_step
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"window": 0}, r"^window=0: the observation window must be an int >= 1$"),
+    ({"kernel": 4}, r"^kernel=4: the pooling kernel must be an odd int >= 1$"),
+    ({"interval": 0}, r"^interval=0: compress=interval needs the generated tokens between two cuts; allowed: an int"),
+    ({"compress": "prefill", "interval": 2}, r"^interval=2: read only with compress=interval"),
+])
+def test_bad_options_are_one_line(options, message):
+    with pytest.raises(PolicyError, match=message):
+        make_policy("snapkv_d", **options)
+
+
+def test_a_reference_path_without_the_code_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match=r"^--reference=.*: no .*base_press\.py.*; allowed: a checkout of "
+                                         r"minghui-liu/kvpress$"):
+        parity.main(["--reference", str(tmp_path)])
