@@ -73,3 +73,24 @@ def test_the_full_caches_nll_is_the_recorded_one(model, golden):
     assert abs(parity.full_nll(model, prompt, cont) - golden["full_nll"]) < TOLERANCE
     assert torch.equal(torch.cat(parity.ids(), 1), torch.randint(
         3, parity.VOCAB, (1, parity.PROMPT + parity.CONT), generator=torch.Generator().manual_seed(parity.SEED)))
+
+
+@pytest.mark.parametrize("budget", [48, 96])
+def test_ours_equals_the_forks_h2o_with_a_press_per_layer(model, golden, budget):
+    """The minghui-liu/kvpress fork's H2OPress (each token's mean attention since it arrived, a cut after every
+    decoding token) is ``h2_only score=mean`` at ``compress=interval interval=1`` once each layer has its own press:
+    the same dropped position at every cut, layer and head, the same NLL and greedy tokens. As shipped, its one press
+    object carries one accumulated score for all layers (each layer reads the previous layer's), and ours is far
+    from it, as recorded."""
+    from h2o import make_policy
+    from h2o.parity import snapkv_d
+
+    record = golden["fork_h2o_record"]
+    policy = make_policy("h2_only", budget=budget, score="mean", compress="interval", interval=1)
+    run = snapkv_d.ours_run(model, "defaults", snapkv_d.prompt_ids(), policy=policy)
+    per_layer, shipped = record[f"{budget}/one press per layer"], record[f"{budget}/as shipped"]
+    assert run["held"][0] == per_layer["prompt_cut"] and snapkv_d.dropped(run["held"]) == per_layer["dropped"]
+    assert max(abs(a - b) for a, b in zip(run["nll"], per_layer["nll"])) < TOLERANCE
+    assert run["tokens"] == per_layer["greedy"] != shipped["greedy"]
+    assert abs(sum(run["nll"]) - sum(shipped["nll"])) / len(run["nll"]) > 0.1
+    assert snapkv_d.dropped(run["held"]) != shipped["dropped"]

@@ -21,8 +21,13 @@ and StreamingLLM baseline"); restore it from the commit before for this comparis
    only once the cache reaches ``budget + divide_length`` (128), past these tokens); ours: the same through the
    evicting cache at ``compress=prefill``. NLL per token of the continuation, full cache beside.
 
-``--golden`` writes tests/data/parity_golden/baselines.json (the references' kept positions and NLL per token),
-which tests/test_baselines.py compares ours with in CI; the summary is printed.
+4. With ``--fork DIR`` (a checkout of minghui-liu/kvpress) its ``H2OPress`` too, over the long generation of
+   :mod:`h2o.parity.snapkv_d` (its hook after every forward, the decoding cut at interval 1): as shipped and with a
+   copy of the press on each layer (:func:`fork_h2o`).
+
+``--golden`` writes tests/data/parity_golden/baselines.json (the references' kept positions and NLL per token; the
+fork's H2O's dropped positions per cut and NLL), which tests/test_baselines.py compares ours with in CI; the summary
+is printed.
 """
 from __future__ import annotations
 
@@ -35,9 +40,8 @@ from pathlib import Path
 
 import torch
 
-from h2o.parity.pairs import GOLDEN
+from h2o.parity.pairs import GOLDEN, BASELINES_RECORD as RECORD
 
-RECORD = GOLDEN / "baselines.json"
 PROMPT, CONT, VOCAB, SEED = 160, 32, 256, 17  # random prompt ids in [3, VOCAB), then CONT teacher-forced ones
 BUDGETS = (32, 64)
 WINDOW = 8  # the references' window_size (their query cache's length)
@@ -190,6 +194,47 @@ def compare(model, classes: dict) -> dict:
     return out
 
 
+# the minghui-liu/kvpress fork's H2OPress (--fork DIR) beside ours, over the long generation of h2o.parity.snapkv_d
+FORK_BUDGETS = (48, 96)
+FORK_OURS = [("h2_only score=mean", "h2_only", {"score": "mean"}), ("h2o", "h2o", {})]  # at interval 1, the fork's
+
+
+def fork_h2o(model, H2OPress) -> tuple[list[dict], dict]:
+    """The fork's ``H2OPress`` (its hook after every forward: the prompt's and each decoding row's attention added,
+    each token's mean over the rows that saw it, ``topk(cache_budget)``) beside ours at ``compress=interval``
+    ``interval=1``, teacher-forced on the greedy tokens of ``h2_only score=mean``: kept positions per cut, layer and
+    KV head, NLL per token; then each one's own greedy tokens. The fork as shipped (one press object hooked on
+    every layer, its accumulated scores one attribute: each layer reads the previous layer's) and with a copy of
+    the press on each layer."""
+    from h2o import make_policy
+    from h2o.parity import snapkv_d as d
+
+    prompt, out, record = d.prompt_ids(), [], {}
+    for budget in FORK_BUDGETS:
+        press = H2OPress()
+        press.cache_budget = budget
+        first = make_policy("h2_only", budget=budget, score="mean", compress="interval", interval=1)
+        forced = torch.tensor(d.ours_run(model, "defaults", prompt, policy=first)["tokens"])
+        for fork_label, per_layer in (("as shipped", False), ("one press per layer", True)):
+            fork = d.fork_run(model, press, prompt, forced, ordered=False, per_layer=per_layer)
+            free = d.fork_run(model, press, prompt, ordered=False, per_layer=per_layer)
+            record[f"{budget}/{fork_label}"] = {"prompt_cut": fork["held"][0], "dropped": d.dropped(fork["held"]),
+                                                "nll": [float(f"{x:.9g}") for x in fork["nll"]],
+                                                "greedy": free["tokens"]}
+            for label, name, options in FORK_OURS:
+                policy = make_policy(name, budget=budget, compress="interval", interval=1, **options)
+                ours_forced = d.ours_run(model, "defaults", prompt, forced, policy=policy)
+                ours_free = d.ours_run(model, "defaults", prompt, policy=policy)
+                out.append({"budget": budget, "fork": fork_label, "ours": label,
+                            "entries": sum(len(h) for s in fork["held"] for h in s),
+                            "kept_differently": d.differ(ours_forced["held"], fork["held"]),
+                            "largest_nll_gap": d.max_gap(ours_forced["nll"], fork["nll"]),
+                            "fork_nll": d.mean(fork["nll"]), "ours_nll": d.mean(ours_forced["nll"]),
+                            "greedy_equal_before_a_difference": d.agree(ours_free["tokens"], free["tokens"]),
+                            "greedy": d.NEW})
+    return out, {"forced": "the greedy tokens of h2_only score=mean at interval 1", **record}
+
+
 def main(argv=None) -> int:
     import argparse
 
@@ -197,16 +242,26 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m h2o.parity.baselines", description=__doc__.splitlines()[0])
     ap.add_argument("--reference", required=True, help="a checkout of WeianMao/triattention")
+    ap.add_argument("--fork", help="a checkout of minghui-liu/kvpress: its H2OPress beside ours as well")
     ap.add_argument("--golden", action="store_true", help=f"write the golden numbers ({RECORD})")
     a = ap.parse_args(argv)
     root = Path(a.reference)
     classes = load_reference(root)
+    if a.fork:
+        from h2o.parity.snapkv_d import load_reference as load_fork
+
+        _, H2OPress = load_fork(Path(a.fork))
     if "H2O" not in classes:
         print(f"no baselines/h2o.py: restore it from {H2O_REMOVED}^ (see --help); its rows are left out",
               file=sys.stderr)
     commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    result = compare(load_model(), classes)
-    print(json.dumps(result["rows"], indent=1))
+    model = load_model()
+    result = compare(model, classes)
+    if a.fork:
+        result["fork_h2o"], result["fork_h2o_record"] = fork_h2o(model, H2OPress)
+        result["fork_commit"] = subprocess.run(["git", "-C", a.fork, "rev-parse", "HEAD"], capture_output=True,
+                                               text=True).stdout.strip() or None
+    print(json.dumps(result["rows"] + result.get("fork_h2o", []), indent=1))
     if a.golden:
         out = {"made_by": "python -m h2o.parity.baselines --reference DIR --golden",
                "reference": {"repo": "WeianMao/triattention", "commit": commit.strip() or None,

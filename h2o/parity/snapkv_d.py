@@ -1,7 +1,7 @@
 """Parity of ``snapkv_d`` with the minghui-liu/kvpress fork's SnapKV-D (its ``SnapKVPress`` under
 ``BasePress.forward_hook``, ``ScorerPress.compress_prefilling`` / ``compress_decoding``), run side by side.
 
-``python -m h2o.parity.snapkv_d --reference DIR`` (DIR: a checkout of minghui-liu/kvpress; its three press files are
+``python -m h2o.parity.snapkv_d --reference DIR`` (DIR: a checkout of minghui-liu/kvpress; its press files are
 imported from there, never copied into this repository; they need torch and transformers only):
 
 1. **The fork's side**: the committed tiny model of the golden numbers (tests/data/parity_golden/model, a random
@@ -25,6 +25,7 @@ tests/test_snapkv_d.py compares ours with in CI, without the reference.
 """
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import subprocess
@@ -34,19 +35,18 @@ from pathlib import Path
 
 import torch
 
-from h2o.parity.pairs import GOLDEN
+from h2o.parity.pairs import GOLDEN, SNAPKV_D_RECORD as RECORD
 
-RECORD = GOLDEN / "snapkv_d.json"
 PROMPT, NEW, VOCAB, SEED = 160, 320, 256, 13  # the prompt's random ids in [3, VOCAB), then NEW generated tokens
 # name -> (options, budget): the fork's defaults (window 64, kernel 5) and a small window, where most held tokens
 # are scored (the fork needs budget >= window: it asserts more than ``window`` held tokens at every cut)
 CASES = {"defaults": ({"window": 64, "kernel": 5}, 96), "w16_k3": ({"window": 16, "kernel": 3}, 48)}
-FILES = ("base_press.py", "scorer_press.py", "snapkv_press.py")
+FILES = ("base_press.py", "scorer_press.py", "snapkv_press.py", "h2o_press.py")  # h2o_press: h2o.parity.baselines
 
 
 # ----------------------------------------------------------------------------------------------- reference
 def load_reference(root: Path):
-    """The fork's ``SnapKVPress`` from ``root``/kvpress/presses, its three files loaded under the fork's package
+    """The fork's ``SnapKVPress`` and ``H2OPress`` from ``root``/kvpress/presses, their files loaded under the fork's package
     names without the package's ``__init__`` (which imports every press and the pipeline); ``sys.modules`` is left
     as it was."""
     folder = root / "kvpress" / "presses"
@@ -64,7 +64,7 @@ def load_reference(root: Path):
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
-        return sys.modules["kvpress.presses.snapkv_press"].SnapKVPress
+        return sys.modules["kvpress.presses.snapkv_press"].SnapKVPress, sys.modules["kvpress.presses.h2o_press"].H2OPress
     finally:
         for n, m in saved.items():
             if m is None:
@@ -116,10 +116,12 @@ class ForkSide:
     """The fork's press on ``model``: its hook on every attention layer over a ``DynamicCache``; per layer the
     positions held per KV head (1, Hkv, S), in the fork's slot order."""
 
-    def __init__(self, model, press, ordered: bool):
+    def __init__(self, model, press, ordered: bool, per_layer: bool = False):
         from transformers import DynamicCache
 
         self.model, self.press, self.ordered = model, press, ordered
+        # per_layer: a copy of the press on each layer (the fork hooks one object on every layer)
+        self.presses = {i: copy.deepcopy(press) for i in range(len(model.model.layers))} if per_layer else {}
         self.cache = DynamicCache(config=model.config)
         self.start = 0  # the position of the forward's first token
         self.pos: dict[int, torch.Tensor] = {}
@@ -132,7 +134,7 @@ class ForkSide:
         self.pos[i] = torch.cat([held, new.expand(1, hkv, q)], -1)
         shown = {**kwargs, "past_key_value": ForkCache(self.cache), "cache_position": new}
         with CatchTopk(self.ordered) as catch:
-            output = self.press.forward_hook(module, args, shown, output)
+            output = self.presses.get(i, self.press).forward_hook(module, args, shown, output)
         if catch.indices:
             self.pos[i] = self.pos[i].gather(-1, catch.indices[-1])
         return output
@@ -150,14 +152,21 @@ class ForkSide:
         return [[sorted(h.tolist()) for h in self.pos[i][0]] for i in sorted(self.pos)]
 
 
-def fork_run(model, SnapKVPress, case: str, prompt: torch.Tensor, forced: torch.Tensor | None = None,
-             ordered: bool = True) -> dict:
-    """The fork's SnapKV-D on ``prompt`` (1, P), then :data:`NEW` tokens: ``forced`` (NEW,) teacher-forced, or its
-    own greedy ones -> {"tokens", "nll" per token, "held" per step (the prompt's cut first)}."""
+def fork_press(SnapKVPress, case: str):
+    """The fork's SnapKV-D press of ``case`` (:data:`CASES`)."""
     options, budget = CASES[case]
     press = SnapKVPress(window_size=options["window"], kernel_size=options["kernel"])
-    press.cache_budget, press.debug, press.latency = budget, False, False
-    side = ForkSide(model, press, ordered)
+    press.cache_budget = budget
+    return press
+
+
+def fork_run(model, press, prompt: torch.Tensor, forced: torch.Tensor | None = None, ordered: bool = True,
+             per_layer: bool = False) -> dict:
+    """The fork's ``press`` (its ``cache_budget`` set) on ``prompt`` (1, P), then :data:`NEW` tokens: ``forced``
+    (NEW,) teacher-forced, or its own greedy ones -> {"tokens", "nll" per token, "held" per step (the prompt's cut
+    first)}. ``per_layer``: a copy of the press on each layer."""
+    press.debug, press.latency = False, False
+    side = ForkSide(model, press, ordered, per_layer)
     before = model.config._attn_implementation
     model.set_attn_implementation("eager")
     hooks = [layer.self_attn.register_forward_hook(side.hook, with_kwargs=True) for layer in model.model.layers]
@@ -234,10 +243,10 @@ def compare(model, SnapKVPress) -> dict:
     for case in CASES:
         ours = ours_run(model, case, prompt)
         forced = torch.tensor(ours["tokens"])
-        kept_in_order = fork_run(model, SnapKVPress, case, prompt, forced, ordered=True)
-        as_run = fork_run(model, SnapKVPress, case, prompt, forced, ordered=False)
-        free_order = fork_run(model, SnapKVPress, case, prompt, ordered=True)
-        free_run = fork_run(model, SnapKVPress, case, prompt, ordered=False)
+        kept_in_order = fork_run(model, fork_press(SnapKVPress, case), prompt, forced, ordered=True)
+        as_run = fork_run(model, fork_press(SnapKVPress, case), prompt, forced, ordered=False)
+        free_order = fork_run(model, fork_press(SnapKVPress, case), prompt, ordered=True)
+        free_run = fork_run(model, fork_press(SnapKVPress, case), prompt, ordered=False)
         entries = sum(len(h) for step in ours["held"] for h in step)
         summary[case] = {
             "budget": CASES[case][1], **CASES[case][0], "entries": entries,
@@ -280,7 +289,7 @@ def main(argv=None) -> int:
     ap.add_argument("--golden", action="store_true", help=f"write the golden numbers ({RECORD})")
     a = ap.parse_args(argv)
     root = Path(a.reference)
-    SnapKVPress = load_reference(root)
+    SnapKVPress, _ = load_reference(root)
     commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
     result = compare(load_model(), SnapKVPress)
     print(json.dumps(result["summary"], indent=1))

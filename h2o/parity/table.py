@@ -12,7 +12,9 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from h2o.parity.pairs import DECODE_ONLY, EXTRA, GKV_RECORD, OURS, RECORD, RKV_RECORD, TOLERANCE, kept
+from h2o.parity.field import baselines_section, snapkv_d_section
+from h2o.parity.pairs import (BASELINES_RECORD, DECODE_ONLY, EXTRA, GKV_RECORD, OURS, RECORD, RKV_RECORD,
+                              SNAPKV_D_RECORD, TOLERANCE, kept)
 
 
 def load(path: Path) -> list[dict]:
@@ -124,6 +126,7 @@ def write_table(out: Path, table: Path, prompts: dict, golden: Path | None = REC
     lines += ["Time: " + ", ".join(f"{side} side {sec:.0f} s" for side, sec in sorted(total.items()))
               + " (1 thread each).", ""]
     lines += NOTES + golden_section(golden) + r_kv_section(RKV_RECORD) + g_kv_section(GKV_RECORD)
+    lines += snapkv_d_section(SNAPKV_D_RECORD) + baselines_section(BASELINES_RECORD)
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text("\n".join(lines))
 
