@@ -232,7 +232,8 @@ def both_paths_greedy(model, policy, x, mask, Pn: int, steps: int):
     return sim, torch.cat(real, 1)
 
 
-@pytest.mark.parametrize("name", ["h2o", "tova", "streaming_llm", "knorm", "scissorhands", "r_kv", "snapkv", "g_kv"])
+@pytest.mark.parametrize("name", ["h2o", "tova", "streaming_llm", "knorm", "scissorhands", "r_kv", "snapkv", "g_kv",
+                                  "snapkv_d"])
 def test_both_paths_equal_a_naive_reference_token_for_token(model, name):
     """Greedy decoding under the naive loop; the generated sequence through both paths (each sequence of a
     left-padded batch; alone for a rule whose ties the last bit decides) gives the same logits, and the same greedy

@@ -157,3 +157,62 @@ def test_a_reference_path_without_the_code_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^--reference=.*: no .*base_press\.py.*; allowed: a checkout of "
                                          r"minghui-liu/kvpress$"):
         parity.main(["--reference", str(tmp_path)])
+
+
+def naive_snapkv_d(model, prompt: torch.Tensor, steps: int, n: int, w: int, kernel: int):
+    """SnapKV-D written from its definition (docs/methods.md), literally: transformers' eager attention over a
+    ``DynamicCache`` kept in position order; after the prompt (more than ``n`` tokens) and after each generated token
+    attended (more than ``n`` held), the held keys but the newest ``w`` scored by the attention rows (the prompt's
+    last ``w``, then the newest one), averaged over the rows, average-pooled (``kernel``, zero padding), averaged over
+    each KV head's query heads; the top ``n - w`` of them and the newest ``w`` kept. -> (greedy tokens, logits)."""
+    from transformers import DynamicCache
+
+    cfg = model.config
+    G = cfg.num_attention_heads // (getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    cache, tokens, logits = DynamicCache(config=cfg), [], []
+
+    def cut(attentions, rows: int):
+        for layer, attn in zip(cache.layers, attentions):  # attn (1, Hq, q, S)
+            S = layer.keys.shape[2]
+            if S <= n:
+                continue
+            m = attn[0, :, -rows:, :S - w].float().mean(1)  # (Hq, S - w)
+            pooled = torch.nn.functional.avg_pool1d(m[:, None], kernel, 1, kernel // 2)[:, 0]
+            score = pooled.view(-1, G, S - w).mean(1)  # (Hkv, S - w)
+            older = score.topk(n - w, -1).indices.sort(-1).values  # the kept older keys, in position order
+            keep = torch.cat([older, torch.arange(S - w, S).expand(older.shape[0], w)], -1)[None, :, :, None]
+            layer.keys = layer.keys.gather(2, keep.expand(-1, -1, -1, layer.keys.shape[-1]))
+            layer.values = layer.values.gather(2, keep.expand(-1, -1, -1, layer.values.shape[-1]))
+
+    before = cfg._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            P = prompt.shape[1]
+            out = model(prompt, cache=cache, use_cache=True, output_attentions=True)
+            cut(out.attentions, w)
+            for t in range(steps):
+                logits.append(out.logits[0, -1])
+                tokens.append(int(out.logits[0, -1].argmax()))
+                out = model(torch.tensor([[tokens[-1]]]), cache=cache, use_cache=True, output_attentions=True,
+                            position_ids=torch.tensor([[P + t]]))
+                cut(out.attentions, 1)
+    finally:
+        model.set_attn_implementation(before)
+    return tokens, torch.stack(logits)
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "opt", "gpt_neox"])
+def test_greedy_decoding_equals_the_definition_written_naively(arch):
+    model = tiny_model(arch, seed=5)
+    prompt = torch.randperm(120, generator=torch.Generator().manual_seed(2))[:30][None] + 1
+    n, w, kernel, steps = 14, 4, 3, 20
+    tokens, logits = naive_snapkv_d(model, prompt, steps, n, w, kernel)
+    policy = make_policy("snapkv_d", budget=n, window=w, kernel=kernel)
+    with torch.no_grad(), attach(model, policy, mode="real") as h:
+        cache = h.new_cache()
+        ours = [model(prompt, cache=cache).logits[0, -1]]
+        ours += [model(torch.tensor([[t]]), cache=cache).logits[0, -1] for t in tokens[:-1]]
+    torch.testing.assert_close(torch.stack(ours), logits, atol=1e-4, rtol=0)
+    assert [int(x.argmax()) for x in ours] == tokens
+    assert cache.held_tokens()[:, 0, 0].tolist() == [n] * len(cache.layers)
