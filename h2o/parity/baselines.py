@@ -82,8 +82,8 @@ def load_reference(root: Path) -> dict:
 def shipped_error(classes: dict, state: dict, budget: int) -> str | None:
     """The one-line error TriAttention's H2O raises on a recorded prompt (None: it runs). It squeezes the query-row
     axis of ``compute_attention_scores`` and then averages over ``dim=-2``, which is then the KV heads: its indices
-    have no head axis and its ``expand`` to the head size fails, for every input (R-KV's repository, where it comes
-    from, has the same file)."""
+    have no head axis and its ``expand`` to the head size fails, for every input (the file was first committed in
+    TriAttention as a copy under R-KV/rkv/compression/)."""
     try:
         reference_kept(classes["H2O"], PAIRS["H2O"][1], budget, state)
     except RuntimeError as e:

@@ -92,11 +92,11 @@ def baselines_section(record: Path | None) -> list[str]:
             "the prompt); at 0.1 ours keeps its tokens exactly. **SnapKV**: TriAttention's `SnapKV` takes the query "
             "group's largest logit before the softmax (kvpress: the mean of the heads' probabilities after it), "
             "normalises its softmax over the keys before the window only (kvpress: over every key the query sees), "
-            "and max-pools (kvpress and the SnapKV paper's code at kvpress's setting: average; the paper: max), "
-            "with R-KV's defaults window 8, kernel 7; the budget includes the window in both. **H2O**: four "
+            "and max-pools (kvpress: average; the SnapKV paper: max), with R-KV's defaults window 8, kernel 7; the "
+            "budget includes the window in both. **H2O**: four "
             "rules under one name: the paper's (`h2o`, its own code: summed attention and a recent window), "
             "kvpress's ObservedAttention (mean attention, no window, at the prompt's end: `h2_only score=mean`), "
-            "the fork's H2OPress (the same at every step, its layers' scores mixed as shipped), TriAttention's and "
-            "R-KV's `H2O` (the newest query only; does not run). tests/test_baselines.py checks ours against these "
+            "the fork's H2OPress (the same at every step, its layers' scores mixed as shipped), TriAttention's `H2O` "
+            "(first committed there as a copy under R-KV/rkv/compression/; the newest query only; does not run). tests/test_baselines.py checks ours against these "
             "numbers.", ""]
     return out
