@@ -116,9 +116,9 @@ def reference_nll(model, cls, options: dict, budget: int, prompt, cont, states: 
     try:
         with torch.no_grad():
             logits = [model(prompt, cache=cache, use_cache=True).logits[0, -1]]
-            for i, layer in enumerate(cache.layers):
-                layer.keys, layer.values = reference_cut(cls, options, budget, layer.keys, states[i]["queries"],
-                                                         layer.values)
+            for i, stored in enumerate(cache.layers):  # transformers' DynamicLayer: the reference's cut replaces it
+                stored.keys, stored.values = reference_cut(cls, options, budget, stored.keys, states[i]["queries"],
+                                                           stored.values)
             P = prompt.shape[1]
             for t in range(cont.shape[1] - 1):
                 logits.append(model(cont[:, t:t + 1], cache=cache, position_ids=torch.tensor([[P + t]]),
