@@ -27,7 +27,9 @@ descending), so at the next step its "newest ``w``" are the last ``w`` slots of 
 order (the fork with its kept slots re-sorted by position keeps the same tokens: h2o/parity/snapkv_d.py). The window
 is padded with the largest score + 1 (the fork: the batch's largest score itself, a tie that its ``topk`` breaks
 only when ``n <= w``). The fork asserts more than ``w`` held tokens at each cut (``n >= w``); here a sequence of at
-most ``w`` held tokens is all window and keeps its newest (the window's scores rise with position).
+most ``w`` held tokens is all window and keeps its newest (the window's scores rise with position). A forward of
+several tokens after the prompt adds its last ``w`` rows' mean to the state (the fork: replaces the state by it; it
+generates one token at a time).
 """
 import torch
 
