@@ -30,7 +30,6 @@ METHODS = {
     "scissorhands": ("Scissorhands", "#8c564b", "h"),
     "random": ("random", "#bcbd22", "+"),
     "snapkv": ("SnapKV", "#2ca02c", "^"),
-    "snapkv_d": ("SnapKV-D", "#2ca02c", "v"),
     "pyramidkv": ("PyramidKV", "#98df8a", "<"),
     "adakv": ("Ada-KV", "#17becf", ">"),
     "knorm": ("KNorm", "#9467bd", "p"),

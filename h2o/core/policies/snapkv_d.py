@@ -33,6 +33,7 @@ generates one token at a time).
 """
 import torch
 
+from ..schedule import Interval, Schedule
 from .base import READ_WINDOW, bcast
 from .snapkv import SnapKV, window_on_top
 
@@ -42,15 +43,16 @@ INTERVAL = 1  # the fork's: a cut after every decoding token (compress=interval 
 class SnapKVD(SnapKV):
     name = "snapkv_d"
     reads = frozenset({READ_WINDOW})  # the prompt's last ``window`` rows, then each decoding row
-    compress = "interval"  # the fork's schedule: after each decoding token attended, back to the budget
-    interval = INTERVAL
+    schedule = Interval(INTERVAL)  # the fork's: after each decoding token attended, back to the budget
 
     def __init__(self, budget=512, heavy=None, recent=None, heavy_share=0.5, window: int = 64, kernel: int = 5):
         super().__init__(budget, heavy, recent, heavy_share, window, kernel)
 
     def timed(self, compress: str, interval: int | None = None):
-        """The fork's cut after every token where ``compress=interval`` names no interval."""
-        return super().timed(compress, INTERVAL if compress == "interval" and interval is None else interval)
+        """The fork's cut after every token where a schedule that takes an interval (``compress=interval``) names
+        none."""
+        takes = getattr(Schedule.registry.get(compress), "takes_interval", False)
+        return super().timed(compress, INTERVAL if takes and interval is None else interval)
 
     def rings(self) -> bool:
         return False  # acc (B, H, S): the prompt window's mean, then the newest row's attention
