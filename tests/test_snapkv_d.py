@@ -216,3 +216,12 @@ def test_greedy_decoding_equals_the_definition_written_naively(arch):
     torch.testing.assert_close(torch.stack(ours), logits, atol=1e-4, rtol=0)
     assert [int(x.argmax()) for x in ours] == tokens
     assert cache.held_tokens()[:, 0, 0].tolist() == [n] * len(cache.layers)
+
+
+def test_the_buffer_schedule_of_one_token_makes_the_same_cuts(model, golden):
+    """The fork cuts when a layer holds more than ``n``: ``compress=buffer interval=1`` says so literally, and keeps
+    what ``interval=1`` keeps (a cut of ``n`` held tokens to ``n`` changes nothing)."""
+    options, budget = parity.CASES["w16_k3"]
+    policy = make_policy("snapkv_d", budget=budget, compress="buffer", interval=1, **options)
+    assert misses(parity.ours_run(model, "w16_k3", parity.prompt_ids(), policy=policy),
+                  golden["fork"]["w16_k3"])[:2] == (0, 0)
