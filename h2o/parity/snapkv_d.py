@@ -46,9 +46,9 @@ FILES = ("base_press.py", "scorer_press.py", "snapkv_press.py", "h2o_press.py") 
 
 # ----------------------------------------------------------------------------------------------- reference
 def load_reference(root: Path):
-    """The fork's ``SnapKVPress`` and ``H2OPress`` from ``root``/kvpress/presses, their files loaded under the fork's package
-    names without the package's ``__init__`` (which imports every press and the pipeline); ``sys.modules`` is left
-    as it was."""
+    """The fork's ``SnapKVPress`` and ``H2OPress`` from ``root``/kvpress/presses, their files loaded under the
+    fork's package names without the package's ``__init__`` (which imports every press and the pipeline);
+    ``sys.modules`` is left as it was."""
     folder = root / "kvpress" / "presses"
     missing = [str(folder / f) for f in FILES if not (folder / f).is_file()]
     if missing:
@@ -64,7 +64,8 @@ def load_reference(root: Path):
             module = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
-        return sys.modules["kvpress.presses.snapkv_press"].SnapKVPress, sys.modules["kvpress.presses.h2o_press"].H2OPress
+        presses = "kvpress.presses"
+        return sys.modules[f"{presses}.snapkv_press"].SnapKVPress, sys.modules[f"{presses}.h2o_press"].H2OPress
     finally:
         for n, m in saved.items():
             if m is None:

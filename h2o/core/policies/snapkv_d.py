@@ -13,8 +13,9 @@ The fork's rule, per layer and KV head, with a budget of ``n`` tokens (its ``cac
   held tokens, the older ones are pooled along the held tokens; the top ``n`` kept, so one token goes.
 
 So the schedule is ``compress=interval`` with ``interval=1`` (the cut after the token attended, the cache breathing
-between ``n`` and ``n + 1``; the same cuts as ``compress=buffer`` with ``interval=1``), the default here; any other schedule runs the same score at its cuts (``prefill``:
-snapkv's cut; ``decode``: each arriving token takes the slot of the lowest score by the previous token's row).
+between ``n`` and ``n + 1``; the same cuts as ``compress=buffer`` with ``interval=1``), the default here; any other
+schedule runs the same score at its cuts (``prefill``: snapkv's cut; ``decode``: each arriving token takes the slot
+of the lowest score by the previous token's row).
 
 State: ``acc`` (B, H, S) fp32: at the prompt's cut the window rows' attention summed over the G heads, / (w G)
 (snapkv's :meth:`accumulate_prompt`); each decoding row replaces it by its own attention summed over the G heads,
