@@ -3,8 +3,10 @@
 committed tiny model, a prompt of 160 ids and 320 greedy tokens, ours keeps the fork's positions (its kept slots in
 position order) at the prompt's cut and drops the fork's position at every decoding cut, in every layer and KV head,
 generates its greedy tokens and gives its NLL per token (fp32 noise); kvpress 0.5.5's SnapKV at interval 1 (the
-newest ``window`` rows, not the newest one) and other kernels miss them. Both paths agree on every tiny
-architecture with a padded batch; the spellings build the same rule; bad input is one line."""
+newest ``window`` rows, not the newest one), another kernel and summed rows miss them. Greedy decoding equals the
+definition written naively over transformers' eager attention (Llama with GQA, OPT, GPT-NeoX); both paths agree on
+four tiny architectures with a padded batch; ``compress=buffer interval=1`` makes the same cuts; the spellings build
+the same rule; bad input is one line."""
 import json
 
 import pytest
