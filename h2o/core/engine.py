@@ -15,7 +15,7 @@ its schedule), so that nothing outside ``h2o.core`` reads a policy's flags.
 * :func:`no_simulated_form` (kvzip: why), :func:`reading_rows` (full for a shared prefill whose forks rank).
 * the schedule's answers: :func:`appends_after_prompt` (every later token kept after the prompt's cut),
   :func:`held_after` (the tokens a global layer holds after ``fed`` tokens), :func:`schedule_options` (what the
-  schedule adds to the run's options).
+  schedule adds to the run's options); :func:`rows_read` (what the rule accumulates of attention rows).
 """
 from __future__ import annotations
 
@@ -108,3 +108,9 @@ def held_after(policy: Policy, budget: int, context: int | None, fed: int) -> in
 def schedule_options(policy: Policy) -> dict:
     """What the schedule adds to the run's options (``compress``, ``interval``; none for ``decode``)."""
     return policy.schedule.describe()
+
+
+def rows_read(policy: Policy, logits, probs):
+    """What the rule's ``accumulate`` is given of attention rows: their ``logits`` (``READ_LOGITS``: r_kv, g_kv) or
+    their ``probs`` (a parity script driving a rule's hooks by hand)."""
+    return logits if policy.reads_logits else probs

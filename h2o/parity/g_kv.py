@@ -155,6 +155,7 @@ def ours_cut(name, options: dict, state: dict, held_pos: torch.Tensor, now: int,
     recorded ``state``, the newest ``rows`` rows (all: None) those up to ``now``; ``history`` (Hkv, n) g_kv's
     carried state (None: 0) -> (each KV head's kept positions, ascending; the priority (Hkv, n); g_kv's history of
     the kept (Hkv, m))."""
+    from h2o.core import engine, step
     from h2o.core.policies import make_policy
 
     policy = make_policy(name, budget=budget, compress="prefill", **options) if isinstance(name, str) \
@@ -167,11 +168,11 @@ def ours_cut(name, options: dict, state: dict, held_pos: torch.Tensor, now: int,
     acc = policy.new_state(1, Hkv, n, keys.device)
     if history is not None:
         acc[0, ..., -1] = history
-    rows_in = logits if policy.reads_logits else probs  # r_kv pools the heads' logits
+    rows_in = engine.rows_read(policy, logits, probs)  # r_kv, g_kv pool the heads' logits
     policy.accumulate_prompt(acc, rows_in, None, (now - torch.arange(first, now + 1))[None])
     pos = held_pos[None]  # (1, Hkv, n)
     counts = policy.counts(torch.tensor([now + 1]))
-    state_ = policy.cut_score(acc, keys, pos >= 0) if policy.reads_keys else acc
+    state_ = step.score(policy, acc, keys, pos >= 0)  # the held keys' score where the rule reads them
     prio = policy.priority(pos, state_, torch.tensor([now]), counts)
     policy.cut_order(acc, prio, pos, pos >= 0, counts)
     keep = policy.keep(prio, pos, pos >= 0, counts)[0]  # (Hkv, n)
@@ -266,11 +267,11 @@ def generate_reference(model, ScoreBasedKV, prompt: torch.Tensor, steps: int) ->
                 at = (torch.arange(P) if k == 0 else torch.tensor([P + k - 1]))[None]  # this forward's positions
                 logits = model(ids, cache=cache, use_cache=True, position_ids=at).logits[0, -1]
                 if k % EVERY == 0:
-                    for i, layer in enumerate(cache.layers):
-                        S = layer.keys.shape[2]
+                    for i, stored in enumerate(cache.layers):  # transformers' DynamicLayer, not ours
+                        S = stored.keys.shape[2]
                         cut = ScoreBasedKV(budget=LATER_BUDGET, **recipe)
-                        layer.keys, layer.values, _, history[i] = cut.update_kv(
-                            layer.keys, queries[i], layer.values, attention_mask=torch.ones(1, S, dtype=torch.long),
+                        stored.keys, stored.values, _, history[i] = cut.update_kv(
+                            stored.keys, queries[i], stored.values, attention_mask=torch.ones(1, S, dtype=torch.long),
                             score_cache=history.get(i))
                 token = int(logits.argmax())
                 tokens.append(token)
