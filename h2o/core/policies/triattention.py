@@ -1,0 +1,202 @@
+"""triattention: keep the keys that the model's typical query is expected to attend to from afar (TriAttention, Mao
+et al., arXiv 2604.04921), as its reference code (WeianMao/triattention v0.2.0, ``triattention/methods/
+triattention.py`` with ``pruning_utils.py``) scores them: key-only, from statistics of the queries calibrated
+offline per model (``python -m h2o.calibrate``).
+
+Per layer and query head ``h`` the calibration holds, over the frequencies ``f`` of the rotary (a channel pair
+``(i, i + r/2)`` as one complex number), the mean query before RoPE ``qbar[h, f]`` (complex) and its mean modulus
+``qabs[h, f]``. A held key at position ``p`` is turned back to before RoPE with its position
+(``k~[f] = k[f] e^{-i w_f p} / a``, ``w_f`` the rotary's frequency, ``a`` its attention scaling), and scored as the
+query centre's attention logit averaged over the future distances ``d = t - p + o``, ``t`` the position after the
+newest token, ``o`` in the geometric offsets ``1, 2, 4, ..., offset_max_length``:
+
+    s_h(k) = mean_o sum_f a^2 |qbar_f| |k~_f| cos(d w_f + arg(qbar_f conj(k~_f)))     (the distance preference)
+             + sum_f a^2 (qabs_f - |qbar_f|) |k~_f|                                  (the norms)
+
+The mean over ``o`` is taken in closed form (``mean_o e^{i o w_f}``, a constant per frequency: the same sum in one
+pass instead of one per offset). With ``normalize_scores`` each query head's scores are standardised over the
+scored tokens (mean 0, standard deviation 1, population, at least 1e-6); a KV head ranks by the maximum (or mean:
+``head_aggregation``) over its query heads. The prompt's tokens are never scored (the reference's
+``allow_prefill_compression=False``): they are kept first, the oldest first where the budget holds fewer, and
+the generated tokens compete for the rest. Each (layer, KV head) chooses on its own (the reference's
+``per_layer_perhead_pruning``); its default ``per_head_pruning`` (one choice per KV head shared by every layer,
+from the mean over layers of the group maxima) needs every layer's keys at once: not built (NOTES-tri.md).
+
+Channels the rotary does not turn (GPT-NeoX's partial rotary) are paired the same way with ``w = 0``, ``a = 1``
+(for them the preference is the expected dot product, constant in the distance); the reference has full rotary
+only. Models without RoPE (OPT) have no rotation to undo: refused at calibration and at the pipeline's check.
+
+Timing: the reference cuts back to ``budget`` once the cache holds ``budget + divide_length`` tokens
+(``use_slack_trigger``, its default); ``compress=interval`` with ``interval`` 128 where none is given (its
+``divide_length``) cuts every 128 generated tokens instead (docs/triattention.md). ``compress=decode``: the arriving
+token takes the slot of the lowest-scored older generated token, ``t`` then the arriving token's position plus one.
+
+State: at a cut or a decoding step :meth:`cut_score` hands the held keys on (B, H, S, D); :meth:`priority` scores
+them with their positions. The statistics are per layer: :meth:`for_layer` returns the rule bound to one layer's.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from .base import READ_KEYS, TIER, Counts, Policy, PolicyError
+from ..schedule import Schedule
+
+DIVIDE_LENGTH = 128  # the reference's divide_length: tokens between two cuts
+CALIBRATE = "python -m h2o.calibrate model=<name>"  # the command that writes a model's statistics
+AGGREGATIONS = ("max", "mean")  # over a KV head's query heads (the reference's layer_perhead_aggregation)
+
+
+def offsets(max_length: int) -> torch.Tensor:
+    """The future distances' offsets: ``1, 2, 4, ...`` up to ``max_length`` (the reference's geometric offsets),
+    float64."""
+    return torch.tensor([float(2 ** i) for i in range(int(math.log2(max_length)) + 1)], dtype=torch.float64)
+
+
+def complex_pairs(x: torch.Tensor, rotary: int) -> torch.Tensor:
+    """(..., D) -> (..., D/2) complex: the rotary's channel pairs ``(i, i + r/2)`` for ``i < r/2``, then the
+    channels it leaves as they are paired the same way (``(r + i, r + (D - r)/2 + i)``)."""
+    r, rest = rotary // 2, (x.shape[-1] - rotary) // 2
+    real = torch.cat([x[..., :r], x[..., rotary:rotary + rest]], -1)
+    imag = torch.cat([x[..., r:rotary], x[..., rotary + rest:]], -1)
+    return torch.complex(real, imag)
+
+
+class LayerStats:
+    """One layer's calibration, on the keys' device and in at least fp32: ``qbar`` (Hq, F) complex, ``extra``
+    (Hq, F) ``a_f^2 (qabs - |qbar|)``, ``weight`` (F,) ``a_f^2``, ``omega`` (F,) float64, ``scale`` (F,) ``a_f``
+    (1 for channels the rotary leaves), ``rotary`` its channels, ``future`` (F,) complex ``mean_o e^{i o w}``."""
+
+    def __init__(self, cal: dict, layer: int, max_length: int):
+        self.rotary = int(cal["rotary"][layer])
+        self.omega = cal["omega"][layer].double()  # (F,)
+        self.scale = cal["scale"][layer].double()  # (F,)
+        self.qbar = torch.complex(cal["q_mean_real"][layer].float(), cal["q_mean_imag"][layer].float())  # (Hq, F)
+        self.weight = self.scale.pow(2)
+        self.extra = (cal["q_abs_mean"][layer].float() - self.qbar.abs()) * self.weight.float()  # (Hq, F)
+        o = offsets(max_length)  # (O,)
+        self.future = torch.polar(torch.ones(()).double(), o[:, None] * self.omega).mean(0)  # (F,) complex128
+        self.device = torch.device("cpu")
+
+    def to(self, device: torch.device) -> "LayerStats":
+        if device != self.device:
+            for name in ("omega", "scale", "qbar", "weight", "extra", "future"):
+                setattr(self, name, getattr(self, name).to(device))
+            self.device = device
+        return self
+
+
+class TriAttention(Policy):
+    name = "triattention"
+    splits = False  # one budget: the prompt's tokens first, then the generated ones by score
+    reads = frozenset({READ_KEYS})  # the held keys after RoPE, at a cut and at each decoding step
+
+    def __init__(self, budget=2048, heavy=None, recent=None, heavy_share=0.5, stats=None,
+                 normalize_scores: bool = True, offset_max_length: int = 65536, head_aggregation: str = "max",
+                 allow_prefill_compression: bool = False):
+        super().__init__(budget, heavy, recent, heavy_share)
+        zero = 0.0 if isinstance(self.budget, float) else 0
+        Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent part
+        for key, value in (("normalize_scores", normalize_scores),
+                           ("allow_prefill_compression", allow_prefill_compression)):
+            if not isinstance(value, bool):
+                raise PolicyError(f"{key}={value!r}: allowed: true or false")
+        if isinstance(offset_max_length, bool) or not isinstance(offset_max_length, int) or offset_max_length < 1:
+            raise PolicyError(f"offset_max_length={offset_max_length!r}: the farthest future distance; allowed: an "
+                              f"int >= 1")
+        if head_aggregation not in AGGREGATIONS:
+            raise PolicyError(f"head_aggregation={head_aggregation!r}: allowed: {', '.join(AGGREGATIONS)}")
+        self.normalize_scores, self.offset_max_length = normalize_scores, offset_max_length
+        self.head_aggregation, self.allow_prefill_compression = head_aggregation, allow_prefill_compression
+        self.calibration = load_stats(stats)
+        self.layer: LayerStats | None = None
+
+    def timed(self, compress: str, interval: int | None = None) -> Policy:
+        """The reference's ``divide_length`` (:data:`DIVIDE_LENGTH`) where a schedule that takes an interval is
+        given none."""
+        takes = getattr(Schedule.registry.get(compress), "takes_interval", False)
+        return super().timed(compress, DIVIDE_LENGTH if takes and interval is None else interval)
+
+    def for_layer(self, layer: int, layers: int) -> "TriAttention":
+        """This rule bound to layer ``layer``'s statistics (a copy); PolicyError in one line without a calibration
+        or with one of another shape."""
+        if self.calibration is None:
+            raise PolicyError(f"policy={self.name}: no calibration (stats=None): the rule scores keys with the "
+                              f"model's query statistics; write them with `{CALIBRATE}`")
+        have = self.calibration["layers"]
+        if have != layers or not 0 <= layer < layers:
+            raise PolicyError(f"policy={self.name}: the calibration of {self.calibration['model']} has {have} layers, "
+                              f"this model {layers}; allowed: the model's own (`{CALIBRATE}`)")
+        bound = copy.copy(self)
+        bound.layer = LayerStats(self.calibration, layer, self.offset_max_length)
+        return bound
+
+    def cut_score(self, acc, keys, held) -> torch.Tensor:
+        """keys (B, H, S, D) -> (B, H, S, D) in at least fp32: what :meth:`priority` scores."""
+        return keys.to(torch.promote_types(keys.dtype, torch.float32))
+
+    def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
+        """pos (B, H, S) (-1: not held), acc (B, H, S, D) the held keys (:meth:`cut_score`), now (B,) -> (B, H, S)
+        float64: the prompt's tokens a tier above, oldest first; the others by score."""
+        held = pos >= 0
+        pinned = held & (pos < counts.length.view(-1, 1, 1)) if not self.allow_prefill_compression \
+            else torch.zeros_like(held)
+        scored = held & ~pinned
+        score = self.scores(acc, pos, now, scored)  # (B, H, S)
+        return torch.where(pinned, 2 * TIER - pos.double(), torch.where(scored, score.double(), 0.0))
+
+    def scores(self, keys: torch.Tensor, pos: torch.Tensor, now: torch.Tensor, scored: torch.Tensor
+               ) -> torch.Tensor:
+        """keys (B, Hkv, S, D) after RoPE, pos (B, Hkv, S), now (B,), scored (B, Hkv, S) bool -> (B, Hkv, S) fp32:
+        each KV head's aggregate over its query heads of their (standardised) scores; 0 where not scored."""
+        st = self.bound().to(keys.device)
+        B, H, S, D = keys.shape
+        at = pos.clamp(min=0).double()  # (B, H, S)
+        turn = torch.polar(1.0 / st.scale, -at[..., None] * st.omega)  # (B, H, S, F) complex128
+        k = complex_pairs(keys.double(), st.rotary) * turn  # (B, H, S, F) before RoPE
+        ahead = torch.polar(st.weight, (now.double().view(-1, 1, 1) + 1 - at)[..., None] * st.omega) * st.future
+        qbar = st.qbar.view(H, -1, 1, st.qbar.shape[-1])  # (H, G, 1, F)
+        trig = (qbar[None] * (k.conj() * ahead).to(qbar.dtype)[:, :, None]).real.sum(-1)  # (B, H, G, S)
+        norms = (k.abs().float()[:, :, None] * st.extra.view(H, -1, 1, st.extra.shape[-1])[None]).sum(-1)
+        score = trig + norms  # (B, H, G, S)
+        mask = scored[:, :, None]  # (B, H, 1, S)
+        if self.normalize_scores:
+            n = mask.sum(-1, keepdim=True).clamp(min=1)
+            mean = (score * mask).sum(-1, keepdim=True) / n
+            std = (((score - mean) * mask).pow(2).sum(-1, keepdim=True) / n).sqrt().clamp(min=1e-6)
+            score = (score - mean) / std
+        score = score.amax(2) if self.head_aggregation == "max" else score.mean(2)  # (B, H, S)
+        return score.masked_fill(~scored, 0.0)
+
+    def bound(self) -> LayerStats:
+        if self.layer is None:
+            raise PolicyError(f"policy={self.name}: the rule is not bound to a layer's statistics (for_layer); "
+                              f"with no calibration, write one with `{CALIBRATE}`")
+        return self.layer
+
+    def describe(self) -> dict:
+        cal = self.calibration or {}
+        return {**super().describe(), "normalize_scores": self.normalize_scores,
+                "offset_max_length": self.offset_max_length, "head_aggregation": self.head_aggregation,
+                "allow_prefill_compression": self.allow_prefill_compression,
+                "calibration": {k: cal.get(k) for k in ("model", "digest", "text", "tokens")} if cal else None}
+
+
+def load_stats(stats) -> dict | None:
+    """A calibration (``h2o.calibrate``'s dict, or a path to its file; None: none) checked for its fields."""
+    if stats is None or isinstance(stats, dict):
+        cal = stats
+    else:
+        from pathlib import Path
+
+        path = Path(str(stats)).expanduser()
+        if not path.is_file():
+            raise PolicyError(f"stats={stats!r}: no such file; allowed: a calibration file written by `{CALIBRATE}`")
+        cal = torch.load(path, map_location="cpu", weights_only=True)
+    need = ("layers", "rotary", "omega", "scale", "q_mean_real", "q_mean_imag", "q_abs_mean", "digest")
+    if cal is not None and any(k not in cal for k in need):
+        raise PolicyError(f"stats: not a calibration (fields {', '.join(k for k in need if k not in cal)} missing); "
+                          f"allowed: a file written by `{CALIBRATE}`")
+    return cal
