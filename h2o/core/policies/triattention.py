@@ -151,16 +151,7 @@ class TriAttention(Policy):
                ) -> torch.Tensor:
         """keys (B, Hkv, S, D) after RoPE, pos (B, Hkv, S), now (B,), scored (B, Hkv, S) bool -> (B, Hkv, S) fp32:
         each KV head's aggregate over its query heads of their (standardised) scores; 0 where not scored."""
-        st = self.bound().to(keys.device)
-        B, H, S, D = keys.shape
-        at = pos.clamp(min=0).double()  # (B, H, S)
-        turn = torch.polar(1.0 / st.scale, -at[..., None] * st.omega)  # (B, H, S, F) complex128
-        k = complex_pairs(keys.double(), st.rotary) * turn  # (B, H, S, F) before RoPE
-        ahead = torch.polar(st.weight, (now.double().view(-1, 1, 1) + 1 - at)[..., None] * st.omega) * st.future
-        qbar = st.qbar.view(H, -1, 1, st.qbar.shape[-1])  # (H, G, 1, F)
-        trig = (qbar[None] * (k.conj() * ahead).to(qbar.dtype)[:, :, None]).real.sum(-1)  # (B, H, G, S)
-        norms = (k.abs().float()[:, :, None] * st.extra.view(H, -1, 1, st.extra.shape[-1])[None]).sum(-1)
-        score = trig + norms  # (B, H, G, S)
+        score = self.head_scores(keys, pos, now)  # (B, H, G, S)
         mask = scored[:, :, None]  # (B, H, 1, S)
         if self.normalize_scores:
             n = mask.sum(-1, keepdim=True).clamp(min=1)
@@ -169,6 +160,20 @@ class TriAttention(Policy):
             score = (score - mean) / std
         score = score.amax(2) if self.head_aggregation == "max" else score.mean(2)  # (B, H, S)
         return score.masked_fill(~scored, 0.0)
+
+    def head_scores(self, keys: torch.Tensor, pos: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
+        """keys (B, Hkv, S, D) after RoPE, pos (B, Hkv, S), now (B,) -> (B, Hkv, G, S) fp32: each query head's score
+        of each key (module doc), its G query heads per KV head."""
+        st = self.bound().to(keys.device)
+        H = keys.shape[1]
+        at = pos.clamp(min=0).double()  # (B, H, S)
+        turn = torch.polar(1.0 / st.scale, -at[..., None] * st.omega)  # (B, H, S, F) complex128
+        k = complex_pairs(keys.double(), st.rotary) * turn  # (B, H, S, F) before RoPE
+        ahead = torch.polar(st.weight, (now.double().view(-1, 1, 1) + 1 - at)[..., None] * st.omega) * st.future
+        F = st.qbar.shape[-1]
+        qbar, extra = st.qbar.view(H, -1, 1, F)[None], st.extra.view(H, -1, 1, F)[None]  # (1, H, G, 1, F)
+        trig = (qbar * (k.conj() * ahead).to(qbar.dtype)[:, :, None]).real.sum(-1)  # (B, H, G, S)
+        return trig + (k.abs().float()[:, :, None] * extra).sum(-1)
 
     def bound(self) -> LayerStats:
         if self.layer is None:

@@ -1,0 +1,251 @@
+"""Parity of ``triattention`` with TriAttention's reference code (WeianMao/triattention v0.2.0,
+``triattention/methods/triattention.py`` and ``pruning_utils.py``), run side by side on recorded states.
+
+``python -m h2o.parity.triattention --reference DIR`` (DIR: a checkout of WeianMao/triattention, its
+``triattention/`` package inside; imported from there, never copied into this repository):
+
+1. **States**: the committed tiny model of the golden numbers (tests/data/parity_golden/model: a random Llama of 3
+   layers, 4 query heads on 2 KV heads, head size 16) reads :data:`LENGTH` token ids; each layer's keys after RoPE
+   are recorded (:func:`h2o.parity.r_kv.record_states`). The statistics both sides read are ours, calibrated on
+   :data:`TEXT` (a passage of Austen) over the same model (``h2o.calibrate.calibrate``), handed to the reference
+   in its file format (:func:`reference_stats`).
+2. **The first cut**, per budget: the whole sequence held, its first :data:`PROMPT` tokens the prompt. The
+   reference's ``TriAttention.compute_keep_indices`` (``per_layer_perhead_pruning``, ``normalize_scores``, no
+   tie-breaking noise) keeps per layer and KV head; its per-query-head scores are caught from
+   ``_compute_layer_head_scores``; ours: :meth:`TriAttention.head_scores` and the rule's cut.
+3. **Later cuts**: the reference's slack trigger (the cache cut back to the budget once it holds the budget plus
+   :data:`EVERY`), each side keeping its own cache per layer and KV head; the kept positions at every cut.
+
+``--golden`` writes tests/data/parity_golden/triattention.json (what CI compares ours with:
+tests/test_triattention.py); the summary is printed.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from h2o.parity.pairs import GOLDEN
+from h2o.parity.r_kv import record_states
+
+RECORD = GOLDEN / "triattention.json"
+LENGTH, VOCAB, SEED = 128, 200, 3  # the recorded sequence: ids in [3, VOCAB)
+PROMPT, EVERY = 16, 16  # the prompt's tokens (never scored), the slack before a later cut
+BUDGETS = (32, 64, 96)
+OPTIONS = {"normalize_scores": True, "offset_max_length": 65536, "head_aggregation": "max"}  # its defaults
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
+        "of a wife. However little known the feelings or views of such a man may be on his first entering a "
+        "neighbourhood, this truth is so well fixed in the minds of the surrounding families, that he is considered "
+        "the rightful property of some one or other of their daughters. My dear Mr. Bennet, said his lady to him "
+        "one day, have you heard that Netherfield Park is let at last?")
+
+
+# ----------------------------------------------------------------------------------------------- reference
+def load_reference(root: Path):
+    """The reference's ``triattention.methods.triattention`` module from ``root`` (a checkout)."""
+    need = root / "triattention" / "methods" / "triattention.py"
+    if not need.is_file():
+        raise SystemExit(f"--reference={root}: no {need}; allowed: a checkout of WeianMao/triattention")
+    sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module("triattention.methods.triattention")
+    finally:
+        sys.path.remove(str(root))
+    utils = sys.modules["triattention.methods.pruning_utils"]
+    rotary = utils.LlamaRotaryEmbedding
+    if "device" not in inspect.signature(rotary.__init__).parameters:  # transformers 5 dropped it: the same table
+        utils.LlamaRotaryEmbedding = lambda config, device=None: rotary(config).to(device)
+    return module
+
+
+def reference_stats(cal: dict, path: Path) -> Path:
+    """Our calibration in the reference's file format (``save_head_frequency_stats``: per ``layerLL_headHH`` the
+    mean query's real and imaginary parts and the mean modulus; every head sampled)."""
+    L, Hq, _ = cal["q_abs_mean"].shape
+    heads = [[layer, h] for layer in range(L) for h in range(Hq)]
+    stats = {f"layer{layer:02d}_head{h:02d}": {"q_mean_real": cal["q_mean_real"][layer, h],
+                                               "q_mean_imag": cal["q_mean_imag"][layer, h],
+                                               "q_abs_mean": cal["q_abs_mean"][layer, h]} for layer, h in heads}
+    torch.save({"metadata": {"sampled_heads": heads, "head_dim": 2 * cal["q_abs_mean"].shape[-1],
+                             "rope_style": "half"}, "stats": stats}, path)
+    return path
+
+
+def reference_rule(module, stats: Path, budget: int):
+    from h2o.parity.golden import MODEL_DIR
+
+    config = module.TriAttentionConfig(
+        stats_path=stats, model_path=MODEL_DIR, device=torch.device("cpu"), dtype=torch.float32, budget=budget,
+        offset_max_length=OPTIONS["offset_max_length"], score_aggregation="mean", seed=None,
+        normalize_scores=OPTIONS["normalize_scores"], count_prompt_tokens=True, divide_length=EVERY,
+        use_slack_trigger=True, per_layer_perhead_pruning=True, layer_perhead_aggregation=OPTIONS["head_aggregation"])
+    return module.TriAttention(config)
+
+
+def reference_cut(rule, keys: list[torch.Tensor], held: list[torch.Tensor], now: int
+                  ) -> tuple[list[list[list[int]]], list[torch.Tensor]]:
+    """keys: per layer (1, Hkv, T, D) of every position, held: per layer (Hkv, n) the positions each KV head holds
+    (the prompt's first, in order) -> (per layer and KV head the kept positions, ascending; per layer the
+    reference's per-query-head scores (Hq, n - PROMPT) of the scored tokens)."""
+    pkv = []
+    for k, h in zip(keys, held):
+        gathered = k[0].gather(1, h[..., None].expand(*h.shape, k.shape[-1]))[None]  # (1, Hkv, n, D)
+        pkv.append((gathered, gathered))
+    rule.cache_positions = held[0][0].tolist()
+    rule.cache_positions_per_layer_perhead = {(i, kv): h[kv].tolist() for i, h in enumerate(held)
+                                              for kv in range(h.shape[0])}
+    rule.absolute_position = now + 1
+    caught = []
+    inner = rule._compute_layer_head_scores
+
+    def catching(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        caught.append(out.detach().clone())
+        return out
+
+    rule._compute_layer_head_scores = catching
+    try:
+        idx = rule.compute_keep_indices(tuple(pkv), prefix_length=PROMPT)  # (L, Hkv, kept)
+    finally:
+        del rule._compute_layer_head_scores
+    kept = [[sorted(h[kv][idx[i, kv]].tolist()) for kv in range(h.shape[0])] for i, h in enumerate(held)]
+    return kept, caught[-len(keys):]  # the per-layer calls (the first len(keys): its unused global matrix)
+
+
+# ----------------------------------------------------------------------------------------------- ours
+def calibration(model) -> dict:
+    from h2o.assets.tiny import byte_tokenizer
+    from h2o.calibrate import calibrate
+    from h2o.parity.golden import weights_sha256
+
+    ids = torch.tensor(byte_tokenizer()(TEXT, add_special_tokens=False).input_ids)[None]
+    return calibrate(model, ids, weights_sha256(), {"model": "parity_golden", "text": "TEXT"})
+
+
+def ours_cut(cal: dict, keys: list[torch.Tensor], held: list[torch.Tensor], now: int, budget: int
+             ) -> tuple[list[list[list[int]]], list[torch.Tensor]]:
+    """Our rule's cut over the same held positions: (per layer and KV head the kept positions; per layer our
+    per-query-head scores (Hq, n - PROMPT) of the scored tokens)."""
+    from h2o.core.policies import make_policy
+
+    policy = make_policy("triattention", budget=budget, stats=cal, **OPTIONS)
+    kept, scores = [], []
+    for i, (k, h) in enumerate(zip(keys, held)):
+        rule = policy.for_layer(i, len(keys))
+        Hkv, n = h.shape
+        k_held = k[0].gather(1, h[..., None].expand(Hkv, n, k.shape[-1]))[None]  # (1, Hkv, n, D)
+        pos, now_t = h[None], torch.tensor([now])
+        counts = rule.counts(torch.tensor([PROMPT]))
+        prio = rule.priority(pos, rule.cut_score(None, k_held, pos >= 0), now_t, counts)
+        keep = rule.keep(prio, pos, pos >= 0, counts)[0]  # (Hkv, n)
+        kept.append([sorted(h[kv][keep[kv]].tolist()) for kv in range(Hkv)])
+        scores.append(rule.head_scores(k_held, pos, now_t)[0, :, :, PROMPT:].reshape(-1, n - PROMPT))
+    return kept, scores
+
+
+# ----------------------------------------------------------------------------------------------- runs
+def first_cuts(cal: dict, states: list[dict], module=None, stats: Path | None = None) -> dict:
+    """Per budget, the whole sequence held and cut once: ours (and the reference's, with ``module``)."""
+    keys = [s["keys"] for s in states]
+    T, Hkv = keys[0].shape[2], keys[0].shape[1]
+    held = [torch.arange(T).expand(Hkv, T)] * len(keys)
+    out = {}
+    for budget in BUDGETS:
+        kept, scores = ours_cut(cal, keys, held, T - 1, budget)
+        row = {"ours_kept": kept, "ours_score": [s.tolist() for s in scores]}
+        if module is not None:
+            ref, caught = reference_cut(reference_rule(module, stats, budget), keys, held, T - 1)
+            row |= {"reference_kept": ref, "reference_score": [s.tolist() for s in caught]}
+        out[str(budget)] = row
+    return out
+
+
+def later_cuts(cal: dict, states: list[dict], budget: int, module=None, stats: Path | None = None) -> list[dict]:
+    """The prompt, then one token at a time; a cut whenever the cache holds ``budget + EVERY`` tokens (the
+    reference's slack trigger), each side from its own cache: per cut the kept positions per layer and KV head."""
+    keys = [s["keys"] for s in states]
+    T, Hkv = keys[0].shape[2], keys[0].shape[1]
+    ours = reference = [torch.arange(PROMPT).expand(Hkv, PROMPT)] * len(keys)
+    out = []
+    for now in range(PROMPT, T):
+        new = torch.full((Hkv, 1), now)
+        ours = [torch.cat([h, new], 1) for h in ours]
+        reference = [torch.cat([h, new], 1) for h in reference]
+        if ours[0].shape[1] < budget + EVERY:
+            continue
+        kept, _ = ours_cut(cal, keys, ours, now, budget)
+        ours = [torch.tensor(k) for k in kept]
+        row = {"now": now, "ours": kept}
+        if module is not None:
+            ref, _ = reference_cut(reference_rule(module, stats, budget), keys, reference, now)
+            reference = [torch.tensor(k) for k in ref]
+            row["reference"] = ref
+        out.append(row)
+    return out
+
+
+def compare(first: dict, later: list[dict]) -> dict:
+    gap, scale, differ, heads = 0.0, 0.0, 0, 0
+    for row in first.values():
+        for a, b in zip(row["ours_score"], row["reference_score"]):
+            a, b = torch.tensor(a), torch.tensor(b)
+            gap, scale = max(gap, float((a - b).abs().max())), max(scale, float(b.abs().max()))
+        for a, b in zip(row["ours_kept"], row["reference_kept"]):
+            differ += sum(x != y for x, y in zip(a, b))
+            heads += len(a)
+    later = later or []
+    later_heads = sum(len(h) for r in later for h in r["ours"])
+    later_differ = sum(x != y for r in later for a, b in zip(r["ours"], r["reference"]) for x, y in zip(a, b))
+    return {"first_cut": {"largest_score_gap": float(f"{gap:.2e}"), "largest_score": round(scale, 3),
+                          "heads_kept_differently": differ, "heads": heads},
+            "later_cuts": {"cuts": len(later), "heads": later_heads, "heads_kept_differently": later_differ}}
+
+
+def golden_ids() -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, LENGTH), generator=torch.Generator().manual_seed(SEED))
+
+
+def main(argv=None) -> int:
+    import argparse
+    import subprocess
+
+    from h2o.parity.golden import MODEL_DIR, load_model, weights_sha256
+
+    ap = argparse.ArgumentParser(prog="python -m h2o.parity.triattention", description=__doc__.splitlines()[0])
+    ap.add_argument("--reference", required=True, help="a checkout of WeianMao/triattention")
+    ap.add_argument("--golden", action="store_true", help=f"write the golden numbers ({RECORD})")
+    a = ap.parse_args(argv)
+    root = Path(a.reference)
+    module = load_reference(root)
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    model = load_model()
+    cal, states = calibration(model), record_states(model, golden_ids())
+    with tempfile.TemporaryDirectory() as tmp:
+        stats = reference_stats(cal, Path(tmp) / "stats.pt")
+        first = first_cuts(cal, states, module, stats)
+        later = later_cuts(cal, states, BUDGETS[0], module, stats)
+    summary = compare(first, later)
+    print(json.dumps(summary, indent=1))
+    if a.golden:
+        out = {"made_by": "python -m h2o.parity.triattention --reference DIR --golden",
+               "reference": {"repo": "WeianMao/triattention", "commit": commit.strip() or None,
+                             "files": ["triattention/methods/triattention.py", "triattention/methods/pruning_utils.py"]},
+               "model": {"folder": str(MODEL_DIR.relative_to(GOLDEN.parents[2])), "sha256": weights_sha256()},
+               "ids": golden_ids()[0].tolist(), "options": OPTIONS, "budgets": list(BUDGETS), "prompt": PROMPT,
+               "every": EVERY, "summary": summary,
+               "first_cut": {b: {"kept": r["reference_kept"],
+                                 "score": [[[float(f"{x:.8g}") for x in h] for h in s] for s in r["reference_score"]]}
+                             for b, r in first.items()},
+               "later_cuts": [{"now": r["now"], "kept": r["reference"]} for r in later]}
+        RECORD.write_text(json.dumps(out, separators=(",", ":")) + "\n")
+        print(f"golden numbers: {RECORD}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
