@@ -81,18 +81,26 @@ def stats_file(digest: str) -> Path:
 
 
 def require(model) -> Path:
-    """The statistics file of ``model`` (a :class:`h2o.assets.model_spec.ModelSpec`), checked before it loads;
-    PolicyError in one line naming the command where there is none."""
+    """The statistics file of ``model`` (a :class:`h2o.assets.model_spec.ModelSpec`, a conf/model name or a
+    ``pretrained`` id or folder), found without loading it; PolicyError in one line naming the command where there
+    is none."""
     from h2o.core.policies import PolicyError
 
-    folder = checkpoint_folder(model.pretrained)
+    if isinstance(model, str):
+        from h2o.assets.paths import group_defaults
+
+        node = group_defaults("model", model)
+        name, pretrained = (model, node["pretrained"]) if node else (model, model)
+    else:
+        name, pretrained = model.name, model.pretrained
+    folder = checkpoint_folder(pretrained)
     if folder is None:
-        raise PolicyError(f"policy=triattention: model={model.name} is not on this machine, so it has no "
-                          f"calibration; fetch it, then run `python -m h2o.calibrate model={model.name}`")
+        raise PolicyError(f"policy=triattention: model={name} is not on this machine, so it has no calibration; "
+                          f"fetch it, then run `python -m h2o.calibrate model={name}`")
     path = stats_file(weights_digest(folder))
     if not path.is_file():
-        raise PolicyError(f"policy=triattention: no calibration for model={model.name} ({path.name[:12]}...); "
-                          f"write it once with `python -m h2o.calibrate model={model.name}`")
+        raise PolicyError(f"policy=triattention: no calibration for model={name} (weights {path.stem[:12]}); write "
+                          f"it once with `python -m h2o.calibrate model={name}`")
     return path
 
 

@@ -330,6 +330,11 @@ def prepare(cfg: DictConfig) -> RunSpec:
         policy.check_run_counts(longest, f"the longest context of {model.name}")
     if getattr(policy, "reads_queries", False):  # the queries before RoPE: the config says whether there is one
         policy.check_rotary(model.geometry()[1], model.name)
+    if getattr(policy, "needs_calibration", False):  # a model's offline statistics (triattention): found before
+        from h2o.calibrate import require  # the model loads, or a one-line refusal naming the command
+
+        calibrated = policy.calibrated(require(model))
+        named, policy = (calibrated if named is policy else named), calibrated
     quant = build_quant(cfg, model)
     if engine.whole_forward(policy) and "reference" not in task.semantics:
         raise ConfigError(f"policy={policy.name}: the paper code's mask rule is for one-pass scoring; task "

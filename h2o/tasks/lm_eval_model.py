@@ -140,6 +140,10 @@ class H2OLM(AskMany, ResumeLogs, GenerationRows, HFLM):
             raise PolicyError(f"question={question!r}: allowed: {', '.join(QUESTIONS)}")
         self.many = check_many(questions, turns, "")  # (questions | turns, K) or None
         policy = lm_policy(policy, kwargs, semantics)
+        if getattr(policy, "needs_calibration", False):  # a model's offline statistics (triattention)
+            from h2o.calibrate import require
+
+            policy = policy.calibrated(require(pretrained))
         quant_args = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)}
         if isinstance(quant, str):
             quant = make_lm_quant(quant, quant_args, pretrained)

@@ -113,6 +113,19 @@ class TriAttention(Policy):
         self.calibration = load_stats(stats)
         self.layer: LayerStats | None = None
 
+    @property
+    def needs_calibration(self) -> bool:
+        """True while no statistics are given (``stats=None``): a run finds its model's before the model loads
+        (``h2o.calibrate.require``; the pipeline and lm-eval's ``--model h2o`` call it) and binds them here with
+        :meth:`calibrated`."""
+        return self.calibration is None
+
+    def calibrated(self, stats) -> "TriAttention":
+        """This rule with the statistics ``stats`` (a calibration dict or its file): a copy."""
+        out = copy.copy(self)
+        out.calibration = load_stats(stats)
+        return out
+
     def timed(self, compress: str, interval: int | None = None) -> Policy:
         """The reference's ``divide_length`` (:data:`DIVIDE_LENGTH`) where a schedule that takes an interval is
         given none."""
