@@ -15,6 +15,11 @@
    ``_compute_layer_head_scores``; ours: :meth:`TriAttention.head_scores` and the rule's cut.
 3. **Later cuts**: the reference's slack trigger (the cache cut back to the budget once it holds the budget plus
    :data:`EVERY`), each side keeping its own cache per layer and KV head; the kept positions at every cut.
+4. **Generation**: greedy decoding of :data:`STEPS` tokens after the first :data:`GEN_PROMPT` ids, the reference's
+   own model patch (``apply_triattention_patch``: its forward wrapper, its cache, its slack trigger) beside ours
+   (the evicting cache at ``compress=interval``, which cuts at the same steps where ``budget - prompt`` is a
+   multiple of ``EVERY``): the tokens, each step's log-probability of its token, and the full cache's tokens (the
+   eviction changes them: the comparison is not vacuous).
 
 ``--golden`` writes tests/data/parity_golden/triattention.json (what CI compares ours with:
 tests/test_triattention.py); the summary is printed.
@@ -37,6 +42,7 @@ RECORD = GOLDEN / "triattention.json"
 LENGTH, VOCAB, SEED = 128, 200, 3  # the recorded sequence: ids in [3, VOCAB)
 PROMPT, EVERY = 16, 16  # the prompt's tokens (never scored), the slack before a later cut
 BUDGETS = (32, 64, 96)
+GEN_PROMPT, GEN_BUDGET, STEPS = 32, 64, 160  # the generation: (GEN_BUDGET - GEN_PROMPT) % EVERY == 0
 OPTIONS = {"normalize_scores": True, "offset_max_length": 65536, "head_aggregation": "max"}  # its defaults
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
         "of a wife. However little known the feelings or views of such a man may be on his first entering a "
@@ -189,7 +195,55 @@ def later_cuts(cal: dict, states: list[dict], budget: int, module=None, stats: P
     return out
 
 
-def compare(first: dict, later: list[dict]) -> dict:
+def greedy(step, prompt: torch.Tensor) -> tuple[list[int], list[float]]:
+    """``step(ids) -> logits (1, r, V)`` of the next forward; greedy for :data:`STEPS` tokens after ``prompt``
+    -> (tokens, each token's log-probability)."""
+    logits = step(prompt)[:, -1]
+    tokens, logp = [], []
+    for _ in range(STEPS):
+        tok = logits.argmax(-1, keepdim=True)  # (1, 1)
+        tokens.append(int(tok))
+        logp.append(float(logits.log_softmax(-1)[0, tokens[-1]]))
+        logits = step(tok)[:, -1]
+    return tokens, logp
+
+
+def generation(cal: dict, module=None, stats: Path | None = None) -> dict:
+    """Greedy tokens and log-probabilities: ours, the full cache's (and the reference's, with ``module``)."""
+    from h2o import attach, make_policy
+    from h2o.parity.golden import MODEL_DIR, load_model
+
+    model, prompt = load_model(), golden_ids()[:, :GEN_PROMPT]
+    policy = make_policy("triattention", budget=GEN_BUDGET, stats=cal, compress="interval", interval=EVERY,
+                         **OPTIONS)
+    out = {}
+    with torch.no_grad():
+        with attach(model, policy, mode="real") as h:
+            cache = h.new_cache()
+            out["ours"] = greedy(lambda ids: model(ids, cache=cache).logits, prompt)
+        from transformers import DynamicCache
+
+        full = DynamicCache()
+        out["full"] = greedy(lambda ids: model(ids, past_key_values=full, use_cache=True).logits, prompt)
+        if module is not None:
+            ref_model = load_model()
+            module.apply_triattention_patch(
+                ref_model, stats_path=stats, model_path=MODEL_DIR, kv_budget=GEN_BUDGET, pruning_seed=None,
+                offset_max_length=OPTIONS["offset_max_length"], normalize_scores=OPTIONS["normalize_scores"],
+                count_prompt_tokens=True, divide_length=EVERY, use_slack_trigger=True,
+                per_layer_perhead_pruning=True, layer_perhead_aggregation=OPTIONS["head_aggregation"])
+            held = {"cache": DynamicCache()}
+
+            def step(ids):
+                o = ref_model(input_ids=ids, past_key_values=held["cache"], use_cache=True)
+                held["cache"] = o.past_key_values  # its wrapper hands back a new cache after a cut
+                return o.logits
+
+            out["reference"] = greedy(step, prompt)
+    return out
+
+
+def compare(first: dict, later: list[dict], gen: dict | None = None) -> dict:
     gap, scale, differ, heads = 0.0, 0.0, 0, 0
     for row in first.values():
         for a, b in zip(row["ours_score"], row["reference_score"]):
@@ -201,9 +255,15 @@ def compare(first: dict, later: list[dict]) -> dict:
     later = later or []
     later_heads = sum(len(h) for r in later for h in r["ours"])
     later_differ = sum(x != y for r in later for a, b in zip(r["ours"], r["reference"]) for x, y in zip(a, b))
-    return {"first_cut": {"largest_score_gap": float(f"{gap:.2e}"), "largest_score": round(scale, 3),
-                          "heads_kept_differently": differ, "heads": heads},
-            "later_cuts": {"cuts": len(later), "heads": later_heads, "heads_kept_differently": later_differ}}
+    out = {"first_cut": {"largest_score_gap": float(f"{gap:.2e}"), "largest_score": round(scale, 3),
+                         "heads_kept_differently": differ, "heads": heads},
+           "later_cuts": {"cuts": len(later), "heads": later_heads, "heads_kept_differently": later_differ}}
+    if gen is not None:
+        ours, ref, full = gen["ours"], gen["reference"], gen["full"]
+        out["generation"] = {"steps": STEPS, "tokens_equal": sum(a == b for a, b in zip(ours[0], ref[0])),
+                             "largest_logprob_gap": float(f"{max(abs(a - b) for a, b in zip(ours[1], ref[1])):.2e}"),
+                             "tokens_unlike_full": sum(a != b for a, b in zip(ref[0], full[0]))}
+    return out
 
 
 def golden_ids() -> torch.Tensor:
@@ -229,7 +289,8 @@ def main(argv=None) -> int:
         stats = reference_stats(cal, Path(tmp) / "stats.pt")
         first = first_cuts(cal, states, module, stats)
         later = later_cuts(cal, states, BUDGETS[0], module, stats)
-    summary = compare(first, later)
+        gen = generation(cal, module, stats)
+    summary = compare(first, later, gen)
     print(json.dumps(summary, indent=1))
     if a.golden:
         out = {"made_by": "python -m h2o.parity.triattention --reference DIR --golden",
@@ -241,7 +302,9 @@ def main(argv=None) -> int:
                "first_cut": {b: {"kept": r["reference_kept"],
                                  "score": [[[float(f"{x:.8g}") for x in h] for h in s] for s in r["reference_score"]]}
                              for b, r in first.items()},
-               "later_cuts": [{"now": r["now"], "kept": r["reference"]} for r in later]}
+               "later_cuts": [{"now": r["now"], "kept": r["reference"]} for r in later],
+               "generation": {"prompt": GEN_PROMPT, "budget": GEN_BUDGET, "tokens": gen["reference"][0],
+                              "logprob": [float(f"{x:.8g}") for x in gen["reference"][1]]}}
         RECORD.write_text(json.dumps(out, separators=(",", ":")) + "\n")
         print(f"golden numbers: {RECORD}", file=sys.stderr)
     return 0
