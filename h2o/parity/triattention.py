@@ -279,10 +279,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m h2o.parity.triattention", description=__doc__.splitlines()[0])
     ap.add_argument("--reference", required=True, help="a checkout of WeianMao/triattention")
     ap.add_argument("--golden", action="store_true", help=f"write the golden numbers ({RECORD})")
+    ap.add_argument("--commit", default=None, help="the reference's commit where DIR is an export, not a checkout")
     a = ap.parse_args(argv)
     root = Path(a.reference)
     module = load_reference(root)
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    commit = a.commit or subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                        text=True).stdout
     model = load_model()
     cal, states = calibration(model), record_states(model, golden_ids())
     with tempfile.TemporaryDirectory() as tmp:
