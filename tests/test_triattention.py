@@ -14,7 +14,7 @@ import torch
 from h2o import attach, make_policy
 from h2o.assets.models import tiny_model
 from h2o.assets.tiny import byte_tokenizer
-from h2o.calibrate import calibrate, require, stats_file, weights_digest
+from h2o.assets.triattention import calibrate, require, stats_file, weights_digest
 from h2o.core.policies import PolicyError
 from h2o.core.policies.triattention import TriAttention
 from h2o.parity import triattention as parity
@@ -225,7 +225,7 @@ def test_the_evicting_caches_later_cuts_keep_the_references_positions(recorded, 
     ({"head_aggregation": "min"}, r"^head_aggregation='min': allowed: max, mean$"),
     ({"normalize_scores": 1}, r"^normalize_scores=1: allowed: true or false$"),
     ({"offset_max_length": 0}, r"^offset_max_length=0: .*allowed: an int >= 1$"),
-    ({"stats": "/nowhere.pt"}, r"^stats='/nowhere.pt': no such file; allowed: .*python -m h2o.calibrate"),
+    ({"stats": "/nowhere.pt"}, r"^stats='/nowhere.pt': no such file; allowed: .*python -m h2o.assets.triattention"),
     ({"stats": {"layers": 1}}, r"^stats: not a calibration .*missing\); allowed: "),
 ])
 def test_bad_options_are_one_line(kwargs, needle):
@@ -236,7 +236,7 @@ def test_bad_options_are_one_line(kwargs, needle):
 def test_a_rule_without_its_models_statistics_is_one_line(calibrated):
     model, cal = calibrated
     with pytest.raises(PolicyError, match=r"^policy=triattention: no calibration \(stats=None\).*"
-                                          r"`python -m h2o.calibrate model=<name>`$"):
+                                          r"`python -m h2o.assets.triattention model=<name>`$"):
         make_policy("triattention").for_layer(0, 2)
     with pytest.raises(PolicyError, match=r"has 2 layers, this model 5; allowed: the model's own"):
         make_policy("triattention", stats={**cal, "layers": 2}).for_layer(0, 5)
@@ -246,15 +246,15 @@ def test_a_rule_without_its_models_statistics_is_one_line(calibrated):
 
 def test_a_run_without_calibration_refuses_before_loading_and_records_the_digest(tmp_path, monkeypatch):
     from h2o.assets.model_spec import ModelSpec
-    from h2o.calibrate import save
+    from h2o.assets.triattention import save
 
     monkeypatch.setenv("H2O_CACHE", str(tmp_path))
     spec = ModelSpec("tiny-llama", "tiny:llama")
     with pytest.raises(PolicyError, match=r"^policy=triattention: no calibration for model=tiny-llama \(weights "
-                                          r"[0-9a-f]{12}\); write it once with `python -m h2o.calibrate "
+                                          r"[0-9a-f]{12}\); write it once with `python -m h2o.assets.triattention "
                                           r"model=tiny-llama`$"):
         require(spec)
-    from h2o.calibrate import checkpoint_folder
+    from h2o.assets.triattention import checkpoint_folder
 
     digest = weights_digest(checkpoint_folder(spec.pretrained))
     model = tiny_model("llama")

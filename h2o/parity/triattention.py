@@ -7,8 +7,8 @@
 1. **States**: the committed tiny model of the golden numbers (tests/data/parity_golden/model: a random Llama of 3
    layers, 4 query heads on 2 KV heads, head size 16) reads :data:`LENGTH` token ids; each layer's keys after RoPE
    are recorded (:func:`h2o.parity.r_kv.record_states`). The statistics both sides read are ours, calibrated on
-   :data:`TEXT` (a passage of Austen) over the same model (``h2o.calibrate.calibrate``), handed to the reference
-   in its file format (:func:`reference_stats`).
+   :data:`TEXT` (a passage of Austen) over the same model (``h2o.assets.triattention.calibrate``), handed to the
+   reference in its file format (:func:`reference_stats`).
 2. **The first cut**, per budget: the whole sequence held, its first :data:`PROMPT` tokens the prompt. The
    reference's ``TriAttention.compute_keep_indices`` (``per_layer_perhead_pruning``, ``normalize_scores``, no
    tie-breaking noise) keeps per layer and KV head; its per-query-head scores are caught from
@@ -126,7 +126,7 @@ def reference_cut(rule, keys: list[torch.Tensor], held: list[torch.Tensor], now:
 # ----------------------------------------------------------------------------------------------- ours
 def calibration(model) -> dict:
     from h2o.assets.tiny import byte_tokenizer
-    from h2o.calibrate import calibrate
+    from h2o.assets.triattention import calibrate
     from h2o.parity.golden import weights_sha256
 
     ids = torch.tensor(byte_tokenizer()(TEXT, add_special_tokens=False).input_ids)[None]
@@ -297,7 +297,8 @@ def main(argv=None) -> int:
     if a.golden:
         out = {"made_by": "python -m h2o.parity.triattention --reference DIR --golden",
                "reference": {"repo": "WeianMao/triattention", "commit": commit.strip() or None,
-                             "files": ["triattention/methods/triattention.py", "triattention/methods/pruning_utils.py"]},
+                             "files": ["triattention/methods/triattention.py",
+                                       "triattention/methods/pruning_utils.py"]},
                "model": {"folder": str(MODEL_DIR.relative_to(GOLDEN.parents[2])), "sha256": weights_sha256()},
                "ids": golden_ids()[0].tolist(), "options": OPTIONS, "budgets": list(BUDGETS), "prompt": PROMPT,
                "every": EVERY, "summary": summary,

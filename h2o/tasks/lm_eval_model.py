@@ -141,7 +141,7 @@ class H2OLM(AskMany, ResumeLogs, GenerationRows, HFLM):
         self.many = check_many(questions, turns, "")  # (questions | turns, K) or None
         policy = lm_policy(policy, kwargs, semantics)
         if getattr(policy, "needs_calibration", False):  # a model's offline statistics (triattention)
-            from h2o.calibrate import require
+            from h2o.assets.triattention import require
 
             policy = policy.calibrated(require(pretrained))
         quant_args = {k: kwargs.pop(k) for k in list(kwargs) if k.startswith(QUANT_PREFIX)}

@@ -1,7 +1,7 @@
 """triattention: keep the keys that the model's typical query is expected to attend to from afar (TriAttention, Mao
 et al., arXiv 2604.04921), as its reference code (WeianMao/triattention v0.2.0, ``triattention/methods/
 triattention.py`` with ``pruning_utils.py``) scores them: key-only, from statistics of the queries calibrated
-offline per model (``python -m h2o.calibrate``).
+offline per model (``python -m h2o.assets.triattention``).
 
 Per layer and query head ``h`` the calibration holds, over the frequencies ``f`` of the rotary (a channel pair
 ``(i, i + r/2)`` as one complex number), the mean query before RoPE ``qbar[h, f]`` (complex) and its mean modulus
@@ -45,7 +45,7 @@ from .base import READ_KEYS, TIER, Counts, Policy, PolicyError
 from ..schedule import Schedule
 
 DIVIDE_LENGTH = 128  # the reference's divide_length: tokens between two cuts
-CALIBRATE = "python -m h2o.calibrate model=<name>"  # the command that writes a model's statistics
+CALIBRATE = "python -m h2o.assets.triattention model=<name>"  # the command that writes a model's statistics
 AGGREGATIONS = ("max", "mean")  # over a KV head's query heads (the reference's layer_perhead_aggregation)
 
 
@@ -92,6 +92,7 @@ class TriAttention(Policy):
     name = "triattention"
     splits = False  # one budget: the prompt's tokens first, then the generated ones by score
     reads = frozenset({READ_KEYS})  # the held keys after RoPE, at a cut and at each decoding step
+    compress, interval = "interval", DIVIDE_LENGTH  # the reference's timing (its divide_length): docs/triattention.md
 
     def __init__(self, budget=2048, heavy=None, recent=None, heavy_share=0.5, stats=None,
                  normalize_scores: bool = True, offset_max_length: int = 65536, head_aggregation: str = "max",
@@ -116,8 +117,8 @@ class TriAttention(Policy):
     @property
     def needs_calibration(self) -> bool:
         """True while no statistics are given (``stats=None``): a run finds its model's before the model loads
-        (``h2o.calibrate.require``; the pipeline and lm-eval's ``--model h2o`` call it) and binds them here with
-        :meth:`calibrated`."""
+        (``h2o.assets.triattention.require``; the pipeline and lm-eval's ``--model h2o`` call it) and binds them
+        here with :meth:`calibrated`."""
         return self.calibration is None
 
     def calibrated(self, stats) -> "TriAttention":
@@ -203,7 +204,7 @@ class TriAttention(Policy):
 
 
 def load_stats(stats) -> dict | None:
-    """A calibration (``h2o.calibrate``'s dict, or a path to its file; None: none) checked for its fields."""
+    """A calibration (``h2o.assets.triattention``'s dict, or a path to its file; None: none) checked for its fields."""
     if stats is None or isinstance(stats, dict):
         cal = stats
     else:

@@ -1,8 +1,9 @@
-"""``python -m h2o.calibrate model=<name>``: TriAttention's query statistics for a model (``policy=triattention``),
-as its reference's ``scripts/calibrate.py`` computes them, written once per model into the cache.
+"""``python -m h2o.assets.triattention model=<name>``: TriAttention's query statistics for a model
+(``policy=triattention``), as its reference's ``scripts/calibrate.py`` computes them, written once per model into
+the cache.
 
-    python -m h2o.calibrate model=smollm2-135m          # -> <cache>/triattention/<digest>.pt
-    python -m h2o.calibrate model=tiny-llama windows=2 window=64
+    python -m h2o.assets.triattention model=smollm2-135m          # -> <cache>/triattention/<digest>.pt
+    python -m h2o.assets.triattention model=tiny-llama windows=2 window=64
 
 The model (a conf/model name) reads ``windows`` windows of ``window`` tokens of Jane Austen's novels (the text
 KVQuant's calibration reads, between the windows ``austen_ppl`` scores: h2o.assets.calibrate); every layer's
@@ -96,11 +97,11 @@ def require(model) -> Path:
     folder = checkpoint_folder(pretrained)
     if folder is None:
         raise PolicyError(f"policy=triattention: model={name} is not on this machine, so it has no calibration; "
-                          f"fetch it, then run `python -m h2o.calibrate model={name}`")
+                          f"fetch it, then run `python -m h2o.assets.triattention model={name}`")
     path = stats_file(weights_digest(folder))
     if not path.is_file():
         raise PolicyError(f"policy=triattention: no calibration for model={name} (weights {path.stem[:12]}); write "
-                          f"it once with `python -m h2o.calibrate model={name}`")
+                          f"it once with `python -m h2o.assets.triattention model={name}`")
     return path
 
 
