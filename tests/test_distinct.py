@@ -22,6 +22,7 @@ from h2o import attach, make_policy
 from h2o.assets.model_spec import ModelSpec
 from h2o.core.policies import Policy
 from h2o.core.policies.base import PolicyError
+from tests.calibrated import ready
 
 BUDGET, NEW = 0.5, 24
 SNAPKV_FAMILY = frozenset({"snapkv", "pyramidkv", "adakv"})
@@ -39,7 +40,7 @@ def runs(model, prompt: int, mode: str) -> dict[str, torch.Tensor]:
     x = torch.randint(1, 128, (1, prompt + NEW), generator=torch.Generator().manual_seed(11))
     out = {}
     for name in sorted(set(Policy.registry) - {"full"}):
-        policy = make_policy(name, budget=BUDGET)
+        policy = ready(make_policy(name, budget=BUDGET), model)  # triattention: calibrated over the model
         try:
             with torch.no_grad(), attach(model, policy, mode=mode, prompt_len=prompt) as h:
                 if mode == "simulated":

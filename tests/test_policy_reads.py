@@ -9,11 +9,13 @@ from h2o.assets.models import tiny_model
 from h2o.core.policies import POLICIES, REAL_POLICIES, Policy
 from h2o.core.policies.base import NOTHING, READ_KEYS, READ_LOGITS, READ_QUERIES, READ_ROWS, READ_WINDOW, READS
 from h2o.core.policies.per_sequence import PerSequence
+from tests.calibrated import ready
 
 WINDOW = 6  # small observation windows, so that a 40-token prompt has rows before them
 OPTIONS = {"snapkv": {"window": WINDOW}, "snapkv_d": {"window": WINDOW}, "pyramidkv": {"window": WINDOW},
            "scissorhands": {"history": WINDOW}, "adakv": {"window": WINDOW}, "r_kv": {"window": WINDOW},
-           "g_kv": {"window": WINDOW}}
+           "g_kv": {"window": WINDOW},
+           "triattention": {"allow_prefill_compression": True}}  # the prompt's keys scored at its cut
 EXPECTED = {  # the declaration of every registered policy, as its rule is written
     "full": NOTHING, "local": NOTHING, "streaming_llm": NOTHING, "strided": NOTHING, "fixed": NOTHING,
     "random": NOTHING, "topk": NOTHING, "kvzip": NOTHING, "knorm": {READ_KEYS}, "keydiff": {READ_KEYS},
@@ -22,6 +24,7 @@ EXPECTED = {  # the declaration of every registered policy, as its rule is writt
     "adakv": {READ_WINDOW}, "tova": {READ_WINDOW}, "scissorhands": {READ_WINDOW}, "h2o": {READ_ROWS},
     "h2_only": {READ_ROWS}, "h2o_reference": {READ_ROWS}, "strided_h2": {READ_ROWS}, "fixed_h2": {READ_ROWS},
     "topk_h2": {READ_ROWS}, "r_kv": {READ_WINDOW, READ_LOGITS, READ_KEYS}, "g_kv": {READ_WINDOW, READ_KEYS},
+    "triattention": {READ_KEYS},
 }
 
 
@@ -92,7 +95,7 @@ def held(model, policy, ids, disturb=None, scores=False):
 @pytest.mark.parametrize("name", [n for n in REAL_POLICIES if n not in ("full", "kvzip")])
 def test_a_prefill_keeps_the_same_tokens_whatever_the_rows_it_does_not_read(model, name):
     ids = torch.randint(3, 128, (1, 40), generator=torch.Generator().manual_seed(5))
-    policy = make_policy(name, budget=0.4, **OPTIONS.get(name, {}))
+    policy = ready(make_policy(name, budget=0.4, **OPTIONS.get(name, {})), model)
     w = policy.read_window()
     if READ_ROWS in policy.reads:
         unread, read = None, lambda left: left >= 0

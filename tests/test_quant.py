@@ -13,6 +13,7 @@ from h2o.core.policies import BOTH_PATHS as REAL_POLICIES  # the policies with a
 from h2o.assets.models import TINY_ARCHS, tiny_model
 from h2o.core.attach import Attached
 from h2o.core.attention import h2o_attention
+from tests.calibrated import ready
 from h2o.core.quant import KVQuant, QuantError, Uniform, make_quant
 from h2o.core.quant.base import pack_bits, unpack_bits
 from h2o.core.quant.calibrate import fit, kmeans_1d
@@ -199,7 +200,7 @@ def test_attention_paths_hold_and_attend_to_the_same_values(gqa, calibrations, n
     """Identical keys/values fed to both paths (GQA, 2 KV heads): the evicting cache's rows decode to exactly the
     values the simulated mask attends to, and the outputs agree token by token."""
     quant = schemes("llama_gqa", calibrations["llama_gqa"])[scheme].bind(gqa)
-    T, policy = 30, make_policy(name, budget=0.3)
+    T, policy = 30, ready(make_policy(name, budget=0.3))  # triattention: random statistics (no model here)
     q = torch.randn(2, 4, T, 16, generator=G(3))
     k, v = torch.randn(2, 2, T, 16, generator=G(4)) * 2, torch.randn(2, 2, T, 16, generator=G(5))
     sim, _ = h2o_attention(Module(Attached(policy, num_layers=1, quant=quant)), q, k, v, None)
@@ -239,7 +240,7 @@ def test_model_paths_agree_under_quantization(calibrations, arch, scheme, name):
     model = tiny_model(arch)
     quant = schemes(arch, calibrations[arch])[scheme]
     ids = torch.randint(0, 128, (1, 40), generator=G(1))
-    policy = make_policy(name, budget=0.2)
+    policy = ready(make_policy(name, budget=0.2), model)
     P = 24 if policy.compress == "prefill" else 0  # a policy defined at a prompt's end is given one
     with torch.no_grad():
         with attach(model, policy, quant=quant, prompt_len=P):

@@ -13,6 +13,7 @@ from h2o.core.policies import BOTH_PATHS as REAL_POLICIES  # the policies with a
 from h2o.assets.models import SLIDING_ARCHS, SLIDING_WINDOW as W, tiny_model
 from h2o.core import attention
 from h2o.core.policies import Policy
+from tests.calibrated import ready
 
 ATOL = 1e-4
 PAD = 8  # the second sequence of each batch is left-padded by this many columns
@@ -153,11 +154,15 @@ def test_every_policy_is_the_same_in_both_paths(model, name):
         one_policy_in_both_paths(model, name)
 
 
+STEPWISE = {"triattention": {"compress": "decode", "allow_prefill_compression": True}}
+
+
 def one_policy_in_both_paths(model, name):
     T, P = 56, 24
     ids, mask = batch(T, 3)
     every = {"interval": 4} if Policy.registry[name].schedule.takes_interval else {}  # g_kv's
-    policy = make_policy(name, budget=0.3, **every)  # 7 and 4 tokens of the prompts, 12 of 40: less than the window
+    # 7 and 4 tokens of the prompts, 12 of 40: less than the window (triattention: at every step, every token scored)
+    policy = ready(make_policy(name, budget=0.3, **STEPWISE.get(name, every)), model)
     sim = simulated(model, policy, ids, mask, prompt_len=P)
     out, cache, slots = real(model, policy, ids, mask, prompt=P)
     assert close(out, sim)

@@ -119,7 +119,7 @@ class TriAttention(Policy):
         """True while no statistics are given (``stats=None``): a run finds its model's before the model loads
         (``h2o.assets.triattention.require``; the pipeline and lm-eval's ``--model h2o`` call it) and binds them
         here with :meth:`calibrated`."""
-        return self.calibration is None
+        return self.calibration is None and not self.is_full
 
     def calibrated(self, stats) -> "TriAttention":
         """This rule with the statistics ``stats`` (a calibration dict or its file): a copy."""
@@ -135,7 +135,9 @@ class TriAttention(Policy):
 
     def for_layer(self, layer: int, layers: int) -> "TriAttention":
         """This rule bound to layer ``layer``'s statistics (a copy); PolicyError in one line without a calibration
-        or with one of another shape."""
+        or with one of another shape. A full budget never scores: the rule as it is."""
+        if self.is_full:
+            return self
         if self.calibration is None:
             raise PolicyError(f"policy={self.name}: no calibration (stats=None): the rule scores keys with the "
                               f"model's query statistics; write them with `{CALIBRATE}`")
