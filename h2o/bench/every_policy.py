@@ -37,9 +37,31 @@ def method_names() -> list[str]:
     return [p for p in REAL_POLICIES if p != "full"]
 
 
-def method_variants(budget) -> list[Variant]:
-    """full, then every method at ``budget`` in the timing of its conf/policy file."""
-    return [Variant("policy", "full")] + [Variant.of(at_budget(n, budget, "task.methods: ")) for n in method_names()]
+def method_variants(budget, model=None) -> list[Variant]:
+    """full, then every method at ``budget`` in the timing of its conf/policy file (a rule that reads the model's
+    statistics given them: :func:`with_statistics`)."""
+    return [Variant("policy", "full")] + [Variant.of(with_statistics(at_budget(n, budget, "task.methods: "), model))
+                                          for n in method_names()]
+
+
+def with_statistics(policy, model):
+    """``policy``, and where it reads a model's offline statistics (triattention) with ``model``'s: the cache's
+    file (``python -m h2o.assets.triattention``), else computed here over random token ids (what a benchmark
+    measures, time and bytes, does not depend on them; the row's record names them)."""
+    if model is None or not getattr(policy, "needs_calibration", False):
+        return policy
+    import torch
+
+    from h2o.assets.triattention import calibrate, require
+    from h2o.core.policies import PolicyError
+
+    try:
+        return policy.calibrated(require(str(model.name_or_path)))
+    except PolicyError:
+        vocab = model.config.get_text_config(decoder=True).vocab_size
+        ids = torch.randint(0, vocab, (2, 128), generator=torch.Generator().manual_seed(0))
+        return policy.calibrated(calibrate(model, ids, "none", {"model": str(model.name_or_path),
+                                                                "text": "random ids (benchmark)"}))
 
 
 def measure(model, prompt_len: int, batch: int, gen_len: int, budget, repeats: int = 3, warmup: int = 1,
@@ -47,7 +69,7 @@ def measure(model, prompt_len: int, batch: int, gen_len: int, budget, repeats: i
     """One interleaved run of :func:`method_variants` at (``prompt_len``, ``batch``), ``gen_len`` tokens each;
     the variant records, each with ``section``, ``compress`` and ``kv_tokens_per_head`` (the mean over layers, KV
     heads and sequences of the tokens held after the prefill)."""
-    variants = method_variants(budget)
+    variants = method_variants(budget, model)
     recs = benchmark(model, prompt_lens=[prompt_len], gen_lens=[gen_len], batch_sizes=[batch], prefill="each",
                      repeats=repeats, warmup=warmup, seed=seed, model_name=model_name, variants=variants,
                      verbose=False, out=out)

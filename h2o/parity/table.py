@@ -14,7 +14,7 @@ from pathlib import Path
 
 from h2o.parity.field import baselines_section, snapkv_d_section
 from h2o.parity.pairs import (BASELINES_RECORD, DECODE_ONLY, EXTRA, GKV_RECORD, OURS, RECORD, RKV_RECORD,
-                              SNAPKV_D_RECORD, TOLERANCE, kept)
+                              SNAPKV_D_RECORD, TOLERANCE, TRI_RECORD, kept)
 
 
 def load(path: Path) -> list[dict]:
@@ -127,6 +127,7 @@ def write_table(out: Path, table: Path, prompts: dict, golden: Path | None = REC
               + " (1 thread each).", ""]
     lines += NOTES + golden_section(golden) + r_kv_section(RKV_RECORD) + g_kv_section(GKV_RECORD)
     lines += snapkv_d_section(SNAPKV_D_RECORD) + baselines_section(BASELINES_RECORD)
+    lines += triattention_section(TRI_RECORD)
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text("\n".join(lines))
 
@@ -285,3 +286,56 @@ def g_kv_section(record: Path | None) -> list[str]:
                     "repository's (a diagnostic, `probs_importance` in h2o/parity/g_kv.py) `r_kv` keeps exactly its "
                     "tokens: the importance is the whole difference. `r_kv` here runs at that recipe's window 16, "
                     "kernel 5, mix 0.1. docs/g_kv.md, \"The G-KV repository's own H2O and R-KV\".", ""]
+
+
+def triattention_section(record: Path | None) -> list[str]:
+    """TriAttention's reference code beside ``triattention`` (tests/data/parity_golden/triattention.json,
+    :mod:`h2o.parity.triattention`)."""
+    if record is None or not record.is_file():
+        return []
+    g = json.loads(record.read_text())
+    s, ref = g["summary"], g["reference"]
+    first, later, gen = s["first_cut"], s["later_cuts"], s["generation"]
+    lines = ["## TriAttention", "",
+             f"`python -m h2o.parity.triattention --reference DIR --golden` ran TriAttention's reference code "
+             f"({ref['repo']} at `{(ref['commit'] or '?')[:12]}`: `TriAttention.compute_keep_indices` of "
+             f"{' with '.join(ref['files'])}, and its model patch `apply_triattention_patch`, imported from a checkout "
+             "given on its command line, never copied) side by side with `triattention` on the committed tiny model "
+             f"above, reading {len(g['ids'])} token ids. Both sides read the same statistics: ours, calibrated on a "
+             "passage of Austen over that model (`h2o.assets.triattention.calibrate`), written in the reference's "
+             "file format. Options: the reference's `per_layer_perhead_pruning` with its defaults ("
+             + ", ".join(f"{k} {v}" for k, v in g["options"].items())
+             + f", the prompt of {g['prompt']} tokens kept, count_prompt_tokens, its slack trigger), no tie-breaking "
+             "noise (its `seed=None`). Its per-query-head scores are its `_compute_layer_head_scores` outputs, "
+             "caught, not recomputed.", "",
+             "| comparison | compared | differently | largest gap |", "| --- | --- | --- | --- |",
+             f"| first cut (whole sequence, budgets {', '.join(map(str, g['budgets']))}): kept positions per layer "
+             f"and KV head | {first['heads']} heads | {first['heads_kept_differently']} | score "
+             f"{first['largest_score_gap']:.1e} (of {first['largest_score']:g}) |",
+             f"| later cuts (cut to {g['budgets'][0]} when {g['budgets'][0] + g['every']} are held), each side its "
+             f"own cache | {later['cuts']} cuts, {later['heads']} heads | {later['heads_kept_differently']} | - |",
+             f"| greedy generation, {gen['steps']} tokens after {g['generation']['prompt']} (budget "
+             f"{g['generation']['budget']}, slack {g['every']}): the reference's own model patch vs the evicting "
+             f"cache at `compress=interval` | {gen['steps']} tokens | {gen['steps'] - gen['tokens_equal']} | "
+             f"log-prob {gen['largest_logprob_gap']:.1e} |",
+             f"| the same, the full cache's tokens (the eviction matters) | {gen['steps']} tokens | "
+             f"{gen['tokens_unlike_full']} | - |"]
+    smol = s.get("generation_smollm2")
+    if smol:
+        lines += [f"| SmolLM2-135M (fp32, eager), {smol['steps']} tokens after {smol['prompt']} of Austen (budget "
+                  f"{smol['budget']}, slack {g['every']}; its calibration `{smol['calibration']}`) | {smol['steps']} "
+                  f"tokens | {smol['steps'] - smol['tokens_equal']} (full cache: {smol['tokens_unlike_full']}) | "
+                  f"log-prob {smol['largest_logprob_gap']:.1e} |"]
+    return lines + ["",
+                    "Every kept set and every token is the same. The score gap is the reference's: it measures the "
+                    "distances `t - p + o` in fp32, where offsets reach 65,536 and fp32 keeps 1/128 of a unit there; "
+                    "with that one line in float64 the gap is 9.5e-7 (fp32 noise). Compatibility, not a difference in "
+                    "the rule: transformers 5 dropped the `device` argument of `LlamaRotaryEmbedding`, which the "
+                    "reference passes; the parity script gives it the same table without it. Not compared: the "
+                    "reference's default CLI mode `per_head_pruning` (one choice per KV head for every layer) is not "
+                    "built (docs/triattention.md), and its calibration script (bfloat16 only, queries recomputed from "
+                    "`q_proj`) is not run; ours is checked against queries recomputed from `q_proj`. "
+                    "tests/test_triattention.py compares ours with these numbers without the reference (the first and "
+                    "later cuts, the evicting cache's cuts, the tokens and their log-probabilities) and shows broken "
+                    "variants missing them: the group's mean for its maximum, the distance counted from the newest "
+                    "token instead of the next, the prompt scored.", ""]

@@ -19,7 +19,8 @@
    own model patch (``apply_triattention_patch``: its forward wrapper, its cache, its slack trigger) beside ours
    (the evicting cache at ``compress=interval``, which cuts at the same steps where ``budget - prompt`` is a
    multiple of ``EVERY``): the tokens, each step's log-probability of its token, and the full cache's tokens (the
-   eviction changes them: the comparison is not vacuous).
+   eviction changes them: the comparison is not vacuous). With ``--smollm2``, the same on SmolLM2-135M (:data:`SMOL`:
+   256 tokens after 64 of Austen; its cached checkpoint and calibration), into the summary.
 
 ``--golden`` writes tests/data/parity_golden/triattention.json (what CI compares ours with:
 tests/test_triattention.py); the summary is printed.
@@ -35,14 +36,14 @@ from pathlib import Path
 
 import torch
 
-from h2o.parity.pairs import GOLDEN
+from h2o.parity.pairs import GOLDEN, TRI_RECORD as RECORD
 from h2o.parity.r_kv import record_states
 
-RECORD = GOLDEN / "triattention.json"
 LENGTH, VOCAB, SEED = 128, 200, 3  # the recorded sequence: ids in [3, VOCAB)
 PROMPT, EVERY = 16, 16  # the prompt's tokens (never scored), the slack before a later cut
 BUDGETS = (32, 64, 96)
 GEN_PROMPT, GEN_BUDGET, STEPS = 32, 64, 160  # the generation: (GEN_BUDGET - GEN_PROMPT) % EVERY == 0
+SMOL = {"prompt": 64, "budget": 80, "steps": 256, "offset": 200000}  # --smollm2: Austen's characters from offset
 OPTIONS = {"normalize_scores": True, "offset_max_length": 65536, "head_aggregation": "max"}  # its defaults
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want "
         "of a wife. However little known the feelings or views of such a man may be on his first entering a "
@@ -195,12 +196,12 @@ def later_cuts(cal: dict, states: list[dict], budget: int, module=None, stats: P
     return out
 
 
-def greedy(step, prompt: torch.Tensor) -> tuple[list[int], list[float]]:
-    """``step(ids) -> logits (1, r, V)`` of the next forward; greedy for :data:`STEPS` tokens after ``prompt``
+def greedy(step, prompt: torch.Tensor, steps: int) -> tuple[list[int], list[float]]:
+    """``step(ids) -> logits (1, r, V)`` of the next forward; greedy for ``steps`` tokens after ``prompt``
     -> (tokens, each token's log-probability)."""
     logits = step(prompt)[:, -1]
     tokens, logp = [], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         tok = logits.argmax(-1, keepdim=True)  # (1, 1)
         tokens.append(int(tok))
         logp.append(float(logits.log_softmax(-1)[0, tokens[-1]]))
@@ -208,27 +209,32 @@ def greedy(step, prompt: torch.Tensor) -> tuple[list[int], list[float]]:
     return tokens, logp
 
 
-def generation(cal: dict, module=None, stats: Path | None = None) -> dict:
-    """Greedy tokens and log-probabilities: ours, the full cache's (and the reference's, with ``module``)."""
+def generation(cal: dict, module=None, stats: Path | None = None, load=None, prompt: torch.Tensor | None = None,
+               budget: int = GEN_BUDGET, steps: int = STEPS) -> dict:
+    """Greedy tokens and log-probabilities: ours, the full cache's (and the reference's, with ``module``). ``load``
+    -> (a fresh model, its folder) (default: the committed tiny model), ``prompt`` (1, P) (default: the first
+    :data:`GEN_PROMPT` golden ids); ``budget - P`` a multiple of :data:`EVERY`."""
+    from transformers import DynamicCache
+
     from h2o import attach, make_policy
     from h2o.parity.golden import MODEL_DIR, load_model
 
-    model, prompt = load_model(), golden_ids()[:, :GEN_PROMPT]
-    policy = make_policy("triattention", budget=GEN_BUDGET, stats=cal, compress="interval", interval=EVERY,
-                         **OPTIONS)
+    load = load or (lambda: (load_model(), MODEL_DIR))
+    prompt = golden_ids()[:, :GEN_PROMPT] if prompt is None else prompt
+    assert (budget - prompt.shape[1]) % EVERY == 0, "the interval schedule cuts where the reference's slack does"
+    model, folder = load()
+    policy = make_policy("triattention", budget=budget, stats=cal, compress="interval", interval=EVERY, **OPTIONS)
     out = {}
     with torch.no_grad():
         with attach(model, policy, mode="real") as h:
             cache = h.new_cache()
-            out["ours"] = greedy(lambda ids: model(ids, cache=cache).logits, prompt)
-        from transformers import DynamicCache
-
+            out["ours"] = greedy(lambda ids: model(ids, cache=cache).logits, prompt, steps)
         full = DynamicCache()
-        out["full"] = greedy(lambda ids: model(ids, past_key_values=full, use_cache=True).logits, prompt)
+        out["full"] = greedy(lambda ids: model(ids, past_key_values=full, use_cache=True).logits, prompt, steps)
         if module is not None:
-            ref_model = load_model()
+            ref_model, _ = load()
             module.apply_triattention_patch(
-                ref_model, stats_path=stats, model_path=MODEL_DIR, kv_budget=GEN_BUDGET, pruning_seed=None,
+                ref_model, stats_path=stats, model_path=folder, kv_budget=budget, pruning_seed=None,
                 offset_max_length=OPTIONS["offset_max_length"], normalize_scores=OPTIONS["normalize_scores"],
                 count_prompt_tokens=True, divide_length=EVERY, use_slack_trigger=True,
                 per_layer_perhead_pruning=True, layer_perhead_aggregation=OPTIONS["head_aggregation"])
@@ -239,8 +245,39 @@ def generation(cal: dict, module=None, stats: Path | None = None) -> dict:
                 held["cache"] = o.past_key_values  # its wrapper hands back a new cache after a cut
                 return o.logits
 
-            out["reference"] = greedy(step, prompt)
+            out["reference"] = greedy(step, prompt, steps)
     return out
+
+
+def smollm2_generation(module, tmp: Path) -> dict:
+    """:func:`generation` on SmolLM2-135M (its cached checkpoint, fp32, eager attention; its calibration from the
+    cache: ``python -m h2o.assets.triattention model=smollm2-135m``): :data:`SMOL` after 64 tokens of Austen."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from h2o.assets.fetch import austen_text
+    from h2o.assets.model_spec import resolve_pretrained
+    from h2o.assets.triattention import require
+
+    folder = Path(resolve_pretrained("smollm2-135m"))
+    stats = require("smollm2-135m")
+    cal = torch.load(stats, map_location="cpu", weights_only=True)
+    text = austen_text()[SMOL["offset"]:SMOL["offset"] + 4000]
+    prompt = AutoTokenizer.from_pretrained(folder)(text, return_tensors="pt").input_ids[:, :SMOL["prompt"]]
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval(), \
+            folder
+
+    gen = generation(cal, module, reference_stats(cal, tmp / "smollm2.pt"), load, prompt, SMOL["budget"],
+                     SMOL["steps"])
+    return {**summarize(gen, SMOL["steps"]), **SMOL, "calibration": cal["digest"][:12]}
+
+
+def summarize(gen: dict, steps: int) -> dict:
+    ours, ref, full = gen["ours"], gen["reference"], gen["full"]
+    return {"steps": steps, "tokens_equal": sum(a == b for a, b in zip(ours[0], ref[0])),
+            "largest_logprob_gap": float(f"{max(abs(a - b) for a, b in zip(ours[1], ref[1])):.2e}"),
+            "tokens_unlike_full": sum(a != b for a, b in zip(ref[0], full[0]))}
 
 
 def compare(first: dict, later: list[dict], gen: dict | None = None) -> dict:
@@ -259,10 +296,7 @@ def compare(first: dict, later: list[dict], gen: dict | None = None) -> dict:
                          "heads_kept_differently": differ, "heads": heads},
            "later_cuts": {"cuts": len(later), "heads": later_heads, "heads_kept_differently": later_differ}}
     if gen is not None:
-        ours, ref, full = gen["ours"], gen["reference"], gen["full"]
-        out["generation"] = {"steps": STEPS, "tokens_equal": sum(a == b for a, b in zip(ours[0], ref[0])),
-                             "largest_logprob_gap": float(f"{max(abs(a - b) for a, b in zip(ours[1], ref[1])):.2e}"),
-                             "tokens_unlike_full": sum(a != b for a, b in zip(ref[0], full[0]))}
+        out["generation"] = summarize(gen, STEPS)
     return out
 
 
@@ -279,6 +313,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m h2o.parity.triattention", description=__doc__.splitlines()[0])
     ap.add_argument("--reference", required=True, help="a checkout of WeianMao/triattention")
     ap.add_argument("--golden", action="store_true", help=f"write the golden numbers ({RECORD})")
+    ap.add_argument("--smollm2", action="store_true", help="also the generation on SmolLM2-135M (cached, calibrated)")
     ap.add_argument("--commit", default=None, help="the reference's commit where DIR is an export, not a checkout")
     a = ap.parse_args(argv)
     root = Path(a.reference)
@@ -292,7 +327,9 @@ def main(argv=None) -> int:
         first = first_cuts(cal, states, module, stats)
         later = later_cuts(cal, states, BUDGETS[0], module, stats)
         gen = generation(cal, module, stats)
-    summary = compare(first, later, gen)
+        summary = compare(first, later, gen)
+        if a.smollm2:
+            summary["generation_smollm2"] = smollm2_generation(module, Path(tmp))
     print(json.dumps(summary, indent=1))
     if a.golden:
         out = {"made_by": "python -m h2o.parity.triattention --reference DIR --golden",

@@ -36,8 +36,9 @@ INNER_OPTIONS = ("window", "kernel", "beta", "score", "decay", "seed", "sinks", 
                  "use_covariance", "use_vnorm", "epsilon", "history", "count")
 # keeps everything; the paper code's rule (simulated only, no cut); a rule of the rows' logits with a state of rows
 # per slot (r_kv: its scores are not pooled across heads by its reference either); a rule whose state carries a
-# history from cut to cut through its order hook, its scores normalised per head (g_kv)
-NOT_INNER = ("full", "h2o_reference", "r_kv", "g_kv")
+# history from cut to cut through its order hook, its scores normalised per head (g_kv); a rule bound per layer to a
+# model's statistics (triattention: its reference chooses per KV head, pooling nothing)
+NOT_INNER = ("full", "h2o_reference", "r_kv", "g_kv", "triattention")
 
 
 def inner_names() -> list[str]:
