@@ -12,6 +12,7 @@ from h2o import attach, make_policy
 from h2o.assets.models import resolve_attention, tiny_model
 from h2o.core.policies import REAL_POLICIES
 from h2o.core import prefill
+from tests.calibrated import ready
 from h2o.core.prefill import own_kernel
 
 CALLS = []
@@ -55,8 +56,8 @@ def loaded(attention: str):
     return model
 
 
-def policy(name: str):
-    return make_policy("full") if name == "full" else make_policy(name, budget=0.5)
+def policy(name: str, model=None):
+    return make_policy("full") if name == "full" else ready(make_policy(name, budget=0.5), model)
 
 
 @pytest.mark.parametrize("name", REAL_POLICIES)
@@ -66,8 +67,10 @@ def test_every_policy_runs_on_a_model_loaded_with_eager_attention(name):
     x = ids(40)
     mask = torch.ones_like(x)
     mask[1, :7] = 0
-    eager = run(loaded("eager"), policy(name), x, mask)
-    sdpa = run(loaded("sdpa"), policy(name), x, mask)
+    eager_model = loaded("eager")
+    rule = policy(name, eager_model)  # triattention: calibrated over the model (the same weights both ways)
+    eager = run(eager_model, rule, x, mask)
+    sdpa = run(loaded("sdpa"), rule, x, mask)
     assert torch.isfinite(eager).all()
     torch.testing.assert_close(eager, sdpa, atol=0, rtol=0)
 

@@ -10,6 +10,7 @@ from h2o.assets.models import tiny_model
 from h2o.core.cache import EvictingCache
 from h2o.core.policies import Policy, PolicyError
 from h2o.core.rerotate import CachePositions, KeyShifter
+from tests.calibrated import ready
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def model():
 def test_a_layer_renumbering_itself_equals_the_cache_renumbered_from_outside(model, name, chunk):
     ids = torch.randint(3, 200, (1, 64), generator=torch.Generator().manual_seed(4))
     every = {"interval": 5} if Policy.registry[name].schedule.takes_interval else {}  # g_kv's
-    policy = make_policy(name, budget=1.0 if name == "full" else 12, **every)  # default: cuts inside 64 tokens
+    policy = ready(make_policy(name, budget=1.0 if name == "full" else 12, **every), model)  # cuts inside 64 tokens
     n_layers = model.config.num_hidden_layers
     outs, caches = [], []
     for inside in (True, False):
