@@ -280,3 +280,21 @@ def test_greedy_generation_equals_the_references_own_model_patch(recorded, golde
     with monkeypatch.context() as m:
         m.setitem(parity.OPTIONS, "allow_prefill_compression", True)
         assert parity.generation(cal)["ours"][0] != want["tokens"]
+
+
+def test_lm_eval_finds_the_calibration_or_refuses_before_loading(tmp_path, monkeypatch):
+    """lm-eval's ``--model h2o --model_args pretrained=tiny:llama,policy=triattention``: the conf/model name in the
+    refusal (the command's spelling), raised before the model loads; with the file, the rule carries its digest."""
+    from h2o.assets.triattention import checkpoint_folder, save
+    from h2o.tasks import lm_eval_model
+
+    monkeypatch.setenv("H2O_CACHE", str(tmp_path))
+    loads = []
+    monkeypatch.setattr(lm_eval_model.HFLM, "__init__", lambda self, **kw: loads.append(kw))
+    with pytest.raises(PolicyError, match=r"model=tiny-llama`$"):
+        lm_eval_model.H2OLM(pretrained="tiny:llama", policy="triattention", budget=16)
+    assert loads == []
+    digest = weights_digest(checkpoint_folder("tiny:llama"))
+    save(calibrate(tiny_model("llama"), austen_ids(), digest, {"model": "tiny-llama"}), stats_file(digest))
+    lm = lm_eval_model.H2OLM(pretrained="tiny:llama", policy="triattention", budget=16)
+    assert lm.policy.describe()["calibration"]["digest"] == digest and len(loads) == 1

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from h2o.assets.paths import group_defaults
+
 WEIGHTS = ("*.safetensors", "*.bin", "*.pt")  # the weight files of a checkpoint folder
 FORMAT = 1
 
@@ -88,10 +90,8 @@ def require(model) -> Path:
     from h2o.core.policies import PolicyError
 
     if isinstance(model, str):
-        from h2o.assets.paths import group_defaults
-
-        node = group_defaults("model", model)
-        name, pretrained = (model, node["pretrained"]) if node else (model, model)
+        name, pretrained = conf_name(model), model
+        pretrained = group_defaults("model", model).get("pretrained", model)
     else:
         name, pretrained = model.name, model.pretrained
     folder = checkpoint_folder(pretrained)
@@ -103,6 +103,16 @@ def require(model) -> Path:
         raise PolicyError(f"policy=triattention: no calibration for model={name} (weights {path.stem[:12]}); write "
                           f"it once with `python -m h2o.assets.triattention model={name}`")
     return path
+
+
+def conf_name(model: str) -> str:
+    """The conf/model name of ``model`` (a name already, or a ``pretrained`` id one of them names; else itself)."""
+    from h2o.assets.paths import CONF
+
+    if (CONF / "model" / f"{model}.yaml").is_file():
+        return model
+    names = [p.stem for p in sorted((CONF / "model").glob("*.yaml"))]
+    return next((n for n in names if group_defaults("model", n).get("pretrained") == model), model)
 
 
 # ----------------------------------------------------------------------------------------------- statistics
@@ -198,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(argv: list[str]) -> int:
     from h2o.assets.calibrate import calibration_windows
     from h2o.assets.model_spec import ModelSpec
-    from h2o.assets.paths import group_defaults, CONF
+    from h2o.assets.paths import CONF
     from h2o.core.validate import ConfigError, check
 
     allowed = {"model": None, "windows": 8, "window": 512}

@@ -37,7 +37,6 @@ them with their positions. The statistics are per layer: :meth:`for_layer` retur
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 
@@ -52,7 +51,10 @@ AGGREGATIONS = ("max", "mean")  # over a KV head's query heads (the reference's 
 def offsets(max_length: int) -> torch.Tensor:
     """The future distances' offsets: ``1, 2, 4, ...`` up to ``max_length`` (the reference's geometric offsets),
     float64."""
-    return torch.tensor([float(2 ** i) for i in range(int(math.log2(max_length)) + 1)], dtype=torch.float64)
+    out = [1]
+    while out[-1] * 2 <= max_length:
+        out.append(out[-1] * 2)
+    return torch.tensor(out, dtype=torch.float64)
 
 
 def complex_pairs(x: torch.Tensor, rotary: int) -> torch.Tensor:
