@@ -108,12 +108,12 @@ def test_the_prompt_is_kept_first_and_the_generated_tokens_compete(calibrated):
 
 
 # ----------------------------------------------------------------------------------------------- both paths
-@pytest.mark.parametrize("compress", ["decode", "interval"])
+@pytest.mark.parametrize("compress", ["decode", "interval", "buffer"])
 @pytest.mark.parametrize("budget,prefill", [(P + 4, False), (0.4, True)])
 def test_both_paths_agree_on_a_padded_batch(calibrated, compress, budget, prefill):
     model, cal = calibrated
     policy = make_policy("triattention", budget=budget, stats=cal, allow_prefill_compression=prefill,
-                         compress=compress, interval=3 if compress == "interval" else None)
+                         compress=compress, interval=None if compress == "decode" else 3)
     sim, full, _ = padded_paths(model, policy)
     assert not torch.allclose(sim[:, -6:], full[:, -6:], atol=1e-3)
 
@@ -194,9 +194,8 @@ def test_broken_rules_miss_the_golden_numbers(recorded, golden, monkeypatch):
 
 
 def test_the_evicting_caches_later_cuts_keep_the_references_positions(recorded, golden):
-    """The golden prompt then one token at a time through the evicting cache at compress=interval (every EVERY
-    tokens, the prompt a multiple of it: the reference's trigger at its budget's first crossing and every EVERY
-    tokens after) holds, at each cut, the reference's kept positions per KV head: every layer's at the first cut,
+    """The golden prompt then one token at a time through the evicting cache at compress=buffer (the reference's
+    slack trigger) holds, at each cut, the reference's kept positions per KV head: every layer's at the first cut,
     the first layer's at every cut (after a cut the later layers' keys are those of the evicted attention, no longer
     the recorded full-attention forward's)."""
     from h2o.parity.golden import load_model
@@ -204,7 +203,7 @@ def test_the_evicting_caches_later_cuts_keep_the_references_positions(recorded, 
     cal, _ = recorded
     model, ids = load_model(), parity.golden_ids()
     budget, P_ = golden["budgets"][0], parity.PROMPT
-    policy = make_policy("triattention", budget=budget, stats=cal, compress="interval", interval=parity.EVERY,
+    policy = make_policy("triattention", budget=budget, stats=cal, compress="buffer", interval=parity.EVERY,
                          **parity.OPTIONS)
     cuts = {r["now"]: r["kept"] for r in golden["later_cuts"]}
     seen = 0

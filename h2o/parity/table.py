@@ -316,7 +316,7 @@ def triattention_section(record: Path | None) -> list[str]:
              f"own cache | {later['cuts']} cuts, {later['heads']} heads | {later['heads_kept_differently']} | - |",
              f"| greedy generation, {gen['steps']} tokens after {g['generation']['prompt']} (budget "
              f"{g['generation']['budget']}, slack {g['every']}): the reference's own model patch vs the evicting "
-             f"cache at `compress=interval` | {gen['steps']} tokens | {gen['steps'] - gen['tokens_equal']} | "
+             f"cache at `compress=buffer` | {gen['steps']} tokens | {gen['steps'] - gen['tokens_equal']} | "
              f"log-prob {gen['largest_logprob_gap']:.1e} |",
              f"| the same, the full cache's tokens (the eviction matters) | {gen['steps']} tokens | "
              f"{gen['tokens_unlike_full']} | - |"]

@@ -26,10 +26,11 @@ Channels the rotary does not turn (GPT-NeoX's partial rotary) are paired the sam
 (for them the preference is the expected dot product, constant in the distance); the reference has full rotary
 only. Models without RoPE (OPT) have no rotation to undo: refused at calibration and at the pipeline's check.
 
-Timing: the reference cuts back to ``budget`` once the cache holds ``budget + divide_length`` tokens
-(``use_slack_trigger``, its default); ``compress=interval`` with ``interval`` 128 where none is given (its
-``divide_length``) cuts every 128 generated tokens instead (docs/triattention.md). ``compress=decode``: the arriving
-token takes the slot of the lowest-scored older generated token, ``t`` then the arriving token's position plus one.
+Timing: the reference cuts back to ``budget`` once the cache holds ``budget + divide_length`` tokens, the prompt
+counted (``use_slack_trigger``, its default): ``compress=buffer``, this rule's default, with ``interval`` 128 where
+none is given (its ``divide_length``); ``compress=interval`` cuts every 128 generated tokens instead, the same steps
+where ``budget - prompt`` is a multiple of it (docs/triattention.md). ``compress=decode``: the arriving token takes
+the slot of the lowest-scored older generated token, ``t`` then the arriving token's position plus one.
 
 State: at a cut or a decoding step :meth:`cut_score` hands the held keys on (B, H, S, D); :meth:`priority` scores
 them with their positions. The statistics are per layer: :meth:`for_layer` returns the rule bound to one layer's.
@@ -41,7 +42,7 @@ import copy
 import torch
 
 from .base import READ_KEYS, TIER, Counts, Policy, PolicyError
-from ..schedule import Schedule
+from ..schedule import Buffer, Schedule
 
 DIVIDE_LENGTH = 128  # the reference's divide_length: tokens between two cuts
 CALIBRATE = "python -m h2o.assets.triattention model=<name>"  # the command that writes a model's statistics
@@ -94,7 +95,7 @@ class TriAttention(Policy):
     name = "triattention"
     splits = False  # one budget: the prompt's tokens first, then the generated ones by score
     reads = frozenset({READ_KEYS})  # the held keys after RoPE, at a cut and at each decoding step
-    compress, interval = "interval", DIVIDE_LENGTH  # the reference's timing (its divide_length): docs/triattention.md
+    schedule = Buffer(DIVIDE_LENGTH)  # the reference's slack trigger: cut once budget + divide_length are held
 
     def __init__(self, budget=2048, heavy=None, recent=None, heavy_share=0.5, stats=None,
                  normalize_scores: bool = True, offset_max_length: int = 65536, head_aggregation: str = "max",
