@@ -259,6 +259,8 @@ def test_a_run_without_calibration_refuses_before_loading_and_records_the_digest
     model = tiny_model("llama")
     save(calibrate(model, austen_ids(), digest, {"model": "tiny-llama"}), stats_file(digest))
     assert require(spec) == require("tiny-llama") == stats_file(digest)
+    with pytest.raises(PolicyError, match=r"^policy=triattention: model=tiny-opt has no rotary embedding"):
+        require(ModelSpec("tiny-opt", "tiny:opt"))
     policy = make_policy("triattention", budget=16).calibrated(require(spec))
     assert policy.describe()["calibration"]["digest"] == digest
 

@@ -94,6 +94,10 @@ def require(model) -> Path:
         pretrained = group_defaults("model", model).get("pretrained", model)
     else:
         name, pretrained = model.name, model.pretrained
+        if model.geometry()[1] is False:
+            raise PolicyError(f"policy=triattention: model={name} has no rotary embedding in its config (its keys "
+                              f"carry no rotation to undo); allowed: a model with RoPE (Llama, Mistral, Qwen, Gemma, "
+                              f"GPT-NeoX)")
     folder = checkpoint_folder(pretrained)
     if folder is None:
         raise PolicyError(f"policy=triattention: model={name} is not on this machine, so it has no calibration; "
