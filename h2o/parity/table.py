@@ -326,6 +326,13 @@ def triattention_section(record: Path | None) -> list[str]:
                   f"{smol['budget']}, slack {g['every']}; its calibration `{smol['calibration']}`) | {smol['steps']} "
                   f"tokens | {smol['steps'] - smol['tokens_equal']} (full cache: {smol['tokens_unlike_full']}) | "
                   f"log-prob {smol['largest_logprob_gap']:.1e} |"]
+    cal = s.get("calibration")
+    if cal:
+        gap = max(v["largest_gap"] for v in cal.values())
+        big = max(v["largest"] for v in cal.values())
+        lines += [f"| calibration: its scripts/calibrate.py (bfloat16, which it hard-codes) vs ours with the model in "
+                  f"bfloat16, the same text and ids: mean query (real, imaginary), mean modulus per layer, head and "
+                  f"frequency | 3 statistics | - | {gap:.1e} (of {big:g}) |"]
     return lines + ["",
                     "Every kept set and every token is the same. The score gap is the reference's: it measures the "
                     "distances `t - p + o` in fp32, where offsets reach 65,536 and fp32 keeps 1/128 of a unit there; "
@@ -333,9 +340,9 @@ def triattention_section(record: Path | None) -> list[str]:
                     "the rule: transformers 5 dropped the `device` argument of `LlamaRotaryEmbedding`, which the "
                     "reference passes; the parity script gives it the same table without it. Not compared: the "
                     "reference's default CLI mode `per_head_pruning` (one choice per KV head for every layer) is not "
-                    "built (docs/triattention.md), and its calibration script (bfloat16 only, queries recomputed from "
-                    "`q_proj`) is not run; ours is checked against queries recomputed from `q_proj`. "
+                    "built (docs/triattention.md). The calibration differs by its bfloat16 round trip through RoPE "
+                    "(its queries rotated and turned back in bfloat16; ours turned back in fp32). "
                     "tests/test_triattention.py compares ours with these numbers without the reference (the first and "
-                    "later cuts, the evicting cache's cuts, the tokens and their log-probabilities) and shows broken "
-                    "variants missing them: the group's mean for its maximum, the distance counted from the newest "
-                    "token instead of the next, the prompt scored.", ""]
+                    "later cuts, the evicting cache's cuts, the tokens and their log-probabilities, the calibration) "
+                    "and shows broken variants missing them: the group's mean for its maximum, the distance counted "
+                    "from the newest token instead of the next, the prompt scored, channels paired (even, odd).", ""]

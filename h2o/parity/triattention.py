@@ -17,9 +17,13 @@
    :data:`EVERY`), each side keeping its own cache per layer and KV head; the kept positions at every cut.
 4. **Generation**: greedy decoding of :data:`STEPS` tokens after the first :data:`GEN_PROMPT` ids, the reference's
    own model patch (``apply_triattention_patch``: its forward wrapper, its cache, its slack trigger) beside ours
-   (the evicting cache at ``compress=buffer``, the same trigger): the tokens, each step's log-probability of its token, and the full cache's tokens (the
-   eviction changes them: the comparison is not vacuous). With ``--smollm2``, the same on SmolLM2-135M (:data:`SMOL`:
+   (the evicting cache at ``compress=buffer``, the same trigger): the tokens, each step's log-probability of its
+   token, and the full cache's tokens (the eviction changes them: the comparison is not vacuous). With ``--smollm2``, the same on SmolLM2-135M (:data:`SMOL`:
    256 tokens after 70 of Austen; its cached checkpoint and calibration), into the summary.
+
+5. **Calibration**: the reference's ``scripts/calibrate.py`` (``calibrate``: one forward in bfloat16, which it
+   hard-codes, the queries recomputed from ``q_proj`` through RoPE and back) over :data:`TEXT` on the committed model,
+   beside ours on the same token ids with the model in bfloat16: the largest difference of each statistic.
 
 ``--golden`` writes tests/data/parity_golden/triattention.json (what CI compares ours with:
 tests/test_triattention.py); the summary is printed.
@@ -279,6 +283,52 @@ def summarize(gen: dict, steps: int) -> dict:
             "tokens_unlike_full": sum(a != b for a, b in zip(ref[0], full[0]))}
 
 
+def calibration_ids() -> torch.Tensor:
+    """:data:`TEXT` as the reference's calibration reads it (``tokenizer.encode``, the model folder's tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from h2o.parity.golden import MODEL_DIR
+
+    return AutoTokenizer.from_pretrained(MODEL_DIR).encode(TEXT, return_tensors="pt")
+
+
+def ours_in_bf16() -> dict:
+    """Our calibration of the committed model loaded in bfloat16 (the reference's dtype) over
+    :func:`calibration_ids`."""
+    from transformers import AutoModelForCausalLM
+
+    from h2o.assets.triattention import calibrate
+    from h2o.parity.golden import MODEL_DIR
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.bfloat16, attn_implementation="eager").eval()
+    return calibrate(model, calibration_ids(), "bf16", {})
+
+
+def reference_calibration(root: Path, tmp: Path) -> dict:
+    """The reference's ``scripts/calibrate.py`` over :data:`TEXT` on the committed model (CPU, eager) -> per
+    statistic (L, Hq, F) in our layout."""
+    import importlib.util
+
+    from h2o.parity.golden import MODEL_DIR
+
+    spec = importlib.util.spec_from_file_location("triattention_reference_calibrate", root / "scripts" / "calibrate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    (tmp / "text.txt").write_text(TEXT)
+    script.calibrate(str(MODEL_DIR), str(tmp / "text.txt"), str(tmp / "ref_stats.pt"), max_length=4096,
+                     device="cpu", attn_implementation="eager")
+    stats = torch.load(tmp / "ref_stats.pt", map_location="cpu", weights_only=True)["stats"]
+    L, H = 1 + max(int(k[5:7]) for k in stats), 1 + max(int(k[12:14]) for k in stats)
+    return {name: torch.stack([torch.stack([stats[f"layer{i:02d}_head{h:02d}"][name] for h in range(H)])
+                               for i in range(L)]) for name in ("q_mean_real", "q_mean_imag", "q_abs_mean")}
+
+
+def calibration_gaps(ours: dict, reference: dict) -> dict:
+    """The largest |ours - reference| of each statistic (and the largest |reference|)."""
+    return {k: {"largest_gap": float(f"{float((ours[k].float() - torch.as_tensor(v)).abs().max()):.2e}"),
+                "largest": round(float(torch.as_tensor(v).abs().max()), 3)} for k, v in reference.items()}
+
+
 def compare(first: dict, later: list[dict], gen: dict | None = None) -> dict:
     gap, scale, differ, heads = 0.0, 0.0, 0, 0
     for row in first.values():
@@ -327,6 +377,8 @@ def main(argv=None) -> int:
         later = later_cuts(cal, states, BUDGETS[0], module, stats)
         gen = generation(cal, module, stats)
         summary = compare(first, later, gen)
+        ref_cal = reference_calibration(root, Path(tmp))
+        summary["calibration"] = calibration_gaps(ours_in_bf16(), ref_cal)
         if a.smollm2:
             summary["generation_smollm2"] = smollm2_generation(module, Path(tmp))
     print(json.dumps(summary, indent=1))
@@ -343,7 +395,9 @@ def main(argv=None) -> int:
                              for b, r in first.items()},
                "later_cuts": [{"now": r["now"], "kept": r["reference"]} for r in later],
                "generation": {"prompt": GEN_PROMPT, "budget": GEN_BUDGET, "tokens": gen["reference"][0],
-                              "logprob": [float(f"{x:.8g}") for x in gen["reference"][1]]}}
+                              "logprob": [float(f"{x:.8g}") for x in gen["reference"][1]]},
+               "calibration": {k: [[[float(f"{x:.8g}") for x in h] for h in layer] for layer in v.tolist()]
+                               for k, v in ref_cal.items()}}
         RECORD.write_text(json.dumps(out, separators=(",", ":")) + "\n")
         print(f"golden numbers: {RECORD}", file=sys.stderr)
     return 0
