@@ -18,9 +18,9 @@
 4. **Generation**: greedy decoding of :data:`STEPS` tokens after the first :data:`GEN_PROMPT` ids, the reference's
    own model patch (``apply_triattention_patch``: its forward wrapper, its cache, its slack trigger) beside ours
    (the evicting cache at ``compress=buffer``, the same trigger): the tokens, each step's log-probability of its
-   token, and the full cache's tokens (the eviction changes them: the comparison is not vacuous). With ``--smollm2``, the same on SmolLM2-135M (:data:`SMOL`:
-   256 tokens after 70 of Austen; its cached checkpoint and calibration), into the summary.
-
+   token, and the full cache's tokens (the eviction changes them: the comparison is not vacuous). With
+   ``--smollm2``, the same on SmolLM2-135M (:data:`SMOL`: 256 tokens after 70 of Austen; its cached checkpoint and
+   calibration), into the summary.
 5. **Calibration**: the reference's ``scripts/calibrate.py`` (``calibrate``: one forward in bfloat16, which it
    hard-codes, the queries recomputed from ``q_proj`` through RoPE and back) over :data:`TEXT` on the committed model,
    beside ours on the same token ids with the model in bfloat16: the largest difference of each statistic.
