@@ -333,18 +333,6 @@ def triattention_section(record: Path | None) -> list[str]:
         lines += [f"| calibration: its scripts/calibrate.py (bfloat16, which it hard-codes) vs ours with the model in "
                   f"bfloat16, the same text and ids: mean query (real, imaginary), mean modulus per layer, head and "
                   f"frequency | 3 statistics | - | {gap:.1e} (of {big:g}) |"]
-    base = s.get("r1kv_baseline")
-    if base:
-        ours, code = base["vs_r_kv"], base["vs_rkv_code_first_cut"]
-        lines += [f"| its R-KV baseline (methods/baselines/r1_kv.py) beside `r_kv`, R-KV's states and options above: "
-                  f"first cut / later cuts (re-sorted; in its own order) | {ours['first_cut']['heads']} / "
-                  f"{ours['later_cuts']['heads']} heads | {ours['first_cut']['heads_kept_differently']} / "
-                  f"{ours['later_cuts']['kept_differently_resorted']} ("
-                  f"{ours['later_cuts']['kept_differently_in_its_order']}) | score "
-                  f"{ours['first_cut']['largest_score_gap']:.1e} |",
-                  f"| the same baseline beside R-KV's own code (its golden first cuts) | "
-                  f"{ours['first_cut']['heads']} heads | {code['heads_kept_differently']} | score "
-                  f"{code['largest_score_gap']:.1e} |"]
     return lines + ["",
                     "Every kept set and every token is the same. The score gap is the reference's: it measures the "
                     "distances `t - p + o` in fp32, where offsets reach 65,536 and fp32 keeps 1/128 of a unit there; "
@@ -354,9 +342,7 @@ def triattention_section(record: Path | None) -> list[str]:
                     "reference's default CLI mode `per_head_pruning` (one choice per KV head for every layer) is not "
                     "built (docs/triattention.md). The calibration differs by its bfloat16 round trip through RoPE "
                     "(its queries rotated and turned back in bfloat16; ours turned back in fp32). The repository's "
-                    "R-KV baseline gives R-KV's own code's scores exactly (gap 0) at the same options, so `r_kv` "
-                    "stands for it too; its defaults differ (mix_lambda 0.1 where R-KV's code has 0.07; a "
-                    "`protect_prefill` option, off by default). "
+                    "own baselines: \"The field's implementations of one method\", above. "
                     "tests/test_triattention.py compares ours with these numbers without the reference (the first and "
                     "later cuts, the evicting cache's cuts, the tokens and their log-probabilities, the calibration) "
                     "and shows broken variants missing them: the group's mean for its maximum, the distance counted "

@@ -25,8 +25,7 @@
    hard-codes, the queries recomputed from ``q_proj`` through RoPE and back) over :data:`TEXT` on the committed model,
    beside ours on the same token ids with the model in bfloat16: the largest difference of each statistic.
 
-6. **Its R-KV baseline** (``triattention/methods/baselines/r1_kv.py``, the R-KV its paper compares with) beside
-   ``r_kv`` and R-KV's own code, through :mod:`h2o.parity.r_kv`'s recorded states and cuts at R-KV's options.
+The repository's own baselines (H2O, R1KV, SnapKV) beside ``h2o``, ``r_kv``, ``snapkv``: :mod:`h2o.parity.baselines`.
 
 ``--golden`` writes tests/data/parity_golden/triattention.json (what CI compares ours with:
 tests/test_triattention.py); the summary is printed.
@@ -332,31 +331,6 @@ def calibration_gaps(ours: dict, reference: dict) -> dict:
                 "largest": round(float(torch.as_tensor(v).abs().max()), 3)} for k, v in reference.items()}
 
 
-def r1kv_baseline(root: Path) -> dict:
-    """The reference repository's R1KV (its R-KV baseline) on :mod:`h2o.parity.r_kv`'s states and cuts beside
-    ``r_kv`` (its summary), and its first cuts beside R-KV's own code (r_kv.json's golden kept sets and scores)."""
-    from h2o.parity import r_kv
-    from h2o.parity.golden import load_model
-
-    sys.path.insert(0, str(root))
-    try:
-        R1KV = importlib.import_module("triattention.methods.baselines.r1_kv").R1KV
-    finally:
-        sys.path.remove(str(root))
-    states = r_kv.record_states(load_model(), r_kv.golden_ids())
-    first = r_kv.first_cuts(states, R1KV)
-    later = r_kv.later_cuts(states, r_kv.BUDGETS[0], R1KV)
-    resorted = r_kv.later_cuts(states, r_kv.BUDGETS[0], R1KV, resort=True)
-    golden = json.loads(r_kv.RECORD.read_text())["first_cut"]
-    differ, gap = 0, 0.0
-    for key, row in first.items():
-        layer, budget = key.split("/")
-        differ += sum(a != b for a, b in zip(row["reference_kept"], golden[layer]["kept"][budget]))
-        gap = max(gap, float((torch.tensor(row["reference_score"]) - torch.tensor(golden[layer]["score"])).abs().max()))
-    return {"options": r_kv.OPTIONS, "vs_r_kv": r_kv.compare(first, later, resorted),
-            "vs_rkv_code_first_cut": {"heads_kept_differently": differ, "largest_score_gap": float(f"{gap:.2e}")}}
-
-
 def compare(first: dict, later: list[dict], gen: dict | None = None) -> dict:
     gap, scale, differ, heads = 0.0, 0.0, 0, 0
     for row in first.values():
@@ -407,7 +381,6 @@ def main(argv=None) -> int:
         summary = compare(first, later, gen)
         ref_cal = reference_calibration(root, Path(tmp))
         summary["calibration"] = calibration_gaps(ours_in_bf16(), ref_cal)
-        summary["r1kv_baseline"] = r1kv_baseline(root)
         if a.smollm2:
             summary["generation_smollm2"] = smollm2_generation(module, Path(tmp))
     print(json.dumps(summary, indent=1))
