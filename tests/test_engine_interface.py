@@ -31,7 +31,8 @@ def policy_flags() -> set[str]:
     """Every flag a policy class declares (:func:`declared_flags`) and what follows from them (the Policy's
     properties: ``is_full``, ``needs_scores``, ``reads_keys``...); not its schedule's spelling (``compress``,
     ``interval``: the run's config, in every record) nor ``quant`` (a notice of its second spelling)."""
-    derived = {k for k, v in vars(Policy).items() if isinstance(v, property)}
+    derived = {k for cls in [Policy, *Policy.registry.values()] for k, v in vars(cls).items()
+               if isinstance(v, property)}  # a rule's own answers too (triattention's needs_calibration)
     return (declared_flags([Policy, *Policy.registry.values()]) | derived) - {"compress", "interval", "quant"}
 
 
@@ -63,7 +64,7 @@ def sources(under: Path, outside: Path | None = None) -> list[Path]:
 def test_nothing_outside_the_core_reads_a_policys_flags():
     """Every flag of every registered policy class (:func:`policy_flags`: 18 names; three before issue 47)."""
     assert {"evicts", "pooled", "reads", "real_only", "reads_logits", "whole_forward", "schedule",
-            "needs_scores"} <= policy_flags()
+            "needs_scores", "needs_calibration"} <= policy_flags()
     found = [f"{f.relative_to(ROOT)}:{n}" for f in sources(ROOT, ROOT / "core")
              for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
              if FLAGS.search(line) and not line.lstrip().startswith(("from ", "import "))]

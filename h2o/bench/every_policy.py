@@ -25,6 +25,7 @@ from h2o.assets.policy_config import at_budget
 from h2o.bench.report import section_rows
 from h2o.bench.throughput import benchmark
 from h2o.bench.variants import Variant
+from h2o.core import engine
 
 SECTION = "methods"  # the records' ``section``: not read by the targets
 OPTION = "task.methods"  # the make bench option that turns the section off (null)
@@ -48,7 +49,7 @@ def with_statistics(policy, model):
     """``policy``, and where it reads a model's offline statistics (triattention) with ``model``'s: the cache's
     file (``python -m h2o.assets.triattention``), else computed here over random token ids (what a benchmark
     measures, time and bytes, does not depend on them; the row's record names them)."""
-    if model is None or not getattr(policy, "needs_calibration", False):
+    if model is None or not engine.calibration(policy):
         return policy
     import torch
 

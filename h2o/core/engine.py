@@ -16,6 +16,7 @@ its schedule), so that nothing outside ``h2o.core`` reads a policy's flags.
 * the schedule's answers: :func:`appends_after_prompt` (every later token kept after the prompt's cut),
   :func:`held_after` (the tokens a global layer holds after ``fed`` tokens), :func:`schedule_options` (what the
   schedule adds to the run's options); :func:`rows_read` (what the rule accumulates of attention rows).
+* :func:`calibration`: whether the rule reads a model's offline statistics (triattention), found before loading.
 """
 from __future__ import annotations
 
@@ -114,3 +115,9 @@ def rows_read(policy: Policy, logits, probs):
     """What the rule's ``accumulate`` is given of attention rows: their ``logits`` (``READ_LOGITS``: r_kv, g_kv) or
     their ``probs`` (a parity script driving a rule's hooks by hand)."""
     return logits if policy.reads_logits else probs
+
+
+def calibration(policy: Policy) -> bool:
+    """Whether the rule reads a model's offline statistics (triattention: ``python -m h2o.assets.triattention``), which
+    a run finds (or refuses in one line) before its model loads."""
+    return bool(getattr(policy, "needs_calibration", False))

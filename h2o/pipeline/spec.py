@@ -330,7 +330,7 @@ def prepare(cfg: DictConfig) -> RunSpec:
         policy.check_run_counts(longest, f"the longest context of {model.name}")
     if getattr(policy, "reads_queries", False):  # the queries before RoPE: the config says whether there is one
         policy.check_rotary(model.geometry()[1], model.name)
-    if getattr(policy, "needs_calibration", False):  # a model's offline statistics (triattention): found before
+    if engine.calibration(policy):  # a model's offline statistics (triattention): found before
         from h2o.assets.triattention import require  # the model loads, or a one-line refusal naming the command
 
         calibrated = policy.calibrated(require(model))

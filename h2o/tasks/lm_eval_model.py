@@ -140,7 +140,7 @@ class H2OLM(AskMany, ResumeLogs, GenerationRows, HFLM):
             raise PolicyError(f"question={question!r}: allowed: {', '.join(QUESTIONS)}")
         self.many = check_many(questions, turns, "")  # (questions | turns, K) or None
         policy = lm_policy(policy, kwargs, semantics)
-        if getattr(policy, "needs_calibration", False):  # a model's offline statistics (triattention)
+        if engine.calibration(policy):  # a model's offline statistics (triattention)
             from h2o.assets.triattention import require
 
             policy = policy.calibrated(require(pretrained))

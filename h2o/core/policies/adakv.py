@@ -37,8 +37,9 @@ INNER_OPTIONS = ("window", "kernel", "beta", "score", "decay", "seed", "sinks", 
 # keeps everything; the paper code's rule (simulated only, no cut); a rule of the rows' logits with a state of rows
 # per slot (r_kv: its scores are not pooled across heads by its reference either); a rule whose state carries a
 # history from cut to cut through its order hook, its scores normalised per head (g_kv); a rule bound per layer to a
-# model's statistics (triattention: its reference chooses per KV head, pooling nothing)
-NOT_INNER = ("full", "h2o_reference", "r_kv", "g_kv", "triattention")
+# model's statistics (triattention: its reference chooses per KV head, pooling nothing); SnapKV-D, which is SnapKV
+# at compress=interval interval=1 (Ada-KV over it: inner=snapkv with that schedule)
+NOT_INNER = ("full", "h2o_reference", "r_kv", "g_kv", "triattention", "snapkv_d")
 
 
 def inner_names() -> list[str]:
