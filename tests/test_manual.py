@@ -52,6 +52,10 @@ NOT_RUN = {
     "pip install '.[workspace]'": "installs from the package registry",
     "pip install 'lm_eval[math]'": "installs lm-eval's math extra from the package registry (minerva_math500 needs it)",
     "wandb login": "needs a wandb account",
+    "python -m h2o.assets.triattention model=deepseek-r1-distill-qwen-7b": "calibrates a cluster model (a 7B checkpoint "
+                                                                            "from the hub); tests/test_triattention.py "
+                                                                            "runs the command on a tiny model",
+    "python -m h2o.assets.triattention model=qwen3-8b": "the same, for Qwen3-8B",
     "wandb sync runs/.wandb/wandb/offline-run-*": "uploads to wandb (needs an account and the network)",
 }
 # Cluster-only: submitting needs Slurm; here they are composed (the launcher's --dry), nothing is submitted.

@@ -187,15 +187,20 @@ def test_lm_eval_cli_refuses_bad_sampling(args, words, capsys, tmp_path, monkeyp
 
 
 def test_cluster_grid_lists_both_models_four_tasks_and_token_budgets():
-    """experiment=reasoning_cluster offline: 392 runs, the field's sizes per task, whole-cache token budgets, each
-    policy at every step and every 128 tokens (R-KV's buffer); the launcher's estimate of an AIME run."""
+    """experiment=reasoning_cluster offline: 488 runs, the field's sizes per task, whole-cache token budgets, each
+    policy at every step and every 128 tokens (R-KV's buffer), the 2026 baselines every 128 tokens; TriAttention's
+    32 listed as refused here, naming the calibration command (the models are not on this machine); the launcher's
+    estimate of an AIME run."""
     from h2o.pipeline import launch
     from h2o.pipeline.sweep import expand
     from h2o.tasks.reasoning import DECODE_COST
 
-    specs = expand(["experiment=reasoning_cluster"], multirun=True).specs
+    sweep = expand(["experiment=reasoning_cluster"], multirun=True)
+    specs = sweep.specs
     runs = {p.path: p for p in specs}
-    assert len(runs) == 392
+    assert len(runs) == 456
+    uncalibrated = [why for job, why in sweep.refused if "policy=triattention" in job]
+    assert len(uncalibrated) == 32 and all("python -m h2o.assets.triattention model=" in w for w in uncalibrated)
     assert {p.model.name for p in specs} == {"deepseek-r1-distill-qwen-7b", "qwen3-8b"}
     assert {(p.task.name, p.task.lm_eval_task, p.task.n) for p in specs} == {
         ("aime24", "aime24", 8), ("aime25", "aime25", 8), ("math500", "hendrycks_math500", 1),
@@ -205,7 +210,8 @@ def test_cluster_grid_lists_both_models_four_tasks_and_token_budgets():
     cells = {(p.policy.name, p.policy.budget, p.policy.compress, p.policy.interval)
              for p in runs.values() if p.policy.name != "full"}
     assert cells == {(m, b, *schedule) for m in ("h2o", "snapkv", "streaming_llm", "tova", "knorm", "r_kv")
-                     for b in (512, 1024, 2048, 4096) for schedule in (("decode", None), ("interval", 128))}
+                     for b in (512, 1024, 2048, 4096) for schedule in (("decode", None), ("interval", 128))} | {
+        (m, b, "interval", 128) for m in ("snapkv_d", "g_kv") for b in (512, 1024, 2048, 4096)}
     assert sum(p.policy.name == "full" for p in runs.values()) == 8  # one per model and task
     aime = next(p for p in specs if p.task.name == "aime24" and p.model.name == "qwen3-8b")
     assert launch.run_minutes(aime, launch.cluster_config([])) == pytest.approx(

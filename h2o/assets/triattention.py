@@ -86,8 +86,9 @@ def stats_file(digest: str) -> Path:
 def require(model) -> Path:
     """The statistics file of ``model`` (a :class:`h2o.assets.model_spec.ModelSpec`, a conf/model name or a
     ``pretrained`` id or folder), found without loading it; PolicyError in one line naming the command where there
-    is none."""
+    is none (Unsupported: a sweep lists the job as refused, naming the command, and runs the others)."""
     from h2o.core.policies import PolicyError
+    from h2o.core.policies.budget import Unsupported
 
     if isinstance(model, str):
         name, pretrained = conf_name(model), model
@@ -100,11 +101,11 @@ def require(model) -> Path:
                               f"GPT-NeoX)")
     folder = checkpoint_folder(pretrained)
     if folder is None:
-        raise PolicyError(f"policy=triattention: model={name} is not on this machine, so it has no calibration; "
+        raise Unsupported(f"policy=triattention: model={name} is not on this machine, so it has no calibration; "
                           f"fetch it, then run `python -m h2o.assets.triattention model={name}`")
     path = stats_file(weights_digest(folder))
     if not path.is_file():
-        raise PolicyError(f"policy=triattention: no calibration for model={name} (weights {path.stem[:12]}); write "
+        raise Unsupported(f"policy=triattention: no calibration for model={name} (weights {path.stem[:12]}); write "
                           f"it once with `python -m h2o.assets.triattention model={name}`")
     return path
 

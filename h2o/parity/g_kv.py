@@ -22,7 +22,7 @@ three files the scoring needs are imported from there, never copied into this re
    code there: r_kv.json), overlap per layer; ``r_kv`` with the repository's importance (:func:`probs_importance`).
 
 The reference's similarity is a Triton kernel (``cal_similarity_triton``, its default). Without a GPU it runs in
-Triton's interpreter (``TRITON_INTERPRET=1``, set here), which needs a Triton that still has block pointers (3.6;
+Triton's interpreter (``TRITON_INTERPRET=1``, set by :mod:`h2o.parity.g_kv_reference`), which needs a Triton that still has block pointers (3.6;
 ``pip install --target DIR triton==3.6.0``, then ``PYTHONPATH=DIR``); a Triton without them is a one-line refusal.
 
 ``--golden`` writes tests/data/parity_golden/g_kv.json (what CI compares ours with: tests/test_g_kv.py); the summary
@@ -30,15 +30,13 @@ is printed. Outside CI: CI has no reference checkout.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import sys
-import types
 from pathlib import Path
 
 import torch
 
+from h2o.parity.g_kv_reference import FILES, load_reference
 from h2o.parity.pairs import GKV_RECORD as RECORD, GOLDEN
 from h2o.parity.r_kv import CatchTopk, golden_ids, record_states
 
@@ -54,75 +52,9 @@ RECIPES = {
     "r_kv": {"window_size": 16, "enable_pooling": True, "suppressing_redundancy": True, "mix_lambda": 0.1,
              "kernel_size": 5},
 }
-FILES = ("gkv/utils/compression_score.py", "gkv/model/sparse_mask.py", "gkv/model/compression/score_based.py")
 
 
 # ----------------------------------------------------------------------------------------------- reference
-def load_reference(root: Path):
-    """ScoreBasedKV from ``root``/gkv (a checkout of microsoft/G-KV), its three files loaded as modules of their own
-    names (its packages' ``__init__`` files import its model patches, which the scoring does not need). Without
-    CUDA its Triton kernel runs in Triton's interpreter."""
-    missing = [str(root / f) for f in FILES if not (root / f).is_file()]
-    if missing:
-        raise SystemExit(f"--reference={root}: no {', '.join(missing)}; allowed: a checkout of microsoft/G-KV")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        if "triton" in sys.modules:  # its language's own helpers were made for a GPU at their import
-            raise SystemExit("triton was imported before this command could set TRITON_INTERPRET=1 (no GPU here); "
-                             "allowed: load the reference first, in a fresh process, or TRITON_INTERPRET=1 set")
-        os.environ["TRITON_INTERPRET"] = "1"
-    import triton
-    import triton.language as tl
-
-    if not block_pointers(tl):
-        raise SystemExit(f"triton {triton.__version__}: its block pointers are gone, which the reference's "
-                         "cal_similarity_triton uses; allowed: triton 3.6 (pip install --target DIR triton==3.6.0, "
-                         "then PYTHONPATH=DIR)")
-    interpret_index()
-    for package in ("gkv", "gkv.utils", "gkv.model", "gkv.model.compression"):
-        module = types.ModuleType(package)
-        module.__path__ = [str(root / package.replace(".", "/"))]
-        sys.modules[package] = module
-    for f in FILES:
-        load(f[:-3].replace("/", "."), root / f)
-    return sys.modules["gkv.model.compression.score_based"].ScoreBasedKV
-
-
-def block_pointers(tl) -> bool:
-    """Whether this Triton still has ``tl.make_block_ptr`` (3.9 raises NotImplementedError in it)."""
-    import inspect
-
-    make = getattr(tl, "make_block_ptr", None)
-    return make is not None and "NotImplementedError" not in inspect.getsource(make)
-
-
-def interpret_index() -> None:
-    """Triton 3.6's interpreter turns a loaded scalar into an index with ``int`` of a one-element array, which NumPy
-    2.4 refuses; read its one element instead (what the interpreter means; the kernel is untouched)."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    import numpy as np
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "one_element", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
-
-    patched.one_element = True
-    interpreter._patch_lang_tensor = patched
-
-
-def load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def reference_cut(ScoreBasedKV, recipe: dict, keys, queries, pos, budget: int, history=None):
     """keys (1, Hkv, S, D) in the reference's cache order (positions), pos (1, Hkv, S) their positions, queries
     (1, Hq, w, D) the query cache, history its ``score_cache`` (1, Hkv, c) or None -> (each KV head's kept positions,
