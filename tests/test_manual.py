@@ -56,6 +56,8 @@ NOT_RUN = {
                                                                             "from the hub); tests/test_triattention.py "
                                                                             "runs the command on a tiny model",
     "python -m h2o.assets.triattention model=qwen3-8b": "the same, for Qwen3-8B",
+    "python -m h2o.assets.triattention model=gemma3-270m": "calibrates Gemma-3-270m (~40 s); the SmolLM2 line beside "
+                                                           "it on the same page runs the same command",
     "wandb sync runs/.wandb/wandb/offline-run-*": "uploads to wandb (needs an account and the network)",
 }
 # Cluster-only: submitting needs Slurm; here they are composed (the launcher's --dry), nothing is submitted.
