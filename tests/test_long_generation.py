@@ -31,11 +31,12 @@ def test_the_grid_lists_every_decoding_method_at_each_budget_and_schedule():
     assert set(cells) == {("full", 1.0, "decode", None, 8)} | {
         (m, b, c, i, 8) for m in DECODING for b in (64, 128) for c, i in (("decode", None), ("interval", 32))} | {
         ("full", 1.0, "decode", None, 16), ("h2o", 64, "decode", None, 16), ("streaming_llm", 64, "decode", None, 16),
-        ("full", 1.0, "decode", None, 32), ("h2o", 64, "interval", 32, 32), ("r_kv", 64, "interval", 32, 32)}
-    assert len(specs) == 35 and specs[0].policy.name == "full"
+        ("full", 1.0, "decode", None, 32), ("h2o", 64, "interval", 32, 32), ("r_kv", 64, "interval", 32, 32)} | {
+        (m, 64, "interval", 32, 8) for m in ("g_kv", "snapkv_d")}  # the 2026 baselines (triattention: its command)
+    assert len(specs) == 37 and specs[0].policy.name == "full"
     first = [(p.policy.budget, p.task.prompts) for p in specs[1:15]]
     assert set(first) == {(64, 8)}  # every method and schedule at 64 tokens before 128, then the 16 prompts
-    assert [p.task.prompts for p in specs[29:]] == [16] * 3 + [32] * 3  # the headline's cells, the replication's
+    assert [p.task.prompts for p in specs[31:]] == [16] * 3 + [32] * 3  # the headline's cells, the replication's
     assert "prompts=16" in str(next(p.path for p in specs if p.task.prompts == 16))  # beside the grid's folders
     assert "prompts=32" in str(next(p.path for p in specs if p.task.prompts == 32))
     task = sweep.specs[0].task

@@ -134,11 +134,13 @@ def llama(layers: int):
 def layer_syncs(name: str, compress: str, interval: int = 2, budget=0.3, prompt: int = 40) -> float:
     """Host reads per layer per decoding step of policy ``name`` under ``compress`` (``interval``: its option),
     on the tiny LLaMA: :func:`step_reads` at 4 layers less at 2, halved (the forward's own reads cancel)."""
+    from h2o.bench.every_policy import with_statistics
     from h2o.core.policies import make_policy
 
     extra = {"interval": interval} if Schedule.registry[compress].takes_interval else {}
     ids = torch.randint(3, 128, (1, prompt), generator=torch.Generator().manual_seed(0))
-    at = [step_reads(llama(n), make_policy(name, budget=budget, compress=compress, **extra), ids, 2 * interval)
+    at = [step_reads(llama(n), with_statistics(make_policy(name, budget=budget, compress=compress, **extra),
+                                               llama(n)), ids, 2 * interval)  # triattention: the model's statistics
           for n in (2, 4)]
     return (at[1] - at[0]) / 2
 
