@@ -38,7 +38,7 @@ import torch
 
 from h2o.parity.g_kv_reference import FILES, load_reference
 from h2o.parity.pairs import GKV_RECORD as RECORD, GOLDEN
-from h2o.parity.r_kv import CatchTopk, golden_ids, record_states
+from h2o.parity.r_kv import CatchTopk, golden_first, golden_ids, record_states
 
 BUDGETS = (24, 40, 64)
 PROMPT, EVERY, LATER_BUDGET = 40, 16, 32  # the later cuts: the prompt's, then every EVERY tokens, at LATER_BUDGET
@@ -329,18 +329,6 @@ def compare(first: dict, later: list[dict]) -> dict:
                            "kept_differently": sum(a != b for r in later for a, b in zip(r["ours"], r["reference"])),
                            "largest_score_gap": float(f"{max(r['score_gap'] for r in later):.2e}"),
                            "largest_history_gap": float(f"{max(r['history_gap'] for r in later):.2e}")}}
-
-
-def golden_first(first: dict) -> dict:
-    """The reference's first cuts per layer: its score (the same at every budget, 8 digits) and each budget's kept
-    positions per head."""
-    out = {}
-    for key, row in first.items():
-        layer, budget = key.split("/")
-        at = out.setdefault(layer, {"score": [[float(f"{x:.8g}") for x in h] for h in row["reference_score"]],
-                                    "kept": {}})
-        at["kept"][budget] = row["reference_kept"]
-    return out
 
 
 def main(argv=None) -> int:

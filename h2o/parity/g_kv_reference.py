@@ -4,13 +4,14 @@ own names (not copied here), and without a GPU its Triton similarity kernel in T
 untouched)."""
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 import types
 from pathlib import Path
 
 import torch
+
+from h2o.parity.r_kv import load
 
 FILES = ("gkv/utils/compression_score.py", "gkv/model/sparse_mask.py", "gkv/model/compression/score_based.py")
 
@@ -70,11 +71,3 @@ def interpret_index() -> None:
 
     patched.one_element = True
     interpreter._patch_lang_tensor = patched
-
-
-def load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
