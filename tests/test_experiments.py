@@ -68,8 +68,9 @@ def test_every_group_file_composes_and_builds(hydra_ctx, group, monkeypatch):
     from h2o.core.policies import Policy
     from h2o.tasks.base import TaskSpec
 
-    need = ("layers", "rotary", "omega", "scale", "q_mean_real", "q_mean_imag", "q_abs_mean", "digest")
-    monkeypatch.setattr(triattention, "require", lambda model: dict.fromkeys(need))
+    from h2o.core.policies.triattention import FIELDS
+
+    monkeypatch.setattr(triattention, "require", lambda model: dict.fromkeys(FIELDS))
 
     kinds = {"model": ModelSpec, "task": TaskSpec, "policy": Policy}
     names = files(group)

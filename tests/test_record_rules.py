@@ -88,9 +88,10 @@ def test_every_committed_record_rebuilds_from_its_config_as_it_is_written(hydra_
 
     monkeypatch.setattr(KVQuant, "load", lambda self, calibration: None)  # its describe() reads no calibration
     # triattention's calibration file is not on a fresh machine: the record's own (what its describe() writes)
-    fields = ("layers", "rotary", "omega", "scale", "q_mean_real", "q_mean_imag", "q_abs_mean")
+    from h2o.core.policies.triattention import FIELDS
+
     written: dict = {}
-    monkeypatch.setattr(triattention, "require", lambda model: {**dict.fromkeys(fields), **written["calibration"]})
+    monkeypatch.setattr(triattention, "require", lambda model: {**dict.fromkeys(FIELDS), **written["calibration"]})
     folders = sorted(p.parent for p in [*REPO.glob("studies/**/metrics.json"), *REPO.glob("runs/**/metrics.json")])
     assert len(folders) >= 208
     equal, before = 0, []

@@ -208,6 +208,10 @@ class TriAttention(Policy):
                 "calibration": {k: cal.get(k) for k in ("model", "digest", "text", "tokens")} if cal else None}
 
 
+# the fields of a calibration (h2o.assets.triattention writes them; load_stats checks them)
+FIELDS = ("layers", "rotary", "omega", "scale", "q_mean_real", "q_mean_imag", "q_abs_mean", "digest")
+
+
 def load_stats(stats) -> dict | None:
     """A calibration (``h2o.assets.triattention``'s dict, or a path to its file; None: none) checked for its fields."""
     if stats is None or isinstance(stats, dict):
@@ -219,7 +223,7 @@ def load_stats(stats) -> dict | None:
         if not path.is_file():
             raise PolicyError(f"stats={stats!r}: no such file; allowed: a calibration file written by `{CALIBRATE}`")
         cal = torch.load(path, map_location="cpu", weights_only=True)
-    need = ("layers", "rotary", "omega", "scale", "q_mean_real", "q_mean_imag", "q_abs_mean", "digest")
+    need = FIELDS
     if cal is not None and any(k not in cal for k in need):
         raise PolicyError(f"stats: not a calibration (fields {', '.join(k for k in need if k not in cal)} missing); "
                           f"allowed: a file written by `{CALIBRATE}`")
