@@ -17,7 +17,7 @@ sync in a decoding step (a prefill counts its tokens, one per layer). A decoding
 
 Sliding-window layers (``window``): what leaves the window goes before the policy decides, whose budget applies
 inside it (docs/attention.md); the heads then differ, so such a layer decides on the device
-(:meth:`EvictingLayer.slide_in`), the host keeping an upper bound of the slots held.
+(:meth:`EvictingLayer.step_in`, the one decoding step of every layer), the host keeping an upper bound of the slots held.
 """
 from __future__ import annotations
 
@@ -86,14 +86,7 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         if self.keys is None or q > 1:
             self.append(key_states, value_states)
         else:  # a decoding step: one real token in
-            if self.policy.pooled and self.steps_evict():
-                self.pool_in(key_states, value_states)
-            elif self.window is not None:
-                self.slide_in(key_states, value_states)
-            elif not self.steps_evict():
-                self.grow(key_states, value_states)
-            else:
-                self.decode_in_place(key_states, value_states)
+            self.step_in(key_states, value_states)
             self.n_tok += 1
             self.host_tok = [n + 1 for n in self.host_tok]
             self.n_new = 0
@@ -199,23 +192,66 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         if self.decoder is not None:  # new slots: a decoder's state is rebuilt at the next step
             self.decoder.reset()
 
-    def decode_in_place(self, key_states, value_states):
-        """One arriving token (a real token, never a pad): take the slot the step frees (:func:`step.evict_slot`),
-        or an empty one. The layer keeps the counts on the host and stores the token."""
-        room = [h < t for h, t in zip(self.host_held, self.host_total)]
+    def step_in(self, key_states, value_states):
+        """One decoding token (a real token, never a pad), in one order on every layer: what left the sliding window
+        goes; the slots each sequence holds with the token in (:meth:`held_after_step`, on the host) say whether the
+        storage takes a new slot; the token goes into the slot the rule frees (:func:`step.evict_slot`: a rule that
+        evicts at each step) or an empty one; a pooled layer (:attr:`Policy.pooled`, Ada-KV: the heads share the
+        budget) is then cut back to its budget, the token kept (:func:`step.pool_keep`), and its slots shrink to the
+        largest head's count. On a global layer a token that needs a new slot in some sequence takes the new slot
+        in every sequence (:meth:`grow`: no slot is searched)."""
+        evicts = self.steps_evict()
+        pooled = evicts and self.policy.pooled
+        if self.window is not None:  # what left the window is gone before the policy decides
+            step.expire_slots(self.pos, self.n_tok, self.window)
+        bound, S = self.held_after_step(evicts, pooled), self.keys.shape[-2]
+        if self.window is None and not pooled and (not evicts or max(bound) > S):
+            return self.grow(key_states, value_states)
+        if max(bound) > S:  # some sequence may need one more slot: an empty one (pos -1), filled below
+            self.append(key_states, value_states)
+        with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
+            slot = self.freed_slot() if evicts and not pooled else (self.pos < 0).byte().argmax(-1, keepdim=True)
+        self.place(slot, key_states, value_states)  # slot (B, H, 1)
+        self.host_held = bound
+        if pooled:
+            with serial(key_states.device):
+                arriving = self.pos == bcast(self.n_tok)
+                a = self.arrival(self.pos >= 0, None, None if not self.policy.reads_keys else ~arriving)
+                keep = step.pool_keep(self.policy, a, self.counts, arriving)  # (B, H, S)
+            self.pool_compact(keep, True)
+
+    def held_after_step(self, evicts: bool, pooled: bool) -> list[int]:
+        """Per sequence, the slots held once a decoding token is in (an upper bound on a sliding-window or pooled
+        layer, whose heads differ): one more, or (a rule that evicts at each step) one more only below the budget;
+        on a sliding-window layer at most the window (and the budget, or what was held plus the token, under a
+        schedule that cuts later)."""
+        if pooled or (self.window is None and not evicts):
+            return [h + 1 for h in self.host_held]
+        if self.window is None:
+            return [h + (h < t) for h, t in zip(self.host_held, self.host_total)]
+        if evicts or not self.limited():  # held: min(tokens, window, budget if it evicts)
+            totals = self.host_total if self.limited() else [None] * len(self.host_tok)
+            return [min(n + 1, self.window, n + 1 if t is None else t) for n, t in zip(self.host_tok, totals)]
+        return [min(h + 1, self.window) for h in self.host_held]  # a schedule that cuts later: held plus the token
+
+    def freed_slot(self) -> torch.Tensor:
+        """(B, H, 1) the slot a rule that evicts at each step gives the arriving token (:func:`step.evict_slot`): an
+        empty one below the budget, else the held one of lowest priority. A global layer's room is its host
+        counts' (no device read); a sliding-window layer's heads differ, so its room is counted per head."""
         S = self.keys.shape[-2]
-        if any(r and h == S for r, h in zip(room, self.host_held)):  # below budget, no empty slot: grow by one
-            self.grow(key_states, value_states)
-        else:
+        if self.window is None:
+            room = [h < t for h, t in zip(self.host_held, self.host_total)]
             every = all(h == S for h in self.host_held)  # no empty slot: then room is not read
             if not every and self.room_list != room:
-                self.room_list, self.room = room, torch.tensor(room, device=key_states.device)
-            with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-                a = self.arrival(None if every else self.pos >= 0, self.room)
-                slot = step.evict_slot(self.decoding(), a, (self.host_tok, self.host_held, room))  # (B, H, 1)
-                self.decoder.placed(slot)
-            self.place(slot, key_states, value_states)
-            self.host_held = [h + r for h, r in zip(self.host_held, room)]
+                self.room_list, self.room = room, torch.tensor(room, device=self.pos.device)
+            a, host = self.arrival(None if every else self.pos >= 0, self.room), (self.host_tok, self.host_held, room)
+        else:
+            held = self.pos >= 0  # (B, H, S)
+            room = held.sum(-1, keepdim=True) < bcast(self.counts.total)  # (B, H, 1)
+            a, host = self.arrival(held, room), (self.host_tok, self.host_held, None)
+        slot = step.evict_slot(self.decoding(), a, host)  # (B, H, 1)
+        self.decoder.placed(slot)
+        return slot
 
     def arrival(self, held: torch.Tensor | None, room: torch.Tensor | None,
                 older: torch.Tensor | None = None) -> step.Arrival:
@@ -227,25 +263,6 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             keys, scored = self.read()[0], self.pos >= 0 if held is None else held
             scored = scored if older is None else scored & older
         return step.Arrival(self.pos, held, self.acc, self.n_tok, self.pos, keys, scored, room)
-
-    def pool_in(self, key_states, value_states):
-        """One arriving token on a layer whose heads share the budget (:attr:`Policy.pooled`, Ada-KV): it takes
-        an empty slot in every head (a new slot where some head may have none), then the whole layer is cut back
-        to its budget (:func:`step.pool_keep`), the arriving token kept, and the slots shrink to the largest
-        head's count. One host read per step (the heads' counts decide the storage's shape)."""
-        if self.window is not None:  # what left the window is gone before the policy decides
-            step.expire_slots(self.pos, self.n_tok, self.window)
-        S = self.keys.shape[-2]
-        if any(h >= S for h in self.host_held):  # the largest head's count (settled in update)
-            self.append(key_states, value_states)  # an empty slot (pos -1), filled below
-        slot = (self.pos < 0).byte().argmax(-1, keepdim=True)  # (B, H, 1) the first empty slot of each head
-        self.place(slot, key_states, value_states)
-        with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-            arriving = self.pos == bcast(self.n_tok)
-            a = self.arrival(self.pos >= 0, None, None if not self.policy.reads_keys else ~arriving)
-            keep = step.pool_keep(self.policy, a, self.counts, arriving)  # (B, H, S)
-        self.host_held = [h + 1 for h in self.host_held]  # an upper bound: one token in
-        self.pool_compact(keep, True)
 
     def place(self, slot, key_states, value_states):
         """The arriving token (keys/values (B, H, 1, D or row bytes)) into ``slot`` (B, H, 1): stored here, its

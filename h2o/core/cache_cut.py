@@ -1,7 +1,7 @@
 """The evicting layer's cut: at the end of a prompt (or of a prefill chunk, or a schedule's cut) the layer keeps the
 budget (less the policy's ``cut_room``) by what the policy ranks (:meth:`CutHooks.cut_state`) and frees the rest, in
-:mod:`h2o.core.step`'s order; a cut a rule decides itself (:meth:`CutHooks.keep_only`); a sliding-window layer's
-decoding step (:meth:`CutHooks.slide_in`). Mixed into :class:`h2o.core.cache.EvictingLayer` (shapes there).
+:mod:`h2o.core.step`'s order; a cut a rule decides itself (:meth:`CutHooks.keep_only`).
+Mixed into :class:`h2o.core.cache.EvictingLayer` (shapes there).
 """
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from dataclasses import replace
 import torch
 
 from . import step
-from .masks import serial
 from .policies import PolicyError
-from .policies.base import along_slots, bcast
+from .policies.base import along_slots
 
 
 class CutHooks:
@@ -129,27 +128,3 @@ class CutHooks:
             stats, self.queries = self.queries, None
             return self.policy.query_score(stats, *self.read(), self.pos, valid)
         return step.score(self.policy, self.acc, self.read()[0] if self.policy.reads_keys else None, valid)
-
-    def slide_in(self, key_states, value_states):
-        """One arriving token on a sliding-window layer: what leaves the window goes first, then the policy
-        decides per KV head on what is left (an empty slot where the head is below budget, else the token of
-        lowest priority). A slot is added when some sequence may need more: ``min(tokens + 1, window, budget)``
-        (the upper bound of what it holds with the arriving token)."""
-        if self.steps_evict() or not self.limited():  # held: min(tokens, window, budget if it evicts)
-            totals = self.host_total if self.limited() else [None] * len(self.host_tok)
-            bound = [min(n + 1, self.window, n + 1 if t is None else t) for n, t in zip(self.host_tok, totals)]
-        else:  # a schedule that cuts later (interval): what it holds, plus the arriving token
-            bound = [min(h + 1, self.window) for h in self.host_held]
-        if self.keys.shape[-2] < max(bound):  # a new empty slot (the arriving token's rows as a placeholder)
-            self.append(key_states, value_states)
-        with serial(key_states.device):  # tiny bookkeeping ops: one thread is faster
-            step.expire_slots(self.pos, self.n_tok, self.window)
-            held = self.pos >= 0  # (B, H, S)
-            if self.steps_evict():
-                room = held.sum(-1, keepdim=True) < bcast(self.counts.total)  # (B, H, 1)
-                host = (self.host_tok, self.host_held, None)
-                slot = step.evict_slot(self.decoding(), self.arrival(held, room), host)  # (B, H, 1)
-            else:  # keeps all it may: the first empty slot
-                slot = (~held).byte().argmax(-1, keepdim=True)
-        self.place(slot, key_states, value_states)
-        self.host_held = bound
