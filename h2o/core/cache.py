@@ -344,12 +344,9 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         """After the attention of a forward of ``q`` new tokens: a prefill (chunk) is cut back to the budget; with
         positions inside the cache, the held keys are renumbered (:class:`h2o.core.rerotate.KeyRerotation`)."""
         if q > 1 or self.seen == q:  # a prompt (chunk), or the first forward: the schedule counts from its end
-            self.prompt_ends()
-            if q > 1 and self.cuts():
-                self.cut()
+            self.prompt_ends(cut=q > 1)
         else:
             self.scheduled_cut()
-        self.compressed = self.policy.schedule.once  # compressed once: every later token is kept
         if self.rerotation is not None:
             tok = self.tok_before
             first_new = tok[0] if len(set(tok)) == 1 else torch.tensor(tok)

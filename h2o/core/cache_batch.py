@@ -109,9 +109,6 @@ class BatchHooks:
                 self.sink_real = src.pos[:, 0, 0] == 0
         self.adopt()
         self.prompt_ends()
-        if self.cuts():
-            self.cut()
-        self.compressed = self.policy.schedule.once
 
 
 class CacheBatchHooks:

@@ -44,11 +44,16 @@ class CutHooks:
             self.host_held = [min(h, self.window) for h in self.host_held]
         self.compact(keep, max(self.host_held))
 
-    def prompt_ends(self) -> None:
-        """The schedule counts from here: no token generated; per sequence, the room the prompt's cut leaves below
-        the budget (:meth:`h2o.core.schedule.Schedule.cuts_after`)."""
+    def prompt_ends(self, cut: bool = True) -> None:
+        """A prompt (chunk) has been seen, in one order: the schedule counts from here (no token generated; per
+        sequence, the room the prompt's cut leaves below the budget: :meth:`h2o.core.schedule.Schedule.cuts_after`),
+        the prompt's cut (``cut``: not after a first forward of one token) where the layer cuts, and a schedule that
+        cuts once keeps every later token."""
         self.generated = 0
         self.below = [max(t - n, 0) for t, n in zip(self.host_total, self.host_tok)]
+        if cut and self.cuts():
+            self.cut()
+        self.compressed = self.policy.schedule.once
 
     def scheduled_cut(self) -> None:
         """After a decoding step: a schedule that cuts later (interval, buffer) cuts each sequence it names now
