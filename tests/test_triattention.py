@@ -16,6 +16,7 @@ from h2o.assets.models import tiny_model
 from h2o.assets.tiny import byte_tokenizer
 from h2o.assets.triattention import calibrate, require, stats_file, weights_digest
 from h2o.core.policies import PolicyError
+from h2o.core.policies.budget import Unsupported
 from h2o.core.policies.triattention import TriAttention
 from h2o.parity import triattention as parity
 from tests.two_paths import P, padded_paths
@@ -263,6 +264,11 @@ def test_a_run_without_calibration_refuses_before_loading_and_records_the_digest
         require(ModelSpec("tiny-opt", "tiny:opt"))
     policy = make_policy("triattention", budget=16).calibrated(require(spec))
     assert policy.describe()["calibration"]["digest"] == digest
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text("{}")  # a checkpoint folder without its weights
+    with pytest.raises(Unsupported, match=r"^policy=triattention: model=bare has no weight files in .*bare, so it "
+                                          r"has no calibration; allowed: a model with its weights on this machine$"):
+        require(ModelSpec("bare", str(tmp_path / "bare")))
 
 
 def test_greedy_generation_equals_the_references_own_model_patch(recorded, golden, monkeypatch):

@@ -103,7 +103,11 @@ def require(model) -> Path:
     if folder is None:
         raise Unsupported(f"policy=triattention: model={name} is not on this machine, so it has no calibration; "
                           f"fetch it, then run `python -m h2o.assets.triattention model={name}`")
-    path = stats_file(weights_digest(folder))
+    try:
+        path = stats_file(weights_digest(folder))
+    except FileNotFoundError:  # a folder with a config and no weights (a tiny model built from its config)
+        raise Unsupported(f"policy=triattention: model={name} has no weight files in {folder}, so it has no "
+                          f"calibration; allowed: a model with its weights on this machine") from None
     if not path.is_file():
         raise Unsupported(f"policy=triattention: no calibration for model={name} (weights {path.stem[:12]}); write "
                           f"it once with `python -m h2o.assets.triattention model={name}`")
