@@ -32,15 +32,13 @@ is printed.
 from __future__ import annotations
 
 import importlib.util
-import json
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import torch
 
-from h2o.parity.pairs import GOLDEN, BASELINES_RECORD as RECORD
+from h2o.parity.pairs import BASELINES_RECORD as RECORD
 
 PROMPT, CONT, VOCAB, SEED = 160, 32, 256, 17  # random prompt ids in [3, VOCAB), then CONT teacher-forced ones
 BUDGETS = (32, 64)
@@ -236,15 +234,11 @@ def fork_h2o(model, H2OPress) -> tuple[list[dict], dict]:
 
 
 def main(argv=None) -> int:
-    import argparse
+    from h2o.parity.golden import load_model
+    from h2o.parity.script import arguments, commit, report
 
-    from h2o.parity.golden import MODEL_DIR, load_model, weights_sha256
-
-    ap = argparse.ArgumentParser(prog="python -m h2o.parity.baselines", description=__doc__.splitlines()[0])
-    ap.add_argument("--reference", required=True, help="a checkout of WeianMao/triattention")
-    ap.add_argument("--fork", help="a checkout of minghui-liu/kvpress: its H2OPress beside ours as well")
-    ap.add_argument("--golden", action="store_true", help=f"write the golden numbers ({RECORD})")
-    a = ap.parse_args(argv)
+    a = arguments("h2o.parity.baselines", __doc__, "a checkout of WeianMao/triattention", RECORD, argv, before=[
+        ("--fork", {"help": "a checkout of minghui-liu/kvpress: its H2OPress beside ours as well"})])
     root = Path(a.reference)
     classes = load_reference(root)
     if a.fork:
@@ -254,25 +248,16 @@ def main(argv=None) -> int:
     if "H2O" not in classes:
         print(f"no baselines/h2o.py: restore it from {H2O_REMOVED}^ (see --help); its rows are left out",
               file=sys.stderr)
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    reference = {"repo": "WeianMao/triattention", "commit": commit(root),
+                 "files": ["triattention/methods/baselines/" + f for f in ("utils.py", "r1_kv.py", "snapkv.py")],
+                 "h2o": f"triattention/methods/baselines/h2o.py at {H2O_REMOVED}^"}
     model = load_model()
     result = compare(model, classes)
     if a.fork:
         result["fork_h2o"], result["fork_h2o_record"] = fork_h2o(model, H2OPress)
-        result["fork_commit"] = subprocess.run(["git", "-C", a.fork, "rev-parse", "HEAD"], capture_output=True,
-                                               text=True).stdout.strip() or None
-    print(json.dumps(result["rows"] + result.get("fork_h2o", []), indent=1))
-    if a.golden:
-        out = {"made_by": "python -m h2o.parity.baselines --reference DIR --golden",
-               "reference": {"repo": "WeianMao/triattention", "commit": commit.strip() or None,
-                             "files": ["triattention/methods/baselines/" + f for f in ("utils.py", "r1_kv.py",
-                                                                                      "snapkv.py")],
-                             "h2o": f"triattention/methods/baselines/h2o.py at {H2O_REMOVED}^"},
-               "model": {"folder": str(MODEL_DIR.relative_to(GOLDEN.parents[2])), "sha256": weights_sha256()},
-               "prompt": PROMPT, "cont": CONT, "seed": SEED, "budgets": list(BUDGETS), "window": WINDOW, **result}
-        RECORD.write_text(json.dumps(out, separators=(",", ":")) + "\n")
-        print(f"golden numbers: {RECORD}", file=sys.stderr)
-    return 0
+        result["fork_commit"] = commit(a.fork)
+    return report(a, "h2o.parity.baselines", RECORD, result["rows"] + result.get("fork_h2o", []), reference, {
+        "prompt": PROMPT, "cont": CONT, "seed": SEED, "budgets": list(BUDGETS), "window": WINDOW, **result})
 
 
 if __name__ == "__main__":

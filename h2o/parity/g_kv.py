@@ -30,14 +30,13 @@ is printed. Outside CI: CI has no reference checkout.
 """
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
 import torch
 
 from h2o.parity.g_kv_reference import FILES, load_reference
-from h2o.parity.pairs import GKV_RECORD as RECORD, GOLDEN
+from h2o.parity.pairs import GKV_RECORD as RECORD
 from h2o.parity.r_kv import CatchTopk, golden_first, golden_ids, record_states
 
 BUDGETS = (24, 40, 64)
@@ -332,18 +331,13 @@ def compare(first: dict, later: list[dict]) -> dict:
 
 
 def main(argv=None) -> int:
-    import argparse
-    import subprocess
+    from h2o.parity.golden import load_model
+    from h2o.parity.script import arguments, commit, report
 
-    from h2o.parity.golden import MODEL_DIR, load_model, weights_sha256
-
-    ap = argparse.ArgumentParser(prog="python -m h2o.parity.g_kv", description=__doc__.splitlines()[0])
-    ap.add_argument("--reference", required=True, help="a checkout of microsoft/G-KV (its gkv/ folder inside)")
-    ap.add_argument("--golden", action="store_true", help=f"write the golden numbers ({RECORD})")
-    a = ap.parse_args(argv)
+    a = arguments("h2o.parity.g_kv", __doc__, "a checkout of microsoft/G-KV (its gkv/ folder inside)", RECORD, argv)
     root = Path(a.reference)
     ScoreBasedKV = load_reference(root)
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    reference = {"repo": "microsoft/G-KV", "commit": commit(root), "files": list(FILES)}
     states = record_states(load_model(), golden_ids())
     first = first_cuts(states, ScoreBasedKV)
     later = later_cuts(states, ScoreBasedKV)
@@ -355,20 +349,13 @@ def main(argv=None) -> int:
                   "first_apart": next((i for i, (a, b) in enumerate(zip(tokens, ref_tokens)) if a != b), None),
                   "largest_nll_gap": float(f"{max(abs(a - b) for a, b in zip(nll, ref_nll)):.2e}")}
     summary = {**compare(first, later), "generation": generation, "field": field_summary(field)}
-    print(json.dumps(summary, indent=1))
-    if a.golden:
-        out = {"made_by": "python -m h2o.parity.g_kv --reference DIR --golden",
-               "reference": {"repo": "microsoft/G-KV", "commit": commit.strip() or None, "files": list(FILES)},
-               "model": {"folder": str(MODEL_DIR.relative_to(GOLDEN.parents[2])), "sha256": weights_sha256()},
-               "ids": golden_ids()[0].tolist(), "options": OPTIONS, "recipes": RECIPES, "budgets": list(BUDGETS),
-               "prompt": PROMPT, "every": EVERY, "later_budget": LATER_BUDGET, "summary": summary,
-               "first_cut": golden_first(first),
-               "later_cuts": [{"layer": r["layer"], "now": r["now"], "kept": r["reference"]} for r in later],
-               "steps": STEPS, "generation": {"tokens": ref_tokens, "nll": [float(f"{x:.7g}") for x in ref_nll]},
-               "field": field}
-        RECORD.write_text(json.dumps(out, separators=(",", ":")) + "\n")
-        print(f"golden numbers: {RECORD}", file=sys.stderr)
-    return 0
+    return report(a, "h2o.parity.g_kv", RECORD, summary, reference, {
+        "ids": golden_ids()[0].tolist(), "options": OPTIONS, "recipes": RECIPES, "budgets": list(BUDGETS),
+        "prompt": PROMPT, "every": EVERY, "later_budget": LATER_BUDGET, "summary": summary,
+        "first_cut": golden_first(first),
+        "later_cuts": [{"layer": r["layer"], "now": r["now"], "kept": r["reference"]} for r in later],
+        "steps": STEPS, "generation": {"tokens": ref_tokens, "nll": [float(f"{x:.7g}") for x in ref_nll]},
+        "field": field})
 
 
 if __name__ == "__main__":

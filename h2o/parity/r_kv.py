@@ -23,14 +23,13 @@ the summary is printed. Outside CI: CI has no reference checkout.
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 import types
 from pathlib import Path
 
 import torch
 
-from h2o.parity.pairs import GOLDEN, RKV_RECORD as RECORD
+from h2o.parity.pairs import RKV_RECORD as RECORD
 LENGTH, VOCAB, SEED = 96, 40, 5  # the recorded sequence: ids in [3, VOCAB)
 BUDGETS = (24, 48, 72)
 PROMPT, EVERY = 40, 16  # the later cuts: the prompt's, then every EVERY tokens
@@ -229,37 +228,23 @@ def golden_first(first: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    import argparse
-    import subprocess
+    from h2o.parity.golden import load_model
+    from h2o.parity.script import arguments, commit, report
 
-    from h2o.parity.golden import MODEL_DIR, load_model, weights_sha256
-
-    ap = argparse.ArgumentParser(prog="python -m h2o.parity.r_kv", description=__doc__.splitlines()[0])
-    ap.add_argument("--reference", required=True, help="a checkout of Zefan-Cai/R-KV (its rkv/ folder inside)")
-    ap.add_argument("--golden", action="store_true", help=f"write the golden numbers ({RECORD})")
-    a = ap.parse_args(argv)
+    a = arguments("h2o.parity.r_kv", __doc__, "a checkout of Zefan-Cai/R-KV (its rkv/ folder inside)", RECORD, argv)
     root = Path(a.reference)
     R1KV = load_reference(root)
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    reference = {"repo": "Zefan-Cai/R-KV", "commit": commit(root),
+                 "files": ["rkv/compression/r1_kv.py", "rkv/utils.py"]}
     states = record_states(load_model(), golden_ids())
     first = first_cuts(states, R1KV)
     later = later_cuts(states, BUDGETS[0], R1KV)
     resorted = later_cuts(states, BUDGETS[0], R1KV, resort=True)
     summary = {**compare(first, later, resorted), "similar_rows": round(similar_rows(states, OPTIONS["threshold"]), 3)}
-    print(json.dumps(summary, indent=1))
-    if a.golden:
-        out = {"made_by": "python -m h2o.parity.r_kv --reference DIR --golden",
-               "reference": {"repo": "Zefan-Cai/R-KV", "commit": commit.strip() or None,
-                             "files": ["rkv/compression/r1_kv.py", "rkv/utils.py"]},
-               "model": {"folder": str(MODEL_DIR.relative_to(GOLDEN.parents[2])), "sha256": weights_sha256()},
-               "ids": golden_ids()[0].tolist(), "options": OPTIONS, "budgets": list(BUDGETS),
-               "prompt": PROMPT, "every": EVERY, "summary": summary,
-               "first_cut": golden_first(first),
-               "later_cuts_resorted": [{"layer": r["layer"], "now": r["now"], "kept": r["reference"]}
-                                       for r in resorted]}
-        RECORD.write_text(json.dumps(out, separators=(",", ":")) + "\n")
-        print(f"golden numbers: {RECORD}", file=sys.stderr)
-    return 0
+    return report(a, "h2o.parity.r_kv", RECORD, summary, reference, {
+        "ids": golden_ids()[0].tolist(), "options": OPTIONS, "budgets": list(BUDGETS), "prompt": PROMPT, "every": EVERY,
+        "summary": summary, "first_cut": golden_first(first),
+        "later_cuts_resorted": [{"layer": r["layer"], "now": r["now"], "kept": r["reference"]} for r in resorted]})
 
 
 if __name__ == "__main__":

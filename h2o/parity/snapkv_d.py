@@ -27,15 +27,13 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import json
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import torch
 
-from h2o.parity.pairs import GOLDEN, SNAPKV_D_RECORD as RECORD
+from h2o.parity.pairs import SNAPKV_D_RECORD as RECORD
 
 PROMPT, NEW, VOCAB, SEED = 160, 320, 256, 13  # the prompt's random ids in [3, VOCAB), then NEW generated tokens
 # name -> (options, budget): the fork's defaults (window 64, kernel 5) and a small window, where most held tokens
@@ -281,30 +279,20 @@ def mean(a: list[float]) -> float:
 
 
 def main(argv=None) -> int:
-    import argparse
+    from h2o.parity.golden import load_model
+    from h2o.parity.script import arguments, commit, report
 
-    from h2o.parity.golden import MODEL_DIR, load_model, weights_sha256
-
-    ap = argparse.ArgumentParser(prog="python -m h2o.parity.snapkv_d", description=__doc__.splitlines()[0])
-    ap.add_argument("--reference", required=True, help="a checkout of minghui-liu/kvpress (kvpress/presses inside)")
-    ap.add_argument("--golden", action="store_true", help=f"write the golden numbers ({RECORD})")
-    a = ap.parse_args(argv)
+    a = arguments("h2o.parity.snapkv_d", __doc__, "a checkout of minghui-liu/kvpress (kvpress/presses inside)", RECORD,
+                  argv)
     root = Path(a.reference)
     SnapKVPress, _ = load_reference(root)
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    reference = {"repo": "minghui-liu/kvpress", "commit": commit(root),
+                 "files": [f"kvpress/presses/{f}" for f in FILES]}
     result = compare(load_model(), SnapKVPress)
-    print(json.dumps(result["summary"], indent=1))
-    if a.golden:
-        out = {"made_by": "python -m h2o.parity.snapkv_d --reference DIR --golden",
-               "reference": {"repo": "minghui-liu/kvpress", "commit": commit.strip() or None,
-                             "files": [f"kvpress/presses/{f}" for f in FILES]},
-               "model": {"folder": str(MODEL_DIR.relative_to(GOLDEN.parents[2])), "sha256": weights_sha256()},
-               "prompt": prompt_ids()[0].tolist(), "new": NEW, "cases": {k: {"options": o, "budget": b}
-                                                                        for k, (o, b) in CASES.items()},
-               "summary": result["summary"], "fork": result["golden"]}
-        RECORD.write_text(json.dumps(out, separators=(",", ":")) + "\n")
-        print(f"golden numbers: {RECORD}", file=sys.stderr)
-    return 0
+    return report(a, "h2o.parity.snapkv_d", RECORD, result["summary"], reference, {
+        "prompt": prompt_ids()[0].tolist(), "new": NEW, "cases": {k: {"options": o, "budget": b}
+                                                                 for k, (o, b) in CASES.items()},
+        "summary": result["summary"], "fork": result["golden"]})
 
 
 if __name__ == "__main__":

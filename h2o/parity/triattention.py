@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import json
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-from h2o.parity.pairs import GOLDEN, TRI_RECORD as RECORD
+from h2o.parity.pairs import TRI_RECORD as RECORD
 from h2o.parity.r_kv import record_states
 from h2o.parity.triattention_calibration import TEXT, calibration_gaps, ours_in_bf16, reference_calibration
 
@@ -305,21 +304,16 @@ def golden_ids() -> torch.Tensor:
 
 
 def main(argv=None) -> int:
-    import argparse
-    import subprocess
+    from h2o.parity.golden import load_model
+    from h2o.parity.script import arguments, commit, report
 
-    from h2o.parity.golden import MODEL_DIR, load_model, weights_sha256
-
-    ap = argparse.ArgumentParser(prog="python -m h2o.parity.triattention", description=__doc__.splitlines()[0])
-    ap.add_argument("--reference", required=True, help="a checkout of WeianMao/triattention")
-    ap.add_argument("--golden", action="store_true", help=f"write the golden numbers ({RECORD})")
-    ap.add_argument("--smollm2", action="store_true", help="also the generation on SmolLM2-135M (cached, calibrated)")
-    ap.add_argument("--commit", default=None, help="the reference's commit where DIR is an export, not a checkout")
-    a = ap.parse_args(argv)
+    a = arguments("h2o.parity.triattention", __doc__, "a checkout of WeianMao/triattention", RECORD, argv, after=[
+        ("--smollm2", {"action": "store_true", "help": "also the generation on SmolLM2-135M (cached, calibrated)"}),
+        ("--commit", {"default": None, "help": "the reference's commit where DIR is an export, not a checkout"})])
     root = Path(a.reference)
     module = load_reference(root)
-    commit = a.commit or subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                                        text=True).stdout
+    reference = {"repo": "WeianMao/triattention", "commit": commit(root, a.commit),
+                 "files": ["triattention/methods/triattention.py", "triattention/methods/pruning_utils.py"]}
     model = load_model()
     cal, states = calibration(model), record_states(model, golden_ids())
     with tempfile.TemporaryDirectory() as tmp:
@@ -332,26 +326,17 @@ def main(argv=None) -> int:
         summary["calibration"] = calibration_gaps(ours_in_bf16(), ref_cal)
         if a.smollm2:
             summary["generation_smollm2"] = smollm2_generation(module, Path(tmp))
-    print(json.dumps(summary, indent=1))
-    if a.golden:
-        out = {"made_by": "python -m h2o.parity.triattention --reference DIR --golden",
-               "reference": {"repo": "WeianMao/triattention", "commit": commit.strip() or None,
-                             "files": ["triattention/methods/triattention.py",
-                                       "triattention/methods/pruning_utils.py"]},
-               "model": {"folder": str(MODEL_DIR.relative_to(GOLDEN.parents[2])), "sha256": weights_sha256()},
-               "ids": golden_ids()[0].tolist(), "options": OPTIONS, "budgets": list(BUDGETS), "prompt": PROMPT,
-               "every": EVERY, "summary": summary,
-               "first_cut": {b: {"kept": r["reference_kept"],
-                                 "score": [[[float(f"{x:.8g}") for x in h] for h in s] for s in r["reference_score"]]}
-                             for b, r in first.items()},
-               "later_cuts": [{"now": r["now"], "kept": r["reference"]} for r in later],
-               "generation": {"prompt": GEN_PROMPT, "budget": GEN_BUDGET, "tokens": gen["reference"][0],
-                              "logprob": [float(f"{x:.8g}") for x in gen["reference"][1]]},
-               "calibration": {k: [[[float(f"{x:.8g}") for x in h] for h in layer] for layer in v.tolist()]
-                               for k, v in ref_cal.items()}}
-        RECORD.write_text(json.dumps(out, separators=(",", ":")) + "\n")
-        print(f"golden numbers: {RECORD}", file=sys.stderr)
-    return 0
+    return report(a, "h2o.parity.triattention", RECORD, summary, reference, {
+        "ids": golden_ids()[0].tolist(), "options": OPTIONS, "budgets": list(BUDGETS), "prompt": PROMPT,
+        "every": EVERY, "summary": summary,
+        "first_cut": {b: {"kept": r["reference_kept"],
+                          "score": [[[float(f"{x:.8g}") for x in h] for h in s] for s in r["reference_score"]]}
+                      for b, r in first.items()},
+        "later_cuts": [{"now": r["now"], "kept": r["reference"]} for r in later],
+        "generation": {"prompt": GEN_PROMPT, "budget": GEN_BUDGET, "tokens": gen["reference"][0],
+                       "logprob": [float(f"{x:.8g}") for x in gen["reference"][1]]},
+        "calibration": {k: [[[float(f"{x:.8g}") for x in h] for h in layer] for layer in v.tolist()]
+                        for k, v in ref_cal.items()}})
 
 
 if __name__ == "__main__":
