@@ -9,6 +9,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+pytest.register_assert_rewrite("tests.golden")  # its checks of a golden record fail with pytest's detail
+
 
 def patch_language_once_per_launch() -> None:
     """Triton 3.9's interpreter re-patches ``triton.language`` (``inspect.getmembers`` over the module) on every

@@ -4,27 +4,21 @@ through the golden numbers ``python -m h2o.parity.baselines --reference DIR --go
 its R1KV's positions in every layer and head and gives its NLL; ours at R-KV's own ``mix_lambda`` and kvpress's
 SnapKV keep what was recorded beside them (the overlaps of results/parity.md), and TriAttention's H2O fails as
 recorded."""
-import json
-
 import pytest
 import torch
 
 from h2o.parity import baselines as parity
-from h2o.parity.golden import load_model, weights_sha256
+from tests.golden import golden_fixture, recorded_model
 
 TOLERANCE = 2e-5  # |NLL per token, ours - reference|; equal methods measured below 1e-6
 
 
-@pytest.fixture(scope="module")
-def golden():
-    return json.loads(parity.RECORD.read_text())
+golden = golden_fixture(parity)
 
 
 @pytest.fixture(scope="module")
 def model(golden):
-    assert weights_sha256() == golden["model"]["sha256"]
-    assert (golden["prompt"], golden["cont"], golden["seed"]) == (parity.PROMPT, parity.CONT, parity.SEED)
-    return load_model()
+    return recorded_model(golden, prompt=parity.PROMPT, cont=parity.CONT, seed=parity.SEED)
 
 
 def rows(golden, reference: str):

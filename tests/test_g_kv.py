@@ -6,8 +6,6 @@ cut (its scores to fp32 noise), at every later cut with the history carried, and
 tokens through the evicting cache (the same tokens, the NLL to fp32 noise). Broken rules (no decay, no history,
 R-KV's similarity fallback) miss them. Its interval form on every tiny architecture, a padded batch and against a
 naive token-by-token loop: tests/test_interval.py (RULES)."""
-import json
-
 import pytest
 import torch
 
@@ -19,7 +17,8 @@ from h2o.core.policies.budget import Unsupported
 from h2o.core.policies.g_kv import GKV
 from h2o.core.schedule import Interval
 from h2o.parity import g_kv as parity
-from h2o.parity.golden import load_model, weights_sha256
+from h2o.parity.golden import load_model
+from tests.golden import first_cut_gaps, golden_fixture, recorded_model
 from tests.two_paths import padded_paths
 
 TOLERANCE = 1e-5  # |score ours - reference|; measured 1.2e-07 when recorded (scores ~1e-2 apart)
@@ -135,28 +134,18 @@ def test_wrappers_refuse_it():
 
 
 # ------------------------------------------------------------------ parity through the golden numbers
-@pytest.fixture(scope="module")
-def golden():
-    return json.loads(parity.RECORD.read_text())
+golden = golden_fixture(parity)
 
 
 @pytest.fixture(scope="module")
 def states(golden):
-    assert weights_sha256() == golden["model"]["sha256"]
     ids = parity.golden_ids()
-    assert ids[0].tolist() == golden["ids"]
-    return parity.record_states(load_model(), ids)
+    return parity.record_states(recorded_model(golden, ids=ids[0].tolist()), ids)
 
 
 def first_gaps(states, golden) -> tuple[float, int]:
     """(largest |score difference|, heads whose kept positions differ) of ours against the golden first cuts."""
-    gap, differ = 0.0, 0
-    for key, row in parity.first_cuts(states).items():
-        layer, budget = key.split("/")
-        ref = golden["first_cut"][layer]
-        gap = max(gap, float((torch.tensor(row["ours_score"]) - torch.tensor(ref["score"])).abs().max()))
-        differ += sum(a != b for a, b in zip(row["ours_kept"], ref["kept"][budget]))
-    return gap, differ
+    return first_cut_gaps(parity.first_cuts(states), golden)
 
 
 def later_differ(states, golden, options=None) -> int:

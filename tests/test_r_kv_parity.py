@@ -4,44 +4,28 @@ tiny model's queries and keys are recorded again here, our rule scores them, and
 must equal the reference's (fp32 noise), at the first cut and at every later cut of the decoding buffer (the
 reference's cache re-sorted by position there: its own order is the one difference, docs/r_kv.md). A broken rule
 (the query heads' probabilities averaged instead of their logits' maximum; another pooling kernel) misses them."""
-import json
-
 import pytest
 import torch
 
 from h2o.parity import r_kv as parity
-from h2o.parity.golden import load_model, weights_sha256
+from h2o.parity.golden import load_model
+from tests.golden import first_cut_gaps, golden_fixture, recorded_model
 
 TOLERANCE = 1e-5  # |score ours - reference|; measured 9.3e-10 when recorded (scores ~1e-3 to 1e-2 apart)
 
 
-@pytest.fixture(scope="module")
-def golden():
-    return json.loads(parity.RECORD.read_text())
+golden = golden_fixture(parity)
 
 
 @pytest.fixture(scope="module")
 def states(golden):
-    assert weights_sha256() == golden["model"]["sha256"]
     ids = parity.golden_ids()
-    assert ids[0].tolist() == golden["ids"]
-    return parity.record_states(load_model(), ids)
-
-
-def gaps(first: dict, golden: dict) -> tuple[float, int]:
-    """(largest |score difference|, heads whose kept positions differ) of ours against the golden first cuts."""
-    gap, differ = 0.0, 0
-    for key, row in first.items():
-        layer, budget = key.split("/")
-        ref = golden["first_cut"][layer]
-        gap = max(gap, float((torch.tensor(row["ours_score"]) - torch.tensor(ref["score"])).abs().max()))
-        differ += sum(a != b for a, b in zip(row["ours_kept"], ref["kept"][budget]))
-    return gap, differ
+    return parity.record_states(recorded_model(golden, ids=ids[0].tolist()), ids)
 
 
 def test_the_first_cut_equals_the_reference(states, golden):
     assert golden["options"] == parity.OPTIONS and golden["budgets"] == list(parity.BUDGETS)
-    gap, differ = gaps(parity.first_cuts(states), golden)
+    gap, differ = first_cut_gaps(parity.first_cuts(states), golden)
     assert gap < TOLERANCE and differ == 0, (gap, differ)
     assert golden["summary"]["similar_rows"] > 0.5  # the redundancy's newest similar key decides, not its fallback
 
@@ -63,11 +47,11 @@ def test_a_broken_rule_misses_the_golden_numbers(states, golden, monkeypatch):
 
     with monkeypatch.context() as m:
         m.setattr(RKV, "accumulate", mean_of_probabilities)
-        gap, differ = gaps(parity.first_cuts(states), golden)
+        gap, differ = first_cut_gaps(parity.first_cuts(states), golden)
     assert gap > 100 * TOLERANCE and differ > 0
     with monkeypatch.context() as m:
         m.setitem(parity.OPTIONS, "kernel", 5)
-        gap, _ = gaps(parity.first_cuts(states), golden)
+        gap, _ = first_cut_gaps(parity.first_cuts(states), golden)
     assert gap > 100 * TOLERANCE
 
 

@@ -7,8 +7,6 @@ newest ``window`` rows, not the newest one), another kernel and summed rows miss
 definition written naively over transformers' eager attention (Llama with GQA, OPT, GPT-NeoX); both paths agree on
 four tiny architectures with a padded batch; ``compress=buffer interval=1`` makes the same cuts; the spellings build
 the same rule; bad input is one line."""
-import json
-
 import pytest
 import torch
 
@@ -17,22 +15,18 @@ from h2o.assets.models import tiny_model
 from h2o.core.policies import PolicyError
 from h2o.core.policies.snapkv_d import SnapKVD
 from h2o.parity import snapkv_d as parity
-from h2o.parity.golden import load_model, weights_sha256
+from tests.golden import golden_fixture, recorded_model
 from tests.two_paths import P, PADS, padded_paths
 
 TOLERANCE = 2e-5  # |NLL ours - fork| per token; measured 1.3e-6 when recorded (two attention implementations)
 
 
-@pytest.fixture(scope="module")
-def golden():
-    return json.loads(parity.RECORD.read_text())
+golden = golden_fixture(parity)
 
 
 @pytest.fixture(scope="module")
 def model(golden):
-    assert weights_sha256() == golden["model"]["sha256"]
-    assert parity.prompt_ids()[0].tolist() == golden["prompt"] and golden["new"] == parity.NEW
-    return load_model()
+    return recorded_model(golden, prompt=parity.prompt_ids()[0].tolist(), new=parity.NEW)
 
 
 def misses(run: dict, fork: dict) -> tuple[int, int, float]:

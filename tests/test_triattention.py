@@ -5,7 +5,6 @@ batch at every step and every N tokens; the calibration equals the queries recom
 the reference's kept sets and scores through the golden numbers ``python -m h2o.parity.triattention --reference DIR
 --golden`` recorded (tests/data/parity_golden/triattention.json), and broken variants miss them; bad input and a
 missing calibration are one line, the latter before the model loads, naming the command."""
-import json
 import math
 
 import pytest
@@ -19,6 +18,7 @@ from h2o.core.policies import PolicyError
 from h2o.core.policies.budget import Unsupported
 from h2o.core.policies.triattention import TriAttention
 from h2o.parity import triattention as parity
+from tests.golden import golden_fixture, recorded_model
 from tests.two_paths import P, padded_paths
 
 ARCHS = ("llama", "llama_gqa", "gpt_neox", "gemma3")  # RoPE models (OPT has none: refused)
@@ -144,18 +144,12 @@ def test_the_calibration_is_the_mean_query_before_rope():
 
 
 # ----------------------------------------------------------------------------------------------- parity
-@pytest.fixture(scope="module")
-def golden():
-    return json.loads(parity.RECORD.read_text())
+golden = golden_fixture(parity)
 
 
 @pytest.fixture(scope="module")
 def recorded(golden):
-    from h2o.parity.golden import load_model, weights_sha256
-
-    assert weights_sha256() == golden["model"]["sha256"]
-    assert parity.golden_ids()[0].tolist() == golden["ids"]
-    model = load_model()
+    model = recorded_model(golden, ids=parity.golden_ids()[0].tolist())
     return parity.calibration(model), parity.record_states(model, parity.golden_ids())
 
 
