@@ -11,14 +11,13 @@ same body, made by ``make docs-results`` from studies/many_questions/ (a study o
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 from analysis.estimate import Z95, mcnemar_exact, wilson
 from analysis.labels import color, label, marker
-from analysis.records import checked_samples, finite, warn
+from analysis.records import checked_samples, finite, read_records, warn
 
 BASE = "kvzip"  # the method every other is compared with
 
@@ -28,12 +27,7 @@ def load(root: Path) -> list[dict]:
     samples (one per question) and its ``mode``: questions (compressed once), each (``task.question=each``: each
     question inside its own compressed prompt) or turns."""
     out = []
-    for f in sorted(root.rglob("metrics.json")):
-        try:
-            rec = json.loads(f.read_text())
-        except (OSError, ValueError) as err:  # a torn record: skipped, the others rendered
-            warn(f"skipping malformed run record {f}: {' '.join(str(err).split())}")
-            continue
+    for f, rec in read_records(root):  # a torn record: skipped (warned), the others rendered
         proto = rec.get("protocol") if isinstance(rec, dict) else None
         proto = proto if isinstance(proto, dict) else {}
         if proto.get("questions", 1) == 1 and proto.get("turns", 1) == 1:

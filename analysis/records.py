@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +86,18 @@ def record_row(metrics_file: Path) -> dict:
 def warn(message: str) -> None:
     """One warning line on stderr (``warnings.warn`` prints two)."""
     print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def read_records(root: Path) -> Iterator[tuple[Path, object]]:
+    """(its metrics.json, its JSON) of every run record under ``root`` (any depth, in path order); one that cannot
+    be read or parsed (torn) is skipped with one warning line naming it, the others still read."""
+    for f in sorted(root.rglob("metrics.json")):
+        try:
+            rec = json.loads(f.read_text())
+        except (OSError, ValueError) as err:
+            warn(f"skipping malformed run record {f}: {' '.join(str(err).split())}")
+            continue
+        yield f, rec
 
 
 def load_runs(root: str | Path = "runs") -> pd.DataFrame:

@@ -14,7 +14,6 @@ Curves are compared over the windows every run of a panel has finished (a study 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import re
 import sys
@@ -27,7 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from analysis.labels import METHODS, color, label as method_label, marker  # noqa: E402
 from analysis.plotting import png  # noqa: E402
-from analysis.records import checked_samples, finite, read_jsonl, warn  # noqa: E402
+from analysis.records import checked_samples, finite, read_jsonl, read_records, warn  # noqa: E402
 
 NAME = re.compile(r"(?P<label>.+)_(?P<budget>\d+)_c(?P<chunk>\d+)$")
 BASELINE = "streaming_llm"
@@ -53,12 +52,7 @@ SETTINGS_SKIP = {"_target_", "name", "budget", "heavy", "recent", "chunk", "shot
 def records(root: Path) -> list[tuple[int, int, str, list[dict]]]:
     """(chunk, budget, label, samples) of every finished streaming run record under ``root``."""
     found = []
-    for f in sorted(root.rglob("metrics.json")):
-        try:
-            rec = json.loads(f.read_text())
-        except (OSError, ValueError) as err:  # a torn record: skipped, the others shown
-            warn(f"skipping malformed run record {f}: {' '.join(str(err).split())}")
-            continue
+    for f, rec in read_records(root):  # a torn record: skipped (warned), the others shown
         samples_file = f.parent / "samples.jsonl"
         if not isinstance(rec, dict) or rec.get("task_kind") != "streaming" or not samples_file.exists():
             continue
