@@ -205,22 +205,35 @@ def head(spec: dict, measured: str) -> list[str]:
     return lines
 
 
+def from_records(spec: dict, folder: Path, load, body) -> list[str] | None:
+    """A page read from the study's records (its ``records`` folder): None where ``load`` (of that folder) finds
+    none (no row, no item); else the head, measured with the records' provenance after the study's own line, then
+    ``body(what load found)``."""
+    root = folder / spec.get("records", "records")
+    found = load(root)
+    if len(found) == 0:
+        return None
+    return head(spec, "; ".join(x for x in (spec.get("measured"), provenance(root)) if x)) + body(found)
+
+
 def records_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str] | None:
+    from analysis.records import load_runs
+
+    return from_records(spec, folder, load_runs, lambda df: records_body(df, spec, figures, rel))
+
+
+def records_body(df, spec: dict, figures: Path, rel: str) -> list[str]:
+    """A records page's body: its figures, each experiment's findings and tables, the quantized and
+    benchmark tables, then the long-generation records' section."""
     from analysis.figures import all_figures
     from analysis.protocol import annotate
-    from analysis.records import load_runs
     from analysis.report import findings
     from analysis.quant_tables import quant_tables
     from analysis.tables import experiment_tables, table_benchmark
 
     from analysis import long_generation as lg
 
-    root = folder / spec.get("records", "records")
-    df = load_runs(root)
-    if df.empty:
-        return None
-    measured = "; ".join(x for x in (spec.get("measured"), provenance(root)) if x)
-    lines = head(spec, measured)
+    lines = []
     long = lg.frame(df)  # long-generation records: their own section (the named comparison first), at the end
     df = annotate(df[df["task_kind"] != "long_generation"])
     for p in sorted(all_figures(df, figures)):
@@ -248,33 +261,20 @@ def methods_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str]
     from analysis.methods import page_body
     from analysis.records import load_runs
 
-    root = folder / spec.get("records", "records")
-    df = load_runs(root)
-    if df.empty:
-        return None
-    return head(spec, "; ".join(x for x in (spec.get("measured"), provenance(root)) if x)) + page_body(df, figures, rel)
+    return from_records(spec, folder, load_runs, lambda df: page_body(df, figures, rel))
 
 
 def long_generation_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str] | None:
     from analysis.long_generation import page_body, runs
 
-    root = folder / spec.get("records", "records")
-    df = runs(root)
-    if df.empty:
-        return None
-    return head(spec, "; ".join(x for x in (spec.get("measured"), provenance(root)) if x)) + page_body(
-        df, figures, rel, spec)
+    return from_records(spec, folder, runs, lambda df: page_body(df, figures, rel, spec))
 
 
 def questions_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str] | None:
     from analysis.many_questions import load, page_lines
 
-    root = folder / spec.get("records", "records")
-    recs = load(root)
-    if not recs:
-        return None
-    return head(spec, "; ".join(x for x in (spec.get("measured"), provenance(root)) if x)) + \
-        page_lines(recs, figures, rel, spec.get("headline"), spec.get("placement"))
+    return from_records(spec, folder, load, lambda recs: page_lines(recs, figures, rel, spec.get("headline"),
+                                                                     spec.get("placement")))
 
 
 def streaming_page(spec: dict, folder: Path, figures: Path, rel: str) -> list[str] | None:
