@@ -187,18 +187,25 @@ def grid_records(tmp_path) -> Path:
     return root
 
 
-def test_the_page_comes_from_the_records(tmp_path):
+def study_page(root: Path, spec: dict) -> tuple[str, Path]:
+    """The page of the study whose records are ``root`` (<tmp>/studies/<name>/records), ``spec`` its study.yaml, as
+    ``make docs-results`` writes it into <tmp>/docs; and that folder."""
     from analysis import results_pages
+
+    (root.parent / "study.yaml").write_text(json.dumps(spec))
+    out = root.parents[2] / "docs"
+    assert results_pages.main(["--studies", str(root.parents[1]), "--out", str(out)]) == 0
+    return (out / f"{root.parent.name}.md").read_text(), out
+
+
+def test_the_page_comes_from_the_records(tmp_path):
     from analysis.long_generation import paired
 
     root = grid_records(tmp_path)
     record(root, "h2o", 64, "interval", [1.1, 1.2, 1.0, 1.1], 120)
     spec = {"title": "Long generation", "kind": "long_generation", "runs": 25,
             "headline": {"a": "h2o", "b": "streaming_llm", "budget": 64, "schedule": "every step"}}
-    (root.parent / "study.yaml").write_text(json.dumps(spec))
-    out = tmp_path / "docs"
-    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
-    page = (out / "long_generation.md").read_text()
+    page, out = study_page(root, spec)
     assert "Runs finished: 5 of the committed grid's 25 (500 CPU-s in all, one thread each)." in page
     assert ("**Headline**: H2O against StreamingLLM at 64 tokens, every step, over the 4 prompts of "
             "task.prompts=4, paired over prompts") in page
@@ -219,17 +226,12 @@ def test_the_page_comes_from_the_records(tmp_path):
 
 
 def test_the_headline_on_its_own_prompt_set_beside_the_grids(tmp_path):
-    from analysis import results_pages
-
     root = grid_records(tmp_path)
     record(root, "h2o", 64, "decode", [2.0, 2.0, 1.0, 1.0, 3.0, 3.0], 100, prompts=6)  # the headline's own set
     record(root, "streaming_llm", 64, "decode", [1.0, 1.0, 1.0, 1.0, 1.0, 1.0], 100, prompts=6)
     spec = {"title": "Long generation", "kind": "long_generation", "runs": 7,
             "headline": {"a": "h2o", "b": "streaming_llm", "budget": 64, "schedule": "every step", "prompts": 6}}
-    (root.parent / "study.yaml").write_text(json.dumps(spec))
-    out = tmp_path / "docs"
-    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
-    page = (out / "long_generation.md").read_text()
+    page, _ = study_page(root, spec)
     assert "**Headline**: H2O against StreamingLLM at 64 tokens, every step, over the 6 prompts of task.prompts=6" in page
     assert ("- NLL per token of the full cache's answer teacher-forced through each cache: +1.000 [+0.333, +1.667] "
             "over 6 prompts (H2O lower on 0, StreamingLLM lower on 4): H2O higher: further from the full cache at "
@@ -248,8 +250,6 @@ def test_the_headline_on_its_own_prompt_set_beside_the_grids(tmp_path):
 def test_a_second_model_gets_its_own_section_and_named_comparison(tmp_path):
     """Records of another model (study.yaml ``second_family``): the main model's lines read its records only; the
     other model's section has its comparison, its cell-by-cell lines, its figures and its table."""
-    from analysis import results_pages
-
     root = grid_records(tmp_path)
     gemma = "gemma3-270m"
     record(root, "full", 1.0, "decode", [2.0, 2.0, 2.0, 2.0], 900, model=gemma)
@@ -259,10 +259,7 @@ def test_a_second_model_gets_its_own_section_and_named_comparison(tmp_path):
             "headline": {"a": "h2o", "b": "streaming_llm", "budget": 64, "schedule": "every step"},
             "second_family": {"model": gemma, "a": "h2o", "b": "r_kv", "budget": 64, "schedule": "every 32",
                               "why": "Named first."}}
-    (root.parent / "study.yaml").write_text(json.dumps(spec))
-    out = tmp_path / "docs"
-    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
-    page = (out / "long_generation.md").read_text()
+    page, out = study_page(root, spec)
     main, other = page.split(f"## {gemma}\n")
     assert "Runs finished: 4 of the committed grid's 4 (400 CPU-s in all, one thread each), smollm2-135m." in main
     assert "**Headline**: H2O against StreamingLLM" in main and "R-KV" not in main
@@ -278,8 +275,6 @@ def test_a_second_model_gets_its_own_section_and_named_comparison(tmp_path):
 def test_a_replication_named_after_the_headline_follows_it(tmp_path):
     """study.yaml's ``replication``: a second named comparison on its own prompt set, shown after the headline with
     its reason, and its secondary lines on the grid's prompts where both cells ran there."""
-    from analysis import results_pages
-
     root = grid_records(tmp_path)
     record(root, "h2o", 64, "interval", [1.0, 1.0, 1.0, 1.0], 100)
     record(root, "tova", 64, "interval", [1.5, 1.5, 1.5, 1.5], 100)
@@ -289,10 +284,7 @@ def test_a_replication_named_after_the_headline_follows_it(tmp_path):
             "headline": {"a": "h2o", "b": "streaming_llm", "budget": 64, "schedule": "every step"},
             "replication": {"a": "h2o", "b": "tova", "budget": 64, "schedule": "every 32", "prompts": 6,
                             "why": "Named before its runs."}}
-    (root.parent / "study.yaml").write_text(json.dumps(spec))
-    out = tmp_path / "docs"
-    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
-    page = (out / "long_generation.md").read_text()
+    page, _ = study_page(root, spec)
     head, rest = page.split("**Confirmatory replication**: H2O against TOVA at 64 tokens, every 32, over the 6 "
                             "prompts of task.prompts=6, paired over prompts")
     assert "**Headline**: H2O against StreamingLLM" in head
@@ -310,7 +302,6 @@ def test_a_records_study_with_long_generation_gets_its_section_report_line_and_f
     own section on its page (the study's headline named first, then H2O against each method, the two figures and
     the table), a line in REPORT.md's section of that experiment, and their figures from `make figures`, while the
     other records render as before."""
-    from analysis import results_pages
     from analysis.figures import all_figures
     from analysis.records import load_runs
     from analysis.report import report
@@ -326,10 +317,7 @@ def test_a_records_study_with_long_generation_gets_its_section_report_line_and_f
         perplexity(root, policy, 1.0 if policy == "full" else 0.2)
     spec = {"title": "The default", "kind": "records",
             "headline": {"a": "h2o", "b": "r_kv", "budget": 64, "schedule": "every 32", "why": "Named first."}}
-    (root.parent / "study.yaml").write_text(json.dumps(spec))
-    out = tmp_path / "docs"
-    assert results_pages.main(["--studies", str(tmp_path / "studies"), "--out", str(out)]) == 0
-    page = (out / "default.md").read_text()
+    page, _ = study_page(root, spec)
     section = page[page.index("## Long generation"):]
     assert section.index("**Named comparison**: H2O against R-KV at 64 tokens, every 32") < \
         section.index("- 64 tokens, every 32: H2O < R-KV: -0.250") < section.index("| R-KV | 64 | every 32 | 4 |")
