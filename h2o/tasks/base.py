@@ -170,6 +170,13 @@ def hub_data_cached(*names: str) -> bool:
     return False
 
 
+def check_fetched(task: str, lost: str | None, how: str) -> None:
+    """ConfigError when ``lost`` says why the data task ``task`` reads at run time are not on this machine (None:
+    they are), naming ``make prefetch`` and then ``how`` (what else does: the module's own command, a local file)."""
+    check(lost is None, f"task={task}: its data are not on this machine ({lost}); allowed: fetch them first with "
+                        f"`make prefetch EXP=<experiment>`{how}")
+
+
 def check_hub_data(task: str, dataset: str, names: tuple[str, ...]) -> None:
     """ConfigError when an offline switch is set and the hub data set is not in the local cache."""
     flag = offline_flag()

@@ -28,7 +28,8 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from h2o.tasks.base import Result, TaskSpec, adds_bos, cells, check, check_room, clamped, positive_or_none, stderr
+from h2o.tasks.base import (Result, TaskSpec, adds_bos, cells, check, check_fetched, check_room, clamped,
+                            positive_or_none, stderr)
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 from h2o.tasks.kv_held import END, batch_fields
 from h2o.tasks.question_after import QUESTIONS, check_many_task, ruler_pattern
@@ -203,10 +204,8 @@ class LongContextTask(TaskSpec):
         reads from the prefetched caches (h2o.tasks.long_context_data); a book is fetched by the task itself."""
         from h2o.tasks.long_context_data import not_fetched
 
-        lost = not_fetched(self)
-        check(not lost, f"task={self.name}: its data are not on this machine ({'; '.join(lost)}); allowed: fetch "
-                        f"them first with `make prefetch EXP=<experiment>` (python -m h2o.pipeline.prefetch "
-                        f"task={self.name} ...), on a machine with internet")
+        check_fetched(self.name, "; ".join(not_fetched(self)) or None,
+                      f" (python -m h2o.pipeline.prefetch task={self.name} ...), on a machine with internet")
 
     def check_lengths(self, model) -> None:
         """Each length holds the task's fixed text, judged with the model's tokenizer (loaded alone, from this

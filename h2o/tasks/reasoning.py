@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from h2o.tasks.base import Result, TaskSpec, check, check_room, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, check, check_fetched, check_room, positive_or_none
 from h2o.tasks.batching import BatchSize, Sizing, check_batch_size, record
 from h2o.tasks.data_files import documents
 
@@ -227,10 +227,9 @@ class ReasoningTask(TaskSpec):
 
     def check_data(self) -> None:
         """The hub data set a cluster run reads from the prefetched cache (none with a local ``data_files``)."""
-        lost = missing(self)
-        check(lost is None, f"task={self.name}: its data are not on this machine ({lost}); allowed: fetch them first "
-                            f"with `make prefetch EXP=<experiment>` (python -m h2o.pipeline.prefetch task={self.name} "
-                            f"...), on a machine with internet, or task.data_files=<a local JSON file of problems>")
+        check_fetched(self.name, missing(self), f" (python -m h2o.pipeline.prefetch task={self.name} ...), on a "
+                                                "machine with internet, or task.data_files=<a local JSON file of "
+                                                "problems>")
 
     def tokens(self) -> int:
         """Prompt tokens plus generated tokens (x :data:`DECODE_COST`) of one run, for the time estimates: the

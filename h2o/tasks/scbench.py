@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from h2o.tasks.base import Result, TaskSpec, adds_bos, check, positive_or_none
+from h2o.tasks.base import Result, TaskSpec, adds_bos, check, check_fetched, positive_or_none
 
 REPO = "microsoft/SCBench"
 INSTRUCTIONS = {"scbench_kv": "Extract the value corresponding to the specified key in the JSON object below.",
@@ -188,10 +188,8 @@ class SCBenchTask(TaskSpec):
         return f"data/{self.subset}.jsonl"
 
     def check_data(self) -> None:
-        lost = missing(self)
-        check(lost is None, f"task={self.name}: its data are not on this machine ({lost}); allowed: fetch them first "
-                            f"with `make prefetch EXP=<experiment>` on a machine with internet, or "
-                            f"task.data_files=<a local JSONL of SCBench rows>")
+        check_fetched(self.name, missing(self), " on a machine with internet, or task.data_files=<a local JSONL of "
+                                                "SCBench rows>")
 
     def tokens(self) -> int:
         """Tokens of one run for the time estimates: SCBench's contexts run to ~128k tokens, 5 requests each."""
