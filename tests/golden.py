@@ -1,7 +1,8 @@
 """What the tests against a reference's golden numbers share (test_r_kv_parity, test_g_kv, test_snapkv_d,
 test_baselines, test_triattention; each records with ``python -m h2o.parity.<name> --reference DIR --golden``): the
-record, read once a module, the committed tiny model it was made on, and the first cuts as
-:func:`h2o.parity.r_kv.golden_first` records them (r_kv's and g_kv's)."""
+record, read once a module, the committed tiny model it was made on, and, for the first cuts as
+:func:`h2o.parity.r_kv.golden_first` records them (r_kv's and g_kv's), ours against them: the recorded states' and
+the evicting cache's."""
 import json
 
 import pytest
@@ -38,3 +39,18 @@ def first_cut_gaps(first: dict, golden: dict) -> tuple[float, int]:
         gap = max(gap, float((torch.tensor(row["ours_score"]) - torch.tensor(ref["score"])).abs().max()))
         differ += sum(a != b for a, b in zip(row["ours_kept"], ref["kept"][budget]))
     return gap, differ
+
+
+def prompt_cuts_keep_the_golden(policy: str, options: dict, ids: torch.Tensor, golden: dict) -> None:
+    """``ids`` as one prompt through ``policy``'s evicting cache (``options``; its own attention, the cut at the
+    prompt's end), at each of ``golden``'s budgets: each layer's held positions per KV head are the golden first
+    cut's (r_kv's and g_kv's)."""
+    from h2o import attach, make_policy
+
+    model = load_model()
+    for budget in golden["budgets"]:
+        with torch.no_grad(), attach(model, make_policy(policy, budget=budget, **options), mode="real") as h:
+            cache = h.new_cache()
+            model(ids, cache=cache)
+        held = [[sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[0]] for layer in cache.layers]
+        assert held == [golden["first_cut"][str(i)]["kept"][str(budget)] for i in range(len(held))]

@@ -18,7 +18,7 @@ from h2o.core.policies.g_kv import GKV
 from h2o.core.schedule import Interval
 from h2o.parity import g_kv as parity
 from h2o.parity.golden import load_model
-from tests.golden import first_cut_gaps, golden_fixture, recorded_model
+from tests.golden import first_cut_gaps, golden_fixture, prompt_cuts_keep_the_golden, recorded_model
 from tests.two_paths import padded_paths
 
 TOLERANCE = 1e-5  # |score ours - reference|; measured 1.2e-07 when recorded (scores ~1e-2 apart)
@@ -195,15 +195,7 @@ def test_broken_rules_miss_the_golden_numbers(states, golden, monkeypatch):
 def test_the_evicting_caches_cut_of_a_prompt_keeps_the_references_positions(golden):
     """The whole sequence as a prompt through the evicting cache (its own attention, the cut at the prompt's end):
     each layer's held positions per KV head are the reference's, at every budget."""
-    from h2o import attach
-
-    model, ids = load_model(), parity.golden_ids()
-    for budget in golden["budgets"]:
-        with torch.no_grad(), attach(model, make_policy("g_kv", budget=budget, **parity.OPTIONS), mode="real") as h:
-            cache = h.new_cache()
-            model(ids, cache=cache)
-        held = [[sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[0]] for layer in cache.layers]
-        assert held == [golden["first_cut"][str(i)]["kept"][str(budget)] for i in range(len(held))]
+    prompt_cuts_keep_the_golden("g_kv", parity.OPTIONS, parity.golden_ids(), golden)
 
 
 def test_the_fields_h2o_and_r_kv_recipes_are_recorded_beside_ours(states, golden):

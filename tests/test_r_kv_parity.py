@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from h2o.parity import r_kv as parity
-from h2o.parity.golden import load_model
-from tests.golden import first_cut_gaps, golden_fixture, recorded_model
+from tests.golden import first_cut_gaps, golden_fixture, prompt_cuts_keep_the_golden, recorded_model
 
 TOLERANCE = 1e-5  # |score ours - reference|; measured 9.3e-10 when recorded (scores ~1e-3 to 1e-2 apart)
 
@@ -59,15 +58,7 @@ def test_the_evicting_caches_cut_of_a_prompt_keeps_the_references_positions(gold
     """The whole sequence as a prompt through the evicting cache (its own attention, the cut at the prompt's end):
     each layer's held positions per KV head are the reference's, at every budget (the simulated path equals this
     path: tests/test_r_kv.py, tests/test_interval.py)."""
-    from h2o import attach, make_policy
-
-    model, ids = load_model(), parity.golden_ids()
-    for budget in golden["budgets"]:
-        with torch.no_grad(), attach(model, make_policy("r_kv", budget=budget, **parity.OPTIONS), mode="real") as h:
-            cache = h.new_cache()
-            model(ids, cache=cache)
-        held = [[sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[0]] for layer in cache.layers]
-        assert held == [golden["first_cut"][str(i)]["kept"][str(budget)] for i in range(len(held))]
+    prompt_cuts_keep_the_golden("r_kv", parity.OPTIONS, parity.golden_ids(), golden)
 
 
 def test_a_reference_path_without_the_code_is_one_line(tmp_path):
