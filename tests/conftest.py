@@ -9,7 +9,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest.register_assert_rewrite("tests.golden")  # its checks of a golden record fail with pytest's detail
+pytest.register_assert_rewrite("tests.golden", "tests.two_paths")  # their shared checks fail with pytest's detail
 
 
 def patch_language_once_per_launch() -> None:

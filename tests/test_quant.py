@@ -14,6 +14,7 @@ from h2o.assets.models import TINY_ARCHS, tiny_model
 from h2o.core.attach import Attached
 from h2o.core.attention import h2o_attention
 from tests.calibrated import ready
+from tests.two_paths import quantized_paths_agree
 from h2o.core.quant import KVQuant, QuantError, Uniform, make_quant
 from h2o.core.quant.base import pack_bits, unpack_bits
 from h2o.core.quant.calibrate import fit, kmeans_1d
@@ -242,17 +243,7 @@ def test_model_paths_agree_under_quantization(calibrations, arch, scheme, name):
     ids = torch.randint(0, 128, (1, 40), generator=G(1))
     policy = ready(make_policy(name, budget=0.2), model)
     P = 24 if policy.compress == "prefill" else 0  # a policy defined at a prompt's end is given one
-    with torch.no_grad():
-        with attach(model, policy, quant=quant, prompt_len=P):
-            sim = model(ids).logits
-        with attach(model, policy, prompt_len=P):
-            unquantized = model(ids).logits
-        with attach(model, policy, mode="real", quant=quant) as h:
-            cache = h.new_cache(ref_len=None if P else 40)
-            real = [model(ids[:, :P], cache=cache).logits] if P else []
-            real = torch.cat(real + [model(ids[:, t:t + 1], cache=cache).logits for t in range(P, 40)], 1)
-    gap, effect = (real - sim).abs(), (sim - unquantized).abs()
-    assert gap.mean() < 0.01 * effect.mean() and gap.max() < 0.1 * effect.max(), (gap.max(), effect.max())
+    effect, cache = quantized_paths_agree(model, policy, ids, quant, P)
     assert effect.mean() > 1e-2
     rows = quant.row_bytes("key", 16) + quant.row_bytes("value", 16)
     held = sum(int((layer.pos >= 0).sum()) for layer in cache.layers)

@@ -53,17 +53,21 @@ def without_a_prompt(model, policy, x: torch.Tensor):
     return sim, real, cache
 
 
-def quantized_paths_agree(model, policy, x: torch.Tensor, quant, prompt: int = 24) -> None:
-    """x (1, T) through both paths under ``quant``: both attend to (and rank) the keys the quantized cache holds, so
-    their logits agree to quantization noise, far below what quantization itself changes (as test_quant's matrix)."""
+def quantized_paths_agree(model, policy, x: torch.Tensor, quant, prompt: int = 24):
+    """x (1, T) through both paths under ``quant``, its first ``prompt`` tokens the prompt (0: none; the cache's
+    budget then taken of T): both attend to (and rank) the keys the quantized cache holds, so their logits agree to
+    quantization noise, far below what quantization itself changes -> (what it changes: |simulated logits -
+    unquantized ones|; the real path's cache)."""
+    T = x.shape[1]
     with torch.no_grad():
         with attach(model, policy, quant=quant, prompt_len=prompt):
             sim = model(x).logits
         with attach(model, policy, prompt_len=prompt):
             unquantized = model(x).logits
         with attach(model, policy, mode="real", quant=quant) as h:
-            cache = h.new_cache()
-            real = torch.cat([model(x[:, :prompt], cache=cache).logits]
-                             + [model(x[:, t:t + 1], cache=cache).logits for t in range(prompt, x.shape[1])], 1)
+            cache = h.new_cache(ref_len=None if prompt else T)
+            real = [model(x[:, :prompt], cache=cache).logits] if prompt else []
+            real = torch.cat(real + [model(x[:, t:t + 1], cache=cache).logits for t in range(prompt, T)], 1)
     gap, effect = (real - sim).abs(), (sim - unquantized).abs()
     assert gap.mean() < 0.01 * effect.mean() and gap.max() < 0.1 * effect.max(), (gap.max(), effect.max())
+    return effect, cache
