@@ -128,3 +128,43 @@ def test_row_kernel_equals_the_step(monkeypatch, name):
             plain(m, policy)
             step = simulate.policy_allowed(policy, logits, allowed, valid, P, window=window)
         assert torch.equal(*torch.broadcast_tensors(fast, step)), (name, T, P, window)
+
+
+def once_rules() -> list[str]:
+    """The registered rules with a simulated cache that take ``compress=prefill`` (the prompt's queries aside:
+    tests/test_expected_attention.py; a calibration aside: tests/test_triattention.py)."""
+    out = []
+    for name, cls in sorted(Policy.registry.items()):
+        p = cls(budget=0.2)
+        if p.evicts and not p.is_full and not p.whole_forward and not p.real_only and not p.reads_queries \
+                and not getattr(p, "needs_calibration", False):
+            out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("name", once_rules())
+def test_compressed_once_equals_the_walk(name):
+    """``prefill``'s closed form (schedule_rows.compressed_once) equals the row walk under the same schedule
+    (simulate.walk: the one loop, cutting where the schedule says, here never after the prompt) on every row of a
+    real token (a pad row's output is not read), with random padding, prompts, windows and integer logits."""
+    from h2o.core.schedule_rows import compressed_once
+    from h2o.core.step import Forward
+
+    g, dropped = torch.Generator().manual_seed(5), False
+    for trial in range(6):
+        T = int(torch.randint(8, 30, (), generator=g))
+        P = int(torch.randint(1, T, (), generator=g))
+        window = [None, int(torch.randint(3, T, (), generator=g))][trial % 2]
+        policy = make_policy(name, budget=[0.3, 5][trial // 2 % 2]).timed("prefill")
+        valid = random_valid(g, 3, T)
+        logits = torch.randint(-3, 4, (3, 2, 2, T, T), generator=g).float()  # (B, Hkv, G, T, T)
+        key, value = torch.randn(2, 3, 2, T, 8, generator=g)  # (B, Hkv, T, D) each
+        counts = policy.counts(simulate.reference_length(valid, P))
+        forward = lambda: Forward(logits, simulate.causal_valid(valid, window), valid, P, counts, window, None,  # noqa
+                                  key, value)
+        fast, loop = torch.broadcast_tensors(compressed_once(policy, forward()), simulate.walk(policy, forward(), P)[0])
+        real = valid[:, None, None, :, None]
+        assert torch.equal(fast & real, loop & real), (name, T, P, window)
+        assert window is not None or torch.equal(fast, loop), (name, T, P)
+        dropped |= bool((simulate.causal_valid(valid, window) & ~fast).any())
+    assert dropped, name  # the cut dropped tokens (not vacuous)

@@ -19,7 +19,7 @@ from . import row_kernel, step
 from .policies import Policy
 from .policies.base import CLOSED_FORM, Decoder, bcast, const, declared
 from .masks import causal_valid, in_window, masked_softmax, positions, serial, with_sinks  # noqa: F401 (re-exported)
-from .schedule_rows import compressed_once, interval_rows
+from .schedule_rows import compressed_once, cut, first_rows, scheduled_cuts
 from .step import Forward, LayerCall, Rows, column_key  # noqa: F401 (column_key re-exported)
 
 
@@ -97,9 +97,10 @@ def row_plan(policy: Policy, valid: torch.Tensor, prompt_len: int) -> tuple[int,
     that per row on the device): no host read. The torch loop starts at the first row where a sequence's budget
     is full (the rows before it are done at once) and skips the pad weighting where no walked row is a pad: one
     host read per forward (free on the CPU), shared by the layers. A sliding window only delays the first
-    eviction (fewer tokens are held), so the rows before ``start`` still evict nothing."""
+    eviction (fewer tokens are held), so the rows before ``start`` still evict nothing. A schedule that cuts later
+    walks every row from the prompt on (its cuts come after the rows it names)."""
     T = valid.shape[1]
-    if not policy.evicts or row_kernel.use_kernel(policy, valid.device):
+    if not policy.evicts or not policy.schedule.evicts_each_step or row_kernel.use_kernel(policy, valid.device):
         return min(prompt_len, T), True
     counts = policy.counts(reference_length(valid, prompt_len))
     filled = (valid.long().cumsum(-1) <= counts.total[:, None]).sum(-1)  # (B,) columns before a full cache
@@ -167,54 +168,39 @@ def policy_attention(policy: Policy, logits, allowed, valid, prompt_len: int, ro
     if call.layer is not None:
         counts = policy.layer_counts(counts, *call.layer)
     f = Forward(logits, allowed, valid, prompt_len, counts, window, call.sinks, key, value, call.queries)
-    schedule = policy.schedule
-    if policy.evicts and schedule.once:
+    if policy.evicts and policy.schedule.once:  # the walk's closed form under a schedule that cuts once
         return compressed_once(policy, f), None
-    if policy.evicts and schedule.cuts_later:
-        return interval_rows(policy, f)
-    if closed(policy, window):
+    if policy.schedule.evicts_each_step and closed(policy, window):
         held = closed_form(policy, valid, counts, max(prompt_len - 1, 0), window)  # (B, 1, 1, T, T)
         if not prompt_len:
             return held, None
         return torch.where(torch.arange(T, device=valid.device)[:, None] < prompt_len, allowed, held), None
-    B, Hkv, G, T, _ = logits.shape
-    pos = positions(valid)  # (B, T)
     if not policy.evicts and not policy.needs_scores:  # top-k: a pure function of each row's logits
         decoding = (torch.arange(T, device=logits.device) >= prompt_len)[:, None]  # (T, 1)
         return torch.where(decoding, policy.restrict(logits, None, allowed, counts), allowed), None
-
     # rows < start need no eviction: the prompt, and (torch loop) the steps before any sequence's budget is full
-    start, padded = rows if rows is not None else row_plan(policy, valid, prompt_len)
-    posH = pos[:, None, :].expand(B, Hkv, T)
-    keep = (valid & (torch.arange(T, device=valid.device) < start))[:, None, :].expand(B, Hkv, T).clone()
-    first = masked_softmax(logits[..., :start, :], allowed[..., :start, :], call.sinks)  # (B, Hkv, G, start, T)
-    probs = logits[..., :start, :] if policy.reads_logits else first * valid[:, None, None, :start, None]
-    acc = policy.new_state(B, Hkv, T, logits.device)  # (B, Hkv, T) accumulated attention (Policy.new_state)
-    step.accumulate(policy, acc, probs, valid[:, :start])
-    keys = key if policy.evicts and policy.reads_keys else None  # (B, Hkv, T, D) for Policy.step_score
-    cut_at = prompt_len if start == prompt_len and policy.cut_room else 0  # a prompt's cut leaves a slot free
-    if policy.evicts and start > 0:  # the cut at the end of the prefill, judged with the last token in
-        now = keep[:, 0].sum(-1) - 1
-        keep = step.expire(keep, posH, now, window)  # the window first: what left it is gone before the policy
-        state = acc if keys is None else policy.cut_score(acc, keys, keep)
-        cut = policy.cut_counts(counts) if cut_at else counts  # a cut after the prompt's: the real path's step
-        keep = step.kept(policy, step.Slots(posH, keep, acc, now), state, cut, order=bool(cut_at))
+    return walk(policy, f, *(rows if rows is not None else row_plan(policy, valid, prompt_len)))
 
-    out = allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
-    r = Rows(pos, posH, keep, acc, out, start, padded, cut_at=cut_at)
-    f.key = keys
-    if call.sinks is None and row_kernel.use_kernel(policy, logits.device):  # one fused kernel per layer (CUDA)
+
+def walk(policy: Policy, f: Forward, start: int, padded: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The row walk under any schedule, from the state at row ``start`` (:func:`first_rows`: the rows before it, the
+    prompt's cut): the Triton kernel where it serves (``decode``, :func:`h2o.core.row_kernel.use_kernel`; no sink
+    logits), else :func:`row_loop`. ``padded``: see :func:`row_plan`. -> (mask (B, Hkv, G|1, T, T) bool, every
+    row's attention probabilities (B, Hkv, G, T, T) fp32 where the torch loop computes them for a rule that reads
+    the scores, else None)."""
+    valid = f.valid
+    f.allowed = causal_valid(valid, f.window) if f.allowed is None else f.allowed  # (B, 1, 1, T, T)
+    B, T = valid.shape
+    Hkv, G = (1, 1) if f.logits is None else f.logits.shape[1:3]
+    kernel = f.sinks is None and policy.schedule.evicts_each_step and row_kernel.use_kernel(policy, valid.device)
+    r = first_rows(policy, f, start, seen=not kernel)
+    r.padded, r.out = padded, f.allowed.expand(B, Hkv, G if not policy.evicts else 1, T, T).clone()
+    if kernel:  # one fused kernel per layer (CUDA)
         row_kernel.score_rows(policy, f, r)
-        return out, None
-    if not policy.needs_scores:  # a position-only policy on a sliding layer: the loop writes the rows only
-        with serial(logits.device):
-            row_loop(policy, f, r)
-        return out, None
-    r.seen = torch.empty_like(logits)  # (B, Hkv, G, T, T) every row's attention probabilities
-    r.seen[..., :start, :] = first
-    with serial(logits.device):
+        return r.out, None
+    with serial(valid.device):
         row_loop(policy, f, r)
-    return out, r.seen
+    return r.out, r.seen
 
 
 def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window: int | None = None
@@ -231,14 +217,19 @@ def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window:
 
 
 def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
-    """Rows ``r.start``..T-1, one step each: evict (or restrict), add the token, accumulate its attention.
+    """Rows ``r.start``..T-1, one step each, under the rule's schedule (:mod:`h2o.core.schedule`): the held tokens
+    out of the row's window leave; the row's token is placed (``decode``: evicting a held column where the budget is
+    full, :mod:`h2o.core.step`'s decoding step; any other schedule: none, every token is kept until a cut); the
+    row's mask (a restricting rule: its restriction of what is held), its softmax, its attention accumulated; then
+    the schedule's cut where it names the row (:func:`scheduled_cuts`, :func:`cut`).
+
     ``r.padded`` False: no row from ``start`` on is a pad (their weighting is skipped). ``r.seen``
     (B, Hkv, G, T, T): each row's attention probabilities are written there (policies that read the scores).
-    ``f.window``: first the held tokens out of the row's window leave; the budget is then full where a (sequence, KV
-    head) still holds ``total`` tokens (its own count: the window frees slots head by head). ``f.sinks``:
-    :func:`masked_softmax`'s. ``f.key`` (B, Hkv, T, D): the held older keys ranked by ``Policy.step_score`` (None:
-    the rule reads none). Each row is :mod:`h2o.core.step`'s decoding step over the columns. ``r.cut_at``: the
+    ``f.window``: under ``decode`` the budget is then full where a (sequence, KV head) still holds ``total`` tokens
+    (its own count: the window frees slots head by head). ``f.sinks``: :func:`masked_softmax`'s. ``f.key``
+    (B, Hkv, T, D): the held older keys ranked by ``Policy.step_score`` (a rule that reads them). ``r.cut_at``: the
     prompt's length where its cut left a slot free (``Policy.cut_room``): the first real row from there takes it.
+    ``f.logits`` None: a rule of positions alone (the mask only).
 
     A :attr:`~h2o.core.policies.Policy.pooled` policy (Ada-KV) adds the row's token to every head, then cuts the
     whole layer back to its budget (:meth:`~h2o.core.policies.Policy.keep`, the token kept), as the cache does.
@@ -246,22 +237,26 @@ def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
     ``where`` and one ``argmin`` per row. Per-row inputs are laid out row-major once, so each row reads them with
     one ``select`` (this loop issues every op of the CPU path: for h2o ~39 aten ops per row, views included,
     counted with torch.profiler)."""
-    logits, valid, counts, window, sinks, keys = f.logits, f.valid, f.counts, f.window, f.sinks, f.key
+    logits, valid, counts, window, sinks = f.logits, f.valid, f.counts, f.window, f.sinks
+    keys = f.key if policy.evicts and policy.reads_keys else None  # (B, Hkv, T, D) for Policy.step_score
     pos, posH, keep, acc, out, start, padded, seen, cut_at = (r.pos, r.posH, r.keep, r.acc, r.out, r.start, r.padded,
                                                               r.seen, r.cut_at)
-    T = logits.shape[-1]
-    B = valid.shape[0]
+    B, T = valid.shape
+    evicting = policy.evicts and policy.schedule.evicts_each_step  # an arriving token evicts (decode)
+    scored = logits is not None and policy.needs_scores
+    due, cuts = scheduled_cuts(policy, f, pos) if not policy.schedule.evicts_each_step else (None, None)
     before = valid.long().cumsum(-1) - valid.long()  # (B, T) tokens before each column; the cache holds min(., K)
     rooms = (before < counts.total[:, None]) | ~valid  # (B, T) below budget (or a pad: nothing to evict)
     if 0 < cut_at < T:  # the rows after the cut with no real token between: the free slot is theirs
         rooms |= (torch.arange(T, device=valid.device) >= cut_at) & (before == before[:, cut_at:cut_at + 1])
-    inf = const(float("inf"), torch.float32, logits.device)
+    inf = const(float("inf"), torch.float32, valid.device)
     fills = torch.where(rooms, -inf, inf).t().contiguous().view(T, B, 1, 1)  # (T, B, 1, 1) key of a free column
     toks = valid.t().contiguous()  # (T, B): row i's token is real
-    weights = toks.to(logits.dtype).view(T, B, 1, 1, 1, 1)  # (T, B, 1, 1, 1, 1): pad rows add nothing
     now = pos.t().contiguous()  # (T, B)
-    low = const(torch.finfo(torch.float32).min, logits.dtype, logits.device)
-    gone = const(-1, torch.int64, logits.device)
+    if scored:
+        weights = toks.to(logits.dtype).view(T, B, 1, 1, 1, 1)  # (T, B, 1, 1, 1, 1): pad rows add nothing
+        low = const(torch.finfo(torch.float32).min, logits.dtype, logits.device)
+    gone = const(-1, torch.int64, valid.device)
     sink_row = None if sinks is None else sinks.view(1, *sinks.shape[1:3], 1)  # (1, Hkv, G, 1)
     if window is not None:
         edge = (pos - window).t().contiguous().view(T, B, 1, 1)  # (T, B, 1, 1): row i keeps positions > edge
@@ -273,26 +268,27 @@ def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
         tok = toks[i].view(B, 1)  # (B, 1)
         if window is not None:  # out of the window: gone before the policy decides (a pad row: nothing leaves)
             keep = step.expire(keep, posH, None, window, edge[i])
-        if policy.pooled:  # the token enters every head, then the layer is cut back to its budget
+        if not evicting:  # every token kept until a cut (a restricting rule: each row restricts what is held)
+            step.place_column(keep, i, tok)
+        elif policy.pooled:  # the token enters every head, then the layer is cut back to its budget
             step.place_column(keep, i, tok)
             arriving = posH == now[i].view(B, 1, 1)
             a.held, a.now, a.ranked = keep, now[i], torch.where(keep, posH, gone)
             a.older = None if keys is None else keep & ~arriving
             keep.copy_(step.pool_keep(policy, a, counts, arriving))
-            row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
-        elif policy.evicts:
+        else:
             fill = fills[i] if window is None else torch.where(
                 (keep.sum(-1, keepdim=True) < limit) | pads[i], -inf, inf)  # (B, Hkv, 1): room per head
             # the state as the cache sees it: -1 = not held
             a.held, a.older, a.now, a.ranked, a.room = keep, keep, now[i], torch.where(keep, posH, gone), fill
             step.place_column(keep, i, tok, step.evict_slot(dec, a))  # (B, Hkv, 1) the column dropped
+        if policy.evicts:
             row = keep.unsqueeze(2)  # (B, Hkv, 1, T)
         else:
-            step.place_column(keep, i, tok)
             row = policy.restrict(logits[..., i:i + 1, :], acc[:, :, None, None, :],
                                   keep[:, :, None, None, :], counts)[..., 0, :]  # (B, Hkv, G, T)
         out.select(-2, i).copy_(row)
-        if policy.needs_scores:  # masked_softmax of the row, in place of its two ops
+        if scored:  # masked_softmax of the row, in place of its two ops
             p = torch.where(row, logits.select(-2, i), low)  # (B, Hkv, G, T)
             p = torch.softmax(p, -1) if sink_row is None else with_sinks(p, sink_row)
             if seen is not None:
@@ -302,3 +298,5 @@ def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
                 step.accumulate(policy, acc, logits[..., i:i + 1, :], tok)
             else:
                 step.accumulate(policy, acc, p * weights[i] if padded else p, tok if padded else None)
+        if cuts and cuts[i]:  # the schedule's cut after this row (3: some sequences' only, the others spared)
+            keep = cut(policy, f, keep, posH, acc, now[i], ~due[:, i] if cuts[i] == 3 else None)

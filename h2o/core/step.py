@@ -61,13 +61,14 @@ def expire_slots(pos: torch.Tensor, now: torch.Tensor, window: int) -> None:
 
 def score(policy: Policy, acc: torch.Tensor, keys: torch.Tensor | None, held: torch.Tensor) -> torch.Tensor:
     """What the rule ranks at a cut: ``acc``, or for a rule that reads the held keys (B, H, S, D) its
-    ``Policy.cut_score``."""
-    return policy.cut_score(acc, keys, held) if policy.reads_keys else acc
+    ``Policy.cut_score`` (keys None: ``acc``, as :func:`step_state`)."""
+    return policy.cut_score(acc, keys, held) if policy.reads_keys and keys is not None else acc
 
 
 def kept(policy: Policy, s: Slots, state: torch.Tensor, counts: Counts, order: bool = True) -> torch.Tensor:
     """(B, H, S) bool the slots a cut keeps: the rule's priority of ``state`` over the held slots, told to the
-    rule's order hook (``order``: a prompt's cut, ``Policy.cut_order``), then its selection (``Policy.keep``)."""
+    rule's order hook (``Policy.cut_order``: at every cut but the simulated decode loop's deferred one, ``order``
+    False, :func:`h2o.core.schedule_rows.cut`), then its selection (``Policy.keep``)."""
     ranked = s.pos.masked_fill(~s.held, -1) if s.ranked is None else s.ranked
     prio = policy.priority(ranked, state, s.now, counts)
     if order:
