@@ -350,3 +350,10 @@ def test_quantized_cache_on_a_sliding_layer():
     effect = (sim - plain(model, ids, torch.ones_like(ids))).abs()
     assert (out - sim).abs().max() < 0.01 * effect.max() and effect.max() > 1e-2
     assert [layer.keys.shape[-2] for layer in cache.layers] == [W, 40]
+
+
+def test_learned_sinks_weigh_the_prompts_scores_in_both_paths():
+    """compress=prefill: the prompt rows' attention that snapkv's cut ranks has GPT-OSS's sink logit in its softmax
+    in both paths (the simulated closed form had none: 1.8 apart in the logits here)."""
+    from tests.two_paths import padded_paths
+    padded_paths(tiny_gpt_oss(), make_policy("snapkv", budget=0.3, compress="prefill", window=3, kernel=3))

@@ -7,8 +7,6 @@ cut once at the prompt's end, every row at once; tested equal to the walk), each
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from . import step
@@ -103,6 +101,5 @@ def compressed_once(policy: Policy, f: Forward) -> torch.Tensor:
     if not P:
         return f.allowed
     col = torch.arange(f.valid.shape[1], device=f.valid.device)
-    r = first_rows(policy, replace(f, sinks=None), P, seen=False)  # the prompt rows' softmax without sink logits
-    held = r.keep[:, :, None, None, :] | (col >= P)  # (B, Hkv, 1, 1, T)
+    held = first_rows(policy, f, P, seen=False).keep[:, :, None, None, :] | (col >= P)  # (B, Hkv, 1, 1, T)
     return torch.where((col < P)[:, None], f.allowed, f.allowed & held)
