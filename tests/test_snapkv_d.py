@@ -221,3 +221,11 @@ def test_the_buffer_schedule_of_one_token_makes_the_same_cuts(model, golden):
     policy = make_policy("snapkv_d", budget=budget, compress="buffer", interval=1, **options)
     assert misses(parity.ours_run(model, "w16_k3", parity.prompt_ids(), policy=policy),
                   golden["fork"]["w16_k3"])[:2] == (0, 0)
+
+
+def test_the_decode_timing_agrees_in_both_paths():
+    """compress=decode: the prompt's cut ranks the window rows' mean (accumulate_prompt) in both paths, then each
+    arriving token takes the slot of the lowest score by the previous row (the simulated loop ranked the prompt's
+    last row alone at the prompt's cut: 2.6 apart in the logits here)."""
+    padded_paths(tiny_model("llama_gqa", seed=2), make_policy("snapkv_d", budget=0.3, compress="decode", window=3,
+                                                              kernel=3))

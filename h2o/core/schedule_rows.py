@@ -44,10 +44,10 @@ def cut(policy: Policy, f: Forward, keep: torch.Tensor, posH: torch.Tensor, acc:
 def first_rows(policy: Policy, f: Forward, start: int, seen: bool = True) -> Rows:
     """The row walk's state at row ``start`` (:class:`h2o.core.step.Rows`, ``out`` not built): the rows before it
     see their prefix (``f.allowed``); a rule that reads the scores adds their attention (B, Hkv, G, start, T) to
-    ``acc`` (B, Hkv, T[, ...]) (``Policy.new_state``): under a schedule that cuts later, as a prompt's
-    (``Policy.accumulate_prompt``, told each row's place), under ``decode``, where the torch loop may start past the
-    prompt, as rows (``Policy.accumulate``), and keeps them in ``seen`` (B, Hkv, G, T, T) where asked; then the
-    prompt's :func:`cut` (``deferred`` past the prompt). ``cut_at``: the prompt's length where its cut left a slot
+    ``acc`` (B, Hkv, T[, ...]) (``Policy.new_state``), the prompt's as a prompt's (``Policy.accumulate_prompt``,
+    told each row's place; where the decode loop starts past the prompt, all of them as rows,
+    ``Policy.accumulate``), and keeps them in ``seen`` (B, Hkv, G, T, T) where asked; then the prompt's :func:`cut`
+    (``deferred`` past the prompt). ``cut_at``: the prompt's length where its cut left a slot
     free (``Policy.cut_room``)."""
     logits, valid, P = f.logits, f.valid, f.prompt_len
     B, T = valid.shape
@@ -61,7 +61,7 @@ def first_rows(policy: Policy, f: Forward, start: int, seen: bool = True) -> Row
     if logits is not None and policy.needs_scores:
         first = masked_softmax(logits[..., :start, :], f.allowed[..., :start, :], f.sinks)  # (B, Hkv, G, start, T)
         rows = logits[..., :start, :] if policy.reads_logits else first * valid[:, None, None, :start, None]
-        if start and policy.schedule.evicts_each_step:
+        if start > P:  # the decode loop starts past the prompt: every row before it as a decoding row (one sum)
             step.accumulate(policy, acc, rows, valid[:, :start])
         elif start:
             policy.accumulate_prompt(acc, rows, valid[:, :start], now[:, None] - pos[:, :start])
