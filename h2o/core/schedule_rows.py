@@ -58,10 +58,11 @@ def first_rows(policy: Policy, f: Forward, start: int, seen: bool = True) -> Row
     acc = policy.new_state(B, Hkv, T, valid.device)  # (B, Hkv, T) (Policy.new_state)
     r = Rows(pos, posH, keep, acc, None, start)
     now = keep[:, 0].sum(-1) - 1  # (B,) the newest token before ``start``
+    deferred = start > P  # the decode loop starts past the prompt (row_plan): the prompt's cut is taken there
     if logits is not None and policy.needs_scores:
         first = masked_softmax(logits[..., :start, :], f.allowed[..., :start, :], f.sinks)  # (B, Hkv, G, start, T)
         rows = logits[..., :start, :] if policy.reads_logits else first * valid[:, None, None, :start, None]
-        if start > P:  # the decode loop starts past the prompt: every row before it as a decoding row (one sum)
+        if deferred:  # every row before the start as a decoding row (one sum)
             step.accumulate(policy, acc, rows, valid[:, :start])
         elif start:
             policy.accumulate_prompt(acc, rows, valid[:, :start], now[:, None] - pos[:, :start])
@@ -69,7 +70,7 @@ def first_rows(policy: Policy, f: Forward, start: int, seen: bool = True) -> Row
             r.seen = torch.empty_like(logits)  # (B, Hkv, G, T, T) every row's attention probabilities
             r.seen[..., :start, :] = first
     if policy.evicts and start > 0:  # the prompt's cut, judged with its last token in
-        r.keep = cut(policy, f, keep, posH, acc, now, deferred=start > P)
+        r.keep = cut(policy, f, keep, posH, acc, now, deferred=deferred)
         r.cut_at = P if start == P and policy.cut_room else 0  # a prompt's cut leaves a slot free
     return r
 

@@ -217,19 +217,16 @@ def closed_form(policy: Policy, valid: torch.Tensor, counts, first: int, window:
 
 
 def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
-    """Rows ``r.start``..T-1, one step each, under the rule's schedule (:mod:`h2o.core.schedule`): the held tokens
-    out of the row's window leave; the row's token is placed (``decode``: evicting a held column where the budget is
-    full, :mod:`h2o.core.step`'s decoding step; any other schedule: none, every token is kept until a cut); the
-    row's mask (a restricting rule: its restriction of what is held), its softmax, its attention accumulated; then
-    the schedule's cut where it names the row (:func:`scheduled_cuts`, :func:`cut`).
-
-    ``r.padded`` False: no row from ``start`` on is a pad (their weighting is skipped). ``r.seen``
-    (B, Hkv, G, T, T): each row's attention probabilities are written there (policies that read the scores).
-    ``f.window``: under ``decode`` the budget is then full where a (sequence, KV head) still holds ``total`` tokens
-    (its own count: the window frees slots head by head). ``f.sinks``: :func:`masked_softmax`'s. ``f.key``
-    (B, Hkv, T, D): the held older keys ranked by ``Policy.step_score`` (a rule that reads them). ``r.cut_at``: the
-    prompt's length where its cut left a slot free (``Policy.cut_room``): the first real row from there takes it.
-    ``f.logits`` None: a rule of positions alone (the mask only).
+    """Rows ``r.start``..T-1, one step each under any schedule: the window's expiry, the token placed (``decode``:
+    evicting a column, :mod:`h2o.core.step`'s decoding step; else every token kept until a cut), the row's mask (or
+    restriction), softmax and accumulation, then the cut (:func:`cut`) where the schedule names the row
+    (:func:`scheduled_cuts`). ``r.padded`` False: no row from ``start`` on is a pad (their weighting is skipped).
+    ``r.seen`` (B, Hkv, G, T, T): each row's attention probabilities are written there (policies that read the
+    scores). ``f.window``: under ``decode`` the budget is then full where a (sequence, KV head) still holds
+    ``total`` tokens (its own count: the window frees slots head by head). ``f.sinks``: :func:`masked_softmax`'s.
+    ``f.key`` (B, Hkv, T, D): the held older keys ranked by ``Policy.step_score`` (a rule that reads them).
+    ``r.cut_at``: the prompt's length where its cut left a slot free (``Policy.cut_room``): the first real row from
+    there takes it. ``f.logits`` None: a rule of positions alone (the mask only).
 
     A :attr:`~h2o.core.policies.Policy.pooled` policy (Ada-KV) adds the row's token to every head, then cuts the
     whole layer back to its budget (:meth:`~h2o.core.policies.Policy.keep`, the token kept), as the cache does.
