@@ -162,3 +162,17 @@ def test_simulated_closed_form_masks_run_the_fused_kernel_without_a_host_read(ll
     assert counts["aten::_scaled_dot_product_flash_attention_for_cpu"] == llama.config.num_hidden_layers, counts
     torch.testing.assert_close(fused, eager, atol=1e-5, rtol=0)
     assert not torch.equal(eager, llama(x, attention_mask=mask).logits) or name == "full"  # the policy cut
+
+
+def test_simulated_interval_reads_the_host_once_per_layer():
+    """compress=interval in the one row walk: the scheduled cuts' rows read once per layer (both flags at once; two
+    reads before, and the decode loop's row plan once per forward), and the guard's read."""
+    batch = torch.cat([ids(40), ids(40).flip(-1)])
+    mask = torch.ones_like(batch)
+    mask[1, :5] = 0
+    for layers in (2, 4):
+        model = tiny_model("llama", num_hidden_layers=layers)
+        with torch.no_grad(), attach(model, make_policy("h2o", budget=0.3, compress="interval", interval=4),
+                                     prompt_len=16):
+            model(batch, attention_mask=mask)
+            assert host_reads(lambda: model(batch, attention_mask=mask)) == 1 + layers, layers
