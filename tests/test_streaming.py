@@ -99,6 +99,7 @@ def test_a_key_shifted_many_times_in_bf16_stays_one_rounding_away(model):
 
     first = torch.arange(S)
     layer = SimpleNamespace(pos=first.view(1, 1, S).clone(), keys=entered(first, first))
+    layer.renumber = lambda rot, new: layer.keys.copy_(rot.renumber(layer.pos, layer.keys, new))  # the cache's
     renum = CachePositions(model, 1)
     renum.after_chunk(SimpleNamespace(layers=[layer]), 0)
     tracked = S - 1  # the newest first token: every older one is evicted, one per chunk, so it moves 299 times

@@ -44,9 +44,9 @@ class ListReads(TorchFunctionMode):
 
 
 def host_side(cache) -> frozenset[int]:
-    """The addresses of the tensors an evicting cache keeps on the host on every device (its host counts)."""
-    return frozenset(x.data_ptr() for layer in cache.layers if layer.host_counts is not None
-                     for x in (*layer.host_counts.fields(), layer.fullest_buf) if x is not None)
+    """The addresses of the tensors an evicting cache keeps on the host on every device (its host counts,
+    :meth:`h2o.core.cache.EvictingCache.host_tensors`)."""
+    return frozenset(x.data_ptr() for x in cache.host_tensors())
 
 
 def host_reads(fn, host: frozenset[int] = frozenset()) -> int:

@@ -160,8 +160,9 @@ def fork_cache(model, v: Variant, new_cache, snap: EvictingCache, logits1, batch
     cache = new_cache(T)
     if v.kind == "policy":
         return cache.fork(snap, batch), rep(logits1, batch)
-    for layer, s in zip(cache.layers, snap.layers):
-        layer.update(rep(s.keys, batch), rep(s.values, batch))
+    for i, s in enumerate(snap.layers):
+        keys, values = s.read()  # full, unquantized: the prompt's keys and values as held
+        cache.update(rep(keys, batch), rep(values, batch), i)
     return cache, rep(logits1, batch)
 
 

@@ -80,22 +80,15 @@ def nonfinite(*xs: torch.Tensor) -> torch.Tensor:
     return sum(x.sum(dtype=torch.float32) for x in xs) * 0
 
 
-def first_prompt(layer, q: int, S: int, window: int | None) -> bool:
-    """Whether this forward's mask is plain causal: a layer's first forward (nothing held before), no pad (host
-    counts), no sliding window shorter than it."""
-    new = [n - b for n, b in zip(layer.host_tok, layer.tok_before)]
-    return S == q and all(k == q for k in new) and (window is None or window >= q)
-
-
 def block_rows(B: int, Hq: int, S: int, cap: int | None = None) -> int:
     """Query rows per block so that (B, Hq, rows, S) holds at most :data:`CELLS` values."""
     rows = max(1, CELLS // max(1, B * Hq * S))
     return rows if cap is None else min(rows, cap)
 
 
-def allowed_rows(layer, r: int, rows: int) -> torch.Tensor:
+def allowed_rows(layer, key, r: int, rows: int) -> torch.Tensor:
     """(B, Hkv, 1, rows, S) bool: what query rows r..r+rows of this forward see, by the layer's own rule."""
-    return layer.visible(layer.keys.new_empty(1, 1, 1, rows, 0), r)
+    return layer.visible(key.new_empty(1, 1, 1, rows, 0), r)
 
 
 def to_heads(mask: torch.Tensor, G: int) -> torch.Tensor:
@@ -150,7 +143,8 @@ def real_prefill(layer, query, key, value, scaling: float, window: int | None = 
     Hkv, S = key.shape[1], key.shape[-2]
     G = Hq // Hkv
     rows = READ_ROWS in reads
-    causal = first_prompt(layer, q, S, window)
+    # plain causal: the layer's first forward (nothing held before), no pad, no sliding window shorter than it
+    causal = S == q and layer.unpadded() and (window is None or window >= q)
     if causal and own is not None:  # the row statistics then from each block's own softmax
         out, lse = own(query, key, value, scaling).add_(nonfinite(query, key, value)), None
     elif causal:
@@ -160,7 +154,7 @@ def real_prefill(layer, query, key, value, scaling: float, window: int | None = 
         step = block_rows(B, Hq, S)
         for r in range(0, q, step):
             n = min(step, q - r)
-            mask, fix = uniform_where_empty(to_heads(allowed_rows(layer, r, n), G), value, G)
+            mask, fix = uniform_where_empty(to_heads(allowed_rows(layer, key, r, n), G), value, G)
             o, l = fused(query[:, :, r:r + n], key, value, scaling, mask, lse=rows)
             outs.append(fix(o))
             lses.append(l)
@@ -176,8 +170,7 @@ def real_prefill(layer, query, key, value, scaling: float, window: int | None = 
 def row_statistics(layer, query, key, scaling: float, lse: torch.Tensor | None, causal: bool) -> None:
     """Every row's attention probabilities into the policy's hook, a block of rows at a time, each over the
     columns up to its last row: ``exp(logits - lse)`` with the fused kernel's log-sum-exp, or the block's
-    softmax. Without pads the hook is called as :meth:`EvictingLayer.attended` calls it, less its zeroing of pad
-    rows (none)."""
+    softmax, into :meth:`EvictingLayer.attended` (``acc`` seen as the block's columns)."""
     B, Hq, q, D = query.shape
     Hkv, S = key.shape[1], key.shape[-2]
     G = Hq // Hkv
@@ -201,20 +194,15 @@ def row_statistics(layer, query, key, scaling: float, lse: torch.Tensor | None, 
         if causal:
             logits[..., c - n:].masked_fill_(tri[:n, :n], -torch.inf)
         else:
-            allowed = allowed_rows(layer, r, n)[..., :c]  # (B, Hkv, 1, n, c)
+            allowed = allowed_rows(layer, key, r, n)[..., :c]  # (B, Hkv, 1, n, c)
         if nlse is not None:
             if allowed is not None:
                 logits.masked_fill_(~allowed, -torch.inf)
             probs = logits.exp_()
         else:
             probs = masked_softmax(logits, allowed)  # a row with none allowed (a pad): the hook zeroes it
-        if causal:  # no pad: the policy's hook straight on the first c slots
-            at = layer.pos.shape[-1] - q + r
-            left = (layer.n_tok - 1)[:, None] - layer.pos[:, 0, at:at + n]  # (B, n) tokens after each row
-            layer.policy.accumulate_prompt(layer.acc[:, :, :c], probs, layer.valid[:, r:r + n], left)
-        else:
-            with layer.narrowed(c):
-                layer.attended(probs, r)
+        with layer.narrowed(c):
+            layer.attended(probs, r)
 
 
 def window_statistics(layer, query, key, scaling: float, w: int, causal: bool) -> None:
@@ -225,16 +213,14 @@ def window_statistics(layer, query, key, scaling: float, w: int, causal: bool) -
     if causal:  # no pad: the last w rows
         first = max(0, q - w)
     else:  # one host read: the earliest row that is inside a sequence's window
-        at = layer.pos.shape[-1] - q
-        left = (layer.n_tok - 1)[:, None] - layer.pos[:, 0, at:]  # (B, q) tokens after each row
-        inside = (layer.valid & (left >= 0) & (left < w)).any(0)  # (q,)
+        inside = layer.rows_within(w)  # (q,)
         first = int(inside.long().argmax()) if bool(inside.any()) else q
     qg = grouped(query, Hkv)
     step = block_rows(B, Hq, S)
     for r in range(first, q, step):
         n = min(step, q - r)
         logits = scores(qg[..., r:r + n, :], key, scaling)  # (B, Hkv, G, n, S)
-        layer.attended(masked_softmax(logits, allowed_rows(layer, r, n)), r, logits)
+        layer.attended(masked_softmax(logits, allowed_rows(layer, key, r, n)), r, logits)
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ class KeyRerotation:
 
 class CachePositions:
     """Positions inside the cache for a whole cache, from outside a forward: after each chunk, renumber the kept
-    keys of every layer 0..n-1 (layers: anything with ``pos`` (B, H, S) and ``keys`` (B, H, S, D))."""
+    keys of every layer 0..n-1 (each layer renumbers its own, :meth:`h2o.core.cache.EvictingLayer.renumber`)."""
 
     def __init__(self, model, n_layers: int):
         shifter = KeyShifter(model)
@@ -97,7 +97,7 @@ class CachePositions:
         """Renumber after a chunk whose first token had true position ``first_new``. Returns tokens held."""
         for i, (layer, rot) in enumerate(zip(cache.layers, self.layers)):
             try:
-                layer.keys.copy_(rot.renumber(layer.pos, layer.keys, first_new))
+                layer.renumber(rot, first_new)
             except RuntimeError as err:
                 raise RuntimeError(f"layer {i}: {err}") from None
         self.n = held_alike(self.layers)

@@ -141,7 +141,7 @@ def ours(model, name: str, options: dict, budget: int, prompt, cont) -> tuple[li
     with torch.no_grad(), attach(model, policy, mode="real") as h:
         cache = h.new_cache()
         logits = [model(prompt, cache=cache, use_cache=True).logits[0, -1]]
-        kept = [[sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[0]] for layer in cache.layers]
+        kept = [[sorted(p for p in head.tolist() if p >= 0) for head in pos[0]] for pos in cache.positions()]
         logits += [model(cont[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1]
                    for t in range(cont.shape[1] - 1)]
     return kept, nll_sum(torch.stack(logits), cont[0])[0] / cont.shape[1]

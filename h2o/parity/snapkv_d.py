@@ -191,7 +191,7 @@ def ours_run(model, case: str, prompt: torch.Tensor, forced: torch.Tensor | None
             return model(ids, cache=cache, use_cache=True).logits[0, -1]
 
         def held():
-            return [[sorted(p for p in head.tolist() if p >= 0) for head in layer.pos[0]] for layer in cache.layers]
+            return [[sorted(p for p in head.tolist() if p >= 0) for head in pos[0]] for pos in cache.positions()]
 
         return generate(forward, held, prompt, forced)
 

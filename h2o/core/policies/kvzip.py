@@ -66,26 +66,26 @@ class KVzip(PrefillOnly):
         """Score the prompts ``ids`` (B, T) held whole in ``cache`` by their replays and cut every layer. Each
         sequence is scored alone, as kvpress scores a batch of one: its real tokens (slots with ``pos >= 0``, in
         position order; left pads excluded) are its context."""
+        from ..model_settings import layer_windows
         from .kvzip_replay import score_context
 
         if ids is None:
             raise PolicyError("policy=kvzip: the prompt's forward gave no input_ids to replay; allowed: input_ids")
-        if any(layer.window is not None for layer in cache.layers):
+        if any(w is not None for w in layer_windows(modules)):
             raise PolicyError("policy=kvzip: the model has sliding-window layers, where the replay's scores have no "
                               "meaning (kvpress refuses Gemma-3); allowed: a model with global attention only")
-        drops = [torch.zeros_like(layer.pos, dtype=torch.bool) for layer in cache.layers]  # (B, Hkv, S) each
+        positions = cache.positions()  # per layer (B, Hkv, S)
+        keep = [p >= 0 for p in positions]  # each layer's held slots, less what the replays drop
         share = isinstance(self.budget, float)
         for b in range(ids.shape[0]):
-            real = cache.layers[0].pos[b, 0] >= 0  # (S,) the sequence's slots, in position order
+            real = positions[0][b, 0] >= 0  # (S,) the sequence's slots, in position order
             context = ids[b, -real.shape[0]:][real].tolist()
             held = [tuple(x[b:b + 1][:, :, real] for x in layer.read()) for layer in cache.layers]  # (1, Hkv, C, D)
             scorer = score_context(model, modules, held, context, tokenizer, self.n_sink, self.chunk_size)
             gone = scorer.pruned(1 - self.budget if share else None, None if share else self.budget, self.layerwise)
-            for layer, drop, lost in zip(cache.layers, drops, gone):  # lost (1, Hkv, C) by position
-                pos = layer.pos[b]  # (Hkv, S)
-                drop[b] = (pos >= 0) & lost[0].gather(-1, pos.clamp(min=0))
-        for layer, drop in zip(cache.layers, drops):
-            layer.keep_only((layer.pos >= 0) & ~drop)
+            for pos, kept, lost in zip(positions, keep, gone):  # lost (1, Hkv, C) by position
+                kept[b] &= ~lost[0].gather(-1, pos[b].clamp(min=0))
+        cache.keep_only(keep)
 
     def describe(self):
         return {**super().describe(), "n_sink": self.n_sink, "chunk_size": self.chunk_size,
