@@ -184,6 +184,10 @@ class Policy(BudgetChecks):
         self.heavy, self.recent = heavy, recent
         self.budget = heavy + recent
 
+    def whole_budget(self) -> None:
+        """No recent part: the whole budget is the rule's (``heavy = budget``, ``recent = 0``)."""
+        Policy.__init__(self, heavy=self.budget, recent=0.0 if isinstance(self.budget, float) else 0)
+
     @property
     def quant(self):
         """The quantizer set as ``policy.quant = q`` (None unless set), a second spelling: storage is the cache's
@@ -199,13 +203,23 @@ class Policy(BudgetChecks):
 
     def timed(self, compress: str, interval: int | None = None) -> "Policy":
         """This policy with the compression timing ``compress`` (:data:`COMPRESS`) and its option ``interval``
-        (:func:`h2o.core.schedule.make_schedule`); returns it."""
+        (:func:`h2o.core.schedule.make_schedule`; where a schedule that takes one is given none, the rule's
+        ``default_interval`` if it has one: its reference's), if the rule has a form under it
+        (:meth:`check_schedule`); returns it."""
+        cls = Schedule.registry.get(compress) if isinstance(compress, str) else None
+        if interval is None and cls is not None and cls.takes_interval:
+            interval = getattr(self, "default_interval", None)
         schedule = make_schedule(compress, interval)
-        if not schedule.evicts_each_step and not self.evicts:
-            raise Unsupported(f"compress={compress}: {self.name} keeps the whole cache (nothing to compress); "
-                              f"allowed: decode")
+        self.check_schedule(schedule)
         self.schedule = schedule
         return self
+
+    def check_schedule(self, schedule: Schedule) -> None:
+        """Unsupported (one line) where the rule has no form under ``schedule``. Default: a rule that keeps the
+        whole cache (top-k) has nothing to compress."""
+        if not schedule.evicts_each_step and not self.evicts:
+            raise Unsupported(f"compress={schedule.name}: {self.name} keeps the whole cache (nothing to compress); "
+                              f"allowed: decode")
 
     @property
     def compress(self) -> str:

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..schedule import make_schedule
+from ..schedule import Schedule
 from .base import READ_QUERIES, PolicyError, Unsupported
 from .prefill import PrefillOnly
+from .snapkv import window_on_top
 
 
 @dataclass
@@ -72,12 +73,12 @@ class ExpectedAttention(PrefillOnly):
         self.n_future_positions, self.n_sink = n_future_positions, n_sink
         self.use_covariance, self.use_vnorm, self.epsilon = use_covariance, use_vnorm, float(epsilon)
 
-    def timed(self, compress: str, interval: int | None = None):
-        if make_schedule(compress, interval).evicts_each_step:
+    def check_schedule(self, schedule: Schedule) -> None:
+        if schedule.evicts_each_step:
             raise Unsupported(f"compress=decode: expected_attention has no faithful decoding form (kvpress's "
                               f"DecodingPress(ExpectedAttentionPress, compression_interval=1) scores from the one "
                               f"hidden state buffered since its last cut, {self.degenerate()}); allowed: prefill")
-        return super().timed(compress, interval)
+        super().check_schedule(schedule)
 
     def degenerate(self) -> str:
         """What kvpress's re-score every step computes from one buffered hidden state under this ``n_sink``."""
@@ -122,9 +123,7 @@ class ExpectedAttention(PrefillOnly):
         if self.use_vnorm:
             norms = torch.linalg.vector_norm(values, dim=-1, dtype=expected.dtype)  # (B, Hkv, S)
             expected = (expected + self.epsilon) * norms
-        top = torch.where(scored, expected, -torch.inf).amax((1, 2), keepdim=True)  # (B, 1, 1)
-        top = torch.where(torch.isfinite(top), top, 0.0) + 1  # a prompt of at most n_sink tokens: all sinks
-        return torch.where(scored, expected, top)
+        return window_on_top(expected, scored)  # the sinks above (a prompt of at most n_sink tokens: all sinks)
 
     def describe(self) -> dict:
         return {**super().describe(), "n_future_positions": self.n_future_positions, "n_sink": self.n_sink,

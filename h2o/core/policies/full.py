@@ -1,5 +1,5 @@
 """full: the unmodified cache. Every token stays; the reference every table compares against."""
-from ..schedule import make_schedule
+from ..schedule import Schedule
 from .base import NOTHING, Policy
 from .budget import Unsupported
 
@@ -14,11 +14,10 @@ class Full(Policy):
     def __init__(self, budget=1.0, heavy=None, recent=None, heavy_share=0.5):
         super().__init__(budget=1.0)
 
-    def timed(self, compress: str, interval: int | None = None) -> Policy:
-        if not make_schedule(compress, interval).evicts_each_step:  # nothing is ever cut: one run (decode) serves all
-            raise Unsupported(f"compress={compress}: full keeps every token, so its one run serves every timing; "
-                              "allowed: decode")
-        return super().timed(compress, interval)
+    def check_schedule(self, schedule: Schedule) -> None:
+        if not schedule.evicts_each_step:  # nothing is ever cut: one run (decode) serves all
+            raise Unsupported(f"compress={schedule.name}: full keeps every token, so its one run serves every "
+                              "timing; allowed: decode")
 
     def needs(self):
         return []

@@ -37,49 +37,35 @@ from __future__ import annotations
 
 import torch
 
-from ..schedule import Interval, Schedule, make_schedule
-from .base import READ_KEYS, READ_WINDOW, TIER, Counts, Policy, PolicyError
+from ..schedule import Interval, Schedule
+from .base import READ_KEYS, READ_WINDOW, TIER, Counts
 from .budget import Unsupported
-from .r_kv import check_number, redundancy
-from .snapkv import newest_rank, push_rows
+from .r_kv import Windowed, check_number, redundancy
+from .snapkv import push_rows
 
 DIVIDE = 128  # the reference's divide_length: generated tokens between two cuts (compress=interval)
 EPS = 1e-6  # cal_similarity_triton's key-norm epsilon (R-KV's cal_similarity: 1e-8)
 
 
-class GKV(Policy):
+class GKV(Windowed):
     name = "g_kv"
-    splits = False  # the whole budget is scored, the window inside it
     reads = frozenset({READ_WINDOW, READ_KEYS})  # the newest rows' attention, the held keys
-    token_options = ("window",)  # the observation window: at most the model's positions
     schedule = Interval(DIVIDE)  # the reference's timing (compress=interval; DIVIDE where no interval is given)
+    default_interval = DIVIDE  # where a schedule that takes an interval is given none
 
     def __init__(self, budget=128, heavy=None, recent=None, heavy_share=0.5, window: int = 16,
                  alpha: float = 0.8, mix_lambda: float = 0.5, threshold: float = 0.5):
-        super().__init__(budget, heavy, recent, heavy_share)
-        zero = 0.0 if isinstance(self.budget, float) else 0
-        Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent part: the window is inside the budget
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise PolicyError(f"window={window!r}: the observation window; allowed: an int >= 1")
-        self.window = window
+        super().__init__(budget, heavy, recent, heavy_share, window)
         self.alpha = check_number("alpha", alpha, 0.0, 1.0)
         self.mix_lambda = check_number("mix_lambda", mix_lambda, 0.0, 1.0)
         self.threshold = check_number("threshold", threshold, -1.0, 1.0)
 
-    def timed(self, compress: str, interval: int | None = None) -> Policy:
-        """The reference's :data:`DIVIDE` where a schedule that takes an interval names none; a schedule that
-        evicts at every step is refused (the history lives from cut to cut)."""
-        cls = Schedule.registry.get(compress) if isinstance(compress, str) else None
-        if interval is None and cls is not None and cls.takes_interval:
-            interval = DIVIDE
-        if make_schedule(compress, interval).evicts_each_step:
+    def check_schedule(self, schedule: Schedule) -> None:
+        """A schedule that evicts at every step is refused (the history lives from cut to cut)."""
+        if schedule.evicts_each_step:
             cuts = ", ".join(n for n, c in Schedule.registry.items() if not c.evicts_each_step)
-            raise Unsupported(f"compress={compress}: g_kv carries its history from cut to cut (G-KV cuts every "
+            raise Unsupported(f"compress={schedule.name}: g_kv carries its history from cut to cut (G-KV cuts every "
                               f"divide_length tokens); allowed: {cuts}")
-        return super().timed(compress, interval)
-
-    def read_window(self) -> int:
-        return self.window
 
     def new_state(self, B: int, H: int, S: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(B, H, S, self.window + 1, dtype=torch.float32, device=device)  # (B, H, S, w + 1)
@@ -88,20 +74,6 @@ class GKV(Policy):
         """acc (B, H, S, w + 1): its ring of rows <- the newest ``w`` real rows of the old rows and of probs
         (B, H, G, r, S), each the maximum over the G query heads, rows in order; valid (B, r) bool (None: all)."""
         push_rows(acc[..., :self.window], probs.float().amax(2).transpose(-1, -2), valid)  # (B, H, S, r)
-
-    def accumulate_prompt(self, acc, probs, valid, left) -> None:
-        self.accumulate(acc, probs, valid)
-
-    def cut_score(self, acc: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-        """acc (B, H, S, w + 1), keys (B, H, S, D) -> (B, H, S, w + 1 + D): what :meth:`priority` reads."""
-        dtype = torch.promote_types(keys.dtype, torch.float32)
-        return torch.cat([acc.to(dtype), keys.to(dtype)], -1)
-
-    def parts(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """pos (B, H, S) (-1: not held) -> (held, window, older) (B, H, S) bool: the window the newest ``w``."""
-        held = pos >= 0
-        window = held & (newest_rank(pos) < self.window)
-        return held, window, held & ~window
 
     def global_score(self, acc: torch.Tensor, older: torch.Tensor) -> torch.Tensor:
         """acc (B, H, S, w + 1) (rows, history), older (B, H, S) bool -> (B, H, S): the local score (the rows'

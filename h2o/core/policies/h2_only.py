@@ -10,6 +10,5 @@ class H2Only(H2O):
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, score="sum", decay=0.99):
         Policy.__init__(self, budget, heavy, recent, heavy_share)
-        zero = 0.0 if isinstance(self.budget, float) else 0
-        Policy.__init__(self, heavy=self.budget, recent=zero)
+        self.whole_budget()
         self.set_score(score, decay)

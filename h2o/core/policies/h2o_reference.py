@@ -9,7 +9,7 @@ The simulated path applies the rule through :func:`reference_plan` and :func:`re
 """
 import torch
 
-from ..schedule import make_schedule
+from ..schedule import Schedule
 from .base import READ_ROWS, Policy, PolicyError, Unsupported
 from .h2_only import H2Only
 from .h2o import H2O, reference_mask
@@ -28,11 +28,10 @@ class H2OReference(H2O):
     def forward_mask(self, logits, allowed, plan: tuple[int, int]) -> torch.Tensor:
         return reference_allowed(logits, allowed, plan)
 
-    def timed(self, compress: str, interval: int | None = None) -> Policy:
-        if make_schedule(compress, interval).cuts_later:  # one mask over one forward: no decoding steps to schedule
-            raise Unsupported(f"compress={compress}: h2o_reference is the paper code's mask over one forward (no "
-                              f"decoding form); allowed: decode")
-        return super().timed(compress, interval)
+    def check_schedule(self, schedule: Schedule) -> None:
+        if schedule.cuts_later:  # one mask over one forward: no decoding steps to schedule
+            raise Unsupported(f"compress={schedule.name}: h2o_reference is the paper code's mask over one forward "
+                              f"(no decoding form); allowed: decode")
 
 
 def as_reference(policy) -> H2OReference:

@@ -41,7 +41,7 @@ class PerSequence(Policy):
         return Counts(*(torch.cat([getattr(c, f) for c in parts]) for f in ("total", "heavy", "recent", "length")))
 
     def priority(self, pos, acc, now, counts: Counts):
-        return torch.cat([p.priority(pos[b:b + 1], acc[b:b + 1], now[b:b + 1], slice_counts(counts, b))
+        return torch.cat([p.priority(pos[b:b + 1], acc[b:b + 1], now[b:b + 1], counts.map(lambda x: x[b:b + 1]))
                           for b, p in enumerate(self.policies)])  # (B, H, S)
 
     def accumulate(self, acc, probs, valid=None):
@@ -54,6 +54,3 @@ class PerSequence(Policy):
     def __repr__(self):
         return f"PerSequence({self.policies})"
 
-
-def slice_counts(counts: Counts, b: int) -> Counts:
-    return Counts(counts.total[b:b + 1], counts.heavy[b:b + 1], counts.recent[b:b + 1], counts.length[b:b + 1])

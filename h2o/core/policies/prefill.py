@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from ..schedule import Prefill, make_schedule
+from ..schedule import Prefill, Schedule
 from .base import Counts, Policy
 from .budget import Unsupported
 from .kvpress_select import kvpress_topk
@@ -27,14 +27,12 @@ class PrefillOnly(Policy):
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
         super().__init__(budget, heavy, recent, heavy_share)
-        zero = 0.0 if isinstance(self.budget, float) else 0
-        Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent window: the whole budget is scored
+        self.whole_budget()  # no recent window: the whole budget is scored
 
-    def timed(self, compress: str, interval: int | None = None) -> Policy:
-        if not make_schedule(compress, interval).once and not self.decode_form:
-            raise Unsupported(f"compress={compress}: {self.name} is defined at the end of a prompt only (kvpress's "
-                              f"rule, no decoding form); allowed: prefill")
-        return super().timed(compress, interval)
+    def check_schedule(self, schedule: Schedule) -> None:
+        if not schedule.once and not self.decode_form:
+            raise Unsupported(f"compress={schedule.name}: {self.name} is defined at the end of a prompt only "
+                              f"(kvpress's rule, no decoding form); allowed: prefill")
 
     @property
     def cut_room(self) -> int:

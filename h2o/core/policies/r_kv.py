@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..schedule import Schedule
 from .base import READ_KEYS, READ_LOGITS, READ_WINDOW, Counts, Policy, PolicyError, TIER
 from .snapkv import newest_rank, push_rows
 
@@ -38,34 +37,52 @@ def check_number(name: str, value, low: float, high: float) -> float:
     return float(value)
 
 
-class RKV(Policy):
-    name = "r_kv"
-    splits = False  # the whole budget is scored, the window inside it
-    reads = frozenset({READ_WINDOW, READ_LOGITS, READ_KEYS})  # the newest rows' logits, the held keys
-    token_options = ("window",)  # the observation window: at most the model's positions
-    # the default timing is every rule's (decode); the reference's is compress=interval (BUFFER when none is given)
+class Windowed(Policy):
+    """R-KV's and G-KV's frame: the whole budget scored, the newest ``window`` held tokens inside it; per slot a
+    ring of the newest rows, read at a cut or step beside the held keys (:meth:`cut_score`)."""
 
-    def __init__(self, budget=128, heavy=None, recent=None, heavy_share=0.5, window: int = 8, kernel: int = 7,
-                 mix_lambda: float = 0.07, threshold: float = 0.5):
+    splits = False  # the whole budget is scored, the window inside it
+    token_options = ("window",)  # the observation window: at most the model's positions
+
+    def __init__(self, budget=128, heavy=None, recent=None, heavy_share=0.5, window: int = 8):
         super().__init__(budget, heavy, recent, heavy_share)
-        zero = 0.0 if isinstance(self.budget, float) else 0
-        Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent part: the window is inside the budget
+        self.whole_budget()  # no recent part: the window is inside the budget
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise PolicyError(f"window={window!r}: the observation window; allowed: an int >= 1")
-        if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
-            raise PolicyError(f"kernel={kernel!r}: the pooling kernel; allowed: an odd int >= 1")
-        self.window, self.kernel = window, kernel
-        self.mix_lambda = check_number("mix_lambda", mix_lambda, 0.0, 1.0)
-        self.threshold = check_number("threshold", threshold, -1.0, 1.0)
-
-    def timed(self, compress: str, interval: int | None = None) -> Policy:
-        """The reference's buffer of :data:`BUFFER` tokens where a schedule that takes one (``compress=interval``)
-        is given none."""
-        takes = getattr(Schedule.registry.get(compress), "takes_interval", False)
-        return super().timed(compress, BUFFER if takes and interval is None else interval)
+        self.window = window
 
     def read_window(self) -> int:
         return self.window
+
+    def accumulate_prompt(self, acc, probs, valid, left) -> None:
+        self.accumulate(acc, probs, valid)
+
+    def cut_score(self, acc: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """acc (B, H, S, r) the rows, keys (B, H, S, D) -> (B, H, S, r + D): what :meth:`priority` reads."""
+        dtype = torch.promote_types(keys.dtype, torch.float32)
+        return torch.cat([acc.to(dtype), keys.to(dtype)], -1)
+
+    def parts(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """pos (B, H, S) (-1: not held) -> (held, window, older) (B, H, S) bool: the window the newest ``w``."""
+        held = pos >= 0
+        window = held & (newest_rank(pos) < self.window)
+        return held, window, held & ~window
+
+
+class RKV(Windowed):
+    name = "r_kv"
+    reads = frozenset({READ_WINDOW, READ_LOGITS, READ_KEYS})  # the newest rows' logits, the held keys
+    # the default timing is every rule's (decode); the reference's is compress=interval (BUFFER when none is given)
+    default_interval = BUFFER
+
+    def __init__(self, budget=128, heavy=None, recent=None, heavy_share=0.5, window: int = 8, kernel: int = 7,
+                 mix_lambda: float = 0.07, threshold: float = 0.5):
+        super().__init__(budget, heavy, recent, heavy_share, window)
+        if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+            raise PolicyError(f"kernel={kernel!r}: the pooling kernel; allowed: an odd int >= 1")
+        self.kernel = kernel
+        self.mix_lambda = check_number("mix_lambda", mix_lambda, 0.0, 1.0)
+        self.threshold = check_number("threshold", threshold, -1.0, 1.0)
 
     def new_state(self, B: int, H: int, S: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(B, H, S, self.window, dtype=torch.float32, device=device)  # (B, H, S, w)
@@ -75,21 +92,11 @@ class RKV(Policy):
         (``reads_logits``), rows in order; valid (B, r) bool the real rows (None: all)."""
         push_rows(acc, probs.float().amax(2).transpose(-1, -2), valid)  # (B, H, S, r) the group's largest logit
 
-    def accumulate_prompt(self, acc, probs, valid, left) -> None:
-        self.accumulate(acc, probs, valid)
-
-    def cut_score(self, acc: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
-        """acc (B, H, S, w), keys (B, H, S, D) -> (B, H, S, w + D): what :meth:`priority` reads."""
-        dtype = torch.promote_types(keys.dtype, torch.float32)
-        return torch.cat([acc.to(dtype), keys.to(dtype)], -1)
-
     def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
         """pos (B, H, S) (-1: not held), acc (B, H, S, w + D) (:meth:`cut_score`) -> (B, H, S) float64: the
         window a tier above the scores, newest first."""
         w = self.window
-        held = pos >= 0
-        window = held & (newest_rank(pos) < w)  # (B, H, S) the newest w held
-        older = held & ~window
+        held, window, older = self.parts(pos)
         score = self.mix_lambda * self.importance(acc[..., :w], pos, older) \
             - (1 - self.mix_lambda) * redundancy(acc[..., w:], pos, held, self.threshold, counts.host is not None)
         return torch.where(window, 2 * TIER + pos.double(), torch.where(older, score.double(), 0.0))

@@ -38,8 +38,7 @@ class Random(Policy):
         super().__init__(budget, heavy, recent, heavy_share)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < P:
             raise PolicyError(f"seed={seed!r}: must be an int in [0, 2**31 - 1)")
-        zero = 0.0 if isinstance(self.budget, float) else 0
-        Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent window: the whole budget is random
+        self.whole_budget()  # no recent window: the whole budget is random
         self.seed = seed
 
     def priority(self, pos, acc, now, counts: Counts):

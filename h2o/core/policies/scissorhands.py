@@ -9,6 +9,7 @@ and the timings (``decode``, the paper's; ``prefill``; no Triton row kernel): do
 import torch
 
 from .base import READ_WINDOW, Counts, Policy, PolicyError, bcast, const
+from .snapkv import push_rows
 
 COUNTS = ("unimportant", "important")
 
@@ -29,8 +30,7 @@ class Scissorhands(Policy):
             raise PolicyError(f"window={window!r}: the recent window must be an int >= 0 (tokens)")
         if count not in COUNTS:
             raise PolicyError(f"count={count!r}: allowed: {', '.join(COUNTS)}")
-        zero = 0.0 if isinstance(self.budget, float) else 0
-        Policy.__init__(self, heavy=self.budget, recent=zero)  # no budget split: the window is in tokens
+        self.whole_budget()  # no budget split: the window is in tokens
         self.history, self.window, self.count = history, window, count
 
     def new_state(self, B, H, S, device):
@@ -51,16 +51,11 @@ class Scissorhands(Policy):
 
     def accumulate(self, acc, probs, valid=None) -> None:
         """acc (B, H, S, w) <- the last ``w`` steps of (acc's steps, then the valid rows of probs (B, H, G, r, S))."""
-        B, H, S, w = acc.shape
         rows = self.marks(probs)  # (B, H, S, r)
         if valid is None:  # every row is a step (a decoding token, an unpadded block)
-            acc.copy_(torch.cat([acc, rows], -1)[..., -w:])
-            return
-        steps = torch.cat([torch.ones(B, w, dtype=torch.bool, device=acc.device), valid], -1)  # (B, w + r)
-        after = steps.flip(-1).cumsum(-1).flip(-1)  # steps at or after each column
-        last = steps & (after <= w)  # the last w steps of each sequence, exactly w (acc's w come first)
-        idx = (~last).to(torch.uint8).argsort(dim=-1, stable=True)[:, :w]  # (B, w) their columns, in order
-        acc.copy_(torch.cat([acc, rows], -1).gather(-1, idx[:, None, None, :].expand(B, H, S, w)))
+            acc.copy_(torch.cat([acc, rows], -1)[..., -acc.shape[-1]:])
+        else:
+            push_rows(acc, rows, valid)
 
     def priority(self, pos, acc, now, counts: Counts):
         """pos (B, H, S), acc (B, H, S, w), now (B,) -> (B, H, S) fp32: -(steps unimportant in the window), or

@@ -128,6 +128,18 @@ def newest_rank(pos: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(newest).scatter_(-1, newest, ranks)
 
 
+def last_row(acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None, reduce) -> None:
+    """acc (B, H, S) <- ``reduce`` of the last real row (B, H, G, S) of probs (B, H, G, r, S), in place; valid
+    (B, r) bool (None: all real); a sequence with no real row in this block (left pads) keeps its state."""
+    B, H, G, r, S = probs.shape
+    if valid is None:
+        acc.copy_(reduce(probs[:, :, :, -1]))
+        return
+    idx = torch.where(valid, torch.arange(r, device=valid.device), -1).amax(-1)  # (B,) last real row, -1: none
+    row = probs.gather(3, idx.clamp(min=0).view(B, 1, 1, 1, 1).expand(B, H, G, 1, S))[:, :, :, 0]
+    acc.copy_(torch.where(bcast(idx >= 0), reduce(row), acc))
+
+
 def push_rows(ring: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor | None) -> None:
     """ring (B, H, S, w) <- its newest ``w`` entries after ``rows`` (B, H, S, r) are appended in order, only the real
     ones (valid (B, r) bool; None: all), in place (the oldest first)."""

@@ -34,9 +34,9 @@ generates one token at a time).
 """
 import torch
 
-from ..schedule import Interval, Schedule
-from .base import READ_WINDOW, bcast
-from .snapkv import SnapKV, window_on_top
+from ..schedule import Interval
+from .base import READ_WINDOW
+from .snapkv import SnapKV, last_row, window_on_top
 
 INTERVAL = 1  # the fork's: a cut after every decoding token (compress=interval where none is given)
 
@@ -45,15 +45,10 @@ class SnapKVD(SnapKV):
     name = "snapkv_d"
     reads = frozenset({READ_WINDOW})  # the prompt's last ``window`` rows, then each decoding row
     schedule = Interval(INTERVAL)  # the fork's: after each decoding token attended, back to the budget
+    default_interval = INTERVAL  # where a schedule that takes an interval is given none
 
     def __init__(self, budget=512, heavy=None, recent=None, heavy_share=0.5, window: int = 64, kernel: int = 5):
         super().__init__(budget, heavy, recent, heavy_share, window, kernel)
-
-    def timed(self, compress: str, interval: int | None = None):
-        """The fork's cut after every token where a schedule that takes an interval (``compress=interval``) names
-        none."""
-        takes = getattr(Schedule.registry.get(compress), "takes_interval", False)
-        return super().timed(compress, INTERVAL if takes and interval is None else interval)
 
     def rings(self) -> bool:
         return False  # acc (B, H, S): the prompt window's mean, then the newest row's attention
@@ -61,13 +56,7 @@ class SnapKVD(SnapKV):
     def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """acc (B, H, S) <- the last real row of probs (B, H, G, r, S), summed over G / G (the fork's one row at a
         decoding step); valid (B, r) bool (None: all real); a sequence with no real row keeps its state."""
-        B, H, G, r, S = probs.shape
-        if valid is None:
-            acc.copy_(probs[:, :, :, -1].sum(2) / G)
-            return
-        idx = torch.where(valid, torch.arange(r, device=valid.device), -1).amax(-1)  # (B,) last real row, -1: none
-        row = probs.gather(3, idx.clamp(min=0).view(B, 1, 1, 1, 1).expand(B, H, G, 1, S))[:, :, :, 0]
-        acc.copy_(torch.where(bcast(idx >= 0), row.sum(2) / G, acc))
+        last_row(acc, probs, valid, lambda row: row.sum(2) / probs.shape[2])
 
     def priority(self, pos, acc, now, counts):
         """pos (B, H, S) (-1: not held), acc (B, H, S) -> (B, H, S) fp32: the held tokens older than the newest

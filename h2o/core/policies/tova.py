@@ -15,6 +15,7 @@ head.
 import torch
 
 from .base import READ_WINDOW, Counts, Policy, bcast, const
+from .snapkv import last_row
 
 
 class TOVA(Policy):
@@ -24,8 +25,7 @@ class TOVA(Policy):
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5):
         super().__init__(budget, heavy, recent, heavy_share)
-        zero = 0.0 if isinstance(self.budget, float) else 0
-        Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent window: the whole budget is scored
+        self.whole_budget()  # no recent window: the whole budget is scored
 
     def read_window(self) -> int:
         return 1
@@ -33,15 +33,7 @@ class TOVA(Policy):
     def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """acc (B, H, S) <- the last valid row of probs (B, H, G, r, S), averaged over (H, G); a sequence with no
         valid row in this block (left pads) keeps its state."""
-        B, H, G, r, S = probs.shape
-        if valid is None:
-            last = probs[:, :, :, -1]  # (B, H, G, S)
-            acc.copy_(last.mean((1, 2))[:, None, :].expand(B, H, S))
-            return
-        idx = torch.where(valid, torch.arange(r, device=valid.device), -1).amax(-1)  # (B,) last valid row, -1: none
-        last = probs.gather(3, idx.clamp(min=0).view(B, 1, 1, 1, 1).expand(B, H, G, 1, S))[:, :, :, 0]
-        mean = last.mean((1, 2))[:, None, :].expand(B, H, S)  # (B, H, S)
-        acc.copy_(torch.where(bcast(idx >= 0), mean, acc))
+        last_row(acc, probs, valid, lambda row: row.mean((1, 2))[:, None, :].expand(acc.shape))  # (B, H, S)
 
     def priority(self, pos, acc, now, counts: Counts):
         return torch.where(pos == bcast(now), const(float("inf"), acc.dtype, acc.device), acc)  # (B, H, S) fp32

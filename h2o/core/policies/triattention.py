@@ -42,7 +42,7 @@ import copy
 import torch
 
 from .base import READ_KEYS, TIER, Counts, Policy, PolicyError
-from ..schedule import Buffer, Schedule
+from ..schedule import Buffer
 
 DIVIDE_LENGTH = 128  # the reference's divide_length: tokens between two cuts
 CALIBRATE = "python -m h2o.assets.triattention model=<name>"  # the command that writes a model's statistics
@@ -96,13 +96,13 @@ class TriAttention(Policy):
     splits = False  # one budget: the prompt's tokens first, then the generated ones by score
     reads = frozenset({READ_KEYS})  # the held keys after RoPE, at a cut and at each decoding step
     schedule = Buffer(DIVIDE_LENGTH)  # the reference's slack trigger: cut once budget + divide_length are held
+    default_interval = DIVIDE_LENGTH  # where a schedule that takes an interval is given none
 
     def __init__(self, budget=2048, heavy=None, recent=None, heavy_share=0.5, stats=None,
                  normalize_scores: bool = True, offset_max_length: int = 65536, head_aggregation: str = "max",
                  allow_prefill_compression: bool = False):
         super().__init__(budget, heavy, recent, heavy_share)
-        zero = 0.0 if isinstance(self.budget, float) else 0
-        Policy.__init__(self, heavy=self.budget, recent=zero)  # no recent part
+        self.whole_budget()  # no recent part
         for key, value in (("normalize_scores", normalize_scores),
                            ("allow_prefill_compression", allow_prefill_compression)):
             if not isinstance(value, bool):
@@ -129,12 +129,6 @@ class TriAttention(Policy):
         out = copy.copy(self)
         out.calibration = load_stats(stats)
         return out
-
-    def timed(self, compress: str, interval: int | None = None) -> Policy:
-        """The reference's ``divide_length`` (:data:`DIVIDE_LENGTH`) where a schedule that takes an interval is
-        given none."""
-        takes = getattr(Schedule.registry.get(compress), "takes_interval", False)
-        return super().timed(compress, DIVIDE_LENGTH if takes and interval is None else interval)
 
     def for_layer(self, layer: int, layers: int) -> "TriAttention":
         """This rule bound to layer ``layer``'s statistics (a copy); PolicyError in one line without a calibration
