@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .policies import PolicyError
-from .quant.rope import STATIC_ROPE
+from .quant.rope import STATIC_ROPE, rotary_of
 
 PROBE = (0, 1, 7, 100)  # positions of the layout check at attach
 
@@ -94,11 +94,6 @@ class RopeTap:
         probe = torch.zeros((), dtype=torch.float32, device=positions.device)  # sets the dtype and device only
         cos, sin = self.rotary(probe, positions, *self.kind)
         return cos.float(), sin.float()
-
-
-def rotary_of(model):
-    """The model's rotary embedding module (the first module whose class name ends in ``RotaryEmbedding``)."""
-    return next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
 
 
 def rope_taps(model, modules, policy_name: str) -> dict[int, RopeTap]:

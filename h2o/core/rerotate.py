@@ -16,23 +16,17 @@ from __future__ import annotations
 
 import torch
 
-from .quant.rope import STATIC_ROPE, rotate
-
-
-def rotary_module(model):
-    """The model's rotary embedding module (it holds ``inv_freq``)."""
-    for m in model.modules():
-        if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq"):
-            return m
-    raise ValueError(f"positions='cache' needs a rotary model; {type(model).__name__} has no rotary embedding "
-                     f"(use positions='true')")
+from .quant.rope import STATIC_ROPE, rotary_of, rotate
 
 
 class KeyShifter:
     """Moves cached (already rotated) keys by ``delta`` positions: R(p + d) k = R(d) R(p) k."""
 
     def __init__(self, model):
-        rot = rotary_module(model)
+        rot = rotary_of(model)
+        if not hasattr(rot, "inv_freq"):  # None too
+            raise ValueError(f"positions='cache' needs a rotary model; {type(model).__name__} has no rotary embedding "
+                             f"(use positions='true')")
         rope_type = getattr(rot, "rope_type", "default")
         if rope_type not in STATIC_ROPE:
             raise ValueError(f"positions='cache': rope type {rope_type!r} changes its frequencies with the length; "

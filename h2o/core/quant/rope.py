@@ -15,18 +15,23 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def rotary_of(model):
+    """The model's rotary embedding module (the first module whose class name ends in ``RotaryEmbedding``)."""
+    return next((m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")), None)
+
+
 def rotary_inv_freq(model) -> torch.Tensor | None:
     """(R/2,) fp32 inverse frequencies of the model's rotary embedding; None without rotary embeddings."""
-    for m in model.modules():
-        if type(m).__name__.endswith("RotaryEmbedding") and hasattr(m, "inv_freq"):
-            rope_type = getattr(m, "rope_type", "default")
-            if rope_type not in STATIC_ROPE:
-                from .base import QuantError
+    m = rotary_of(model)
+    if m is None or not hasattr(m, "inv_freq"):
+        return None
+    rope_type = getattr(m, "rope_type", "default")
+    if rope_type not in STATIC_ROPE:
+        from .base import QuantError
 
-                raise QuantError(f"quant.pre_rope=true: rope type {rope_type!r} changes its frequencies with the "
-                                 f"length; allowed: {', '.join(STATIC_ROPE)} (or quant.pre_rope=false)")
-            return m.inv_freq.detach().float()
-    return None
+        raise QuantError(f"quant.pre_rope=true: rope type {rope_type!r} changes its frequencies with the "
+                         f"length; allowed: {', '.join(STATIC_ROPE)} (or quant.pre_rope=false)")
+    return m.inv_freq.detach().float()
 
 
 def rotate(x: torch.Tensor, cols: torch.Tensor, inv_freq: torch.Tensor, sign: int) -> torch.Tensor:
