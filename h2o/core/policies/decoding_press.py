@@ -30,13 +30,9 @@ class DecodingOrder(PrefillOnly):
 
     decode_form = True
 
-    def accumulate(self, acc, probs, valid=None) -> None:
+    def accumulate(self, acc, probs, valid=None) -> None:  # a prompt's rows too (Policy.accumulate_prompt)
         if self.schedule.once:  # attention, as any rule (cut again later: acc is kvpress's slot order)
             super().accumulate(acc, probs, valid)
-
-    def accumulate_prompt(self, acc, probs, valid, left) -> None:
-        if self.schedule.once:
-            super().accumulate_prompt(acc, probs, valid, left)
 
     def cut_order(self, acc, prio, pos, valid, counts: Counts) -> None:
         """kvpress's prefill press: a sequence that drops keys gets its kept slots' places in ``topk``'s order.

@@ -5,12 +5,12 @@ the heavy set and the recent band overlap, rows before ``heavy`` are never restr
 Simulated only (one pass over one unpadded sequence at a time); the sum score only.
 
 ``semantics=reference`` with policy h2o or h2_only is a second spelling of this policy (:func:`as_reference`).
-The simulated path applies the rule through :func:`reference_plan` and :func:`reference_allowed`.
+The simulated path applies the rule through :meth:`H2OReference.mask_plan` and :meth:`H2OReference.forward_mask`.
 """
 import torch
 
 from ..schedule import Schedule
-from .base import READ_ROWS, Policy, PolicyError, Unsupported
+from .base import READ_ROWS, PolicyError, Unsupported
 from .h2_only import H2Only
 from .h2o import H2O, reference_mask
 
@@ -23,10 +23,18 @@ class H2OReference(H2O):
         super().__init__(budget, heavy, recent, heavy_share)
 
     def mask_plan(self, valid: torch.Tensor) -> tuple[int, int]:
-        return reference_plan(self, valid)
+        """(heavy, recent) in tokens for the paper code's rule, checked once per forward: one host read (is the
+        input unpadded); the counts are taken of the length T on the host."""
+        if not bool(valid.all()):
+            raise ValueError("policy=h2o_reference (semantics=reference): needs unpadded input, one sequence at a "
+                             "time")
+        counts = self.counts(torch.tensor([valid.shape[1]]))  # (1,) on the CPU: no device read
+        return counts.heavy.tolist()[0], counts.recent.tolist()[0]
 
     def forward_mask(self, logits, allowed, plan: tuple[int, int]) -> torch.Tensor:
-        return reference_allowed(logits, allowed, plan)
+        """The paper code's rule (:func:`.h2o.reference_mask`), one unpadded sequence at a time; ``plan``: the
+        forward's :meth:`mask_plan`."""
+        return reference_mask(logits.masked_fill(~allowed, -float("inf")), *plan)
 
     def check_schedule(self, schedule: Schedule) -> None:
         if schedule.cuts_later:  # one mask over one forward: no decoding steps to schedule
@@ -44,19 +52,3 @@ def as_reference(policy) -> H2OReference:
         raise PolicyError(f"semantics=reference: the paper code's mask rule exists for policy h2o or h2_only with "
                           f"score=sum only (got {got}); it is the policy h2o_reference")
     return H2OReference(heavy=policy.heavy, recent=policy.recent).timed(policy.compress, policy.interval)
-
-
-def reference_plan(policy: Policy, valid: torch.Tensor) -> tuple[int, int]:
-    """(heavy, recent) in tokens for the paper code's rule, checked once per forward: one host read (is the input
-    unpadded); the counts are taken of the length T on the host."""
-    if not bool(valid.all()):
-        raise ValueError("policy=h2o_reference (semantics=reference): needs unpadded input, one sequence at a time")
-    counts = policy.counts(torch.tensor([valid.shape[1]]))  # (1,) on the CPU: no device read
-    return counts.heavy.tolist()[0], counts.recent.tolist()[0]
-
-
-def reference_allowed(logits, allowed, plan: tuple[int, int]):
-    """The paper code's rule (``h2o.core.policies.h2o.reference_mask``), one unpadded sequence at a time;
-    ``plan``: the forward's :func:`reference_plan`."""
-    causal_logits = logits.masked_fill(~allowed, -float("inf"))
-    return reference_mask(causal_logits, *plan)

@@ -54,9 +54,6 @@ class Windowed(Policy):
     def read_window(self) -> int:
         return self.window
 
-    def accumulate_prompt(self, acc, probs, valid, left) -> None:
-        self.accumulate(acc, probs, valid)
-
     def cut_score(self, acc: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
         """acc (B, H, S, r) the rows, keys (B, H, S, D) -> (B, H, S, r + D): what :meth:`priority` reads."""
         dtype = torch.promote_types(keys.dtype, torch.float32)
