@@ -9,7 +9,8 @@ Defaults: w = 64, kernel = 5 (kvpress's).
 
 Sums over rows and heads and the pooling are linear, so ``acc`` accumulates the window rows' attention summed
 over the G heads, divided by ``w * G`` (:meth:`accumulate_prompt`, told each row's place), and the pooling runs
-once at the cut (:meth:`priority`), by position (pads and slot order do not matter).
+once at the cut (:meth:`priority`), along the held tokens in position order: at a prompt's end they are its
+positions (what a sliding window dropped, the oldest, a zero either way; pads and slot order do not matter).
 
 The window's own tokens get kvpress's score, one more than the largest score of the sequence's scored keys (all
 its KV heads), so they are all kept while the budget ``n`` is at least ``w``; below, kvpress's ``topk`` chooses
@@ -77,29 +78,14 @@ class SnapKV(PrefillOnly):
         acc += torch.einsum("bhgrs,br->bhs", probs, rows.to(probs.dtype)) / (self.window * G)
 
     def priority(self, pos, acc, now, counts: Counts):
-        """pos (B, H, S) (-1: not held), acc (B, H, S) (a decoding form: its ring (B, H, S, w)), now (B,) the
-        prompt's last position -> (B, H, S) fp32."""
-        if acc.dim() == 4:
-            score, scored = self.held_score(pos, acc.sum(-1))
-        else:
-            score, scored = self.prompt_score(pos, acc, now)
+        """pos (B, H, S) (-1: not held), acc (B, H, S) (a decoding form: its ring (B, H, S, w)) -> (B, H, S)
+        fp32."""
+        score, scored = self.held_score(pos, acc.sum(-1) if acc.dim() == 4 else acc)
         return window_on_top(score, scored)
 
-    def prompt_score(self, pos, acc, now):
-        """At a prompt's end: the keys before the window pooled along positions -> (score, scored) (B, H, S)."""
-        B, H, S = pos.shape
-        start = bcast(now + 1 - self.window)  # (B, 1, 1) the first window position
-        scored = (pos >= 0) & (pos < start)  # (B, H, S) the keys before the window
-        L = int(pos.max()) + 1 if pos.numel() else 0  # positions 0..L-1 (one host read per cut)
-        dense = acc.new_zeros(B, H, L + 1)  # (B, H, L + 1) by position; the last column takes what is not scored
-        dense.scatter_(-1, torch.where(scored, pos, L), torch.where(scored, acc, 0.0))
-        pad = self.kernel // 2
-        pooled = F.avg_pool1d(dense[..., :L].reshape(B * H, 1, L), self.kernel, 1, pad).view(B, H, L)
-        return pooled.gather(-1, pos.clamp(min=0)), scored  # (B, H, S)
-
     def held_score(self, pos, acc):
-        """A decoding form: the window is the newest ``w`` held tokens; the older held ones are pooled along the
-        held tokens in position order (at a prompt's end the same as along positions) -> (score, scored)."""
+        """The window is the newest ``w`` held tokens; the older held ones are pooled along the held tokens in
+        position order (at a prompt's end, along its positions) -> (score, scored) (B, H, S)."""
         B, H, S = pos.shape
         held = pos >= 0
         scored = held & (newest_rank(pos) >= self.window)  # (B, H, S) the held keys older than the window
