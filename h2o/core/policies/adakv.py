@@ -168,7 +168,7 @@ class AdaKV(Policy):
             own = torch.tensor(own, device=prio.device).view(-1, 1, 1)
             return torch.where(own, kept, self.keep(prio, pos, valid, counts, torch.zeros_like(valid)))
         B, H, S = prio.shape
-        first = valid & arriving if arriving is not None else torch.zeros_like(valid)
+        first = valid & arriving  # (a cut that kvpress does not decide: none arriving)
         prio = torch.where(valid, prio, -torch.inf)
         head_rank = ranked([valid, first, prio, pos])  # (B, H, S) within each head
         safe = valid & (head_rank < self.safe(counts.total).view(-1, 1, 1))
