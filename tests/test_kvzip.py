@@ -74,6 +74,12 @@ def test_kvzip_is_refused_where_it_has_no_meaning(tiny, hydra_ctx, tmp_path):
     with pytest.raises(BadInput, match=r"^policy=kvzip: semantics=simulated: it scores the context by replaying"):
         prepare(_compose([*root, "task=bb_copa"]))
     assert prepare(_compose([*root, "task=niah", "task.lengths=[512]"])).policy.name == "kvzip"
+    from h2o.assets.models import tiny_model
+    from h2o.core.attach import attention_modules
+
+    sliding = tiny_model("gemma3")  # its layers' windows as the model passes them (no cache read)
+    with pytest.raises(PolicyError, match=r"^policy=kvzip: the model has sliding-window layers"):
+        make_policy("kvzip").compress_cache(sliding, attention_modules(sliding), None, torch.ones(1, 4).long(), None)
 
 
 def test_kvzip_answers_many_questions_from_one_replay(tiny, monkeypatch):
