@@ -10,7 +10,8 @@ from h2o.bench.simulated import simulated_forward
 from h2o.bench.throughput import benchmark, fork_cache, run_once, shared_prefill
 from h2o.bench.variants import Variant, budget_tokens, make_variants, variant_context
 from h2o.assets.models import tiny_model
-from h2o.core.rerotate import CachePositions, KeyShifter
+from h2o.core.cache import EvictingCache
+from h2o.core.rerotate import KeyShifter
 from h2o.tasks.streaming import flatness, stream
 
 T, GEN, B = 105, 6, 2  # 10% of 105 = 10.5: floor makes the budget 20 tokens, one below 0.2 * 105
@@ -190,12 +191,10 @@ def test_streaming_cached_keys_sit_at_their_rank(model, policy):
     ids = stream_ids(model, 120)
     pol = make_policy(policy, budget=20)
     with torch.inference_mode(), attach(model, pol, mode="real") as h:
-        cache = h.new_cache()
-        renum = CachePositions(model, len(cache.layers))
+        cache = h.cache = EvictingCache(pol, model.config.num_hidden_layers, rerotate=KeyShifter(model))
         for s in range(0, 120, 8):
-            x = ids[:, s:s + 8]
-            model(input_ids=x, cache=cache, position_ids=torch.arange(renum.n, renum.n + 8)[None])
-            renum.after_chunk(cache, s)
+            x, n = ids[:, s:s + 8], cache.next_position()
+            model(input_ids=x, cache=cache, position_ids=torch.arange(n, n + 8)[None])
         layer = cache.layers[0]
         attn = model.model.layers[0].self_attn
         hid = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids[0, layer.pos.clamp(min=0)]))
@@ -215,13 +214,13 @@ def test_streaming_keys_in_bf16_are_rotated_once(model):
     drift: heavy hitters move at every renumbering)."""
     ids = stream_ids(model, 400)
     half = model.to(torch.bfloat16)
+    pol = make_policy("h2o", budget=20)
     try:
-        with torch.inference_mode(), attach(half, make_policy("h2o", budget=20), mode="real") as h:
-            cache = h.new_cache()
-            renum = CachePositions(half, len(cache.layers))
+        with torch.inference_mode(), attach(half, pol, mode="real") as h:
+            cache = h.cache = EvictingCache(pol, half.config.num_hidden_layers, rerotate=KeyShifter(half))
             for s in range(0, 400, 4):
-                half(input_ids=ids[:, s:s + 4], cache=cache, position_ids=torch.arange(renum.n, renum.n + 4)[None])
-                renum.after_chunk(cache, s)
+                n = cache.next_position()
+                half(input_ids=ids[:, s:s + 4], cache=cache, position_ids=torch.arange(n, n + 4)[None])
             layer = cache.layers[0]
             rank = layer.pos.argsort(-1).argsort(-1)
             rot = KeyShifter(half)

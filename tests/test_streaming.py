@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from h2o.core.rerotate import CachePositions
+from h2o.core.rerotate import KeyRerotation
 from h2o.assets.models import tiny_model
 from h2o.tasks import streaming, streaming_cli
 from h2o.tasks.streaming import stream
@@ -99,16 +99,15 @@ def test_a_key_shifted_many_times_in_bf16_stays_one_rounding_away(model):
 
     first = torch.arange(S)
     layer = SimpleNamespace(pos=first.view(1, 1, S).clone(), keys=entered(first, first))
-    layer.renumber = lambda rot, new: layer.keys.copy_(rot.renumber(layer.pos, layer.keys, new))  # the cache's
-    renum = CachePositions(model, 1)
-    renum.after_chunk(SimpleNamespace(layers=[layer]), 0)
+    renum = KeyRerotation(shifter)  # the evicting layer's renumbering (EvictingCache(rerotate=))
+    layer.keys = renum.renumber(layer.pos, layer.keys, 0)
     tracked = S - 1  # the newest first token: every older one is evicted, one per chunk, so it moves 299 times
     for t in range(1, S):
         slot = int(((layer.pos == t - 1).view(-1)).nonzero())  # evict the oldest (never the tracked one)
         new = torch.tensor([S - 1 + t])
         layer.pos[..., slot] = new
         layer.keys[:, :, slot] = entered(new, torch.tensor([renum.n]))[:, :, 0]  # enters at number n, then cut
-        renum.after_chunk(SimpleNamespace(layers=[layer]), int(new))
+        layer.keys = renum.renumber(layer.pos, layer.keys, int(new))
     slot = int((layer.pos == tracked).view(-1).nonzero())
     exact = shifter.rotate(raw[:, :, tracked:tracked + 1], torch.zeros(1, 1, 1, dtype=torch.long))[0, 0, 0]  # rank 0
     got = layer.keys[0, 0, slot].float()

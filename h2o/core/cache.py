@@ -360,12 +360,7 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             tok = self.tok_before
             first_new = tok[0] if len(set(tok)) == 1 else torch.tensor(tok)
             held = self.host_held[0] if self.window is None and len(set(self.host_held)) == 1 else None  # exact
-            self.renumber(self.rerotation, first_new, held)
-
-    def renumber(self, rotation: KeyRerotation, first_new, held: int | None = None) -> None:
-        """The held keys renumbered 0..n-1 by ``rotation`` (:meth:`h2o.core.rerotate.KeyRerotation.renumber`: after
-        a forward whose first token had true position ``first_new``; ``held``: n, None: read)."""
-        self.keys.copy_(rotation.renumber(self.pos, self.keys, first_new, held))
+            self.keys.copy_(self.rerotation.renumber(self.pos, self.keys, first_new, held))
 
     def nbytes(self) -> int:
         """Bytes of the keys and values held (quant: the packed rows: codes, scales, outliers, indices; the sink)."""

@@ -9,8 +9,7 @@ rotated once from the key as it entered the cache, never cumulatively: repeated 
 (bf16: 26% mean relative error after 1,000 shifts).
 
 :class:`KeyRerotation` is the state of one layer (the evicting layer owns it when its cache is built with
-``rerotate=``, and applies it after its policy's eviction at the end of each forward, whatever the policy);
-:class:`CachePositions` applies one per layer to a whole cache from outside a forward.
+``rerotate=``, and applies it after its policy's eviction at the end of each forward, whatever the policy).
 """
 from __future__ import annotations
 
@@ -76,26 +75,6 @@ class KeyRerotation:
                         entry.gather(-1, first))
         self.prev, self.n = sorted_pos[..., :n].contiguous(), n
         return self.shifter.rotate(entry_keys, delta)  # once from the entered key, in fp32
-
-
-class CachePositions:
-    """Positions inside the cache for a whole cache, from outside a forward: after each chunk, renumber the kept
-    keys of every layer 0..n-1 (each layer renumbers its own, :meth:`h2o.core.cache.EvictingLayer.renumber`)."""
-
-    def __init__(self, model, n_layers: int):
-        shifter = KeyShifter(model)
-        self.layers = [KeyRerotation(shifter) for _ in range(n_layers)]
-        self.n = 0  # tokens held per KV head; the next chunk starts at position n
-
-    def after_chunk(self, cache, first_new: int) -> int:
-        """Renumber after a chunk whose first token had true position ``first_new``. Returns tokens held."""
-        for i, (layer, rot) in enumerate(zip(cache.layers, self.layers)):
-            try:
-                layer.renumber(rot, first_new)
-            except RuntimeError as err:
-                raise RuntimeError(f"layer {i}: {err}") from None
-        self.n = held_alike(self.layers)
-        return self.n
 
 
 def held_alike(rotations: list[KeyRerotation]) -> int:
