@@ -176,15 +176,6 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         elif self.policy.needs_scores:  # a decoding token is never a pad
             step.accumulate(self.policy, self.acc, logits if logit_rule else probs)
 
-    def unpadded(self) -> bool:
-        """Whether every new column of this forward is a real token (the host counts: no read)."""
-        return all(n - b == self.q for n, b in zip(self.host_tok, self.tok_before))
-
-    def rows_within(self, w: int) -> torch.Tensor:
-        """(q,) bool: this forward's rows among some sequence's last ``w`` real rows (a window rule's rows)."""
-        left = (self.n_tok - 1)[:, None] - self.pos[:, 0, -self.q:]  # (B, q) tokens after each row
-        return (self.valid & (left >= 0) & (left < w)).any(0)
-
     # ------------------------------------------------------------------------- storage
     def append(self, key_states, value_states):
         B, H, q, _ = key_states.shape
@@ -396,22 +387,6 @@ class EvictingCache(CacheBatchHooks, Cache):
         if layer is not None:
             return (self.layers[layer].pos >= 0).sum(-1)
         return torch.stack([(one.pos >= 0).sum(-1) for one in self.layers])
-
-    def positions(self) -> list[torch.Tensor]:
-        """Per layer, (B, Hkv, S) int64 the position of the token each slot holds (-1: none), a copy."""
-        return [layer.pos.clone() for layer in self.layers]
-
-    def keep_only(self, keep: list[torch.Tensor]) -> None:
-        """Each layer keeps the slots ``keep[layer]`` (B, Hkv, S) bool (:meth:`positions`' slots) and frees the rest:
-        a cut a rule decides itself (kvzip's replay)."""
-        for layer, kept in zip(self.layers, keep):
-            layer.keep_only(kept)
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        """The tensors the cache keeps on the host on every device (its host counts, a pooled layer's count on its
-        way): reading them is no device sync."""
-        return [x for layer in self.layers if layer.host_counts is not None
-                for x in (*layer.host_counts.fields(), layer.fullest_buf) if x is not None]
 
     def footprint(self) -> dict:
         """What the cache holds beside what it stores, for the whole batch: ``tokens_held`` (token x KV head

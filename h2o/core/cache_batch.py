@@ -125,6 +125,22 @@ class CacheBatchHooks:
         held = [layer.fullest() for layer in self.layers if layer.host_held]
         return {"budget": list(self.layers[0].host_total), "held": [sum(col) for col in zip(*held)]}
 
+    def positions(self) -> list[torch.Tensor]:
+        """Per layer, (B, Hkv, S) int64 the position of the token each slot holds (-1: none), a copy."""
+        return [layer.pos.clone() for layer in self.layers]
+
+    def keep_only(self, keep: list[torch.Tensor]) -> None:
+        """Each layer keeps the slots ``keep[layer]`` (B, Hkv, S) bool (:meth:`positions`' slots) and frees the rest:
+        a cut a rule decides itself (kvzip's replay)."""
+        for layer, kept in zip(self.layers, keep):
+            layer.keep_only(kept)
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The tensors the cache keeps on the host on every device (its host counts, a pooled layer's count on its
+        way): reading them is no device sync."""
+        return [x for layer in self.layers if layer.host_counts is not None
+                for x in (*layer.host_counts.fields(), layer.fullest_buf) if x is not None]
+
     def fork(self, src: "EvictingCache", batch: int = 1) -> "EvictingCache":
         """This (new) cache as its policy holds ``src``'s prefill (:meth:`EvictingLayer.fork`), repeated to
         ``batch`` sequences after the cut (a large batch never holds the whole prompt ``batch`` times)."""

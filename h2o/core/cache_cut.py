@@ -99,6 +99,15 @@ class CutHooks:
         finally:
             self.acc = whole
 
+    def unpadded(self) -> bool:
+        """Whether every new column of this forward is a real token (the host counts: no read)."""
+        return all(n - b == self.q for n, b in zip(self.host_tok, self.tok_before))
+
+    def rows_within(self, w: int) -> torch.Tensor:
+        """(q,) bool: this forward's rows among some sequence's last ``w`` real rows (a window rule's rows)."""
+        left = (self.n_tok - 1)[:, None] - self.pos[:, 0, -self.q:]  # (B, q) tokens after each row
+        return (self.valid & (left >= 0) & (left < w)).any(0)
+
     def keep_only(self, keep: torch.Tensor) -> None:
         """Keep the slots ``keep`` (B, H, S) bool, free the rest: a cut a rule decides outside the step (kvzip's
         replay); one host read (the heads' counts decide the storage)."""
