@@ -27,7 +27,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .policies import Counts, Policy, PolicyError
-from .policies.base import Decoder, bcast
+from .policies.base import bcast
 from .cache_batch import BatchHooks, CacheBatchHooks
 from .cache_cut import CutHooks
 from .rerotate import KeyRerotation, KeyShifter, held_alike
@@ -220,50 +220,6 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
                 keep = step.pool_keep(self.policy, a, self.counts, arriving)  # (B, H, S)
             self.pool_compact(keep, True)
 
-    def held_after_step(self, evicts: bool, pooled: bool) -> list[int]:
-        """Per sequence, the slots held once a decoding token is in (an upper bound on a sliding-window or pooled
-        layer, whose heads differ): one more, or (a rule that evicts at each step) one more only below the budget;
-        on a sliding-window layer at most the window (and the budget, or what was held plus the token, under a
-        schedule that cuts later)."""
-        if pooled or (self.window is None and not evicts):
-            return [h + 1 for h in self.host_held]
-        if self.window is None:
-            return [h + (h < t) for h, t in zip(self.host_held, self.host_total)]
-        if evicts or not self.limited():  # held: min(tokens, window, budget if it evicts)
-            totals = self.host_total if self.limited() else [None] * len(self.host_tok)
-            return [min(n + 1, self.window, n + 1 if t is None else t) for n, t in zip(self.host_tok, totals)]
-        return [min(h + 1, self.window) for h in self.host_held]  # a schedule that cuts later: held plus the token
-
-    def freed_slot(self) -> torch.Tensor:
-        """(B, H, 1) the slot a rule that evicts at each step gives the arriving token (:func:`step.evict_slot`): an
-        empty one below the budget, else the held one of lowest priority. A global layer's room is its host
-        counts' (no device read); a sliding-window layer's heads differ, so its room is counted per head."""
-        S = self.keys.shape[-2]
-        if self.window is None:
-            room = [h < t for h, t in zip(self.host_held, self.host_total)]
-            every = all(h == S for h in self.host_held)  # no empty slot: then room is not read
-            if not every and self.room_list != room:
-                self.room_list, self.room = room, torch.tensor(room, device=self.pos.device)
-            a, host = self.arrival(None if every else self.pos >= 0, self.room), (self.host_tok, self.host_held, room)
-        else:
-            held = self.pos >= 0  # (B, H, S)
-            room = held.sum(-1, keepdim=True) < bcast(self.counts.total)  # (B, H, 1)
-            a, host = self.arrival(held, room), (self.host_tok, self.host_held, None)
-        slot = step.evict_slot(self.decoding(), a, host)  # (B, H, 1)
-        self.decoder.placed(slot)
-        return slot
-
-    def arrival(self, held: torch.Tensor | None, room: torch.Tensor | None,
-                older: torch.Tensor | None = None) -> step.Arrival:
-        """The decoding step's state over the slots (:class:`h2o.core.step.Arrival`): held (B, H, S) bool (None:
-        every slot), room, older (B, H, S) bool the slots before the arriving token (None: every held one); the
-        held keys as attention reads them for a rule that reads keys."""
-        keys = scored = None
-        if self.policy.reads_keys:
-            keys, scored = self.read()[0], self.pos >= 0 if held is None else held
-            scored = scored if older is None else scored & older
-        return step.Arrival(self.pos, held, self.acc, self.n_tok, self.pos, keys, scored, room)
-
     def place(self, slot, key_states, value_states):
         """The arriving token (keys/values (B, H, 1, D or row bytes)) into ``slot`` (B, H, 1): stored here, its
         position and a fresh score by :func:`step.place`."""
@@ -284,17 +240,6 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         """Whether an arriving decoding token evicts one held token when the budget is full (the schedule
         ``decode``; under ``prefill`` and ``interval`` it takes a new or empty slot, :mod:`h2o.core.schedule`)."""
         return self.limited() and self.policy.schedule.evicts_each_step
-
-    def decoding(self):
-        """The policy's form for this layer's decoding steps (:meth:`Policy.decoder`), made once per budget. On a
-        sliding-window layer an evicting policy's priority as it is (the stateful forms count on the host what
-        the window changes on the device)."""
-        if self.decoder is None:
-            if self.window is not None and self.policy.evicts:
-                self.decoder = Decoder(self.policy, self.counts)
-            else:
-                self.decoder = self.policy.decoding(self.counts, self.host_counts)
-        return self.decoder
 
     def grow(self, key_states, value_states):
         """One arriving token (a real token, never a pad) in a new slot: a policy that keeps every token, or below
