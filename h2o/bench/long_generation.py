@@ -1,7 +1,10 @@
-"""The long-generation section of ``make bench``: every method with a decoding form, at a whole-cache token budget,
-under both schedules (the budget held at every step, ``compress=decode``; cut back to it every ``interval``
-generated tokens, ``compress=interval``) beside the harness's full cache, generating ``gen_len`` tokens at
-``batch`` rows in one interleaved run.
+"""The long-generation section of ``make bench``: every decode-time method (:data:`METHODS`) at a whole-cache token
+budget, under each schedule it runs (the budget held at every step, ``compress=decode``, where it has a decoding
+form; cut back to it every ``interval`` generated tokens, ``compress=interval``; then its own schedule where it is
+neither, :data:`OWN`) beside the harness's full cache, generating ``gen_len`` tokens at ``batch`` rows in one
+interleaved run. A rule that reads a model's offline statistics (triattention) is given them as the methods section
+gives them (:func:`h2o.bench.every_policy.with_statistics`: the cache's file, else computed over random ids).
+``methods`` (``task.long_gen_methods``) measures some of them (full always).
 
 Each variant prefills its own random-token prompt of ``prompt_len`` tokens, then decodes greedily for ``gen_len``
 tokens (no stop at EOS); ``repeats`` interleaved rounds, medians (:func:`h2o.bench.throughput.benchmark`,
@@ -24,24 +27,50 @@ from h2o.core.engine import keeps_all
 
 SECTION = "long_generation"  # the records' ``section``: not read by the targets
 OPTION = "task.long_gen"  # the make bench option that turns the section off (null)
-METHODS = ("h2o", "tova", "streaming_llm", "local", "knorm", "keydiff")  # the rules with a decoding form
+FIRST = ("h2o", "tova", "streaming_llm", "local", "knorm", "keydiff")  # the first record's (2026-12-02) methods
+METHODS = FIRST + ("triattention", "snapkv_d", "g_kv")  # the decode-time methods the section measures
+NO_DECODE = ("g_kv",)  # cut at intervals only (compress=decode refused: docs/g_kv.md)
+OWN = {"triattention": {"compress": "buffer"},  # its slack trigger: cut back once budget + interval are held
+       "snapkv_d": {"compress": "interval", "interval": 1}}  # a cut after every token attended (docs/methods.md)
 
 
-def variants(budget: int, interval: int, methods=METHODS) -> list[Variant]:
-    """full, then each method at ``budget`` every step, then each every ``interval`` tokens."""
+def schedules(interval: int, methods=METHODS) -> list[tuple[str, dict]]:
+    """(method, schedule options) in the table's order: every step (the methods with a decoding form), every
+    ``interval`` tokens (all), then each method's own schedule (:data:`OWN`; buffer's slack is ``interval``)."""
+    every = {"compress": "interval", "interval": interval}
+    return ([(m, {"compress": "decode"}) for m in methods if m not in NO_DECODE] + [(m, every) for m in methods]
+            + [(m, {**every, **OWN[m]}) for m in methods if m in OWN])
+
+
+def variants(budget: int, interval: int, methods=METHODS, model=None) -> list[Variant]:
+    """full, then each method at ``budget`` under each of its :func:`schedules` (a rule that reads a model's
+    statistics given ``model``'s: :func:`h2o.bench.every_policy.with_statistics`)."""
+    from h2o.bench.every_policy import with_statistics
     from h2o.core.policies import make_policy
 
-    return [Variant("policy", "full")] + [Variant.of(make_policy(m, budget=budget, **kw))
-                                          for kw in ({"compress": "decode"},
-                                                     {"compress": "interval", "interval": interval})
-                                          for m in methods]
+    return [Variant("policy", "full")] + [Variant.of(with_statistics(make_policy(m, budget=budget, **kw), model))
+                                          for m, kw in schedules(interval, methods)]
+
+
+def method_error(methods) -> str | None:
+    """What is wrong with ``task.long_gen_methods`` (one line), or None (null: all of :data:`METHODS`)."""
+    if methods is None:
+        return None
+    allowed = f"allowed: a list of {', '.join(METHODS)} (full is always measured)"
+    if not isinstance(methods, (list, tuple)) or not methods:
+        return f"task.long_gen_methods={methods!r}: expected a non-empty list of methods or null (all); {allowed}"
+    bad = [m for m in methods if m not in METHODS] or [m for i, m in enumerate(methods) if m in methods[:i]]
+    if bad:
+        what = "named twice" if bad[0] in METHODS else "not a method of the long-generation section"
+        return f"task.long_gen_methods={list(methods)}: {bad[0]!r} is {what}; {allowed}"
+    return None
 
 
 def measure(model, prompt_len: int, batch: int, gen_len: int, budget: int, interval: int, repeats: int = 3,
-            warmup: int = 1, seed: int = 0, model_name: str | None = None, out=None) -> list[dict]:
-    """One interleaved run of :func:`variants`; the variant records, each with ``section``, ``compress`` and
-    ``interval``; prints the table."""
-    chosen = variants(budget, interval)
+            warmup: int = 1, seed: int = 0, model_name: str | None = None, out=None, methods=None) -> list[dict]:
+    """One interleaved run of :func:`variants` (``methods``: some of :data:`METHODS`, None all); the variant
+    records, each with ``section``, ``compress`` and ``interval``; prints the table."""
+    chosen = variants(budget, interval, METHODS if methods is None else tuple(methods), model)
     recs = benchmark(model, prompt_lens=[prompt_len], gen_lens=[gen_len], batch_sizes=[batch], prefill="each",
                      repeats=repeats, warmup=warmup, seed=seed, model_name=model_name, variants=chosen,
                      verbose=False, out=out)
@@ -72,8 +101,11 @@ def cell(x, spec: str) -> str:
 
 
 def schedule(row: dict) -> str:
+    """every step (decode), every N (interval), at budget+N (buffer: cut back once budget + N are held)."""
     if row["compress"] is None:
         return "-"
+    if row["compress"] == "buffer":
+        return f"at budget+{row['interval']}"
     return "every step" if row["compress"] == "decode" else f"every {row['interval']}"
 
 

@@ -12,9 +12,10 @@ experiment) beside the harness's full cache, the ``compare`` policies and transf
 5. every registered method beside full at ``methods`` (prompt, batch), each prefilling its own prompt in its own
    timing: prefill time, KV bytes and tokens held after the compression, decode throughput (:mod:`h2o.bench.every_policy`;
    information, no target).
-6. every method with a decoding form at a token budget, every step and every ``long_gen_interval`` tokens, beside
-   full while generating ``long_gen`` (generated tokens, batch): decode throughput and KV bytes at most and at the
-   end (:mod:`h2o.bench.long_generation`; information, no target).
+6. every decode-time method at a token budget, every step (where it has a decoding form), every
+   ``long_gen_interval`` tokens and on its own schedule, beside full while generating ``long_gen`` (generated
+   tokens, batch): decode throughput and KV bytes at most and at the end (:mod:`h2o.bench.long_generation`;
+   ``long_gen_methods``: some of them; information, no target).
 
 Record: ``metrics`` = {target name: measured ratio}, ``targets`` = {name: {value, target, met}}, samples = every
 variant's record (``semantics`` real or simulated; ``kv_limit_bytes`` / ``max_batch_method`` on the batch parts).
@@ -120,5 +121,5 @@ def run_targets(model, task, policy, seed: int = 0, model_name: str | None = Non
     if task.long_gen:  # every decoding method, both schedules, a long generation (h2o.bench.long_generation)
         G, B = task.long_gen
         recs += long_generation.measure(model, task.long_gen_prompt, B, G, task.long_gen_budget,
-                                        task.long_gen_interval, **common)
+                                        task.long_gen_interval, methods=task.long_gen_methods, **common)
     return recs + capped

@@ -64,11 +64,12 @@ class TargetsTask(TaskSpec):
     The run's policy is measured against full, the ``compare`` policies and transformers' caches at every part;
     metrics: each target's measured ratio; ``targets``: {name: {value, target, met}}; samples: every variant's
     record; ``methods``: every registered method at the run's budget, at ``methods`` ([prompt, batch]; null:
-    none) with ``methods_gen`` tokens each (:mod:`h2o.bench.every_policy`); ``long_generation``: every method with
-    a decoding form at ``long_gen_budget`` tokens, every step and every ``long_gen_interval`` tokens, beside full,
-    generating ``long_gen`` ([generated tokens, batch]; null: none) after a ``long_gen_prompt``-token prompt
-    (:mod:`h2o.bench.long_generation`); ``host_reads_per_layer_step``: every rule's host reads per layer per
-    decoding step at each schedule (:func:`host_reads_table`)."""
+    none) with ``methods_gen`` tokens each (:mod:`h2o.bench.every_policy`); ``long_generation``: every
+    decode-time method at ``long_gen_budget`` tokens, every step (where it has a decoding form), every
+    ``long_gen_interval`` tokens and on its own schedule, beside full, generating ``long_gen`` ([generated tokens,
+    batch]; null: none) after a ``long_gen_prompt``-token prompt (:mod:`h2o.bench.long_generation`;
+    ``long_gen_methods``: some of them, null all); ``host_reads_per_layer_step``: every rule's host reads per layer
+    per decoding step at each schedule (:func:`host_reads_table`)."""
 
     name: str
     long: list = field(default_factory=lambda: [4096, 8])
@@ -92,6 +93,7 @@ class TargetsTask(TaskSpec):
     long_gen_prompt: int = 32  # the long-generation section's prompt tokens
     long_gen_budget: int = 32  # its whole-cache budget in tokens
     long_gen_interval: int = 16  # its interval schedule's generated tokens between two cuts
+    long_gen_methods: list | None = None  # some of its methods (None: all; h2o.bench.long_generation.METHODS)
     shots: int = 0
 
     kind = "benchmark_targets"
@@ -112,6 +114,10 @@ class TargetsTask(TaskSpec):
         for key in ("long_gen_prompt", "long_gen_budget", "long_gen_interval"):
             check(is_int(getattr(self, key)) and getattr(self, key) >= 1,
                   f"task.{key}={getattr(self, key)!r}: expected an int >= 1")
+        from h2o.bench.long_generation import method_error
+
+        error = method_error(self.long_gen_methods)
+        check(error is None, error or "")
         check(is_int(self.methods_gen) and self.methods_gen >= 2,
               f"task.methods_gen={self.methods_gen!r}: expected an int >= 2 (one decoding step at least)")
         for key in ("sim", "gen_len", "short_gen", "repeats", "max_batch_cap"):

@@ -30,14 +30,15 @@ class Variant:
     obj: Policy | None = field(default=None, compare=False)  # a built policy (else at_budget(policy, budget))
     quant: str = "none"  # KV quantization of a policy variant: none, uniform4, kvquant3, ... (h2o.core.quant.quant_of)
     calibration: str | None = field(default=None, compare=False)  # kvquant's calibration file
-    timing: str = ""  # a built policy's schedule other than decode (``interval=32``, ``prefill``): two schedules
-    # of one method at one budget are two variants
+    timing: str = ""  # a built policy's schedule other than decode (``interval=32``, ``prefill``,
+    # ``buffer,interval=16``): two schedules of one method at one budget are two variants
 
     @staticmethod
     def of(policy: Policy) -> "Variant":
         described = engine.schedule_options(policy)
-        schedule = ",".join(f"{k}={v}" for k, v in described.items() if k != "compress") \
-            or described.get("compress", "")
+        options = ",".join(f"{k}={v}" for k, v in described.items() if k != "compress")
+        compress = described.get("compress", "")  # named but for interval (its interval says it): buffer's too
+        schedule = options if compress == "interval" else ",".join(x for x in (compress, options) if x)
         return Variant("policy", policy.name, policy.budget, obj=policy, timing=schedule)
 
     def build_quant(self):
