@@ -43,11 +43,11 @@ def test_make_bench_writes_the_experiments_record(tmp_path, monkeypatch, capsys)
     assert targets["kv_bytes_max 40x3 h2o/full"]["met"]  # 8 kept of 40 + 2 decoded
     from h2o.bench.every_policy import method_names  # every method's row, the targets untouched by them
     assert [r["method"] for r in rec["methods"]] == ["full", *method_names()]
-    from h2o.bench.long_generation import METHODS  # both schedules of every decoding method beside full
+    from h2o.bench.long_generation import schedules  # every schedule of every decode-time method beside full
     assert "== long generation: prompt 8 x batch 2, 12 tokens generated" in out
     rows = rec["long_generation"]
     assert [(r["method"], r["compress"], r["interval"]) for r in rows] == [("full", None, None)] + [
-        (m, "decode", None) for m in METHODS] + [(m, "interval", 4) for m in METHODS]
+        (m, kw["compress"], kw.get("interval")) for m, kw in schedules(4)]
     assert all(r["kv_max_vs_full"] < 1 for r in rows[1:])  # 6 (+ 4 between cuts) held of full's 8 + 11
     reads = rec["host_reads_per_layer_step"]  # every rule's, each schedule (tests/test_launches.py: the values)
     assert "== host reads per layer per decoding step" in out and reads["h2o/decode"] == 0 and "r_kv/interval" in reads
