@@ -11,6 +11,7 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from h2o.assets.paths import CONF, REPO, group_defaults
+from h2o.core.policies import Policy, make_policy
 from h2o.core.validate import ConfigError
 from h2o.pipeline.fields import MEASURED, record_fields
 from h2o.store.folders import runs_root
@@ -162,7 +163,10 @@ def test_an_added_keys_default_is_its_class_default_or_the_root_configs():
             checked.append(key)
             continue
         for f in sorted((CONF / group[0]).glob("*.yaml")):
-            target = get_method(group_defaults(group[0], f.stem)["_target_"])
+            conf = group_defaults(group[0], f.stem)
+            target = get_method(conf["_target_"])
+            if target is make_policy:  # a policy's options: its rule's class
+                target = Policy.registry[conf["name"]]
             param = inspect.signature(target).parameters.get(name)
             if param is not None:
                 assert param.default == default, f"{key} of {group[0]}={f.stem}: {param.default!r}"

@@ -191,7 +191,8 @@ ADDED = {"model.positions": None,  # ModelSpec: read from the model's config.jso
          "model.attn_implementation": "auto",  # load_model: sdpa, or flash attention 2 where installed on a GPU
          "task.long_gen": None,  # bench_targets: no long-generation section (h2o.bench.long_generation)
          "task.long_gen_prompt": 32, "task.long_gen_budget": 32, "task.long_gen_interval": 16,
-         "task.long_gen_methods": None}  # bench_targets: every method of the long-generation section
+         "task.long_gen_methods": None,  # bench_targets: every method of the long-generation section
+         "policy.per_head_pruning": False}  # triattention: each layer chooses alone (its per_layer_perhead_pruning)
 
 
 def added_default(cfg: DictConfig, key: str) -> Any:

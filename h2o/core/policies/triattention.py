@@ -19,8 +19,13 @@ scored tokens (mean 0, standard deviation 1, population, at least 1e-6); a KV he
 ``head_aggregation``) over its query heads. The prompt's tokens are never scored (the reference's
 ``allow_prefill_compression=False``): they are kept first, the oldest first where the budget holds fewer, and
 the generated tokens compete for the rest. Each (layer, KV head) chooses on its own (the reference's
-``per_layer_perhead_pruning``); its default ``per_head_pruning`` (one choice per KV head shared by every layer,
-from the mean over layers of the group maxima) needs every layer's keys at once: not built (NOTES-tri.md).
+``per_layer_perhead_pruning``), or, with ``per_head_pruning=True`` (the reference's default mode), one set of
+positions per KV head index is kept in every layer: each layer's scores of its query heads (standardised as above)
+aggregated over the group of a KV head (``head_aggregation``), then the mean over the layers, ranked once
+(:meth:`TriAttention.layers_priority`). A cut over all layers cannot happen inside one layer's attention: each layer
+keeps what it holds at its own cut, and after a forward whose cut is due (the schedule's, per sequence) the rule
+cuts every layer at once (:meth:`TriAttention.attach_hooks`, ``EvictingCache.due_cut`` and ``keep_only``). The
+real path only; ``compress=decode`` refused (a step's slot is chosen per layer).
 
 Channels the rotary does not turn (GPT-NeoX's partial rotary) are paired the same way with ``w = 0``, ``a = 1``
 (for them the preference is the expected dot product, constant in the distance); the reference has full rotary
@@ -41,8 +46,9 @@ import copy
 
 import torch
 
-from .base import READ_KEYS, TIER, Counts, Policy, PolicyError
-from ..schedule import Buffer
+from .base import READ_KEYS, TIER, Counts, Policy, PolicyError, keep_top
+from .budget import Unsupported
+from ..schedule import Buffer, Schedule
 
 DIVIDE_LENGTH = 128  # the reference's divide_length: tokens between two cuts
 CALIBRATE = "python -m h2o.assets.triattention model=<name>"  # the command that writes a model's statistics
@@ -100,11 +106,12 @@ class TriAttention(Policy):
 
     def __init__(self, budget=2048, heavy=None, recent=None, heavy_share=0.5, stats=None,
                  normalize_scores: bool = True, offset_max_length: int = 65536, head_aggregation: str = "max",
-                 allow_prefill_compression: bool = False):
+                 allow_prefill_compression: bool = False, per_head_pruning: bool = False):
         super().__init__(budget, heavy, recent, heavy_share)
         self.whole_budget()  # no recent part
         for key, value in (("normalize_scores", normalize_scores),
-                           ("allow_prefill_compression", allow_prefill_compression)):
+                           ("allow_prefill_compression", allow_prefill_compression),
+                           ("per_head_pruning", per_head_pruning)):
             if not isinstance(value, bool):
                 raise PolicyError(f"{key}={value!r}: allowed: true or false")
         if isinstance(offset_max_length, bool) or not isinstance(offset_max_length, int) or offset_max_length < 1:
@@ -116,6 +123,23 @@ class TriAttention(Policy):
         self.head_aggregation, self.allow_prefill_compression = head_aggregation, allow_prefill_compression
         self.calibration = load_stats(stats)
         self.layer: LayerStats | None = None
+        self.per_head_pruning = per_head_pruning
+        if per_head_pruning:  # this instance's answer (engine.no_simulated_form, attach's refusal)
+            self.real_only = ("per_head_pruning=true cuts every layer at once after a forward, which the simulated "
+                              "path's one-pass mask of one layer cannot hold; allowed there: per_head_pruning=false")
+
+    @property
+    def cuts_all_layers(self) -> bool:
+        """Whether the rule cuts every layer at once after a forward (``per_head_pruning``, a budget below 100%):
+        each evicting layer keeps what it holds at its own cut and leaves the cut to :meth:`attach_hooks`."""
+        return self.per_head_pruning and not self.is_full
+
+    def check_schedule(self, schedule: Schedule) -> None:
+        super().check_schedule(schedule)
+        if self.per_head_pruning and schedule.evicts_each_step:
+            raise Unsupported(f"compress={schedule.name}: per_head_pruning=true cuts every layer at once after a "
+                              f"forward, not one slot per layer at each step; allowed: buffer, interval, prefill "
+                              f"(or per_head_pruning=false)")
 
     @property
     def needs_calibration(self) -> bool:
@@ -188,6 +212,63 @@ class TriAttention(Policy):
         trig = (qbar * (k.conj() * ahead).to(qbar.dtype)[:, :, None]).real.sum(-1)  # (B, H, G, S)
         return trig + (k.abs().float()[:, :, None] * extra).sum(-1)
 
+    def layers_priority(self, keys: list[torch.Tensor], pos: torch.Tensor, now: torch.Tensor, counts: Counts
+                        ) -> torch.Tensor:
+        """``per_head_pruning``: keys per layer (B, Hkv, S, D) after RoPE, the same positions pos (B, Hkv, S) in
+        every layer (-1: not held), now (B,) -> (B, Hkv, S) float64 one priority per KV head for every layer: the
+        prompt's tokens a tier above, oldest first; the others by the mean over the layers of each layer's
+        :meth:`scores` (its query heads standardised, aggregated over the group: the reference's
+        ``_select_per_head_independent``)."""
+        held = pos >= 0
+        pinned = held & (pos < counts.length.view(-1, 1, 1)) if not self.allow_prefill_compression \
+            else torch.zeros_like(held)
+        scored = held & ~pinned
+        layers = len(keys)
+        each = [self.for_layer(i, layers).scores(self.cut_score(None, k, held), pos, now, scored)
+                for i, k in enumerate(keys)]  # (B, Hkv, S) per layer
+        score = torch.stack(each).mean(0)
+        return torch.where(pinned, 2 * TIER - pos.double(), torch.where(scored, score.double(), 0.0))
+
+    def attach_hooks(self, model, state) -> list:
+        """``per_head_pruning``: after each forward through an evicting cache whose schedule's cut was due (each
+        layer kept what it held), :meth:`cut_layers`. None otherwise."""
+        if not self.cuts_all_layers:
+            return []
+
+        def after(_module, args, kwargs, _output):
+            cache = kwargs.get("past_key_values")
+            cache = cache if cache is not None else kwargs.get("cache", state.cache)
+            due = cache.due_cut() if hasattr(cache, "due_cut") else None
+            if due is not None:
+                modules = [m for m in model.modules() if hasattr(m, "h2o")]  # the attention modules
+                self.cut_layers(cache, *due, modules)
+
+        return [model.register_forward_hook(after, with_kwargs=True)]
+
+    def cut_layers(self, cache, due: list[bool], counts: Counts, modules=()) -> None:
+        """Cut every layer of ``cache`` at once to one set of positions per (sequence, KV head): the budget
+        ``counts`` ranked by :meth:`layers_priority`, for the sequences ``due`` (the others keep what they hold).
+        Every layer holds the same positions in the same slots (each layer registers the same tokens, and this
+        cut keeps the same slots in every layer); a layer holding others (a sliding window's) is refused."""
+        from ..model_settings import layer_windows
+
+        if any(w is not None for w in layer_windows(modules)):
+            raise PolicyError("policy=triattention: per_head_pruning=true: the model has sliding-window layers, "
+                              "which hold other positions than its global ones; allowed: per_head_pruning=false")
+        positions = cache.positions()
+        pos = positions[0]
+        if any(not torch.equal(p, pos) for p in positions[1:]):
+            raise PolicyError("policy=triattention: per_head_pruning=true: the layers hold different positions; "
+                              "allowed: per_head_pruning=false")
+        held = pos >= 0
+        now = pos.amax((1, 2))  # (B,) the newest token: every layer kept what it held
+        keys = [layer.read()[0] for layer in cache.layers]
+        prio = self.layers_priority(keys, pos, now, counts)
+        keep = keep_top(prio, held, counts.total)
+        spare = torch.tensor([not d for d in due], device=pos.device).view(-1, 1, 1)
+        keep = torch.where(spare, held, keep)
+        cache.keep_only([keep] * len(positions))
+
     def bound(self) -> LayerStats:
         if self.layer is None:
             raise PolicyError(f"policy={self.name}: the rule is not bound to a layer's statistics (for_layer); "
@@ -199,6 +280,7 @@ class TriAttention(Policy):
         return {**super().describe(), "normalize_scores": self.normalize_scores,
                 "offset_max_length": self.offset_max_length, "head_aggregation": self.head_aggregation,
                 "allow_prefill_compression": self.allow_prefill_compression,
+                **({"per_head_pruning": True} if self.per_head_pruning else {}),  # false: records as before
                 "calibration": {k: cal.get(k) for k in ("model", "digest", "text", "tokens")} if cal else None}
 
 
