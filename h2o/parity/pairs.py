@@ -12,6 +12,7 @@ GKV_RECORD = GOLDEN / "g_kv.json"  # G-KV's reference scoring (h2o.parity.g_kv)
 SNAPKV_D_RECORD = GOLDEN / "snapkv_d.json"  # the minghui-liu/kvpress fork's SnapKV-D (h2o.parity.snapkv_d)
 BASELINES_RECORD = GOLDEN / "baselines.json"  # TriAttention's own baselines, the fork's H2O (h2o.parity.baselines)
 TRI_RECORD = GOLDEN / "triattention.json"  # TriAttention's reference code (h2o.parity.triattention)
+TRI_HEAD_RECORD = GOLDEN / "triattention_per_head.json"  # the same in its per_head_pruning (--per-head-pruning)
 # largest |NLL per token, kvpress - ours| accepted: fp32 on CPU, two attention implementations (kvpress's sdpa
 # or eager under transformers 5.2, the harness's own); the equal methods differ by < 1e-6 (kvpress.json's
 # "largest_gap" is the figure measured when it was recorded), one token chosen differently moves it by > 1e-3

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from h2o.parity.field import baselines_section, snapkv_d_section
 from h2o.parity.pairs import (BASELINES_RECORD, DECODE_ONLY, EXTRA, GKV_RECORD, OURS, RECORD, RKV_RECORD,
-                              SNAPKV_D_RECORD, TOLERANCE, TRI_RECORD, kept)
+                              SNAPKV_D_RECORD, TOLERANCE, TRI_HEAD_RECORD, TRI_RECORD, kept)
 
 
 def load(path: Path) -> list[dict]:
@@ -127,7 +127,7 @@ def write_table(out: Path, table: Path, prompts: dict, golden: Path | None = REC
               + " (1 thread each).", ""]
     lines += NOTES + golden_section(golden) + r_kv_section(RKV_RECORD) + g_kv_section(GKV_RECORD)
     lines += snapkv_d_section(SNAPKV_D_RECORD) + baselines_section(BASELINES_RECORD)
-    lines += triattention_section(TRI_RECORD)
+    lines += triattention_section(TRI_RECORD, TRI_HEAD_RECORD)
     table.parent.mkdir(parents=True, exist_ok=True)
     table.write_text("\n".join(lines))
 
@@ -288,9 +288,9 @@ def g_kv_section(record: Path | None) -> list[str]:
                     "kernel 5, mix 0.1. docs/g_kv.md, \"The G-KV repository's own H2O and R-KV\".", ""]
 
 
-def triattention_section(record: Path | None) -> list[str]:
+def triattention_section(record: Path | None, per_head: Path | None = None) -> list[str]:
     """TriAttention's reference code beside ``triattention`` (tests/data/parity_golden/triattention.json,
-    :mod:`h2o.parity.triattention`)."""
+    :mod:`h2o.parity.triattention`; ``per_head``: its ``per_head_pruning`` record, triattention_per_head.json)."""
     if record is None or not record.is_file():
         return []
     g = json.loads(record.read_text())
@@ -333,17 +333,43 @@ def triattention_section(record: Path | None) -> list[str]:
         lines += [f"| calibration: its scripts/calibrate.py (bfloat16, which it hard-codes) vs ours with the model in "
                   f"bfloat16, the same text and ids: mean query (real, imaginary), mean modulus per layer, head and "
                   f"frequency | 3 statistics | - | {gap:.1e} (of {big:g}) |"]
+    lines += per_head_rows(per_head)
     return lines + ["",
                     "Every kept set and every token is the same. The score gap is the reference's: it measures the "
                     "distances `t - p + o` in fp32, where offsets reach 65,536 and fp32 keeps 1/128 of a unit there; "
                     "with that one line in float64 the gap is 9.5e-7 (fp32 noise). Compatibility, not a difference in "
                     "the rule: transformers 5 dropped the `device` argument of `LlamaRotaryEmbedding`, which the "
-                    "reference passes; the parity script gives it the same table without it. Not compared: the "
-                    "reference's default CLI mode `per_head_pruning` (one choice per KV head for every layer) is not "
-                    "built (docs/triattention.md). The calibration differs by its bfloat16 round trip through RoPE "
+                    "reference passes; the parity script gives it the same table without it. The reference's default "
+                    "CLI mode `per_head_pruning` (one choice per KV head for every layer: the mean over layers of "
+                    "each group's maximum) beside ours with `per_head_pruning=true` (`--per-head-pruning`, "
+                    "triattention_per_head.json): its rows, \"per_head_pruning\"; each of its kept sets is the same "
+                    "in every layer, and none equals the per-layer mode's (docs/triattention.md). The calibration differs by its bfloat16 round trip through RoPE "
                     "(its queries rotated and turned back in bfloat16; ours turned back in fp32). The repository's "
                     "own baselines: \"The field's implementations of one method\", above. "
-                    "tests/test_triattention.py compares ours with these numbers without the reference (the first and "
+                    "tests/test_triattention.py (per_head_pruning: tests/test_triattention_per_head.py) compares "
+                    "ours with these numbers without the reference (the first and "
                     "later cuts, the evicting cache's cuts, the tokens and their log-probabilities, the calibration) "
                     "and shows broken variants missing them: the group's mean for its maximum, the distance counted "
                     "from the newest token instead of the next, the prompt scored, channels paired (even, odd).", ""]
+
+
+def per_head_rows(record: Path | None) -> list[str]:
+    """The rows of the reference's ``per_head_pruning`` beside ours (``--per-head-pruning``), where recorded."""
+    if record is None or not record.is_file():
+        return []
+    g = json.loads(record.read_text())
+    s = g["summary"]
+    first, later, gen = s["first_cut"], s["later_cuts"], s["generation"]
+    rows = [f"| per_head_pruning: first cut, kept positions per KV head (one set for every layer) | {first['heads']} "
+            f"(layer, head) sets | {first['heads_kept_differently']} | score {first['largest_score_gap']:.1e} |",
+            f"| per_head_pruning: later cuts, each side its own cache | {later['cuts']} cuts, {later['heads']} "
+            f"(layer, head) sets | {later['heads_kept_differently']} | - |",
+            f"| per_head_pruning: greedy generation, the reference's model patch vs the evicting cache (full cache: "
+            f"{gen['tokens_unlike_full']} differ) | {gen['steps']} tokens | {gen['steps'] - gen['tokens_equal']} | "
+            f"log-prob {gen['largest_logprob_gap']:.1e} |"]
+    smol = s.get("generation_smollm2")
+    if smol:
+        rows += [f"| per_head_pruning: SmolLM2-135M, the same generation (full cache: {smol['tokens_unlike_full']} "
+                 f"differ) | {smol['steps']} tokens | {smol['steps'] - smol['tokens_equal']} | log-prob "
+                 f"{smol['largest_logprob_gap']:.1e} |"]
+    return rows

@@ -27,6 +27,11 @@
 
 The repository's own baselines (H2O, R1KV, SnapKV) beside ``h2o``, ``r_kv``, ``snapkv``: :mod:`h2o.parity.baselines`.
 
+``--per-head-pruning``: the same checks in the reference's default mode, ``per_head_pruning`` (one set of positions
+per KV head, the same in every layer: the mean over layers of each layer's group maxima, ranked once;
+``_select_per_head_independent``) beside ours (``per_head_pruning=True``: :meth:`TriAttention.layers_priority`, the
+evicting cache cut after each forward); its record is tests/data/parity_golden/triattention_per_head.json.
+
 ``--golden`` writes tests/data/parity_golden/triattention.json (what CI compares ours with:
 tests/test_triattention.py); the summary is printed.
 """
@@ -40,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from h2o.parity.pairs import TRI_RECORD as RECORD
+from h2o.parity.pairs import TRI_HEAD_RECORD as HEAD_RECORD, TRI_RECORD as RECORD
 from h2o.parity.r_kv import record_states
 from h2o.parity.triattention_calibration import TEXT, calibration_gaps, ours_in_bf16, reference_calibration
 
@@ -83,29 +88,34 @@ def reference_stats(cal: dict, path: Path) -> Path:
     return path
 
 
-def reference_rule(module, stats: Path, budget: int):
+def reference_rule(module, stats: Path, budget: int, per_head: bool = False):
     from h2o.parity.golden import MODEL_DIR
 
     config = module.TriAttentionConfig(
         stats_path=stats, model_path=MODEL_DIR, device=torch.device("cpu"), dtype=torch.float32, budget=budget,
         offset_max_length=OPTIONS["offset_max_length"], score_aggregation="mean", seed=None,
         normalize_scores=OPTIONS["normalize_scores"], count_prompt_tokens=True, divide_length=EVERY,
-        use_slack_trigger=True, per_layer_perhead_pruning=True, layer_perhead_aggregation=OPTIONS["head_aggregation"])
+        use_slack_trigger=True, per_layer_perhead_pruning=not per_head, per_head_pruning=per_head,
+        layer_perhead_aggregation=OPTIONS["head_aggregation"])
     return module.TriAttention(config)
 
 
-def reference_cut(rule, keys: list[torch.Tensor], held: list[torch.Tensor], now: int
+def reference_cut(rule, keys: list[torch.Tensor], held: list[torch.Tensor], now: int, per_head: bool = False
                   ) -> tuple[list[list[list[int]]], list[torch.Tensor]]:
     """keys: per layer (1, Hkv, T, D) of every position, held: per layer (Hkv, n) the positions each KV head holds
     (the prompt's first, in order) -> (per layer and KV head the kept positions, ascending; per layer the
-    reference's per-query-head scores (Hq, n - PROMPT) of the scored tokens)."""
+    reference's per-query-head scores (Hq, n - PROMPT) of the scored tokens). ``per_head``: the rule in
+    ``per_head_pruning`` (``held`` the same in every layer; its positions per KV head, ``cache_positions_per_head``)."""
     pkv = []
     for k, h in zip(keys, held):
         gathered = k[0].gather(1, h[..., None].expand(*h.shape, k.shape[-1]))[None]  # (1, Hkv, n, D)
         pkv.append((gathered, gathered))
     rule.cache_positions = held[0][0].tolist()
-    rule.cache_positions_per_layer_perhead = {(i, kv): h[kv].tolist() for i, h in enumerate(held)
-                                              for kv in range(h.shape[0])}
+    if per_head:
+        rule.cache_positions_per_head = [h.tolist() for h in held[0]]
+    else:
+        rule.cache_positions_per_layer_perhead = {(i, kv): h[kv].tolist() for i, h in enumerate(held)
+                                                  for kv in range(h.shape[0])}
     rule.absolute_position = now + 1
     caught = []
     inner = rule._compute_layer_head_scores
@@ -117,9 +127,14 @@ def reference_cut(rule, keys: list[torch.Tensor], held: list[torch.Tensor], now:
 
     rule._compute_layer_head_scores = catching
     try:
-        idx = rule.compute_keep_indices(tuple(pkv), prefix_length=PROMPT)  # (L, Hkv, kept)
+        idx = rule.compute_keep_indices(tuple(pkv), prefix_length=PROMPT)  # (L, Hkv, kept); per_head (Hkv, kept)
     finally:
         del rule._compute_layer_head_scores
+    Hkv = held[0].shape[0]
+    if per_head:  # one set per KV head for every layer (1D where nothing is scored: the same for every head)
+        idx = (idx if idx.dim() == 2 else idx.expand(Hkv, -1)).expand(len(keys), -1, -1)
+        return [[sorted(h[kv][idx[i, kv]].tolist()) for kv in range(Hkv)] for i, h in enumerate(held)], \
+            caught[:len(keys)]  # its global matrix: the per-layer calls it aggregates
     kept = [[sorted(h[kv][idx[i, kv]].tolist()) for kv in range(h.shape[0])] for i, h in enumerate(held)]
     return kept, caught[-len(keys):]  # the per-layer calls (the first len(keys): its unused global matrix)
 
@@ -134,14 +149,27 @@ def calibration(model) -> dict:
     return calibrate(model, ids, weights_sha256(), {"model": "parity_golden", "text": "TEXT"})
 
 
-def ours_cut(cal: dict, keys: list[torch.Tensor], held: list[torch.Tensor], now: int, budget: int
-             ) -> tuple[list[list[list[int]]], list[torch.Tensor]]:
+def ours_cut(cal: dict, keys: list[torch.Tensor], held: list[torch.Tensor], now: int, budget: int,
+             per_head: bool = False) -> tuple[list[list[list[int]]], list[torch.Tensor]]:
     """Our rule's cut over the same held positions: (per layer and KV head the kept positions; per layer our
-    per-query-head scores (Hq, n - PROMPT) of the scored tokens)."""
+    per-query-head scores (Hq, n - PROMPT) of the scored tokens). ``per_head``: ``per_head_pruning=True``, one
+    ranking over every layer (:meth:`TriAttention.layers_priority`; ``held`` the same in every layer)."""
     from h2o.core.policies import make_policy
+    from h2o.core.policies.base import keep_top
 
-    policy = make_policy("triattention", budget=budget, stats=cal, **OPTIONS)
+    policy = make_policy("triattention", budget=budget, stats=cal, per_head_pruning=per_head, **OPTIONS)
     kept, scores = [], []
+    if per_head:
+        h = held[0]
+        Hkv, n = h.shape
+        k_held = [k[0].gather(1, h[..., None].expand(Hkv, n, k.shape[-1]))[None] for k in keys]  # (1, Hkv, n, D)
+        pos, now_t = h[None], torch.tensor([now])
+        counts = policy.counts(torch.tensor([PROMPT]))
+        keep = keep_top(policy.layers_priority(k_held, pos, now_t, counts), pos >= 0, counts.total)[0]
+        one = [sorted(h[kv][keep[kv]].tolist()) for kv in range(Hkv)]
+        scores = [policy.for_layer(i, len(keys)).head_scores(k, pos, now_t)[0, :, :, PROMPT:].reshape(-1, n - PROMPT)
+                  for i, k in enumerate(k_held)]
+        return [one] * len(keys), scores
     for i, (k, h) in enumerate(zip(keys, held)):
         rule = policy.for_layer(i, len(keys))
         Hkv, n = h.shape
@@ -156,23 +184,25 @@ def ours_cut(cal: dict, keys: list[torch.Tensor], held: list[torch.Tensor], now:
 
 
 # ----------------------------------------------------------------------------------------------- runs
-def first_cuts(cal: dict, states: list[dict], module=None, stats: Path | None = None) -> dict:
+def first_cuts(cal: dict, states: list[dict], module=None, stats: Path | None = None, per_head: bool = False
+               ) -> dict:
     """Per budget, the whole sequence held and cut once: ours (and the reference's, with ``module``)."""
     keys = [s["keys"] for s in states]
     T, Hkv = keys[0].shape[2], keys[0].shape[1]
     held = [torch.arange(T).expand(Hkv, T)] * len(keys)
     out = {}
     for budget in BUDGETS:
-        kept, scores = ours_cut(cal, keys, held, T - 1, budget)
+        kept, scores = ours_cut(cal, keys, held, T - 1, budget, per_head)
         row = {"ours_kept": kept, "ours_score": [s.tolist() for s in scores]}
         if module is not None:
-            ref, caught = reference_cut(reference_rule(module, stats, budget), keys, held, T - 1)
+            ref, caught = reference_cut(reference_rule(module, stats, budget, per_head), keys, held, T - 1, per_head)
             row |= {"reference_kept": ref, "reference_score": [s.tolist() for s in caught]}
         out[str(budget)] = row
     return out
 
 
-def later_cuts(cal: dict, states: list[dict], budget: int, module=None, stats: Path | None = None) -> list[dict]:
+def later_cuts(cal: dict, states: list[dict], budget: int, module=None, stats: Path | None = None,
+               per_head: bool = False) -> list[dict]:
     """The prompt, then one token at a time; a cut whenever the cache holds ``budget + EVERY`` tokens (the
     reference's slack trigger), each side from its own cache: per cut the kept positions per layer and KV head."""
     keys = [s["keys"] for s in states]
@@ -185,11 +215,11 @@ def later_cuts(cal: dict, states: list[dict], budget: int, module=None, stats: P
         reference = [torch.cat([h, new], 1) for h in reference]
         if ours[0].shape[1] < budget + EVERY:
             continue
-        kept, _ = ours_cut(cal, keys, ours, now, budget)
+        kept, _ = ours_cut(cal, keys, ours, now, budget, per_head)
         ours = [torch.tensor(k) for k in kept]
         row = {"now": now, "ours": kept}
         if module is not None:
-            ref, _ = reference_cut(reference_rule(module, stats, budget), keys, reference, now)
+            ref, _ = reference_cut(reference_rule(module, stats, budget, per_head), keys, reference, now, per_head)
             reference = [torch.tensor(k) for k in ref]
             row["reference"] = ref
         out.append(row)
@@ -210,7 +240,7 @@ def greedy(step, prompt: torch.Tensor, steps: int) -> tuple[list[int], list[floa
 
 
 def generation(cal: dict, module=None, stats: Path | None = None, load=None, prompt: torch.Tensor | None = None,
-               budget: int = GEN_BUDGET, steps: int = STEPS) -> dict:
+               budget: int = GEN_BUDGET, steps: int = STEPS, per_head: bool = False) -> dict:
     """Greedy tokens and log-probabilities: ours, the full cache's (and the reference's, with ``module``). ``load``
     -> (a fresh model, its folder) (default: the committed tiny model), ``prompt`` (1, P) (default: the first
     :data:`GEN_PROMPT` golden ids)."""
@@ -222,7 +252,8 @@ def generation(cal: dict, module=None, stats: Path | None = None, load=None, pro
     load = load or (lambda: (load_model(), MODEL_DIR))
     prompt = golden_ids()[:, :GEN_PROMPT] if prompt is None else prompt
     model, folder = load()
-    policy = make_policy("triattention", budget=budget, stats=cal, compress="buffer", interval=EVERY, **OPTIONS)
+    policy = make_policy("triattention", budget=budget, stats=cal, compress="buffer", interval=EVERY,
+                         per_head_pruning=per_head, **OPTIONS)
     out = {}
     with torch.no_grad():
         with attach(model, policy, mode="real") as h:
@@ -236,7 +267,8 @@ def generation(cal: dict, module=None, stats: Path | None = None, load=None, pro
                 ref_model, stats_path=stats, model_path=folder, kv_budget=budget, pruning_seed=None,
                 offset_max_length=OPTIONS["offset_max_length"], normalize_scores=OPTIONS["normalize_scores"],
                 count_prompt_tokens=True, divide_length=EVERY, use_slack_trigger=True,
-                per_layer_perhead_pruning=True, layer_perhead_aggregation=OPTIONS["head_aggregation"])
+                per_layer_perhead_pruning=not per_head, per_head_pruning=per_head,
+                layer_perhead_aggregation=OPTIONS["head_aggregation"])
             held = {"cache": DynamicCache()}
 
             def step(ids):
@@ -248,7 +280,7 @@ def generation(cal: dict, module=None, stats: Path | None = None, load=None, pro
     return out
 
 
-def smollm2_generation(module, tmp: Path) -> dict:
+def smollm2_generation(module, tmp: Path, per_head: bool = False) -> dict:
     """:func:`generation` on SmolLM2-135M (its cached checkpoint, fp32, eager attention; its calibration from the
     cache: ``python -m h2o.assets.triattention model=smollm2-135m``): :data:`SMOL` after 64 tokens of Austen."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -268,7 +300,7 @@ def smollm2_generation(module, tmp: Path) -> dict:
             folder
 
     gen = generation(cal, module, reference_stats(cal, tmp / "smollm2.pt"), load, prompt, SMOL["budget"],
-                     SMOL["steps"])
+                     SMOL["steps"], per_head)
     return {**summarize(gen, SMOL["steps"]), **SMOL, "calibration": cal["digest"][:12]}
 
 
@@ -309,8 +341,9 @@ def main(argv=None) -> int:
 
     a = arguments("h2o.parity.triattention", __doc__, "a checkout of WeianMao/triattention", RECORD, argv, after=[
         ("--smollm2", {"action": "store_true", "help": "also the generation on SmolLM2-135M (cached, calibrated)"}),
+        ("--per-head-pruning", {"action": "store_true", "help": f"the reference's per_head_pruning ({HEAD_RECORD})"}),
         ("--commit", {"default": None, "help": "the reference's commit where DIR is an export, not a checkout"})])
-    root = Path(a.reference)
+    root, per_head = Path(a.reference), a.per_head_pruning
     module = load_reference(root)
     reference = {"repo": "WeianMao/triattention", "commit": commit(root, a.commit),
                  "files": ["triattention/methods/triattention.py", "triattention/methods/pruning_utils.py"]}
@@ -318,26 +351,27 @@ def main(argv=None) -> int:
     cal, states = calibration(model), record_states(model, golden_ids())
     with tempfile.TemporaryDirectory() as tmp:
         stats = reference_stats(cal, Path(tmp) / "stats.pt")
-        first = first_cuts(cal, states, module, stats)
-        later = later_cuts(cal, states, BUDGETS[0], module, stats)
-        gen = generation(cal, module, stats)
+        first = first_cuts(cal, states, module, stats, per_head)
+        later = later_cuts(cal, states, BUDGETS[0], module, stats, per_head)
+        gen = generation(cal, module, stats, per_head=per_head)
         summary = compare(first, later, gen)
-        ref_cal = reference_calibration(root, Path(tmp))
-        summary["calibration"] = calibration_gaps(ours_in_bf16(), ref_cal)
+        if not per_head:  # the calibration does not depend on the mode: checked once
+            ref_cal = reference_calibration(root, Path(tmp))
+            summary["calibration"] = calibration_gaps(ours_in_bf16(), ref_cal)
         if a.smollm2:
-            summary["generation_smollm2"] = smollm2_generation(module, Path(tmp))
-    return report(a, "h2o.parity.triattention", RECORD, summary, reference, {
-        "ids": golden_ids()[0].tolist(), "options": OPTIONS, "budgets": list(BUDGETS), "prompt": PROMPT,
-        "every": EVERY, "summary": summary,
-        "first_cut": {b: {"kept": r["reference_kept"],
-                          "score": [[[float(f"{x:.8g}") for x in h] for h in s] for s in r["reference_score"]]}
-                      for b, r in first.items()},
-        "later_cuts": [{"now": r["now"], "kept": r["reference"]} for r in later],
-        "generation": {"prompt": GEN_PROMPT, "budget": GEN_BUDGET, "tokens": gen["reference"][0],
-                       "logprob": [float(f"{x:.8g}") for x in gen["reference"][1]]},
-        "calibration": {k: [[[float(f"{x:.8g}") for x in h] for h in layer] for layer in v.tolist()]
-                        for k, v in ref_cal.items()}})
-
+            summary["generation_smollm2"] = smollm2_generation(module, Path(tmp), per_head)
+    kept = {"first_cut": {b: {"kept": r["reference_kept"]} | ({} if per_head else {"score": [
+        [[float(f"{x:.8g}") for x in h] for h in s] for s in r["reference_score"]]}) for b, r in first.items()},
+            "later_cuts": [{"now": r["now"], "kept": r["reference"]} for r in later],
+            "generation": {"prompt": GEN_PROMPT, "budget": GEN_BUDGET, "tokens": gen["reference"][0],
+                           "logprob": [float(f"{x:.8g}") for x in gen["reference"][1]]}}
+    head = {"per_head_pruning": True} if per_head else {}
+    own = {} if per_head else {"calibration": {k: [[[float(f"{x:.8g}") for x in h] for h in layer]
+                                                   for layer in v.tolist()] for k, v in ref_cal.items()}}
+    name = "h2o.parity.triattention" + (" --per-head-pruning" if per_head else "")
+    return report(a, name, HEAD_RECORD if per_head else RECORD, summary, reference, {
+        "ids": golden_ids()[0].tolist(), "options": OPTIONS, **head, "budgets": list(BUDGETS), "prompt": PROMPT,
+        "every": EVERY, "summary": summary, **kept, **own})
 
 if __name__ == "__main__":
     sys.exit(main())
