@@ -171,7 +171,8 @@ def test_the_simulated_path_and_other_timings_are_refused_in_one_line(calibrated
     from h2o.core.cache import EvictingCache
     from h2o.core.rerotate import KeyShifter
 
-    with pytest.raises(PolicyError, match=r"^rerotate: .*allowed: per_head_pruning=false$"):
+    with pytest.raises(PolicyError, match=r"^rerotate: .*policy=triattention gives heads uneven counts \(pooled: "
+                                          r".*every layer after the forward\); allowed: a policy with per-head budgets$"):
         EvictingCache(policy, cal["layers"], rerotate=KeyShifter(model))
 
 
@@ -193,5 +194,5 @@ def test_the_default_is_the_per_layer_rule_as_before(calibrated):
     default, off = make_policy("triattention", stats=cal), make_policy("triattention", stats=cal, per_head_pruning=False)
     assert default.describe() == off.describe() and "per_head_pruning" not in default.describe()
     assert engine.no_simulated_form(off) is None and TriAttention.real_only is None
-    assert off.attach_hooks(model, None) == [] and not off.cuts_all_layers
+    assert off.attach_hooks(model, None) == [] and not off.pooled and off.real_only is None
     assert make_policy("triattention", stats=cal, per_head_pruning=True).describe()["per_head_pruning"] is True

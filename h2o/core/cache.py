@@ -69,7 +69,6 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         self.compressed = False  # Policy.compress "prefill": the first forward's cut is done
         self.generated = 0  # decoding tokens since the last prompt (chunk): the schedule's cuts (compress=interval)
         self.below: list[int] = []  # per sequence: the room the prompt's cut left below the budget (cuts_after)
-        self.due: list[bool] | None = None  # a rule that cuts every layer at once: the forward's cut, per sequence
         self.queries = None  # Policy.reads_queries: the prompt's query statistics, from its forward to its cut
         self.sent = self.fullest_buf = None  # pooled: the largest head's count on its way to the host (fullest)
 
@@ -289,7 +288,6 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
     def end_forward(self, q: int) -> None:
         """After the attention of a forward of ``q`` new tokens: a prefill (chunk) is cut back to the budget; with
         positions inside the cache, the held keys are renumbered (:class:`h2o.core.rerotate.KeyRerotation`)."""
-        self.due = None
         if q > 1 or self.seen == q:  # a prompt (chunk), or the first forward: the schedule counts from its end
             self.prompt_ends(cut=q > 1)
         else:
@@ -316,13 +314,10 @@ class EvictingCache(CacheBatchHooks, Cache):
         cannot be rotated); the model is then given :meth:`next_position` onwards as its position ids."""
         if rerotate is not None and quant is not None:
             raise PolicyError("rerotate: positions inside the cache rotate stored keys, not packed rows (quant)")
-        if rerotate is not None and getattr(policy, "cuts_all_layers", False):
-            raise PolicyError(f"rerotate: positions inside the cache are renumbered in each layer's forward; policy="
-                              f"{policy.name} with per_head_pruning=true cuts after the forward; allowed: "
-                              f"per_head_pruning=false")
         if rerotate is not None and policy.pooled:
             raise PolicyError(f"rerotate: positions inside the cache number every head's tokens alike; policy="
-                              f"{policy.name} gives heads uneven counts; allowed: a policy with per-head budgets")
+                              f"{policy.name} gives heads uneven counts (pooled: one cut of a layer's heads together, "
+                              f"or of every layer after the forward); allowed: a policy with per-head budgets")
         super().__init__(layers=[EvictingLayer(policy.for_layer(i, num_layers), ref_len, quant, i, rerotate,
                                                num_layers) for i in range(num_layers)])
         self.policy, self.quant = policy, quant

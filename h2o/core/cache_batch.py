@@ -135,17 +135,6 @@ class CacheBatchHooks:
         for layer, kept in zip(self.layers, keep):
             layer.keep_only(kept)
 
-    def due_cut(self):
-        """After a forward, for a rule that cuts every layer at once (triattention's ``per_head_pruning``: each
-        layer kept what it held at its own cut): (per sequence whether the schedule's cut was due, the budget: layer
-        0's Counts on the device), or None where no cut was due."""
-        due = self.layers[0].due
-        if due is None or not any(due):
-            return None
-        if any(layer.due != due for layer in self.layers):
-            raise PolicyError("the layers' cuts differ (a rule cutting every layer at once needs one schedule)")
-        return due, self.layers[0].counts
-
     def host_tensors(self) -> list[torch.Tensor]:
         """The tensors the cache keeps on the host on every device (its host counts, a pooled layer's count on its
         way): reading them is no device sync."""

@@ -26,10 +26,7 @@ class CutHooks:
         if self.window is not None:
             step.expire_slots(self.pos, self.n_tok - 1, self.window)
         valid = self.pos >= 0
-        if self.limited() and getattr(self.policy, "cuts_all_layers", False):  # the rule's own cut of every layer
-            self.due = [True] * len(self.host_tok) if spare is None else [not s for s in spare]  # (due_cut)
-            keep = valid
-        elif self.limited():
+        if self.limited():
             counts, room = self.policy.cut_counts(self.counts), self.policy.cut_room  # room: left for the next
             if spare is not None:
                 counts = step.spared(counts, spare, self.pos.shape[-1])

@@ -124,15 +124,11 @@ class TriAttention(Policy):
         self.calibration = load_stats(stats)
         self.layer: LayerStats | None = None
         self.per_head_pruning = per_head_pruning
-        if per_head_pruning:  # this instance's answer (engine.no_simulated_form, attach's refusal)
+        self.pending: Counts | None = None  # per_head_pruning: the budget of a layer's cut left to attach_hooks
+        if per_head_pruning and not self.is_full:  # this instance's answers, as kvzip's (no flag of its own)
             self.real_only = ("per_head_pruning=true cuts every layer at once after a forward, which the simulated "
                               "path's one-pass mask of one layer cannot hold; allowed there: per_head_pruning=false")
-
-    @property
-    def cuts_all_layers(self) -> bool:
-        """Whether the rule cuts every layer at once after a forward (``per_head_pruning``, a budget below 100%):
-        each evicting layer keeps what it holds at its own cut and leaves the cut to :meth:`attach_hooks`."""
-        return self.per_head_pruning and not self.is_full
+            self.pooled = True  # each layer keeps all at its own cut (keep), its storage recounted; then one cut
 
     def check_schedule(self, schedule: Schedule) -> None:
         super().check_schedule(schedule)
@@ -176,8 +172,11 @@ class TriAttention(Policy):
 
     def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
         """pos (B, H, S) (-1: not held), acc (B, H, S, D) the held keys (:meth:`cut_score`), now (B,) -> (B, H, S)
-        float64: the prompt's tokens a tier above, oldest first; the others by score."""
+        float64: the prompt's tokens a tier above, oldest first; the others by score. ``per_head_pruning``: none
+        (the layer's cut keeps all: :meth:`keep`)."""
         held = pos >= 0
+        if self.pooled:
+            return torch.zeros(held.shape, dtype=torch.float64, device=held.device)
         pinned = held & (pos < counts.length.view(-1, 1, 1)) if not self.allow_prefill_compression \
             else torch.zeros_like(held)
         scored = held & ~pinned
@@ -229,27 +228,39 @@ class TriAttention(Policy):
         score = torch.stack(each).mean(0)
         return torch.where(pinned, 2 * TIER - pos.double(), torch.where(scored, score.double(), 0.0))
 
+    def keep(self, prio, pos, valid, counts: Counts, arriving=None) -> torch.Tensor:
+        """``per_head_pruning``: a layer's cut keeps everything and leaves its budget ``counts`` (a sequence the
+        schedule spares: all its slots) to the cut of every layer after the forward (:meth:`attach_hooks`)."""
+        if not self.pooled:
+            return super().keep(prio, pos, valid, counts, arriving)
+        self.pending = counts
+        return valid
+
     def attach_hooks(self, model, state) -> list:
-        """``per_head_pruning``: after each forward through an evicting cache whose schedule's cut was due (each
-        layer kept what it held), :meth:`cut_layers`. None otherwise."""
-        if not self.cuts_all_layers:
+        """``per_head_pruning``: after each forward through an evicting cache whose layers' cuts were due (each
+        kept what it held, :meth:`keep`), :meth:`cut_layers`. None otherwise."""
+        if not self.pooled:
             return []
 
         def after(_module, args, kwargs, _output):
             cache = kwargs.get("past_key_values")
             cache = cache if cache is not None else kwargs.get("cache", state.cache)
-            due = cache.due_cut() if hasattr(cache, "due_cut") else None
-            if due is not None:
+            bound = [layer.policy for layer in getattr(cache, "layers", ())]  # each layer's copy of this rule
+            counts = bound[0].pending if bound and isinstance(bound[0], TriAttention) else None
+            if counts is not None:
+                for rule in bound:
+                    rule.pending = None
                 modules = [m for m in model.modules() if hasattr(m, "h2o")]  # the attention modules
-                self.cut_layers(cache, *due, modules)
+                self.cut_layers(cache, counts, modules)
 
         return [model.register_forward_hook(after, with_kwargs=True)]
 
-    def cut_layers(self, cache, due: list[bool], counts: Counts, modules=()) -> None:
+    def cut_layers(self, cache, counts: Counts, modules=()) -> None:
         """Cut every layer of ``cache`` at once to one set of positions per (sequence, KV head): the budget
-        ``counts`` ranked by :meth:`layers_priority`, for the sequences ``due`` (the others keep what they hold).
-        Every layer holds the same positions in the same slots (each layer registers the same tokens, and this
-        cut keeps the same slots in every layer); a layer holding others (a sliding window's) is refused."""
+        ``counts`` (a sequence the schedule spares: all its slots, so it keeps what it holds) ranked by
+        :meth:`layers_priority`. Every layer holds the same positions in the same slots (each layer registers the
+        same tokens, and this cut keeps the same slots in every layer); a layer holding others (a sliding
+        window's) is refused."""
         from ..model_settings import layer_windows
 
         if any(w is not None for w in layer_windows(modules)):
@@ -264,10 +275,7 @@ class TriAttention(Policy):
         now = pos.amax((1, 2))  # (B,) the newest token: every layer kept what it held
         keys = [layer.read()[0] for layer in cache.layers]
         prio = self.layers_priority(keys, pos, now, counts)
-        keep = keep_top(prio, held, counts.total)
-        spare = torch.tensor([not d for d in due], device=pos.device).view(-1, 1, 1)
-        keep = torch.where(spare, held, keep)
-        cache.keep_only([keep] * len(positions))
+        cache.keep_only([keep_top(prio, held, counts.total)] * len(positions))
 
     def bound(self) -> LayerStats:
         if self.layer is None:
