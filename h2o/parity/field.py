@@ -7,11 +7,23 @@ import json
 from pathlib import Path
 
 
+def read_golden(record: Path | None) -> dict | None:
+    """A parity script's golden record (tests/data/parity_golden/*.json), None where it is not given or not written."""
+    return json.loads(record.read_text()) if record is not None and record.is_file() else None
+
+
+def tokens_row(label: str, gen: dict, differ: str = "") -> str:
+    """A greedy-generation row: ``gen``'s tokens compared, those that differ (``differ`` after them) and the
+    largest log-probability gap."""
+    return (f"| {label} | {gen['steps']} tokens | {gen['steps'] - gen['tokens_equal']}{differ} | "
+            f"log-prob {gen['largest_logprob_gap']:.1e} |")
+
+
 def snapkv_d_section(record: Path | None) -> list[str]:
     """The fork's SnapKV-D beside ``snapkv_d`` (tests/data/parity_golden/snapkv_d.json)."""
-    if record is None or not record.is_file():
+    g = read_golden(record)
+    if g is None:
         return []
-    g = json.loads(record.read_text())
     ref = g["reference"]
     rows = []
     for case, s in g["summary"].items():
@@ -44,9 +56,9 @@ def snapkv_d_section(record: Path | None) -> list[str]:
 
 def baselines_section(record: Path | None) -> list[str]:
     """The field's implementations of one method (tests/data/parity_golden/baselines.json)."""
-    if record is None or not record.is_file():
+    g = read_golden(record)
+    if g is None:
         return []
-    g = json.loads(record.read_text())
     ref = g["reference"]
     rows = [f"| TriAttention's {r['reference']} | `{r['ours']}` | {r['budget']} | "
             f"{', '.join(f'{x:.2f}' for x in r['overlap'])} | {r['heads_equal']} of {r['heads']} | "

@@ -12,7 +12,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from h2o.parity.field import baselines_section, snapkv_d_section
+from h2o.parity.field import baselines_section, read_golden, snapkv_d_section, tokens_row
 from h2o.parity.pairs import (BASELINES_RECORD, DECODE_ONLY, EXTRA, GKV_RECORD, OURS, RECORD, RKV_RECORD,
                               SNAPKV_D_RECORD, TOLERANCE, TRI_HEAD_RECORD, TRI_RECORD, kept)
 
@@ -169,9 +169,9 @@ NOTES = [
 def golden_section(golden: Path | None) -> list[str]:
     """The CI golden numbers (tests/data/parity_golden/kvpress.json, :mod:`h2o.parity.golden`): what was
     recorded and the largest gap of ours when it was."""
-    if golden is None or not golden.is_file():
+    g = read_golden(golden)
+    if g is None:
         return []
-    g = json.loads(golden.read_text())
     m = g["model"]
     rows = [f"| `{name}` | {c['press']}{' ' + json.dumps(c['press_options']) if c['press_options'] else ''} | "
             f"{c['timing']} | " + ("statistical: not compared" if c["statistical"] else
@@ -207,9 +207,9 @@ def cpu_note(g: dict) -> list[str]:
 
 def r_kv_section(record: Path | None) -> list[str]:
     """R-KV's reference scoring beside ``r_kv`` (tests/data/parity_golden/r_kv.json, :mod:`h2o.parity.r_kv`)."""
-    if record is None or not record.is_file():
+    g = read_golden(record)
+    if g is None:
         return []
-    g = json.loads(record.read_text())
     first, later = g["summary"]["first_cut"], g["summary"]["later_cuts"]
     ref = g["reference"]
     return ["## R-KV", "",
@@ -238,9 +238,9 @@ def r_kv_section(record: Path | None) -> list[str]:
 def g_kv_section(record: Path | None) -> list[str]:
     """G-KV's reference scoring beside ``g_kv``, and its repository's H2O and R-KV beside ``h2o`` and ``r_kv``
     (tests/data/parity_golden/g_kv.json, :mod:`h2o.parity.g_kv`)."""
-    if record is None or not record.is_file():
+    g = read_golden(record)
+    if g is None:
         return []
-    g = json.loads(record.read_text())
     s, ref = g["summary"], g["reference"]
     first, later, gen = s["first_cut"], s["later_cuts"], s["generation"]
     T = len(g["ids"])
@@ -291,9 +291,9 @@ def g_kv_section(record: Path | None) -> list[str]:
 def triattention_section(record: Path | None, per_head: Path | None = None) -> list[str]:
     """TriAttention's reference code beside ``triattention`` (tests/data/parity_golden/triattention.json,
     :mod:`h2o.parity.triattention`; ``per_head``: its ``per_head_pruning`` record, triattention_per_head.json)."""
-    if record is None or not record.is_file():
+    g = read_golden(record)
+    if g is None:
         return []
-    g = json.loads(record.read_text())
     s, ref = g["summary"], g["reference"]
     first, later, gen = s["first_cut"], s["later_cuts"], s["generation"]
     lines = ["## TriAttention", "",
@@ -314,18 +314,16 @@ def triattention_section(record: Path | None, per_head: Path | None = None) -> l
              f"{first['largest_score_gap']:.1e} (of {first['largest_score']:g}) |",
              f"| later cuts (cut to {g['budgets'][0]} when {g['budgets'][0] + g['every']} are held), each side its "
              f"own cache | {later['cuts']} cuts, {later['heads']} heads | {later['heads_kept_differently']} | - |",
-             f"| greedy generation, {gen['steps']} tokens after {g['generation']['prompt']} (budget "
-             f"{g['generation']['budget']}, slack {g['every']}): the reference's own model patch vs the evicting "
-             f"cache at `compress=buffer` | {gen['steps']} tokens | {gen['steps'] - gen['tokens_equal']} | "
-             f"log-prob {gen['largest_logprob_gap']:.1e} |",
+             tokens_row(f"greedy generation, {gen['steps']} tokens after {g['generation']['prompt']} (budget "
+                        f"{g['generation']['budget']}, slack {g['every']}): the reference's own model patch vs the "
+                        f"evicting cache at `compress=buffer`", gen),
              f"| the same, the full cache's tokens (the eviction matters) | {gen['steps']} tokens | "
              f"{gen['tokens_unlike_full']} | - |"]
     smol = s.get("generation_smollm2")
     if smol:
-        lines += [f"| SmolLM2-135M (fp32, eager), {smol['steps']} tokens after {smol['prompt']} of Austen (budget "
-                  f"{smol['budget']}, slack {g['every']}; its calibration `{smol['calibration']}`) | {smol['steps']} "
-                  f"tokens | {smol['steps'] - smol['tokens_equal']} (full cache: {smol['tokens_unlike_full']}) | "
-                  f"log-prob {smol['largest_logprob_gap']:.1e} |"]
+        lines += [tokens_row(f"SmolLM2-135M (fp32, eager), {smol['steps']} tokens after {smol['prompt']} of Austen "
+                             f"(budget {smol['budget']}, slack {g['every']}; its calibration `{smol['calibration']}`)",
+                             smol, f" (full cache: {smol['tokens_unlike_full']})")]
     cal = s.get("calibration")
     if cal:
         gap = max(v["largest_gap"] for v in cal.values())
@@ -355,21 +353,19 @@ def triattention_section(record: Path | None, per_head: Path | None = None) -> l
 
 def per_head_rows(record: Path | None) -> list[str]:
     """The rows of the reference's ``per_head_pruning`` beside ours (``--per-head-pruning``), where recorded."""
-    if record is None or not record.is_file():
+    g = read_golden(record)
+    if g is None:
         return []
-    g = json.loads(record.read_text())
     s = g["summary"]
     first, later, gen = s["first_cut"], s["later_cuts"], s["generation"]
     rows = [f"| per_head_pruning: first cut, kept positions per KV head (one set for every layer) | {first['heads']} "
             f"(layer, head) sets | {first['heads_kept_differently']} | score {first['largest_score_gap']:.1e} |",
             f"| per_head_pruning: later cuts, each side its own cache | {later['cuts']} cuts, {later['heads']} "
             f"(layer, head) sets | {later['heads_kept_differently']} | - |",
-            f"| per_head_pruning: greedy generation, the reference's model patch vs the evicting cache (full cache: "
-            f"{gen['tokens_unlike_full']} differ) | {gen['steps']} tokens | {gen['steps'] - gen['tokens_equal']} | "
-            f"log-prob {gen['largest_logprob_gap']:.1e} |"]
+            tokens_row(f"per_head_pruning: greedy generation, the reference's model patch vs the evicting cache "
+                       f"(full cache: {gen['tokens_unlike_full']} differ)", gen)]
     smol = s.get("generation_smollm2")
     if smol:
-        rows += [f"| per_head_pruning: SmolLM2-135M, the same generation (full cache: {smol['tokens_unlike_full']} "
-                 f"differ) | {smol['steps']} tokens | {smol['steps'] - smol['tokens_equal']} | log-prob "
-                 f"{smol['largest_logprob_gap']:.1e} |"]
+        rows += [tokens_row(f"per_head_pruning: SmolLM2-135M, the same generation (full cache: "
+                            f"{smol['tokens_unlike_full']} differ)", smol)]
     return rows
