@@ -174,14 +174,18 @@ class TriAttention(Policy):
         """pos (B, H, S) (-1: not held), acc (B, H, S, D) the held keys (:meth:`cut_score`), now (B,) -> (B, H, S)
         float64: the prompt's tokens a tier above, oldest first; the others by score. ``per_head_pruning``: none
         (the layer's cut keeps all: :meth:`keep`)."""
-        held = pos >= 0
         if self.pooled:
-            return torch.zeros(held.shape, dtype=torch.float64, device=held.device)
+            return torch.zeros(pos.shape, dtype=torch.float64, device=pos.device)
+        return self.tiered(pos, counts, lambda scored: self.scores(acc, pos, now, scored))
+
+    def tiered(self, pos, counts: Counts, score_of) -> torch.Tensor:
+        """pos (B, H, S) (-1: not held) -> (B, H, S) float64: the prompt's tokens (where pinned) a tier above, oldest
+        first; the other held tokens by ``score_of(scored)`` (scored (B, H, S) bool -> (B, H, S)); 0 where not held."""
+        held = pos >= 0
         pinned = held & (pos < counts.length.view(-1, 1, 1)) if not self.allow_prefill_compression \
             else torch.zeros_like(held)
         scored = held & ~pinned
-        score = self.scores(acc, pos, now, scored)  # (B, H, S)
-        return torch.where(pinned, 2 * TIER - pos.double(), torch.where(scored, score.double(), 0.0))
+        return torch.where(pinned, 2 * TIER - pos.double(), torch.where(scored, score_of(scored).double(), 0.0))
 
     def scores(self, keys: torch.Tensor, pos: torch.Tensor, now: torch.Tensor, scored: torch.Tensor
                ) -> torch.Tensor:
@@ -218,15 +222,10 @@ class TriAttention(Policy):
         prompt's tokens a tier above, oldest first; the others by the mean over the layers of each layer's
         :meth:`scores` (its query heads standardised, aggregated over the group: the reference's
         ``_select_per_head_independent``)."""
-        held = pos >= 0
-        pinned = held & (pos < counts.length.view(-1, 1, 1)) if not self.allow_prefill_compression \
-            else torch.zeros_like(held)
-        scored = held & ~pinned
-        layers = len(keys)
-        each = [self.for_layer(i, layers).scores(self.cut_score(None, k, held), pos, now, scored)
-                for i, k in enumerate(keys)]  # (B, Hkv, S) per layer
-        score = torch.stack(each).mean(0)
-        return torch.where(pinned, 2 * TIER - pos.double(), torch.where(scored, score.double(), 0.0))
+        held, layers = pos >= 0, len(keys)
+        return self.tiered(pos, counts, lambda scored: torch.stack([
+            self.for_layer(i, layers).scores(self.cut_score(None, k, held), pos, now, scored)
+            for i, k in enumerate(keys)]).mean(0))  # the mean over layers of each layer's (B, Hkv, S)
 
     def keep(self, prio, pos, valid, counts: Counts, arriving=None) -> torch.Tensor:
         """``per_head_pruning``: a layer's cut keeps everything and leaves its budget ``counts`` (a sequence the
@@ -238,9 +237,15 @@ class TriAttention(Policy):
 
     def attach_hooks(self, model, state) -> list:
         """``per_head_pruning``: after each forward through an evicting cache whose layers' cuts were due (each
-        kept what it held, :meth:`keep`), :meth:`cut_layers`. None otherwise."""
+        kept what it held, :meth:`keep`), :meth:`cut_layers`. None otherwise. A model with sliding-window layers is
+        refused here, before any forward (they drop other positions than its global layers)."""
         if not self.pooled:
             return []
+        from ..model_settings import layer_windows
+
+        if any(w is not None for w in layer_windows([m for m in model.modules() if hasattr(m, "h2o")])):
+            raise PolicyError("policy=triattention: per_head_pruning=true: the model has sliding-window layers, "
+                              "which hold other positions than its global ones; allowed: per_head_pruning=false")
 
         def after(_module, args, kwargs, _output):
             cache = kwargs.get("past_key_values")
@@ -250,22 +255,15 @@ class TriAttention(Policy):
             if counts is not None:
                 for rule in bound:
                     rule.pending = None
-                modules = [m for m in model.modules() if hasattr(m, "h2o")]  # the attention modules
-                self.cut_layers(cache, counts, modules)
+                self.cut_layers(cache, counts)
 
         return [model.register_forward_hook(after, with_kwargs=True)]
 
-    def cut_layers(self, cache, counts: Counts, modules=()) -> None:
+    def cut_layers(self, cache, counts: Counts) -> None:
         """Cut every layer of ``cache`` at once to one set of positions per (sequence, KV head): the budget
         ``counts`` (a sequence the schedule spares: all its slots, so it keeps what it holds) ranked by
         :meth:`layers_priority`. Every layer holds the same positions in the same slots (each layer registers the
-        same tokens, and this cut keeps the same slots in every layer); a layer holding others (a sliding
-        window's) is refused."""
-        from ..model_settings import layer_windows
-
-        if any(w is not None for w in layer_windows(modules)):
-            raise PolicyError("policy=triattention: per_head_pruning=true: the model has sliding-window layers, "
-                              "which hold other positions than its global ones; allowed: per_head_pruning=false")
+        same tokens, and this cut keeps the same slots in every layer); layers holding others are refused."""
         positions = cache.positions()
         pos = positions[0]
         if any(not torch.equal(p, pos) for p in positions[1:]):
