@@ -57,10 +57,6 @@ class Queries:
         back = (turned * cos - rotate_half(turned) * sin) / (cos * cos + sin * sin)
         return back if r == y.shape[-1] else torch.cat([back, y[..., r:]], -1)
 
-    def future(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (B, N) int64 -> (cos, sin) (B, N, r) fp32 of this layer's rotary at those positions."""
-        return self.tap.at(positions)
-
 
 class RopeTap:
     """One attention module's rotary embedding: the (cos, sin) it was given in the current forward (kept by

@@ -101,7 +101,7 @@ class ExpectedAttention(PrefillOnly):
             centred = (q - mean[:, :, None]) * w[:, None, :, None]  # (B, Hq, rows, D)
             cov = torch.einsum("bhri,bhrj->bhij", centred, centred) / n[..., None]  # (B, Hq, D, D)
         future = length[:, None] + torch.arange(self.n_future_positions, device=length.device)  # (B, N)
-        R = average_rotation(*queries.future(future), D).to(q.dtype)[:, None]  # (B, 1, D, D)
+        R = average_rotation(*queries.tap.at(future), D).to(q.dtype)[:, None]  # (B, 1, D, D)
         mean = (R @ mean[..., None])[..., 0]
         if cov is not None:
             cov = R @ cov @ R.transpose(-1, -2)
