@@ -108,11 +108,8 @@ class Quantizer:
         fk, fv = self.unpack_kv(*rows, layer, keys.dtype)
         if self.sink:
             T = keys.shape[-2]
-            first = torch.zeros(keys.shape[0], 1, dtype=torch.long, device=keys.device) if valid is None \
-                else valid.long().argmax(-1, keepdim=True)  # (B, 1)
-            at = torch.arange(T, device=keys.device) == first  # (B, T)
-            if valid is not None:
-                at &= valid
+            valid = torch.ones(keys.shape[0], T, dtype=torch.bool, device=keys.device) if valid is None else valid
+            at = (torch.arange(T, device=keys.device) == valid.long().argmax(-1, keepdim=True)) & valid  # (B, T)
             fk, fv = self.put_sink(fk, fv, (keys, values), at[:, None, :])
         return fk, fv
 
