@@ -27,20 +27,16 @@ BINS = 4096
 @torch.no_grad()
 def collect(model, windows: torch.Tensor, batch_size: int = 4):
     """windows (N, W) token ids -> per layer (keys, values), each (Hkv, N * W, D) fp32 after RoPE; cols (N * W,)."""
-    keys, values = None, None
+    keys, values = [], []  # per batch, per layer (b, H, W, D)
     for start in range(0, len(windows), batch_size):
         ids = windows[start:start + batch_size].to(model.device)
         cache = DynamicCache(config=model.config)
         model(ids, cache=cache, use_cache=True)
-        layers = [(layer.keys.float().cpu(), layer.values.float().cpu()) for layer in cache.layers]
-        keys = [[] for _ in layers] if keys is None else keys
-        values = [[] for _ in layers] if values is None else values
-        for i, (k, v) in enumerate(layers):  # (b, H, W, D)
-            keys[i].append(k.transpose(0, 1).reshape(k.shape[1], -1, k.shape[-1]))
-            values[i].append(v.transpose(0, 1).reshape(v.shape[1], -1, v.shape[-1]))
-    W = windows.shape[1]
-    cols = torch.arange(W).repeat(len(windows))
-    return [torch.cat(k, 1) for k in keys], [torch.cat(v, 1) for v in values], cols
+        keys.append([layer.keys.float().cpu() for layer in cache.layers])
+        values.append([layer.values.float().cpu() for layer in cache.layers])
+    keys, values = ([torch.cat(x).transpose(0, 1).flatten(1, 2) for x in zip(*kv)] for kv in (keys, values))
+    cols = torch.arange(windows.shape[1]).repeat(len(windows))
+    return keys, values, cols
 
 
 def kmeans_1d(u: torch.Tensor, k: int, iters: int = 100) -> torch.Tensor:
