@@ -67,15 +67,10 @@ def fit(model, windows: torch.Tensor, bits=BITS, batch_size: int = 4, meta: dict
         frames["pre"] = [rotate(k[None], cols, inv_freq, -1)[0] for k in keys]
     q = torch.tensor([OUTLIER_FRACTION / 2, 1 - OUTLIER_FRACTION / 2])
     ranges = {}
-    for frame, ks in frames.items():
-        stats = {"min": [], "max": [], "qlo": [], "qhi": []}
-        for k in ks:  # (H, n, D)
-            stats["min"].append(k.amin(1))
-            stats["max"].append(k.amax(1))
-            qs = torch.quantile(k.transpose(1, 2).reshape(-1, k.shape[1]), q, dim=-1).view(2, k.shape[0], -1)
-            stats["qlo"].append(qs[0])
-            stats["qhi"].append(qs[1])
-        ranges[frame] = {s: torch.stack(v) for s, v in stats.items()}  # (L, H, D)
+    for frame, ks in frames.items():  # per layer (H, n, D)
+        qs = [torch.quantile(k.transpose(1, 2).reshape(-1, k.shape[1]), q, dim=-1).view(2, k.shape[0], -1) for k in ks]
+        ranges[frame] = {"min": torch.stack([k.amin(1) for k in ks]), "max": torch.stack([k.amax(1) for k in ks]),
+                         "qlo": torch.stack([x[0] for x in qs]), "qhi": torch.stack([x[1] for x in qs])}  # (L, H, D)
     cfg = model.config
     cal = {"num_layers": len(keys), "kv_heads": keys[0].shape[0], "head_dim": head_dim_of(cfg),
            "outlier_fraction": OUTLIER_FRACTION, "tokens": int(windows.numel()), "ranges": ranges,
