@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .base import Quantizer, QuantError, as_bytes, check_bits, from_bytes, pack_bits, unpack_bits
+from .rope import head_dim_of
 
 
 class Uniform(Quantizer):
@@ -28,8 +29,6 @@ class Uniform(Quantizer):
                              f"{head_dim}; allowed: a divisor of {head_dim}")
 
     def bind(self, model):
-        from .rope import head_dim_of
-
         self.check_geometry(head_dim_of(model.config), None, None)
         return self
 
