@@ -62,13 +62,9 @@ class KVQuant(Quantizer):
         self.nonuniform = flag("nonuniform", nonuniform)
         self.outliers = flag("outliers", outliers)
         self.sink = flag("sink", sink)
-        self.cal = self.load(calibration) if self.needs_calibration else None
+        self.cal = self.load(calibration) if self.per_channel_keys or self.nonuniform else None
         self.head_dim = self.cal["head_dim"] if self.cal else None
         self.inv_freq = None
-
-    @property
-    def needs_calibration(self) -> bool:
-        return self.per_channel_keys or self.nonuniform
 
     def load(self, calibration) -> dict:
         if isinstance(calibration, dict):
