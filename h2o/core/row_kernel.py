@@ -252,28 +252,24 @@ def score_rows(policy: Policy, f, r) -> None:
     if start >= T:
         return
     form = form_of(policy)
-    logits = logits.contiguous()
+    logits, acc_c = logits.contiguous(), acc.contiguous()
+    keep8, valid8, pos = keep.to(torch.int8).contiguous(), valid.to(torch.int8).contiguous(), pos.contiguous()
     par = form.params(counts).contiguous()  # (B, 4) or (B, 2)
     if form.kind == "restrict":  # out (B, Hkv, G, T, T): a row per query head
         rows = torch.zeros(B, H, G, T, T, dtype=torch.int8, device=logits.device)
-        acc_c = acc.contiguous()
-        topk_rows_kernel[(B * H,)](logits, keep.to(torch.int8).contiguous(), acc_c, rows,
-                                   valid.to(torch.int8).contiguous(), pos.contiguous(), par, H, T, G, start,
-                                   window or 0, *logits.stride()[:4], BLOCK=triton.next_power_of_2(T),
-                                   WINDOW=window is not None)
+        topk_rows_kernel[(B * H,)](logits, keep8, acc_c, rows, valid8, pos, par, H, T, G, start, window or 0,
+                                   *logits.stride()[:4], BLOCK=triton.next_power_of_2(T), WINDOW=window is not None)
         out[..., start:, :] = rows[..., start:, :].bool()
-        acc.copy_(acc_c)
-        return
-    if window is None:  # (B, T) int8: below budget (or a pad) at each row
-        before = valid.long().cumsum(-1) - valid.long()
-        room = ((before < counts.total[:, None]) | ~valid).to(torch.int8).contiguous()
-    else:  # (B,) the budgets: the kernel counts what each head holds
-        room = counts.total.contiguous()
-    rows = torch.zeros(B, H, T, T, dtype=torch.int8, device=logits.device)
-    acc_c = acc.contiguous()
-    score_rows_kernel[(B * H,)](logits, keep.to(torch.int8).contiguous(), acc_c, rows, pos.contiguous(),
-                                valid.to(torch.int8).contiguous(), room, par, H, T, G, start, float(form.decay),
-                                window or 0, *logits.stride()[:4], BLOCK=triton.next_power_of_2(T),
-                                SCORE=form.score, PATTERN=form.pattern, WINDOW=window is not None)
-    out[:, :, 0, start:] = rows[:, :, start:].bool()
+    else:
+        if window is None:  # (B, T) int8: below budget (or a pad) at each row
+            before = valid.long().cumsum(-1) - valid.long()
+            room = ((before < counts.total[:, None]) | ~valid).to(torch.int8).contiguous()
+        else:  # (B,) the budgets: the kernel counts what each head holds
+            room = counts.total.contiguous()
+        rows = torch.zeros(B, H, T, T, dtype=torch.int8, device=logits.device)
+        score_rows_kernel[(B * H,)](logits, keep8, acc_c, rows, pos, valid8, room, par, H, T, G, start,
+                                    float(form.decay), window or 0, *logits.stride()[:4],
+                                    BLOCK=triton.next_power_of_2(T), SCORE=form.score, PATTERN=form.pattern,
+                                    WINDOW=window is not None)
+        out[:, :, 0, start:] = rows[:, :, start:].bool()
     acc.copy_(acc_c)
