@@ -67,8 +67,7 @@ class KeyRerotation:
             entry = torch.where(new, entry, prev_entry.gather(-1, old))
         key = torch.where(valid, pos, torch.iinfo(torch.int64).max)
         sorted_pos, order = key.sort(-1)
-        rank = torch.empty_like(order)
-        rank.scatter_(-1, order, torch.arange(pos.shape[-1], device=pos.device).expand_as(order))
+        rank = order.argsort(-1)  # the inverse permutation: each slot's rank in position order
         delta = torch.where(valid, rank - entry, 0)
         first = order[..., :n]
         self.entered = (entry_keys.gather(-2, first[..., None].expand(-1, -1, -1, entry_keys.shape[-1])),
