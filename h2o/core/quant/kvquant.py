@@ -155,7 +155,6 @@ class KVQuant(Quantizer):
         return torch.cat([pack_bits(codes, self.bits), *fields], -1)
 
     def unpack(self, rows, kind, layer, dtype):
-        B, H, S, _ = rows.shape
         D, n = self.head_dim, self.n_out(self.head_dim)
         at = D * self.bits // 8
         u = self.codebook(kind, layer, rows.device)[unpack_bits(rows[..., :at], self.bits, D)]
