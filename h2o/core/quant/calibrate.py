@@ -71,8 +71,7 @@ def fit(model, windows: torch.Tensor, bits=BITS, batch_size: int = 4, meta: dict
         qs = [torch.quantile(k.transpose(1, 2).reshape(-1, k.shape[1]), q, dim=-1).view(2, k.shape[0], -1) for k in ks]
         ranges[frame] = {"min": torch.stack([k.amin(1) for k in ks]), "max": torch.stack([k.amax(1) for k in ks]),
                          "qlo": torch.stack([x[0] for x in qs]), "qhi": torch.stack([x[1] for x in qs])}  # (L, H, D)
-    cfg = model.config
-    cal = {"num_layers": len(keys), "kv_heads": keys[0].shape[0], "head_dim": head_dim_of(cfg),
+    cal = {"num_layers": len(keys), "kv_heads": keys[0].shape[0], "head_dim": head_dim_of(model.config),
            "outlier_fraction": OUTLIER_FRACTION, "tokens": int(windows.numel()), "ranges": ranges,
            "codebooks": {}, **(meta or {})}
     for per_channel in (True, False):
