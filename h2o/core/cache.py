@@ -174,7 +174,7 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
             rows_in = logits if logit_rule else probs if self.unpadded() else probs * valid[:, None, None, :, None]
             self.policy.accumulate_prompt(self.acc, rows_in, valid, left)
         elif self.policy.needs_scores:  # a decoding token is never a pad
-            step.accumulate(self.policy, self.acc, logits if logit_rule else probs)
+            self.policy.accumulate(self.acc, logits if logit_rule else probs)
 
     # ------------------------------------------------------------------------- storage
     def append(self, key_states, value_states):

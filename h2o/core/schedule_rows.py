@@ -63,7 +63,7 @@ def first_rows(policy: Policy, f: Forward, start: int, seen: bool = True) -> Row
         first = masked_softmax(logits[..., :start, :], f.allowed[..., :start, :], f.sinks)  # (B, Hkv, G, start, T)
         rows = logits[..., :start, :] if policy.reads_logits else first * valid[:, None, None, :start, None]
         if deferred:  # every row before the start as a decoding row (one sum)
-            step.accumulate(policy, acc, rows, valid[:, :start])
+            policy.accumulate(acc, rows, valid[:, :start])
         elif start:
             policy.accumulate_prompt(acc, rows, valid[:, :start], now[:, None] - pos[:, :start])
         if seen:

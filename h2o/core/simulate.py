@@ -292,8 +292,8 @@ def row_loop(policy: Policy, f: Forward, r: Rows) -> None:
                 seen.select(-2, i).copy_(p)
             p = p.unsqueeze(-2)  # (B, Hkv, G, 1, T)
             if policy.reads_logits:
-                step.accumulate(policy, acc, logits[..., i:i + 1, :], tok)
+                policy.accumulate(acc, logits[..., i:i + 1, :], tok)
             else:
-                step.accumulate(policy, acc, p * weights[i] if padded else p, tok if padded else None)
+                policy.accumulate(acc, p * weights[i] if padded else p, tok if padded else None)
         if cuts and cuts[i]:  # the schedule's cut after this row (3: some sequences' only, the others spared)
             keep = cut(policy, f, keep, posH, acc, now[i], ~due[:, i] if cuts[i] == 3 else None)

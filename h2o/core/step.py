@@ -13,7 +13,7 @@ the state is the positions); :func:`step_state` (``acc``, or ``Policy.step_score
 rank and the slot dropped (:func:`evict_slot`: the rule's priority, or its decoder's, then
 ``h2o.core.policies.select_slot``), or for a pooled layer the layer's cut (:func:`pool_keep`); :func:`place` (the
 token's position and a fresh score into its slot) or :func:`place_column` (a column-ordered row); then
-:func:`accumulate` of its attention.
+``Policy.accumulate`` of its attention.
 
 The simulated path runs these over column-ordered rows (:mod:`h2o.core.simulate`, :mod:`h2o.core.schedule_rows`),
 the evicting cache over its slots (:mod:`h2o.core.cache`); a rule's accelerators (``Policy.accelerators``) replace
@@ -149,12 +149,6 @@ def place_column(keep: torch.Tensor, i: int, tok: torch.Tensor, slot: torch.Tens
     if slot is not None:
         keep.scatter_(-1, slot, False)
     keep.select(2, i).copy_(tok)
-
-
-def accumulate(policy: Policy, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-    """The attention of query rows, probs (B, H, G, r, S) (pad rows zeroed), into the state acc (B, H, S[, ...]),
-    in place (``Policy.accumulate``; valid (B, r) bool the real rows, None: all)."""
-    policy.accumulate(acc, probs, valid)
 
 
 def column_key(keep: torch.Tensor, prio: torch.Tensor, fill: torch.Tensor) -> torch.Tensor:
