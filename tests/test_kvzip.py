@@ -115,3 +115,23 @@ def test_a_padded_batch_holds_what_each_sequence_holds_alone(tiny):
         model(input_ids=enc.input_ids, attention_mask=enc.attention_mask, position_ids=position, cache=cache)
         batch = [[[sorted(p[p >= 0].tolist()) for p in layer.pos[b]] for layer in cache.layers] for b in range(2)]
     assert batch == alone
+
+
+def test_keep_only_frees_the_dropped_slots_where_one_head_keeps_them_all(tiny):
+    """A cut decided outside the step (kvzip's replay, per_head_pruning) where one head keeps every slot: the other
+    heads' dropped slots are freed all the same (the storage keeps its S slots, the dropped ones empty)."""
+    model, tok = tiny
+    ids = tok(TEXT, add_special_tokens=False).input_ids[:12]
+    with torch.no_grad(), attach(model, make_policy("full"), mode="real") as h:
+        cache = h.new_cache()
+        model(input_ids=torch.tensor([ids]), cache=cache)
+        positions = cache.positions()  # per layer (1, Hkv, 12)
+        keep = [p >= 0 for p in positions]
+        for kept in keep:
+            kept[0, 1:, 1::2] = False  # head 0 keeps all 12 slots, the others every other one
+        cache.keep_only(keep)
+        held = cache.held_tokens()  # (L, 1, Hkv)
+        assert held[:, 0, 0].tolist() == [12] * len(keep)
+        assert held[:, 0, 1:].unique().tolist() == [6]
+        for layer, kept in zip(cache.layers, keep):
+            assert torch.equal(layer.pos >= 0, kept)

@@ -111,8 +111,10 @@ class CutHooks:
 
     def keep_only(self, keep: torch.Tensor) -> None:
         """Keep the slots ``keep`` (B, H, S) bool, free the rest: a cut a rule decides outside the step (kvzip's
-        replay); one host read (the heads' counts decide the storage)."""
+        replay); one host read (the heads' counts decide the storage). The dropped slots are emptied first, as a
+        pooled cut does (:meth:`pool_compact`): where a head keeps every slot the storage keeps its size."""
         self.host_held = keep.sum(-1).amax(-1).tolist()
+        self.pos = torch.where(keep, self.pos, -1)
         self.compact(keep, max(self.host_held))
 
     def cuts(self) -> bool:
