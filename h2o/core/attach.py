@@ -67,15 +67,13 @@ class Attached:
         passes the same mask tensor to every layer of a kind (global, sliding) in a forward and builds new ones
         for the next forward. ``window``: the key of what is built beside the mask (the layer's sliding window, or
         a tuple naming another build for that window)."""
-        from .attention import new_valid
-
         # no mask (no pad: every column real): the same plan for every forward of this shape and prompt
         key = attention_mask if attention_mask is not None else (query.shape[0], query.shape[-2], self.prompt_len)
         memo = self.memo.get(window)
         same = memo is not None and (memo[0] is key if attention_mask is not None else
                                      isinstance(memo[0], tuple) and memo[0] == key)
         if not same:
-            valid = new_valid(attention_mask, query)
+            valid = attention.new_valid(attention_mask, query)
             memo = self.memo[window] = (key, valid, build(valid))
         return memo[1:]
 
