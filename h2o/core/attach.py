@@ -208,13 +208,12 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
     taps = rope_taps(model, modules, policy.name) if policy.reads_queries and not policy.is_full else {}
     state = Attached(policy, mode, prompt_len=prompt_len, num_layers=len(modules),
                      quant=quant.bind(model) if quant is not None else None, taps=taps)
-    previous = model.config._attn_implementation
-    state.own = previous
+    state.own = model.config._attn_implementation
     head = model.get_output_embeddings()
-    hook = head.register_forward_hook(lambda _m, _i, logits: state.check_logits(logits)) if head is not None else None
-    entry = model.register_forward_pre_hook(check_input, with_kwargs=True)
-    rope = [m.register_forward_pre_hook(taps[m.layer_idx].capture, with_kwargs=True) for m in modules
-            if m.layer_idx in taps]  # each module's (cos, sin) as transformers passes it
+    handles = [] if head is None else [head.register_forward_hook(lambda _m, _i, logits: state.check_logits(logits))]
+    handles.append(model.register_forward_pre_hook(check_input, with_kwargs=True))
+    handles += [m.register_forward_pre_hook(taps[m.layer_idx].capture, with_kwargs=True) for m in modules
+                if m.layer_idx in taps]  # each module's (cos, sin) as transformers passes it
     model.set_attn_implementation(attention.NAME)
     model.generate = single_use_generate(model, state)
     for m in modules:
@@ -227,9 +226,6 @@ def attach(model, policy: Policy, mode: str = "simulated", semantics: str = "h2o
         for m in modules:
             del m.h2o
         del model.generate  # the class's own again
-        if hook is not None:
-            hook.remove()
-        entry.remove()
-        for handle in [*rope, *extra]:
+        for handle in [*handles, *extra]:
             handle.remove()
-        model.set_attn_implementation(previous)
+        model.set_attn_implementation(state.own)
