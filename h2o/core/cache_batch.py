@@ -81,14 +81,6 @@ class BatchHooks:
             new.counts.host = new.host_counts
         return new
 
-    def adopt(self):
-        """Re-derive the host counts and the budget from the device state (``n_tok``, ``pos``) after it was
-        copied in from elsewhere (a forked prefill); one host sync."""
-        self.host_tok = self.n_tok.tolist()
-        self.host_held = (self.pos[:, 0] >= 0).sum(-1).tolist()
-        self.room, self.room_list = None, []
-        self.fix_budget()
-
     def fork(self, src: "EvictingLayer") -> None:
         """Become what this layer's policy holds after the prefill that ``src`` (a layer of a full-policy cache,
         one unpadded prompt, nothing evicted) saw: its keys, values, positions and scores copied (packed where
@@ -107,7 +99,10 @@ class BatchHooks:
             if self.quant.sink:  # position 0 kept as computed (slot 0: the prompt is unpadded)
                 self.sink = (src.keys[..., :1, :].clone(), src.values[..., :1, :].clone())
                 self.sink_real = src.pos[:, 0, 0] == 0
-        self.adopt()
+        # the host counts and the budget from the copied state (one host sync)
+        self.host_tok = self.n_tok.tolist()
+        self.host_held = (self.pos[:, 0] >= 0).sum(-1).tolist()
+        self.fix_budget()
         self.prompt_ends()
 
 
