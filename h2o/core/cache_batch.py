@@ -57,15 +57,12 @@ class BatchHooks:
         alike = all(len(set(x)) <= 1 for x in lists) and (self.host_counts is None or all(
             bool((x == x[0]).all()) for x in self.host_counts.fields()))  # CPU tensors: no device read
         if alike:  # every sequence the same on the host: nothing to read
-            self.host_tok, self.host_held, self.host_total, self.below = ([x[0]] * n if x else [] for x in lists)
-            if self.host_counts is not None:
-                self.host_counts = self.host_counts.map(lambda x: x[:1].expand(n).clone())
+            rows = [0] * n
         else:
-            host = idx.tolist() if host is None else host  # one host sync
-            self.host_tok, self.host_held, self.host_total, self.below = ([x[b] for b in host] if x else []
-                                                                          for x in lists)
-            if self.host_counts is not None:
-                self.host_counts = self.host_counts.map(lambda x: x[torch.tensor(host)])
+            host = rows = idx.tolist() if host is None else host  # one host sync
+        self.host_tok, self.host_held, self.host_total, self.below = ([x[b] for b in rows] if x else [] for x in lists)
+        if self.host_counts is not None:
+            self.host_counts = self.host_counts.map(lambda x: x[torch.tensor(rows)])
         if self.counts is not None:
             self.counts.host = self.host_counts
         self.room, self.room_list, self.zero, self.decoder = None, [], None, None
