@@ -36,9 +36,8 @@ class CutHooks:
             keep = step.kept(self.policy, slots, self.cut_state(valid), counts)  # (B, H, S) (h2o.core.step)
             if self.policy.pooled:  # heads hold uneven counts: the largest
                 return self.pool_compact(keep, bool(self.generated))
-            else:
-                totals = counts.host.total.tolist() if spare is not None else self.host_total
-                self.host_held = [min(h, max(t - room, 0)) for h, t in zip(self.host_held, totals)]
+            totals = counts.host.total.tolist() if spare is not None else self.host_total
+            self.host_held = [min(h, max(t - room, 0)) for h, t in zip(self.host_held, totals)]
         else:
             keep = valid
         if self.window is not None:  # an upper bound: the window may have freed more on some heads
