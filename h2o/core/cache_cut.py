@@ -51,7 +51,7 @@ class CutHooks:
         cuts once keeps every later token."""
         self.generated = 0
         self.below = [max(t - n, 0) for t, n in zip(self.host_total, self.host_tok)]
-        if cut and self.cuts():
+        if cut and (self.limited() or self.window is not None):  # a budget that drops tokens, or a sliding window
             self.cut()
         self.compressed = self.policy.schedule.once
 
@@ -115,10 +115,6 @@ class CutHooks:
         self.host_held = keep.sum(-1).amax(-1).tolist()
         self.pos = torch.where(keep, self.pos, -1)
         self.compact(keep, max(self.host_held))
-
-    def cuts(self) -> bool:
-        """Whether a prefill (chunk) ends with ``cut``: a budget that drops tokens, or a sliding window."""
-        return self.limited() or self.window is not None
 
     def compact(self, keep: torch.Tensor, S: int) -> None:
         """Keep the slots ``keep`` (B, H, S') bool, each head's kept slots first in their order, in ``S`` slots
