@@ -200,7 +200,9 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
         budget) is then cut back to its budget, the token kept (:func:`step.pool_keep`), and its slots shrink to the
         largest head's count. On a global layer a token that needs a new slot in some sequence takes the new slot
         in every sequence (:meth:`grow`: no slot is searched)."""
-        evicts = self.steps_evict()
+        # whether the token evicts one held token when the budget is full (the schedule ``decode``; under ``prefill``
+        # and ``interval`` it takes a new or empty slot, :mod:`h2o.core.schedule`)
+        evicts = self.limited() and self.policy.schedule.evicts_each_step
         pooled = evicts and self.policy.pooled
         if self.window is not None:  # what left the window is gone before the policy decides
             step.expire_slots(self.pos, self.n_tok, self.window)
@@ -235,11 +237,6 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
     def limited(self) -> bool:
         """Whether the budget can drop a token (an evicting policy below 100%, not compressed once already)."""
         return self.policy.evicts and not self.policy.is_full and not self.compressed
-
-    def steps_evict(self) -> bool:
-        """Whether an arriving decoding token evicts one held token when the budget is full (the schedule
-        ``decode``; under ``prefill`` and ``interval`` it takes a new or empty slot, :mod:`h2o.core.schedule`)."""
-        return self.limited() and self.policy.schedule.evicts_each_step
 
     def grow(self, key_states, value_states):
         """One arriving token (a real token, never a pad) in a new slot: a policy that keeps every token, or below
