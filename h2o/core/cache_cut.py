@@ -151,8 +151,7 @@ class CutHooks:
         if self.window is None:
             return [h + (h < t) for h, t in zip(self.host_held, self.host_total)]
         if evicts or not self.limited():  # held: min(tokens, window, budget if it evicts)
-            totals = self.host_total if self.limited() else [None] * len(self.host_tok)
-            return [min(n + 1, self.window, n + 1 if t is None else t) for n, t in zip(self.host_tok, totals)]
+            return [min(n + 1, self.window, t if evicts else n + 1) for n, t in zip(self.host_tok, self.host_total)]
         return [min(h + 1, self.window) for h in self.host_held]  # a schedule that cuts later: held plus the token
 
     def freed_slot(self) -> torch.Tensor:
