@@ -26,9 +26,7 @@ class BatchHooks:
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each sequence ``repeats`` times in a row (``num_return_sequences``, contrastive search)."""
         if self.keys is not None:
-            B = self.n_tok.shape[0]
-            self.select_batch(torch.arange(B, device=self.n_tok.device).repeat_interleave(repeats),
-                              [b for b in range(B) for _ in range(repeats)])
+            self.batch_select_indices([b for b in range(self.n_tok.shape[0]) for _ in range(repeats)])
 
     def batch_select_indices(self, indices) -> None:
         """Keep the sequences ``indices`` (a list or a (B',) int64 tensor) of the batch, in that order."""
