@@ -83,10 +83,6 @@ class Attached:
         tap = self.taps.get(module.layer_idx)
         return None if tap is None else tap.queries(query)
 
-    def observe(self, module, probs):
-        if self.observer is not None:
-            self.observer(module.layer_idx, probs)
-
     def flag(self, layer_idx: int, out: torch.Tensor) -> None:
         """Record layer ``layer_idx``'s attention output (B, q, Hq, D) as a value NaN and inf propagate into
         (:func:`finite_probe`), and into the forward's running sum; no host sync (read once per forward by

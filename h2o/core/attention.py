@@ -83,7 +83,8 @@ def h2o_attention(module, query, key, value, attention_mask, scaling=None, dropo
             prompt_len=state.prompt_len, plan=plan, window=window, softcap=softcap, sinks=sinks,
             layer=(module.layer_idx, state.num_layers), queries=state.queries(module, query)))
         state.flag(module.layer_idx, out)
-        state.observe(module, probs)
+        if state.observer is not None:
+            state.observer(module.layer_idx, probs)
         return out, probs
     return real_attention(state, module, query, key, value, attention_mask, scaling, LayerCall(
         window=window, softcap=softcap, sinks=sinks, queries=state.queries(module, query)))
