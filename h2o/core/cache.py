@@ -267,10 +267,8 @@ class EvictingLayer(BatchHooks, CutHooks, DynamicLayer):
     def capture_sink(self, keys, values, valid: torch.Tensor):
         """The first forward (quant.sink), positions registered: keep each sequence's first real token (valid
         (B, q) bool, the non-pad columns) as computed and put it into the keys/values (B, Hkv, S, D) read."""
-        k, v = self.fresh
         first = valid.long().argmax(-1)[:, None, None, None]  # (B, 1, 1, 1) column of position 0
-        self.sink = (k.gather(-2, first.expand(-1, *k.shape[1:2], 1, k.shape[-1])),
-                     v.gather(-2, first.expand(-1, *v.shape[1:2], 1, v.shape[-1])))
+        self.sink = tuple(x.gather(-2, first.expand(-1, x.shape[1], 1, x.shape[-1])) for x in self.fresh)
         self.sink_real, self.fresh = valid.any(-1), None
         return self.quant.put_sink(keys, values, self.sink, (self.pos == 0) & self.sink_real[:, None, None])
 
