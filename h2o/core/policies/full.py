@@ -21,7 +21,3 @@ class Full(Policy):
 
     def needs(self):
         return []
-
-    @property
-    def is_full(self) -> bool:
-        return True
