@@ -12,7 +12,6 @@ from .topk import TopK, per_seq, top_mask, top_rank
 
 class TopKH2(TopK):
     name = "topk_h2"
-    evicts = False
     splits = True  # the heavy part first, then top-k up to the whole budget
     reads = frozenset({READ_ROWS})  # the heavy hitters' accumulated attention (each query's logits: its own)
 
