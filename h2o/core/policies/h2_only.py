@@ -1,5 +1,5 @@
 """h2_only: the ablation "H2 only" of Table 9: the whole budget goes to heavy hitters, no recent window."""
-from .base import READ_ROWS, Policy
+from .base import READ_ROWS
 from .h2o import H2O
 
 
@@ -9,6 +9,5 @@ class H2Only(H2O):
     splits = False  # the whole budget is heavy
 
     def __init__(self, budget=0.2, heavy=None, recent=None, heavy_share=0.5, score="sum", decay=0.99):
-        Policy.__init__(self, budget, heavy, recent, heavy_share)
+        super().__init__(budget, heavy, recent, heavy_share, score, decay)
         self.whole_budget()
-        self.set_score(score, decay)
