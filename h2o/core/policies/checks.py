@@ -31,7 +31,7 @@ class BudgetChecks:
     def check_reach(self, longest: int, where: str) -> None:
         """PolicyError when a ratio part gives less than it needs even at ``longest`` tokens (the model's longest
         context, named by ``where``): every request would be clamped (:meth:`short`)."""
-        self.check_token_options(longest, where)
+        self.check_token_options(getattr(self, "token_options", ()), longest, where)
         for name, part, need in self.needs():
             if isinstance(part, float) and int(to_count(part, torch.tensor([longest]))[0]) < need:
                 scale = part / self.budget if isinstance(self.budget, float) and self.budget > 0 else 1.0
@@ -41,27 +41,24 @@ class BudgetChecks:
                                   f"{part * longest:.3g} tokens; {self.name} needs at least {need} there; "
                                   f"allowed: a ratio >= {float(f'{least * 1.0005:.3g}'):g} or a token count")
 
-    def check_token_options(self, longest: int, where: str) -> None:
-        """PolicyError for an option that is a token count (:attr:`token_options`: scissorhands' ``history``, an
-        observation ``window``) longer than ``longest`` tokens (the model's longest context, named by ``where``):
-        no sequence the model holds has that many, and a per-slot history of that length is allocated."""
-        for name in getattr(self, "token_options", ()):
+    def check_token_options(self, names, longest: int, where: str) -> None:
+        """PolicyError for an option of ``names`` that is a token count longer than ``longest`` tokens (the model's
+        longest context, named by ``where``): no sequence the model holds has that many. :meth:`check_reach` checks
+        :attr:`token_options` (scissorhands' ``history``, an observation ``window``: a per-slot history of that
+        length is allocated), :meth:`check_run_counts` the counts a whole run's sequence bounds."""
+        for name in names:
             value = getattr(self, name, None)
-            if isinstance(value, int) and value > longest:
+            if isinstance(value, int) and not isinstance(value, bool) and value > longest:
+                low = 0 if name == "n_sink" else 1
                 raise PolicyError(f"{name}={value}: longer than any sequence the model holds ({longest} positions, "
-                                  f"{where}); allowed: {name} in 1-{longest} tokens")
+                                  f"{where}); allowed: {name} in {low}-{longest} tokens")
 
     def check_run_counts(self, longest: int, where: str) -> None:
         """PolicyError for a token count that a whole run's sequence bounds, longer than ``longest`` (the model's
         positions, named by ``where``): the schedule's ``interval`` (no cut would come after the prompt's) and
         :attr:`run_count_options` (kvzip's sinks and replay chunk). Not checked against a benchmark's prompt alone
         (its generated tokens come after)."""
-        for name in ("interval", *getattr(self, "run_count_options", ())):
-            value = getattr(self, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > longest:
-                low = 0 if name == "n_sink" else 1
-                raise PolicyError(f"{name}={value}: longer than any sequence the model holds ({longest} positions, "
-                                  f"{where}); allowed: {name} in {low}-{longest} tokens")
+        self.check_token_options(("interval", *getattr(self, "run_count_options", ())), longest, where)
 
     def check_rotary(self, rotary: bool | None, model: str) -> None:
         """PolicyError when the rule reads the queries before RoPE (expected_attention) and the model's config says
