@@ -7,7 +7,7 @@ import torch
 
 from .base import Counts, KernelForm, Policy, bcast, declared, keep_top
 from .protected import Protected
-from .score import Scored, window_form
+from .score import Scored
 
 
 class WithHeavy(Scored):
@@ -40,7 +40,7 @@ class WithHeavy(Scored):
         (``kernel_pattern``, ``kernel_consts``); without a recent part, nothing protected (an empty window)."""
         base = self.base
         if base is None:
-            return window_form(self)
+            return self.evict_form()
         consts = declared(base, "kernel_consts")
         if consts is None:
             return None
@@ -50,4 +50,4 @@ class WithHeavy(Scored):
             n_keep = (part.total.clamp(max=counts.recent) - 1).clamp(min=0)  # the arriving token is not held yet
             return torch.stack([*consts(part), n_keep], -1)
 
-        return KernelForm("evict", params, pattern=base.kernel_pattern, **self.kernel_score())
+        return self.evict_form(params, base.kernel_pattern)

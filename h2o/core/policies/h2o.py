@@ -11,7 +11,7 @@ grouped-query attention. 20% budget = 10% heavy + 10% recent by default. ``score
 import torch
 
 from .base import READ_ROWS, Counts, const, recent_window
-from .score import Scored, window_form
+from .score import Scored
 
 
 class H2O(Scored):
@@ -29,7 +29,7 @@ class H2O(Scored):
 
     def kernel_form(self):
         """The row kernel: the recent window protected, the lowest score dropped."""
-        return window_form(self)
+        return self.evict_form()
 
 
 def reference_mask(logits: torch.Tensor, heavy: int, recent: int) -> torch.Tensor:

@@ -22,6 +22,12 @@ from .base import READ_ROWS, Counts, KernelForm, Policy, PolicyError, bcast, con
 SCORES = ("sum", "mean", "decay")
 
 
+def window_params(counts: Counts) -> torch.Tensor:
+    """(B, 4) int64 row-kernel parameters of a recent window of ``counts.recent`` tokens (pattern 0)."""
+    zero = torch.zeros_like(counts.total)
+    return torch.stack([counts.recent, zero, zero, zero], -1)
+
+
 class Scored(Policy):
     """Base of the score-based policies: the ``score`` and ``decay`` options and their two hooks."""
 
@@ -54,21 +60,11 @@ class Scored(Policy):
         acc.mul_(bcast(self.decay ** v.sum(-1)).to(acc.dtype))
         acc += (probs * (self.decay ** after).to(probs.dtype)[:, None, None, :, None]).sum((2, 3))
 
-    def kernel_score(self) -> dict:
-        """The score options as the row kernel's :class:`KernelForm` fields."""
-        return {"score": SCORES.index(self.score_kind), "decay": self.decay}
+    def evict_form(self, params=window_params, pattern: int = 0) -> KernelForm:
+        """The row kernel of these heavy hitters with the protected set ``pattern`` of ``params`` (:class:`KernelForm`;
+        default: a recent window, as h2o, h2_only, a pattern without a part), the score options as its fields."""
+        return KernelForm("evict", params, pattern=pattern, score=SCORES.index(self.score_kind), decay=self.decay)
 
     def describe(self) -> dict:
         out = {**super().describe(), "score": self.score_kind}
         return {**out, "decay": self.decay} if self.score_kind == "decay" else out
-
-
-def window_params(counts: Counts) -> torch.Tensor:
-    """(B, 4) int64 row-kernel parameters of a recent window of ``counts.recent`` tokens (pattern 0)."""
-    zero = torch.zeros_like(counts.total)
-    return torch.stack([counts.recent, zero, zero, zero], -1)
-
-
-def window_form(policy: Scored) -> KernelForm:
-    """The row kernel of heavy hitters with a recent window protected (h2o, h2_only, a pattern without a part)."""
-    return KernelForm("evict", window_params, pattern=0, **policy.kernel_score())
