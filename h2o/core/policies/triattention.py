@@ -55,15 +55,6 @@ CALIBRATE = "python -m h2o.assets.triattention model=<name>"  # the command that
 AGGREGATIONS = ("max", "mean")  # over a KV head's query heads (the reference's layer_perhead_aggregation)
 
 
-def offsets(max_length: int) -> torch.Tensor:
-    """The future distances' offsets: ``1, 2, 4, ...`` up to ``max_length`` (the reference's geometric offsets),
-    float64."""
-    out = [1]
-    while out[-1] * 2 <= max_length:
-        out.append(out[-1] * 2)
-    return torch.tensor(out, dtype=torch.float64)
-
-
 def complex_pairs(x: torch.Tensor, rotary: int) -> torch.Tensor:
     """(..., D) -> (..., D/2) complex: the rotary's channel pairs ``(i, i + r/2)`` for ``i < r/2``, then the
     channels it leaves as they are paired the same way (``(r + i, r + (D - r)/2 + i)``)."""
@@ -85,7 +76,8 @@ class LayerStats:
         self.qbar = torch.complex(cal["q_mean_real"][layer].float(), cal["q_mean_imag"][layer].float())  # (Hq, F)
         self.weight = self.scale.pow(2)
         self.extra = (cal["q_abs_mean"][layer].float() - self.qbar.abs()) * self.weight.float()  # (Hq, F)
-        o = offsets(max_length)  # (O,)
+        # the future distances' offsets: 1, 2, 4, ... up to max_length (the reference's geometric offsets)
+        o = torch.tensor([2 ** i for i in range(max_length.bit_length())], dtype=torch.float64)  # (O,)
         self.future = torch.polar(torch.ones(()).double(), o[:, None] * self.omega).mean(0)  # (F,) complex128
         self.device = torch.device("cpu")
 
