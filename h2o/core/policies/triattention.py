@@ -193,7 +193,10 @@ class TriAttention(Policy):
     def head_scores(self, keys: torch.Tensor, pos: torch.Tensor, now: torch.Tensor) -> torch.Tensor:
         """keys (B, Hkv, S, D) after RoPE, pos (B, Hkv, S), now (B,) -> (B, Hkv, G, S) fp32: each query head's score
         of each key (module doc), its G query heads per KV head."""
-        st = self.bound().to(keys.device)
+        if self.layer is None:
+            raise PolicyError(f"policy={self.name}: the rule is not bound to a layer's statistics (for_layer); "
+                              f"with no calibration, write one with `{CALIBRATE}`")
+        st = self.layer.to(keys.device)
         H = keys.shape[1]
         at = pos.clamp(min=0).double()  # (B, H, S)
         turn = torch.polar(1.0 / st.scale, -at[..., None] * st.omega)  # (B, H, S, F) complex128
@@ -263,12 +266,6 @@ class TriAttention(Policy):
         keys = [layer.read()[0] for layer in cache.layers]
         prio = self.layers_priority(keys, pos, now, counts)
         cache.keep_only([keep_top(prio, held, counts.total)] * len(positions))
-
-    def bound(self) -> LayerStats:
-        if self.layer is None:
-            raise PolicyError(f"policy={self.name}: the rule is not bound to a layer's statistics (for_layer); "
-                              f"with no calibration, write one with `{CALIBRATE}`")
-        return self.layer
 
     def describe(self) -> dict:
         cal = self.calibration or {}
