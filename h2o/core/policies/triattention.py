@@ -291,8 +291,7 @@ def load_stats(stats) -> dict | None:
         if not path.is_file():
             raise PolicyError(f"stats={stats!r}: no such file; allowed: a calibration file written by `{CALIBRATE}`")
         cal = torch.load(path, map_location="cpu", weights_only=True)
-    need = FIELDS
-    if cal is not None and any(k not in cal for k in need):
-        raise PolicyError(f"stats: not a calibration (fields {', '.join(k for k in need if k not in cal)} missing); "
+    if cal is not None and any(k not in cal for k in FIELDS):
+        raise PolicyError(f"stats: not a calibration (fields {', '.join(k for k in FIELDS if k not in cal)} missing); "
                           f"allowed: a file written by `{CALIBRATE}`")
     return cal
