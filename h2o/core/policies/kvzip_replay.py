@@ -81,9 +81,7 @@ class Scorer:
         n = self.end - self.start
         keys = torch.cat([key[:, :, :sink], key[:, :, self.start:self.end], key[:, :, -q:]], dim=2)
         logits = torch.matmul(query.view(B, H, Hq // H, q, D), keys.unsqueeze(2).transpose(-2, -1)) / math.sqrt(D)
-        causal = torch.full((q, q), torch.finfo(logits.dtype).min, device=logits.device)  # above the diagonal
-        causal.masked_fill_(torch.arange(q, device=logits.device) < torch.arange(1, q + 1, device=logits.device
-                                                                                  ).view(q, 1), 0)
+        causal = torch.full((q, q), torch.finfo(logits.dtype).min, device=logits.device).triu(1)  # above the diagonal
         logits[..., -q:, -q:] += causal
         probs = torch.softmax(logits, dim=-1)  # (1, H, G, q, sink + n + q)
         self.score[layer][..., self.start:self.end] = probs[..., sink:sink + n].amax(dim=(-3, -2))
