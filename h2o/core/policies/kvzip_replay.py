@@ -125,9 +125,8 @@ def score_context(model, modules, keys_values, context: list[int], tokenizer, n_
     from transformers import DynamicCache
 
     prefix, suffix = template_parts(tokenizer)
-    C = len(context)
     k0 = keys_values[0][0]
-    scorer = Scorer(len(keys_values), k0.shape[1], C, n_sink, model.dtype, k0.device)
+    scorer = Scorer(len(keys_values), k0.shape[1], len(context), n_sink, model.dtype, k0.device)
     decoder = getattr(model, "model", None) or model.base_model
     previous = model.config._attn_implementation
     for m in modules:
