@@ -96,16 +96,14 @@ class ExpectedAttention(PrefillOnly):
         w = (pos >= self.n_sink).to(q.dtype)  # (B, rows) the rows counted: no pad, no sink
         n = w.sum(-1).clamp(min=1)[:, None, None]  # (B, 1, 1)
         mean = torch.einsum("bhrd,br->bhd", q, w) / n  # (B, Hq, D)
+        future = length[:, None] + torch.arange(self.n_future_positions, device=length.device)  # (B, N)
+        R = average_rotation(*queries.tap.at(future), D).to(q.dtype)[:, None]  # (B, 1, D, D)
         cov = None
         if self.use_covariance:
             centred = (q - mean[:, :, None]) * w[:, None, :, None]  # (B, Hq, rows, D)
             cov = torch.einsum("bhri,bhrj->bhij", centred, centred) / n[..., None]  # (B, Hq, D, D)
-        future = length[:, None] + torch.arange(self.n_future_positions, device=length.device)  # (B, N)
-        R = average_rotation(*queries.tap.at(future), D).to(q.dtype)[:, None]  # (B, 1, D, D)
-        mean = (R @ mean[..., None])[..., 0]
-        if cov is not None:
             cov = R @ cov @ R.transpose(-1, -2)
-        return QueryStats(mean, cov)
+        return QueryStats((R @ mean[..., None])[..., 0], cov)
 
     def query_score(self, stats: QueryStats, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
                     held: torch.Tensor) -> torch.Tensor:
