@@ -55,14 +55,12 @@ def template_parts(tokenizer) -> tuple[int, list[int]]:
 def replays(tokenizer, context: list[int], prefix: int, suffix: list[int], chunk_size: int
             ) -> list[tuple[int, int, list[int]]]:
     """(start, end, replay ids) per chunk: the chunk is ``context[start:end]``."""
-    body = context[prefix:]
-    chunks = [body[i:i + chunk_size] for i in range(0, len(body), chunk_size)]
-    out, start = [], prefix
-    for i, chunk in enumerate(chunks):
-        ask = tokenizer.encode(FIRST if i == 0 else LATER, add_special_tokens=False)
-        ask += chunks[i - 1][-OVERLAP:] if i else []
-        out.append((start, start + len(chunk), ask + suffix + chunk))
-        start += len(chunk)
+    out = []
+    for start in range(prefix, len(context), chunk_size):
+        ask = tokenizer.encode(FIRST if start == prefix else LATER, add_special_tokens=False)
+        ask += context[max(start - OVERLAP, start - chunk_size, prefix):start]  # the previous chunk's last OVERLAP
+        end = min(start + chunk_size, len(context))
+        out.append((start, end, ask + suffix + context[start:end]))
     return out
 
 
