@@ -41,7 +41,6 @@ from ..schedule import Interval, Schedule
 from .base import READ_KEYS, READ_WINDOW, TIER, Counts
 from .budget import Unsupported
 from .r_kv import Windowed, check_number, redundancy
-from .snapkv import push_rows
 
 DIVIDE = 128  # the reference's divide_length: generated tokens between two cuts (compress=interval)
 EPS = 1e-6  # cal_similarity_triton's key-norm epsilon (R-KV's cal_similarity: 1e-8)
@@ -69,11 +68,6 @@ class GKV(Windowed):
 
     def new_state(self, B: int, H: int, S: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(B, H, S, self.window + 1, dtype=torch.float32, device=device)  # (B, H, S, w + 1)
-
-    def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """acc (B, H, S, w + 1): its ring of rows <- the newest ``w`` real rows of the old rows and of probs
-        (B, H, G, r, S), each the maximum over the G query heads, rows in order; valid (B, r) bool (None: all)."""
-        push_rows(acc[..., :self.window], probs.float().amax(2).transpose(-1, -2), valid)  # (B, H, S, r)
 
     def global_score(self, acc: torch.Tensor, older: torch.Tensor) -> torch.Tensor:
         """acc (B, H, S, w + 1) (rows, history), older (B, H, S) bool -> (B, H, S): the local score (the rows'

@@ -54,6 +54,12 @@ class Windowed(Policy):
     def read_window(self) -> int:
         return self.window
 
+    def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """acc (B, H, S, w) (g_kv's: w + 1, the history last): its ring of rows ``acc[..., :w]`` <- the newest ``w``
+        real rows of the old rows and of probs (B, H, G, r, S) (r_kv's: the logits, ``reads_logits``), each the
+        maximum over the G query heads, rows in order; valid (B, r) bool the real rows (None: all)."""
+        push_rows(acc[..., :self.window], probs.float().amax(2).transpose(-1, -2), valid)  # (B, H, S, r)
+
     def cut_score(self, acc: torch.Tensor, keys: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
         """acc (B, H, S, r) the rows, keys (B, H, S, D) -> (B, H, S, r + D): what :meth:`priority` reads."""
         dtype = torch.promote_types(keys.dtype, torch.float32)
@@ -83,11 +89,6 @@ class RKV(Windowed):
 
     def new_state(self, B: int, H: int, S: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(B, H, S, self.window, dtype=torch.float32, device=device)  # (B, H, S, w)
-
-    def accumulate(self, acc: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """acc (B, H, S, w) <- the newest ``w`` real rows of the old rows and the logits ``probs`` (B, H, G, r, S)
-        (``reads_logits``), rows in order; valid (B, r) bool the real rows (None: all)."""
-        push_rows(acc, probs.float().amax(2).transpose(-1, -2), valid)  # (B, H, S, r) the group's largest logit
 
     def priority(self, pos, acc, now, counts: Counts) -> torch.Tensor:
         """pos (B, H, S) (-1: not held), acc (B, H, S, w + D) (:meth:`cut_score`) -> (B, H, S) float64: the
