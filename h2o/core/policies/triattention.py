@@ -120,7 +120,6 @@ class TriAttention(Policy):
             self.pooled = True  # each layer keeps all at its own cut (keep), its storage recounted; then one cut
 
     def check_schedule(self, schedule: Schedule) -> None:
-        super().check_schedule(schedule)
         if self.per_head_pruning and schedule.evicts_each_step:
             raise Unsupported(f"compress={schedule.name}: per_head_pruning=true cuts every layer at once after a "
                               f"forward, not one slot per layer at each step; allowed: buffer, interval, prefill "
