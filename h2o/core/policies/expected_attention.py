@@ -21,7 +21,6 @@ No decoding form: ``compress=decode`` is refused in one line (:meth:`ExpectedAtt
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -29,15 +28,6 @@ from ..schedule import Schedule
 from .base import READ_QUERIES, PolicyError, Unsupported
 from .prefill import PrefillOnly
 from .snapkv import window_on_top
-
-
-@dataclass
-class QueryStats:
-    """The prompt's query statistics rotated to the future positions: mean (B, Hq, D), covariance (B, Hq, D, D)
-    (None without ``use_covariance``)."""
-
-    mean: torch.Tensor
-    cov: torch.Tensor | None
 
 
 def average_rotation(cos: torch.Tensor, sin: torch.Tensor, D: int) -> torch.Tensor:
@@ -88,9 +78,11 @@ class ExpectedAttention(PrefillOnly):
         return ("so with n_sink=0 the covariance is 0 and the future rotation averages positions 1..n_future_positions "
                 "(the buffer's length read as the prompt's), not the sequence's")
 
-    def query_stats(self, queries, rows: int, pos: torch.Tensor, length: torch.Tensor) -> QueryStats:
+    def query_stats(self, queries, rows: int, pos: torch.Tensor, length: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """queries (:class:`h2o.core.prerope.Queries`) of a prompt's forward, its first ``rows`` rows with
-        positions pos (B, rows) (-1: a pad), length (B,) the prompt's tokens -> :class:`QueryStats`."""
+        positions pos (B, rows) (-1: a pad), length (B,) the prompt's tokens -> the prompt's query statistics
+        rotated to the future positions: mean (B, Hq, D), covariance (B, Hq, D, D) (None without ``use_covariance``)."""
         q = queries.before_rope(rows)  # (B, Hq, rows, D)
         B, _, _, D = q.shape
         w = (pos >= self.n_sink).to(q.dtype)  # (B, rows) the rows counted: no pad, no sink
@@ -103,18 +95,19 @@ class ExpectedAttention(PrefillOnly):
             centred = (q - mean[:, :, None]) * w[:, None, :, None]  # (B, Hq, rows, D)
             cov = torch.einsum("bhri,bhrj->bhij", centred, centred) / n[..., None]  # (B, Hq, D, D)
             cov = R @ cov @ R.transpose(-1, -2)
-        return QueryStats((R @ mean[..., None])[..., 0], cov)
+        return (R @ mean[..., None])[..., 0], cov
 
-    def query_score(self, stats: QueryStats, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor,
-                    held: torch.Tensor) -> torch.Tensor:
-        """keys, values (B, Hkv, S, D) as held (keys after RoPE), pos (B, Hkv, S), held (B, Hkv, S) bool ->
-        (B, Hkv, S) the score the cut keeps the top of."""
+    def query_score(self, stats: tuple[torch.Tensor, torch.Tensor | None], keys: torch.Tensor, values: torch.Tensor,
+                    pos: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """stats (:meth:`query_stats`), keys, values (B, Hkv, S, D) as held (keys after RoPE), pos (B, Hkv, S), held
+        (B, Hkv, S) bool -> (B, Hkv, S) the score the cut keeps the top of."""
+        mean, cov = stats
         B, Hkv, S, D = keys.shape
-        k = keys.to(stats.mean.dtype)[:, :, None]  # (B, Hkv, 1, S, D)
-        G = stats.mean.shape[1] // Hkv
-        z = (k @ stats.mean.view(B, Hkv, G, D, 1))[..., 0] / math.sqrt(D)  # (B, Hkv, G, S)
-        if stats.cov is not None:
-            z = z + ((k @ stats.cov.view(B, Hkv, G, D, D)) * k).sum(-1) / D / 2
+        k = keys.to(mean.dtype)[:, :, None]  # (B, Hkv, 1, S, D)
+        G = mean.shape[1] // Hkv
+        z = (k @ mean.view(B, Hkv, G, D, 1))[..., 0] / math.sqrt(D)  # (B, Hkv, G, S)
+        if cov is not None:
+            z = z + ((k @ cov.view(B, Hkv, G, D, D)) * k).sum(-1) / D / 2
         scored = held & (pos >= self.n_sink)  # (B, Hkv, S)
         z = z.masked_fill(~scored[:, :, None], -torch.inf)
         expected = torch.softmax(z, -1).nan_to_num(0.0).mean(2)  # (B, Hkv, S); a head with no scored key: 0
