@@ -71,11 +71,10 @@ class SnapKV(PrefillOnly):
         """acc (B, H, S) += the rows of the last ``window`` (left < window) of probs (B, H, G, r, S), / (w G)."""
         if self.rings():
             return self.accumulate(acc, probs, valid)
-        G = probs.shape[2]
         rows = (left >= 0) & (left < self.window)  # (B, r)
         if valid is not None:
             rows &= valid
-        acc += torch.einsum("bhgrs,br->bhs", probs, rows.to(probs.dtype)) / (self.window * G)
+        acc += torch.einsum("bhgrs,br->bhs", probs, rows.to(probs.dtype)) / (self.window * probs.shape[2])
 
     def priority(self, pos, acc, now, counts: Counts):
         """pos (B, H, S) (-1: not held), acc (B, H, S) (a decoding form: its ring (B, H, S, w)) -> (B, H, S)
