@@ -22,7 +22,6 @@ the bytes stored, padding included.
 """
 from __future__ import annotations
 
-import copy
 import inspect
 
 import torch
@@ -99,15 +98,6 @@ class AdaKV(Policy):
         self.inner.timed(compress, interval)
         self.schedule = self.inner.schedule
         return self
-
-    def for_layer(self, layer: int, layers: int) -> Policy:
-        """This wrapper around its inner's rule of that layer (itself where the inner has no per-layer data)."""
-        inner = self.inner.for_layer(layer, layers)
-        if inner is self.inner:
-            return self
-        bound = copy.copy(self)
-        bound.inner = inner
-        return bound
 
     # the inner's rule: budget, scores, priorities
     def counts(self, length: torch.Tensor) -> Counts:
