@@ -71,8 +71,6 @@ class DecodingOrder(PrefillOnly):
         """(B, H, S) the priority of a decoding step: where a head is full, 0 for the key ``topk(n - 1)`` leaves out
         of kvpress's row and 1 for the others (whose places ``acc`` takes, in place); elsewhere the score."""
         score = self.cut_score(acc, keys, held)  # (B, H, S)
-        if not self.schedule.evicts_each_step:  # prefill, interval, buffer: the score as it is
-            return score
         full = held.sum(-1) >= counts.total[:, None]  # (B, H) the arriving token evicts (decided on the device)
         order = kvpress_row(acc, pos, held)  # (B, H, S) kvpress's row: its slots in order
         out, S = score.clone(), score.shape[-1]
