@@ -282,7 +282,7 @@ class Policy(BudgetChecks):
             older = (cols >= 0) & (cols < at[:, None, None])
             if window is not None:
                 older &= cols > (at - window)[:, None, None]
-            c = counts.map(lambda x: x.repeat_interleave(n))  # (B*n,) each sequence's counts n times in a row
+            c = counts.repeat(n)
             out.append(keep_top(self.priority(cols, None, at, c), older, c.total - 1).view(B, n, S))
         return out[0] if len(out) == 1 else torch.cat(out, 1)
 

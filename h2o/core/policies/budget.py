@@ -58,3 +58,7 @@ class Counts:
     def map(self, fn) -> "Counts":
         """``fn`` applied to each field (a device move, a batch selection)."""
         return Counts(*(fn(x) for x in self.fields()))
+
+    def repeat(self, n: int) -> "Counts":
+        """Each sequence's counts ``n`` times in a row: (B,) -> (B * n,), to judge n states of one sequence at once."""
+        return self.map(lambda x: x[:, None].expand(-1, n).reshape(-1))
