@@ -146,9 +146,10 @@ class AdaKV(Policy):
         bool the kept ones: each head's top ``n_safe``, then the layer's top ``H * total`` (B,). ``arriving``
         (B, H, S) bool (a decoding step's token): kept first. Slots may be in any order."""
         if arriving is None:  # a cut: kvpress's own ops where it has a rule, so that exact ties go its way
-            host = counts.host or counts  # the host's numbers: no device read
-            kept, own = kvpress_adakv(prio, pos, valid, host.total.tolist(), self.safe(host.total).tolist(),
-                                      getattr(self.inner, "newest_upto", 0), host.seen)
+            host, a = counts.host or counts, self.alpha_safeguard  # the host's numbers: no device read
+            total = host.total.tolist()
+            safe = [max(int(n * a), 1) if a > 0 else int(n * a) for n in total]  # safe(), as Python's floats
+            kept, own = kvpress_adakv(prio, pos, valid, total, safe, getattr(self.inner, "newest_upto", 0), host.seen)
             if all(own):
                 return kept
             own = torch.tensor(own, device=prio.device).view(-1, 1, 1)
