@@ -50,12 +50,15 @@ def ranked(keys: list[torch.Tensor]) -> torch.Tensor:
     """Rank from the top (0 = best) along the last dim of the lexicographic order of ``keys`` (each (..., S),
     the most significant first, higher = better): one stable sort per key, the least significant first."""
     S = keys[0].shape[-1]
-    order = torch.arange(S, device=keys[0].device).expand_as(keys[0])
+    order = None
     for key in reversed(keys):
         key = key.to(torch.uint8) if key.dtype == torch.bool else key
-        order = order.gather(-1, key.gather(-1, order).argsort(dim=-1, stable=True))  # ascending
-    ranks = torch.arange(S - 1, -1, -1, device=order.device).expand_as(order)  # the last in ascending order: 0
-    return torch.empty_like(order).scatter_(-1, order, ranks)
+        k = key if order is None else key.gather(-1, order)
+        step = k.argsort(dim=-1, stable=True)  # ascending
+        order = step if order is None else order.gather(-1, step)
+    rank = torch.empty_like(order)
+    rank.scatter_(-1, order, torch.arange(S - 1, -1, -1, device=order.device).expand_as(order))
+    return rank
 
 
 class AdaKV(Policy):
