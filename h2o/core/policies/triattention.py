@@ -79,10 +79,13 @@ class LayerStats:
         # the future distances' offsets: 1, 2, 4, ... up to max_length (the reference's geometric offsets)
         o = torch.tensor([2 ** i for i in range(max_length.bit_length())], dtype=torch.float64)  # (O,)
         self.future = torch.polar(torch.ones(()).double(), o[:, None] * self.omega).mean(0)  # (F,) complex128
+        self.device = torch.device("cpu")
 
     def to(self, device: torch.device) -> "LayerStats":
-        for name in ("omega", "scale", "qbar", "weight", "extra", "future"):
-            setattr(self, name, getattr(self, name).to(device))
+        if device != self.device:
+            for name in ("omega", "scale", "qbar", "weight", "extra", "future"):
+                setattr(self, name, getattr(self, name).to(device))
+            self.device = device
         return self
 
 
