@@ -47,7 +47,8 @@ def test_the_kept_set_is_the_references_formula(calibrated):
     policy = make_policy("triattention", budget=budget, stats=cal, per_head_pruning=True)
     counts = policy.counts(torch.tensor([prompt]))
     P = pos.expand(1, Hkv, S)
-    prio = policy.layers_priority([k[None] for k in keys], P, torch.tensor([now]), counts)
+    rules = [policy.for_layer(i, L) for i in range(L)]
+    prio = policy.layers_priority(rules, [k[None] for k in keys], P, torch.tensor([now]), counts)
     kept = keep_top(prio, P >= 0, counts.total)[0]  # (Hkv, S)
     each = []
     for layer, k in enumerate(keys):

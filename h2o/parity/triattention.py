@@ -165,10 +165,11 @@ def ours_cut(cal: dict, keys: list[torch.Tensor], held: list[torch.Tensor], now:
         k_held = [k[0].gather(1, h[..., None].expand(Hkv, n, k.shape[-1]))[None] for k in keys]  # (1, Hkv, n, D)
         pos, now_t = h[None], torch.tensor([now])
         counts = policy.counts(torch.tensor([PROMPT]))
-        keep = keep_top(policy.layers_priority(k_held, pos, now_t, counts), pos >= 0, counts.total)[0]
+        rules = [policy.for_layer(i, len(keys)) for i in range(len(keys))]
+        keep = keep_top(policy.layers_priority(rules, k_held, pos, now_t, counts), pos >= 0, counts.total)[0]
         one = [sorted(h[kv][keep[kv]].tolist()) for kv in range(Hkv)]
-        scores = [policy.for_layer(i, len(keys)).head_scores(k, pos, now_t)[0, :, :, PROMPT:].reshape(-1, n - PROMPT)
-                  for i, k in enumerate(k_held)]
+        scores = [rule.head_scores(k, pos, now_t)[0, :, :, PROMPT:].reshape(-1, n - PROMPT)
+                  for rule, k in zip(rules, k_held)]
         return [one] * len(keys), scores
     for i, (k, h) in enumerate(zip(keys, held)):
         rule = policy.for_layer(i, len(keys))

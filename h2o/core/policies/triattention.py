@@ -24,7 +24,7 @@ positions per KV head index is kept in every layer: each layer's scores of its q
 aggregated over the group of a KV head (``head_aggregation``), then the mean over the layers, ranked once
 (:meth:`TriAttention.layers_priority`). A cut over all layers cannot happen inside one layer's attention: each layer
 keeps what it holds at its own cut, and after a forward whose cut is due (the schedule's, per sequence) the rule
-cuts every layer at once (:meth:`TriAttention.attach_hooks`, ``EvictingCache.due_cut`` and ``keep_only``). The
+cuts every layer at once (:meth:`TriAttention.attach_hooks`, ``EvictingCache.positions`` and ``keep_only``). The
 real path only; ``compress=decode`` refused (a step's slot is chosen per layer).
 
 Channels the rotary does not turn (GPT-NeoX's partial rotary) are paired the same way with ``w = 0``, ``a = 1``
@@ -209,17 +209,17 @@ class TriAttention(Policy):
         trig = (qbar * (k.conj() * ahead).to(qbar.dtype)[:, :, None]).real.sum(-1)  # (B, H, G, S)
         return trig + (k.abs().float()[:, :, None] * extra).sum(-1)
 
-    def layers_priority(self, keys: list[torch.Tensor], pos: torch.Tensor, now: torch.Tensor, counts: Counts
-                        ) -> torch.Tensor:
-        """``per_head_pruning``: keys per layer (B, Hkv, S, D) after RoPE, the same positions pos (B, Hkv, S) in
-        every layer (-1: not held), now (B,) -> (B, Hkv, S) float64 one priority per KV head for every layer: the
-        prompt's tokens a tier above, oldest first; the others by the mean over the layers of each layer's
-        :meth:`scores` (its query heads standardised, aggregated over the group: the reference's
+    def layers_priority(self, rules: list["TriAttention"], keys: list[torch.Tensor], pos: torch.Tensor,
+                        now: torch.Tensor, counts: Counts) -> torch.Tensor:
+        """``per_head_pruning``: each layer's rule (:meth:`for_layer`) and keys (B, Hkv, S, D) after RoPE, the same
+        positions pos (B, Hkv, S) in every layer (-1: not held), now (B,) -> (B, Hkv, S) float64 one priority per KV
+        head for every layer: the prompt's tokens a tier above, oldest first; the others by the mean over the layers
+        of each layer's :meth:`scores` (its query heads standardised, aggregated over the group: the reference's
         ``_select_per_head_independent``)."""
-        held, layers = pos >= 0, len(keys)
+        held = pos >= 0
         return self.tiered(pos, counts, lambda scored: torch.stack([
-            self.for_layer(i, layers).scores(self.cut_score(None, k, held), pos, now, scored)
-            for i, k in enumerate(keys)]).mean(0))  # the mean over layers of each layer's (B, Hkv, S)
+            rule.scores(self.cut_score(None, k, held), pos, now, scored)
+            for rule, k in zip(rules, keys)]).mean(0))  # the mean over layers of each layer's (B, Hkv, S)
 
     def keep(self, prio, pos, valid, counts: Counts, arriving=None) -> torch.Tensor:
         """``per_head_pruning``: a layer's cut keeps everything and leaves its budget ``counts`` (a sequence the
@@ -249,14 +249,14 @@ class TriAttention(Policy):
             if counts is not None:
                 for rule in bound:
                     rule.pending = None
-                self.cut_layers(cache, counts)
+                self.cut_layers(cache, bound, counts)
 
         return [model.register_forward_hook(after, with_kwargs=True)]
 
-    def cut_layers(self, cache, counts: Counts) -> None:
+    def cut_layers(self, cache, rules: list["TriAttention"], counts: Counts) -> None:
         """Cut every layer of ``cache`` at once to one set of positions per (sequence, KV head): the budget
         ``counts`` (a sequence the schedule spares: all its slots, so it keeps what it holds) ranked by
-        :meth:`layers_priority`. Every layer holds the same positions in the same slots (each layer registers the
+        :meth:`layers_priority` with ``rules``, the layers' own rules (bound once, when the cache made them). Every layer holds the same positions in the same slots (each layer registers the
         same tokens, and this cut keeps the same slots in every layer); layers holding others are refused."""
         positions = cache.positions()
         pos = positions[0]
@@ -266,7 +266,7 @@ class TriAttention(Policy):
         held = pos >= 0
         now = pos.amax((1, 2))  # (B,) the newest token: every layer kept what it held
         keys = [layer.read()[0] for layer in cache.layers]
-        prio = self.layers_priority(keys, pos, now, counts)
+        prio = self.layers_priority(rules, keys, pos, now, counts)
         cache.keep_only([keep_top(prio, held, counts.total)] * len(positions))
 
     def describe(self) -> dict:
