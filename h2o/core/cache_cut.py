@@ -75,7 +75,6 @@ class CutHooks:
             self.sent = [torch.cuda.current_stream(count.device).record_event()] if count.is_cuda else []
         else:
             self.host_held, self.sent = count.tolist(), None
-        self.pos = torch.where(keep, self.pos, -1)
         self.compact(keep, max(self.host_held))
 
     def fullest(self) -> list[int]:
@@ -85,7 +84,8 @@ class CutHooks:
             for event in self.sent:
                 event.synchronize()
             self.host_held, self.sent = self.fullest_buf.tolist(), None
-            self.compact(self.pos >= 0, max(self.host_held))
+            if max(self.host_held) < self.pos.shape[-1]:  # the slots shrink (else nothing to drop)
+                self.compact(self.pos >= 0, max(self.host_held))
         return self.host_held
 
     @contextmanager
@@ -110,16 +110,16 @@ class CutHooks:
 
     def keep_only(self, keep: torch.Tensor) -> None:
         """Keep the slots ``keep`` (B, H, S) bool, free the rest: a cut a rule decides outside the step (kvzip's
-        replay); one host read (the heads' counts decide the storage). The dropped slots are emptied first, as a
-        pooled cut does (:meth:`pool_compact`): where a head keeps every slot the storage keeps its size."""
+        replay); one host read (the heads' counts decide the storage)."""
         self.host_held = keep.sum(-1).amax(-1).tolist()
-        self.pos = torch.where(keep, self.pos, -1)
         self.compact(keep, max(self.host_held))
 
     def compact(self, keep: torch.Tensor, S: int) -> None:
         """Keep the slots ``keep`` (B, H, S') bool, each head's kept slots first in their order, in ``S`` slots
-        (at least the largest head's count; a head holding fewer is padded with empty slots, ``pos = -1``)."""
+        (at least the largest head's count; a head holding fewer is padded with empty slots, ``pos = -1``). Where
+        ``S`` is every slot (some head keeps them all) the slots stay and the dropped ones are emptied in place."""
         if S == keep.shape[-1]:
+            self.pos = torch.where(keep, self.pos, -1)
             return
         order = keep.long().argsort(dim=-1, descending=True, stable=True)[..., :S]  # kept slots first, in order
         order = order.sort(-1).values
